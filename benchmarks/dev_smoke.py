@@ -1,0 +1,137 @@
+"""Developer smoke test of the sm90 forward, bypassing the public API: every head dim and mask
+kind on a few odd shapes, errors against a float32 reference, then a quick timing. Prints one
+line per case; exits non-zero on any failure. Run on the GPU machine:
+    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py
+"""
+import math
+import sys
+import time
+
+import torch
+
+from cuteattn import dispatch, compile_cache
+from cuteattn.spec import AttentionSpec
+
+
+def ref(q, k, v, scale, causal, wl, wr, softcap, upcast=True):
+    dt = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(h // hk, dim=2)
+    v = v.repeat_interleave(h // hk, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    off = sk - sq
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
+    if causal:
+        ok &= j <= i + off
+    if wr >= 0:
+        ok &= j <= i + off + wr
+    if wl >= 0:
+        ok &= j >= i + off - wl
+    s = s.masked_fill(~ok, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+    o = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
+    return o.to(dt) if not upcast else o, lse
+
+
+def run(b, sq, sk, h, hk, d, dtype, causal=False, wl=-1, wr=-1, softcap=0.0):
+    dev = "cuda"
+    q = torch.randn(b, sq, h, d, device=dev, dtype=dtype)
+    k = torch.randn(b, sk, hk, d, device=dev, dtype=dtype)
+    v = torch.randn(b, sk, hk, d, device=dev, dtype=dtype)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, h, sq), float("nan"), device=dev)
+    scale = 1 / math.sqrt(d)
+    local = (wl >= 0 or wr >= 0) and not causal
+    spec = AttentionSpec(dtype=dtype, head_dim=d, head_dim_v=d, causal=causal, local=local,
+                         has_softcap=softcap > 0, varlen_q=False, varlen_k=False, batch=b,
+                         seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_k=hk, softmax_scale=scale,
+                         window_left=wl, window_right=wr, softcap=softcap, device_index=0)
+    dispatch.forward(spec, q, k, v, out, lse)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = ref(q, k, v, scale, causal, wl, wr, softcap)
+    o_pt, _ = ref(q, k, v, scale, causal, wl, wr, softcap, upcast=False)
+    err = (out.float() - o_ref).abs().max().item()
+    err_pt = (o_pt.float() - o_ref).abs().max().item()
+    fin = torch.isfinite(lse_ref)
+    lse_ok = torch.equal(torch.isfinite(lse), fin) and (
+        (lse[fin] - lse_ref[fin]).abs().max().item() < 1e-2 if fin.any() else True)
+    ok = (not math.isnan(err)) and err <= 2 * err_pt + 1e-5 and lse_ok
+    return ok, err, err_pt, lse_ok
+
+
+def main():
+    fails = 0
+    cases = []
+    for d in (64, 96, 128, 192, 256):
+        for (sq, sk) in ((1, 1), (17, 17), (113, 203), (1023, 1023), (128, 17), (300, 64)):
+            for mask in ("none", "causal", "window", "softcap"):
+                cases.append((d, sq, sk, mask))
+    for dtype in (torch.bfloat16, torch.float16):
+        for i, (d, sq, sk, mask) in enumerate(cases):
+            if dtype == torch.float16 and i % 3:
+                continue
+            h, hk = ((4, 4), (8, 2), (4, 1))[i % 3]
+            kw = dict(causal=mask == "causal")
+            if mask == "window":
+                kw.update(wl=64, wr=32)
+            if mask == "softcap":
+                kw.update(softcap=30.0)
+            try:
+                ok, err, err_pt, lse_ok = run(2, sq, sk, h, hk, d, dtype, **kw)
+            except Exception as e:  # report and go on: one broken variant must not hide others
+                ok, err, err_pt, lse_ok = False, float("nan"), float("nan"), False
+                print("EXC", type(e).__name__, str(e)[:300])
+            fails += not ok
+            print(f"{'ok ' if ok else 'BAD'} {str(dtype)[6:]:8s} d={d:3d} sq={sq:4d} sk={sk:4d} h={h}:{hk} "
+                  f"{mask:8s} err={err:.2e} pt={err_pt:.2e} lse={'ok' if lse_ok else 'BAD'}", flush=True)
+    print("compile stats:", {k: v for k, v in compile_cache.stats().items() if k != "compile_seconds"})
+    # quick timing: bf16, 16k tokens, h*d = 2048
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for s in (1024, 4096):
+                b, h = 16384 // s, 2048 // d
+                q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+                out = torch.empty_like(q)
+                lse = torch.empty(b, h, s, device="cuda")
+                spec = AttentionSpec(dtype=torch.bfloat16, head_dim=d, head_dim_v=d, causal=causal,
+                                     local=False, has_softcap=False, varlen_q=False, varlen_k=False,
+                                     batch=b, seqlen_q=s, seqlen_k=s, nheads=h, nheads_k=h,
+                                     softmax_scale=d ** -0.5, device_index=0)
+                f = lambda: dispatch.forward(spec, q, k, v, out, lse)
+                for _ in range(3):
+                    f()
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(10):
+                    f()
+                e1.record()
+                torch.cuda.synchronize()
+                ms = e0.elapsed_time(e1) / 10
+                flops = 4 * b * h * s * s * d / (2 if causal else 1)
+                qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+                g = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                for _ in range(3):
+                    g()
+                e0.record()
+                for _ in range(10):
+                    g()
+                e1.record()
+                torch.cuda.synchronize()
+                ms_pt = e0.elapsed_time(e1) / 10
+                print(f"time d={d} s={s} causal={causal}: cuteattn {flops / ms / 1e9:.0f} TFLOP/s, "
+                      f"sdpa {flops / ms_pt / 1e9:.0f} TFLOP/s", flush=True)
+    print("FAILURES:", fails)
+    sys.exit(1 if fails else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Which kernel serves an AttentionSpec on a device, and the launch.
+
+`can_implement` answers with None (served) or the reason it is not, so the API can fall back to
+the reference or, in strict mode, raise with that reason. `forward` turns the spec into the
+kernel's static configuration (the compile key), fetches the compiled kernel from the cache and
+launches it on the current stream. No host synchronisation, no per-call compilation.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from . import compile_cache
+from .spec import AttentionSpec
+
+_UNBOUNDED = 1 << 30  # a window side of -1 (unbounded) as the kernel sees it
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def can_implement(spec: AttentionSpec, device: torch.device) -> Optional[str]:
+    if device.type != "cuda":
+        return f"no kernel for device type {device.type!r}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"no kernel for sm_{major}{minor} yet (only sm_90a)"
+    from .kernels.sm90.config import SUPPORTED_HEAD_DIMS
+    if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {spec.head_dim} is not supported by the sm90 kernel"
+    if spec.head_dim_v != spec.head_dim:
+        return "head_dim_v != head_dim is not supported by the sm90 kernel"
+    if spec.varlen_q != spec.varlen_k:
+        return "the sm90 kernel needs q and k both packed (cu_seqlens) or both batched"
+    return None
+
+
+def _cutlass_dtype(dtype: torch.dtype):
+    import cutlass
+    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dtype]
+
+
+def sm90_config(spec: AttentionSpec):
+    from .kernels.sm90.config import fwd_config
+    return fwd_config(
+        _cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
+        spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
+    )
+
+
+def _compiled(spec: AttentionSpec):
+    def build():
+        from .kernels.sm90.compile import compile_fwd
+        return compile_fwd(sm90_config(spec))
+    return compile_cache.get_or_compile(("sm90", "fwd") + spec.compile_key(), build)
+
+
+def _to_cute(t: Optional[torch.Tensor], align: int = 16):
+    if t is None:
+        return None
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.ndim - 1)
+
+
+def kernel_scalars(spec: AttentionSpec):
+    """(score_scale, softmax_scale_log2, window_left, window_right) as the kernel takes them."""
+    if spec.has_softcap:
+        # s' = softcap * tanh(s * scale / softcap); exp(s') = exp2(tanh(...) * softcap * log2 e)
+        score_scale = spec.softmax_scale / spec.softcap
+        scale_log2 = spec.softcap * _LOG2E
+    else:
+        score_scale = spec.softmax_scale
+        scale_log2 = spec.softmax_scale * _LOG2E
+    left = _UNBOUNDED if spec.window_left < 0 else spec.window_left
+    right = _UNBOUNDED if spec.window_right < 0 else spec.window_right
+    return score_scale, scale_log2, left, right
+
+
+def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+            seqused_q=None, seqused_k=None) -> None:
+    """Launches the forward kernel: writes `out` and `lse` (float32)."""
+    import cuda.bindings.driver as cuda
+    from cutlass import Float32, Int32
+
+    fn = _compiled(spec)
+    score_scale, scale_log2, left, right = kernel_scalars(spec)
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    fn(
+        _to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse, 4),
+        _to_cute(cu_seqlens_q, 4), _to_cute(cu_seqlens_k, 4),
+        _to_cute(seqused_q, 4), _to_cute(seqused_k, 4),
+        Int32(max(spec.seqlen_q, 1)), Int32(spec.qhead_per_kvhead),
+        Float32(score_scale), Float32(scale_log2), Int32(left), Int32(right), stream,
+    )

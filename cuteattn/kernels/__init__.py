@@ -1,0 +1,1 @@
+"""Device kernels. Nothing here imports torch: launchers hand kernels cute tensors."""

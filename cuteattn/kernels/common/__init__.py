@@ -1,0 +1,1 @@
+"""Device-side parts shared by the architectures: layouts, online softmax, masks, sequence info."""

@@ -1,0 +1,55 @@
+"""Which key blocks a query tile visits, and which of them need an element-wise mask.
+
+Masks are bottom-right aligned as in FlashAttention: query i of a sequence with lengths
+(seqlen_q, seqlen_k) sees key j iff  i + off - left <= j <= i + off + right,  off = seqlen_k - seqlen_q.
+Causal is (left, right) = (unbounded, 0). The host passes unbounded sides as a large positive
+number, so the kernel never branches on "-1". One source of truth for the forward (and, later,
+the backward).
+"""
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    tile_m: cutlass.Constexpr[int]
+    tile_n: cutlass.Constexpr[int]
+    causal: cutlass.Constexpr[bool]
+    local: cutlass.Constexpr[bool]
+    window_left: Int32
+    window_right: Int32
+
+    def right(self):
+        return Int32(0) if cutlass.const_expr(self.causal) else self.window_right
+
+    def n_block_range(self, seqlen_q: Int32, seqlen_k: Int32, m_block: Int32):
+        """[n_min, n_max) key blocks for query rows [m_block * tile_m, (m_block + 1) * tile_m).
+        Empty (n_max <= n_min) when no row of the tile sees any key."""
+        n_max = (seqlen_k + self.tile_n - 1) // self.tile_n
+        n_min = Int32(0)
+        if cutlass.const_expr(self.causal or self.local):
+            off = seqlen_k - seqlen_q
+            m_end = cutlass.min((m_block + 1) * self.tile_m, seqlen_q)
+            col_end = m_end + off + self.right()  # exclusive bound for the tile's last row
+            n_max = cutlass.min(n_max, cutlass.max((col_end + self.tile_n - 1) // self.tile_n, 0))
+            if cutlass.const_expr(self.local):
+                col_start = m_block * self.tile_m + off - self.window_left
+                n_min = cutlass.max(col_start, 0) // self.tile_n
+        return n_min, n_max
+
+    def needs_mask(self, seqlen_q: Int32, seqlen_k: Int32, row_start: Int32, rows: int,
+                   n_block: Int32):
+        """Whether key block n_block has any masked element for query rows
+        [row_start, row_start + rows): the sequence end, the causal/right diagonal, the left edge."""
+        col_start = n_block * self.tile_n
+        col_last = col_start + self.tile_n - 1
+        masked = col_last >= seqlen_k
+        if cutlass.const_expr(self.causal or self.local):
+            off = seqlen_k - seqlen_q
+            masked = masked | (col_last > row_start + off + self.right())
+            if cutlass.const_expr(self.local):
+                masked = masked | (col_start < row_start + rows - 1 + off - self.window_left)
+        return masked

@@ -1,0 +1,32 @@
+"""Views of MMA accumulator fragments.
+
+A Hopper wgmma (and an Ampere mma.sync) accumulator fragment has, per thread, the shape
+((2, 2, N/8), MMA_M, MMA_N): a pair of adjacent columns, the two row halves (row g and g+8), and
+one entry per 8-column block. Softmax wants it as (rows, cols); the P.V GEMM wants the same values
+as an A operand, whose fragment is ((2, 2, 2), MMA_M, K/16): each 16-wide k block is two
+adjacent 8-column blocks of the accumulator. Both are pure re-indexings of the same registers.
+"""
+import cutlass.cute as cute
+
+
+def acc_mn_layout(layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), M, N) -> ((2, M), (2, V, N)): rows first, columns second."""
+    s, d = layout.shape, layout.stride
+    return cute.make_layout(
+        ((s[0][1], s[1]), (s[0][0], s[0][2], s[2])),
+        stride=((d[0][1], d[1]), (d[0][0], d[0][2], d[2])),
+    )
+
+
+def acc_mn_view(t: cute.Tensor) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, acc_mn_layout(t.layout))
+
+
+def acc_to_a_operand_layout(layout: cute.Layout) -> cute.Layout:
+    """((2, 2, V), M, 1) accumulator -> ((2, 2, 2), M, V/2) A-operand fragment of a k16 MMA."""
+    s, d = layout.shape, layout.stride
+    assert s[0][2] % 2 == 0 and s[2] == 1, f"unexpected accumulator layout {layout}"
+    return cute.make_layout(
+        ((s[0][0], s[0][1], 2), s[1], s[0][2] // 2),
+        stride=((d[0][0], d[0][1], d[0][2]), d[1], 2 * d[0][2]),
+    )

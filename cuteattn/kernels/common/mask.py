@@ -1,0 +1,29 @@
+"""Element-wise masking of a score tile (sequence end, causal, sliding window)."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+@cute.jit
+def apply_mask(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32, col_start: Int32,
+               seqlen_q: Int32, seqlen_k: Int32, window_left: Int32, window_right: Int32,
+               causal: cutlass.Constexpr, local: cutlass.Constexpr):
+    """Sets masked scores to -inf. `acc_mn` is a (rows, cols) view of the accumulator and
+    `coord_mn` the matching view of the tile's identity tensor, giving (row, col) in the tile."""
+    off = seqlen_k - seqlen_q
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        row = row_start + coord_mn[r, 0][0]
+        col_hi = seqlen_k - col_start  # exclusive, relative to the tile
+        if cutlass.const_expr(causal):
+            col_hi = cutlass.min(col_hi, row + off + 1 - col_start)
+        if cutlass.const_expr(local):
+            col_hi = cutlass.min(col_hi, row + off + window_right + 1 - col_start)
+            col_lo = row + off - window_left - col_start  # inclusive
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                col = coord_mn[0, c][1]
+                if (col >= col_hi) | (col < col_lo):
+                    acc_mn[r, c] = -Float32.inf
+        else:
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                if coord_mn[0, c][1] >= col_hi:
+                    acc_mn[r, c] = -Float32.inf

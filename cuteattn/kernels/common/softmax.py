@@ -1,0 +1,82 @@
+"""Online softmax over accumulator rows, in the exp2 domain.
+
+Scores are kept raw; `scale_log2` (softmax_scale * log2(e), or softcap * log2(e) when the scores
+were already squashed by tanh) is folded into the single FMA that feeds exp2. Each thread owns
+whole rows of a quad (4 lanes share a row), so row maxima need two butterfly shuffles and row sums
+are kept per thread until `finalize`, where they are reduced once.
+"""
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class OnlineSoftmax:
+    scale_log2: Float32
+    num_rows: cutlass.Constexpr[int]
+    row_max: cute.Tensor     # running max of raw scores, per row
+    row_sum: cute.Tensor     # running sum of exp2, per thread (reduced over the quad at the end)
+    row_scale: cute.Tensor   # the last step's rescale factor of the output, per row
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+        make = lambda: cute.make_rmem_tensor(num_rows, Float32)
+        return OnlineSoftmax(scale_log2, num_rows, make(), make(), make())
+
+    @cute.jit
+    def reset(self):
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def step(self, acc_mn: cute.Tensor):
+        """Turns the scores `acc_mn` (rows, cols) into unnormalised probabilities in place and
+        records in `row_scale` the factor the running output must be multiplied by."""
+        ncols = cute.size(acc_mn, mode=[1])
+        for r in cutlass.range_constexpr(self.num_rows):
+            prev_max = self.row_max[r]
+            cur_max = prev_max
+            for c in cutlass.range_constexpr(ncols):
+                cur_max = cute.arch.fmax(cur_max, acc_mn[r, c])
+            cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=4)
+            self.row_max[r] = cur_max
+            # A row with no visible key so far keeps max -inf: subtract 0 instead, so that
+            # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+            safe_max = cur_max
+            if cur_max == -Float32.inf:
+                safe_max = Float32(0.0)
+            offset = safe_max * self.scale_log2
+            scale = cute.math.exp2(prev_max * self.scale_log2 - offset, fastmath=True)
+            self.row_scale[r] = scale
+            row_sum = Float32(0.0)
+            for c in cutlass.range_constexpr(ncols):
+                p = cute.math.exp2(acc_mn[r, c] * self.scale_log2 - offset, fastmath=True)
+                acc_mn[r, c] = p
+                row_sum += p
+            self.row_sum[r] = self.row_sum[r] * scale + row_sum
+
+    @cute.jit
+    def rescale(self, acc_o_mn: cute.Tensor):
+        for r in cutlass.range_constexpr(self.num_rows):
+            for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+                acc_o_mn[r, c] = acc_o_mn[r, c] * self.row_scale[r]
+
+    @cute.jit
+    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor):
+        """Normalises the output rows and writes each row's natural-log LSE into `lse`.
+        A row that saw no key gets output 0 and LSE -inf."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            inv = Float32(0.0)
+            row_lse = -Float32.inf
+            if total > 0.0:
+                inv = cute.arch.rcp_approx(total)
+                row_lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+            lse[r] = row_lse
+            for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
+                acc_o_mn[r, c] = acc_o_mn[r, c] * inv

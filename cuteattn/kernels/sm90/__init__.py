@@ -1,0 +1,1 @@
+"""Hopper (sm_90a) kernels: TMA loads, wgmma GEMMs, warp specialization."""

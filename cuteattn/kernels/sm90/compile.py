@@ -1,0 +1,72 @@
+"""Compiles the sm90 forward for a static configuration, against symbolic shapes.
+
+Tensors are described with fake tensors whose sizes and strides are symbolic (only the head
+dim is static and unit-stride), so the cubin serves every batch, sequence length, head count and
+memory layout with a contiguous head dim. This needs no GPU: with CUTE_DSL_ARCH=sm_90a the same
+function runs in CI.
+"""
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .fwd import FlashFwdSm90, Sm90FwdConfig
+
+
+def _fake(dtype, shape, align=16):
+    """A tensor of `shape` whose last mode is contiguous and every other stride symbolic.
+    TMA needs 16-byte aligned strides: divisibility 8 elements for 16-bit types."""
+    div = max(1, (align * 8) // dtype.width) if align >= 16 else 1
+    strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
+    return cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=align)
+
+
+def _fake_lse(shape):
+    """LSE is float32, contiguous in its last mode (the sequence)."""
+    strides = tuple(cute.sym_int64() for _ in shape[:-1]) + (1,)
+    return cute.runtime.make_fake_tensor(Float32, shape, strides, assumed_align=4)
+
+
+def _fake_vector():
+    return cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), (1,), assumed_align=4)
+
+
+def fake_arguments(cfg: Sm90FwdConfig):
+    """Symbolic stand-ins for (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)."""
+    sym = cute.sym_int
+    h, hk = sym(), sym()
+    if cfg.varlen_q:
+        total_q = sym()
+        q = _fake(cfg.dtype, (total_q, h, cfg.head_dim))
+        o = _fake(cfg.dtype, (total_q, h, cfg.head_dim_v))
+        lse = _fake_lse((h, total_q))
+    else:
+        b, sq = sym(), sym()
+        q = _fake(cfg.dtype, (b, sq, h, cfg.head_dim))
+        o = _fake(cfg.dtype, (b, sq, h, cfg.head_dim_v))
+        lse = _fake_lse((b, h, sq))
+    if cfg.varlen_k:
+        total_k = sym()
+        k = _fake(cfg.dtype, (total_k, hk, cfg.head_dim))
+        v = _fake(cfg.dtype, (total_k, hk, cfg.head_dim_v))
+    else:
+        bk, sk = sym(), sym()
+        k = _fake(cfg.dtype, (bk, sk, hk, cfg.head_dim))
+        v = _fake(cfg.dtype, (bk, sk, hk, cfg.head_dim_v))
+    cu_q = _fake_vector() if cfg.varlen_q else None
+    cu_k = _fake_vector() if cfg.varlen_k else None
+    used_q = _fake_vector() if cfg.has_seqused_q else None
+    used_k = _fake_vector() if cfg.has_seqused_k else None
+    return q, k, v, o, lse, cu_q, cu_k, used_q, used_k
+
+
+def compile_fwd(cfg: Sm90FwdConfig, options: str = ""):
+    """Returns the compiled kernel. Call it with (q, k, v, out, lse, cu_q, cu_k, used_q, used_k,
+    max_seqlen_q, qhead_per_kvhead, score_scale, softmax_scale_log2, window_left, window_right,
+    stream)."""
+    kernel = FlashFwdSm90(cfg)
+    args = fake_arguments(cfg)
+    scalars = (Int32(1), Int32(1), Float32(1.0), Float32(1.0), Int32(0), Int32(0))
+    stream = cuda.CUstream(0)
+    return cute.compile(kernel, *args, *scalars, stream, options=options)

@@ -1,0 +1,26 @@
+"""Tile shapes of the sm90 forward per head dim (all fit 227 KB of shared memory and 240
+registers per consumer thread; see docs/perf-log.md for how they were chosen)."""
+from .fwd import Sm90FwdConfig
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+# head_dim -> (consumer warpgroups, keys per block, K/V stages)
+_TILES = {
+    64: (3, 128, 4),
+    96: (2, 128, 2),
+    128: (2, 128, 2),
+    192: (2, 112, 2),
+    256: (2, 80, 2),
+}
+
+
+def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
+               has_softcap: bool, varlen_q: bool, varlen_k: bool,
+               has_seqused_q: bool = False, has_seqused_k: bool = False) -> Sm90FwdConfig:
+    num_wg, tile_n, stages = _TILES[head_dim]
+    return Sm90FwdConfig(
+        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_n=tile_n, num_wg=num_wg,
+        num_stages=stages, causal=causal, local=local, has_softcap=has_softcap,
+        varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
+        has_seqused_k=has_seqused_k,
+    )

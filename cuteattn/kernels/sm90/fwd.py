@@ -1,0 +1,415 @@
+"""Hopper (sm_90a) attention forward: TMA loads, wgmma GEMMs, warp specialization.
+
+One CTA computes `num_wg * 64` query rows of one (batch, head):
+  - warpgroup 0 is the producer: one warp issues TMA loads of Q (once) and of K and V blocks into
+    a `num_stages`-deep ring of shared-memory buffers, guarded by mbarrier pipelines;
+  - warpgroups 1..num_wg are consumers: each owns 64 query rows, computes S = Q K^T with wgmma
+    from shared memory, masks and turns S into probabilities P in registers (online softmax in the
+    exp2 domain), and accumulates O += P V with a register-A wgmma.
+Key blocks are visited from the last to the first, so the blocks that need masking (sequence
+end, causal diagonal) come first and the row maxima are set by real scores early.
+
+Everything shape-like (batch, sequence lengths, head counts, window sizes, scale) is a runtime
+value: one compiled kernel serves every shape with the same static configuration.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common.block_info import BlockInfo
+from ..common.layout import acc_mn_view, acc_to_a_operand_layout
+from ..common.mask import apply_mask
+from ..common.seqlen_info import SeqlenInfo
+from ..common.softmax import OnlineSoftmax
+
+WG_ROWS = 64  # rows of one consumer warpgroup's wgmma tile
+WG_THREADS = 128
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig:
+    """The static configuration of one compiled forward kernel."""
+    dtype: type                 # cutlass.BFloat16 or cutlass.Float16
+    head_dim: int
+    head_dim_v: int
+    tile_n: int                 # keys per block
+    num_wg: int                 # consumer warpgroups (64 query rows each)
+    num_stages: int             # depth of the K/V ring
+    causal: bool = False
+    local: bool = False
+    has_softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    has_seqused_q: bool = False
+    has_seqused_k: bool = False
+
+    @property
+    def tile_m(self) -> int:
+        return WG_ROWS * self.num_wg
+
+    def smem_bytes(self) -> int:
+        elem = self.dtype.width // 8
+        q = self.tile_m * self.head_dim * elem
+        kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elem
+        return q + kv + 1024  # + barriers and alignment
+
+
+class FlashFwdSm90:
+    def __init__(self, cfg: Sm90FwdConfig):
+        assert cfg.head_dim == cfg.head_dim_v, "head_dim_v != head_dim is not supported yet"
+        assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.tile_m = cfg.tile_m
+        self.tile_n = cfg.tile_n
+        self.d = cfg.head_dim
+        self.dv = cfg.head_dim_v
+        self.num_wg = cfg.num_wg
+        self.num_stages = cfg.num_stages
+        self.num_threads = WG_THREADS * (1 + cfg.num_wg)
+        # Registers move from the producer (which only issues TMA) to the consumers.
+        self.producer_regs, self.consumer_regs = {2: (24, 240), 3: (32, 160)}[cfg.num_wg]
+
+    # ------------------------------------------------------------------------------------------
+    # Host side: layouts, TMA descriptors, launch
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,      # (b, s_q, h, d) or (total_q, h, d) when varlen_q
+        mK: cute.Tensor,      # (b, s_k, h_k, d) or (total_k, h_k, d) when varlen_k
+        mV: cute.Tensor,      # like mK, with d_v
+        mO: cute.Tensor,      # like mQ, with d_v
+        mLSE: cute.Tensor,    # (b, h, s_q) or (h, total_q), float32
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        max_seqlen_q: Int32,       # grid extent for varlen; ignored otherwise
+        qhead_per_kvhead: Int32,
+        score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
+        softmax_scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap)
+        window_left: Int32,
+        window_right: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        # Reorder modes so that the tile modes come first: (s, d, h, b) or (total, d, h);
+        # V is seen transposed, (d, s, h, b), because it is the MN-major B operand of P.V.
+        if const_expr(cfg.varlen_q):
+            mQ, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[0, 2, 1])) for t in (mQ, mO)]
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[1, 0]))
+        else:
+            mQ, mO = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mO)]
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        if const_expr(cfg.varlen_k):
+            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[0, 2, 1]))
+            mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[2, 0, 1]))
+        else:
+            mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
+            mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, (1, 1, 1), (WG_ROWS, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (WG_ROWS, self.dv), warpgroup.OperandSource.RMEM,
+        )
+        # Shared memory: Q has one (64, d) slice per consumer warpgroup; K and V a ring of stages.
+        sQ_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.d), self.dtype, self.num_wg)
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.d), self.dtype, self.num_stages)
+        sVt_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, (WG_ROWS, self.dv, self.tile_n), self.dtype, self.num_stages)
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
+            tma_load, mQ, cute.slice_(sQ_layout, (None, None, 0)), (WG_ROWS, self.d))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+            tma_load, mK, cute.slice_(sK_layout, (None, None, 0)), (self.tile_n, self.d))
+        tma_atom_v, tma_vt = cpasync.make_tiled_tma_atom(
+            tma_load, mVt, cute.slice_(sVt_layout, (None, None, 0)), (self.dv, self.tile_n))
+        self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+        self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+
+        if const_expr(cfg.varlen_q):
+            num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
+            num_heads = mQ.shape[2]
+            batch = mCuSeqlensQ.shape[0] - 1 if const_expr(mCuSeqlensQ is not None) else mSeqUsedQ.shape[0]
+        else:
+            num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+            num_heads = mQ.shape[2]
+            batch = mQ.shape[3]
+
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mQ.shape[0], mK.shape[0], qhead_per_kvhead,
+            score_scale, softmax_scale_log2, window_left, window_right,
+            tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sVt_layout,
+        ).launch(
+            grid=(num_m_blocks, num_heads, batch),
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom, mQ: cute.Tensor,
+        tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom, mVt: cute.Tensor,
+        mO: cute.Tensor, mLSE: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32,
+        score_scale: Float32, softmax_scale_log2: Float32,
+        window_left: Int32, window_right: Int32,
+        tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sVt_layout: cute.ComposedLayout,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        pipeline_q, pipeline_k, pipeline_v = self.make_pipelines(storage)
+        # Make the barrier initialisation visible to every warp before anyone waits on it.
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+
+        # Which tile: heavy (late) query blocks first for causal masks, so the tail is short.
+        m_block, head_idx, batch_idx = cute.arch.block_idx()
+        if const_expr(cfg.causal or cfg.local):
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static,
+                            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
+                               window_left, window_right)
+        n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+        tile_in_range = m_block * self.tile_m < seqlen.seqlen_q
+        head_idx_kv = head_idx // qhead_per_kvhead
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0 and tile_in_range and n_max > n_min:
+                self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
+                          pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head_idx,
+                          head_idx_kv, batch_idx, n_min, n_max)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            if tile_in_range:
+                wg = (warp_idx // 4) - 1
+                self.consume(
+                    tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, mO, mLSE,
+                    pipeline_q, pipeline_k, pipeline_v, seqlen, block_info,
+                    score_scale, softmax_scale_log2, window_left, window_right,
+                    m_block, head_idx, batch_idx, n_min, n_max, wg, tidx % WG_THREADS,
+                )
+
+    def make_pipelines(self, storage):
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # TMA pipelines count one arrive per consumer warp on release.
+        consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.num_wg)
+        make = lambda bar, stages, nbytes: pipeline.PipelineTmaAsync.create(
+            barrier_storage=bar.data_ptr(), num_stages=stages, producer_group=producer,
+            consumer_group=consumers, tx_count=nbytes, defer_sync=True)
+        return (make(storage.mbar_q, 1, self.q_bytes),
+                make(storage.mbar_k, self.num_stages, self.k_bytes),
+                make(storage.mbar_v, self.num_stages, self.v_bytes))
+
+    @cute.jit
+    def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
+             pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, m_block, head_idx,
+             head_idx_kv, batch_idx, n_min, n_max):
+        """Producer warp: Q once (one TMA per consumer warpgroup), then K and V block by block."""
+        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
+        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (None, 0))
+        gVt = cute.local_tile(seqlen.vt_view(mVt, head_idx_kv, batch_idx), (self.dv, self.tile_n), (0, None))
+        one = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_q.producer_acquire(q_state)
+        for wg in cutlass.range_constexpr(self.num_wg):
+            cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for i in cutlass.range(n_max - n_min, unroll=1):
+            n_block = n_max - 1 - i
+            pipeline_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+
+    @cute.jit
+    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, mO, mLSE,
+                pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, block_info: BlockInfo,
+                score_scale, softmax_scale_log2, window_left, window_right,
+                m_block, head_idx, batch_idx, n_min, n_max, wg, tidx):
+        """One consumer warpgroup: 64 query rows against every visible key block."""
+        cfg = self.cfg
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))
+        tSrK = thr_mma_qk.make_fragment_B(thr_mma_qk.partition_B(sK))
+        tOrVt = thr_mma_pv.make_fragment_B(thr_mma_pv.partition_B(sVt))
+        acc_S = thr_mma_qk.make_fragment_C(thr_mma_qk.partition_shape_C((WG_ROWS, self.tile_n)))
+        acc_O = thr_mma_pv.make_fragment_C(thr_mma_pv.partition_shape_C((WG_ROWS, self.dv)))
+        acc_O.fill(0.0)
+        acc_S_mn = acc_mn_view(acc_S)
+        acc_O_mn = acc_mn_view(acc_O)
+        coord_S_mn = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, self.tile_n))))
+        tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
+        tOrP_as_acc = cute.make_tensor(tOrP.iterator, acc_S.layout)
+
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
+        softmax.reset()
+        row_start = m_block * self.tile_m + wg * WG_ROWS
+
+        if n_max > n_min:
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            pipeline_q.consumer_wait(q_state)
+            for i in cutlass.range(n_max - n_min, unroll=1):
+                n_block = n_max - 1 - i
+                # S = Q K^T
+                pipeline_k.consumer_wait(kv_state)
+                warpgroup.fence()
+                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+                    tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
+                    cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k, wg],
+                              tSrK[None, None, k, kv_state.index], acc_S)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                pipeline_k.consumer_release(kv_state)
+
+                if const_expr(cfg.has_softcap):
+                    for j in cutlass.range_constexpr(cute.size(acc_S)):
+                        acc_S[j] = cute.math.tanh(acc_S[j] * score_scale, fastmath=True)
+                if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, WG_ROWS, n_block):
+                    apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
+                               seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
+                               cfg.causal, cfg.local)
+                softmax.step(acc_S_mn)
+                softmax.rescale(acc_O_mn)
+                tOrP_as_acc.store(acc_S.load().to(self.dtype))
+
+                # O += P V
+                pipeline_v.consumer_wait(kv_state)
+                warpgroup.fence()
+                tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+                    cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k],
+                              tOrVt[None, None, k, kv_state.index], acc_O)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                pipeline_v.consumer_release(kv_state)
+                kv_state.advance()
+            pipeline_q.consumer_release(q_state)
+
+        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        softmax.finalize(acc_O_mn, lse)
+        self.epilogue(acc_O, lse, sQ, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv,
+                      row_start, head_idx, batch_idx, wg, tidx)
+
+    @cute.jit
+    def epilogue(self, acc_O, lse, sQ, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, tiled_mma_pv,
+                 row_start, head_idx, batch_idx, wg, tidx):
+        """O goes registers -> shared memory (this warpgroup's own Q slice, no longer read) ->
+        global memory with 16-byte stores, only for rows inside the sequence. LSE is written
+        straight from the registers of the threads that own column 0."""
+        cfg = self.cfg
+        seqlen_q = seqlen.seqlen_q
+        # LSE
+        coord_O_mn = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, self.dv))))
+        if const_expr(cfg.varlen_q):
+            gLSE = cute.domain_offset((seqlen.offset_q,), mLSE[None, head_idx])
+        else:
+            gLSE = mLSE[None, head_idx, batch_idx]
+        if coord_O_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = row_start + coord_O_mn[r, 0][0]
+                if row < seqlen_q:
+                    gLSE[row] = lse[r]
+
+        # O: registers -> smem. Wait until every warp of this warpgroup is past its last GEMM
+        # reading this Q slice before overwriting it.
+        barrier_id = 1 + wg
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_THREADS)
+        sO = sQ[None, None, wg]
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        store_atom = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_copy_r2s = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
+        cute.copy(thr_copy_r2s, thr_copy_r2s.retile(rO), thr_copy_r2s.partition_D(sO))
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_THREADS)
+
+        # smem -> gmem, 8 elements (16 bytes) per thread per copy, rows predicated.
+        vec = 128 // self.dtype.width
+        # The thread layout must tile (64, d_v) exactly: d_v = 96 has 12 vectors per row, so 4
+        # threads share a row and each stores 3 vectors.
+        threads_per_row = math.gcd(self.dv // vec, 32)
+        rows_per_pass = WG_THREADS // threads_per_row
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        tiled_copy = cute.make_tiled_copy_tv(
+            copy_atom,
+            cute.make_layout((rows_per_pass, threads_per_row), stride=(threads_per_row, 1)),
+            cute.make_layout((1, vec)),
+        )
+        thr_copy = tiled_copy.get_slice(tidx)
+        gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (WG_ROWS, self.dv), (row_start // WG_ROWS, 0))
+        tOsO = thr_copy.partition_S(sO)
+        tOgO = thr_copy.partition_D(gO)
+        tOcO = thr_copy.partition_S(cute.make_identity_tensor((WG_ROWS, self.dv)))
+        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if row_start + tOcO[0, m, 0][0] < seqlen_q:
+                cute.copy(copy_atom, tOrO[None, m, None], tOgO[None, m, None])

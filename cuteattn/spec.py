@@ -1,0 +1,58 @@
+"""AttentionSpec: the normalised attention problem.
+
+The API builds one from the user's tensors and arguments; dispatch decides which kernel serves it;
+its static part (`compile_key`) is the key of the compile cache. Sizes (batch, sequence lengths,
+head counts) are deliberately absent from the key: one compiled kernel serves every shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    # static: part of the compile key
+    dtype: torch.dtype            # q, k, v and out dtype (fp16 or bf16)
+    head_dim: int                 # d of q and k
+    head_dim_v: int               # d of v and out
+    causal: bool                  # bottom-right aligned causal (window right == 0, left unbounded)
+    local: bool                   # a sliding window is active (either side bounded), not causal
+    has_softcap: bool             # scores pass through softcap * tanh(s / softcap)
+    varlen_q: bool                # q is packed (total_q, h, d) with cu_seqlens_q
+    varlen_k: bool                # k/v are packed (total_k, h_k, d) with cu_seqlens_k
+    has_seqused_q: bool = False
+    has_seqused_k: bool = False
+    # dynamic: not in the key (one kernel serves every value)
+    batch: int = 0
+    seqlen_q: int = 0             # max_seqlen_q for varlen
+    seqlen_k: int = 0             # max_seqlen_k for varlen
+    nheads: int = 0
+    nheads_k: int = 0
+    softmax_scale: float = 1.0
+    window_left: int = -1         # -1: unbounded
+    window_right: int = -1        # -1: unbounded
+    softcap: float = 0.0
+    device_index: int = -1        # -1: CPU
+
+    @property
+    def qhead_per_kvhead(self) -> int:
+        return self.nheads // self.nheads_k
+
+    def compile_key(self) -> tuple:
+        """The static configuration: everything a compiled kernel is specialised on."""
+        return (
+            DTYPE_NAMES[self.dtype],
+            self.head_dim,
+            self.head_dim_v,
+            self.causal,
+            self.local,
+            self.has_softcap,
+            self.varlen_q,
+            self.varlen_k,
+            self.has_seqused_q,
+            self.has_seqused_k,
+        )
