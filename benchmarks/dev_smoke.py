@@ -67,6 +67,42 @@ def run(b, sq, sk, h, hk, d, dtype, causal=False, wl=-1, wr=-1, softcap=0.0):
     return ok, err, err_pt, lse_ok
 
 
+def bench(f, iters=20):
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        f()
+        e1.record()
+        torch.cuda.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    return sorted(ts)[len(ts) // 2]
+
+
+def time_one(d, s, causal, fa4):
+    b, h = 16384 // s, 2048 // d
+    q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, s, device="cuda")
+    spec = AttentionSpec(dtype=torch.bfloat16, head_dim=d, head_dim_v=d, causal=causal,
+                         local=False, has_softcap=False, varlen_q=False, varlen_k=False,
+                         batch=b, seqlen_q=s, seqlen_k=s, nheads=h, nheads_k=h,
+                         softmax_scale=d ** -0.5, device_index=0)
+    flops = 4 * b * h * s * s * d / (2 if causal else 1)
+    res = {"cuteattn": flops / bench(lambda: dispatch.forward(spec, q, k, v, out, lse)) / 1e9}
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        g = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        res["cudnn"] = flops / bench(g) / 1e9
+    if fa4 is not None:
+        res["fa4"] = flops / bench(lambda: fa4(q, k, v, causal=causal)) / 1e9
+    return res
+
+
 def main():
     fails = 0
     cases = []
@@ -93,42 +129,25 @@ def main():
             print(f"{'ok ' if ok else 'BAD'} {str(dtype)[6:]:8s} d={d:3d} sq={sq:4d} sk={sk:4d} h={h}:{hk} "
                   f"{mask:8s} err={err:.2e} pt={err_pt:.2e} lse={'ok' if lse_ok else 'BAD'}", flush=True)
     print("compile stats:", {k: v for k, v in compile_cache.stats().items() if k != "compile_seconds"})
-    # quick timing: bf16, 16k tokens, h*d = 2048
-    for d in (64, 128, 256):
-        for causal in (False, True):
-            for s in (1024, 4096):
-                b, h = 16384 // s, 2048 // d
-                q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
-                out = torch.empty_like(q)
-                lse = torch.empty(b, h, s, device="cuda")
-                spec = AttentionSpec(dtype=torch.bfloat16, head_dim=d, head_dim_v=d, causal=causal,
-                                     local=False, has_softcap=False, varlen_q=False, varlen_k=False,
-                                     batch=b, seqlen_q=s, seqlen_k=s, nheads=h, nheads_k=h,
-                                     softmax_scale=d ** -0.5, device_index=0)
-                f = lambda: dispatch.forward(spec, q, k, v, out, lse)
-                for _ in range(3):
-                    f()
-                torch.cuda.synchronize()
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(10):
-                    f()
-                e1.record()
-                torch.cuda.synchronize()
-                ms = e0.elapsed_time(e1) / 10
-                flops = 4 * b * h * s * s * d / (2 if causal else 1)
-                qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-                g = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-                for _ in range(3):
-                    g()
-                e0.record()
-                for _ in range(10):
-                    g()
-                e1.record()
-                torch.cuda.synchronize()
-                ms_pt = e0.elapsed_time(e1) / 10
-                print(f"time d={d} s={s} causal={causal}: cuteattn {flops / ms / 1e9:.0f} TFLOP/s, "
-                      f"sdpa {flops / ms_pt / 1e9:.0f} TFLOP/s", flush=True)
+    # quick timing: bf16, 16k tokens, h*d = 2048; tile candidates per head dim, beside SDPA and FA4
+    from cuteattn.kernels.sm90 import config
+    try:
+        from flash_attn.cute.interface import flash_attn_func as fa4
+    except Exception as e:  # the peer is optional
+        print("fa4 unavailable:", type(e).__name__, e)
+        fa4 = None
+    candidates = {64: [(3, 112, 4), (2, 128, 4), (3, 96, 4)], 128: [(2, 128, 2), (2, 128, 3)],
+                  256: [(2, 80, 2), (2, 64, 3)]}
+    for d, tiles in candidates.items():
+        for tile in tiles:
+            config._TILES[d] = tile
+            compile_cache.clear()
+            for causal in (False, True):
+                for s in (1024, 4096, 16384):
+                    res = time_one(d, s, causal, fa4 if tile == tiles[0] else None)
+                    print(f"time d={d} tile={tile} s={s:5d} causal={causal:d}: " +
+                          "  ".join(f"{k} {v:4.0f}" for k, v in res.items()), flush=True)
+        config._TILES[d] = tiles[0]
     print("FAILURES:", fails)
     sys.exit(1 if fails else 0)
 

@@ -6,7 +6,7 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # head_dim -> (consumer warpgroups, keys per block, K/V stages)
 _TILES = {
-    64: (3, 128, 4),
+    64: (3, 112, 4),
     96: (2, 128, 2),
     128: (2, 128, 2),
     192: (2, 112, 2),
@@ -23,4 +23,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         num_stages=stages, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
         has_seqused_k=has_seqused_k,
+        # Taking turns pays when the softmax is a large share of a block's time (small d);
+        # at d > 128 the GEMMs dominate and the turns only add waiting (FA3's finding too).
+        pingpong=head_dim <= 128,
     )

@@ -53,6 +53,7 @@ class Sm90FwdConfig:
     varlen_k: bool = False
     has_seqused_q: bool = False
     has_seqused_k: bool = False
+    pingpong: bool = True        # consumer warpgroups take turns issuing GEMMs
 
     @property
     def tile_m(self) -> int:
@@ -310,53 +311,109 @@ class FlashFwdSm90:
 
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
         softmax.reset()
+        if const_expr(cfg.pingpong):
+            if wg == 0:  # the first consumer warpgroup takes the first turn
+                cute.arch.barrier_arrive(barrier_id=4, number_of_threads=2 * WG_THREADS)
         row_start = m_block * self.tile_m + wg * WG_ROWS
+
+        tSrQ_wg = tSrQ[None, None, None, wg]
+        # O is zeroed above and always accumulated into. Set once here, outside any dynamic
+        # region: the flag is an SSA value and must dominate every GEMM that reads it.
+        tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        gemm_qk = lambda stage: self.gemm_qk(tiled_mma_qk, acc_S, tSrQ_wg, tSrK, stage)
+        gemm_pv = lambda stage: self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, stage)
+        scores_to_probs = lambda n_block: self.scores_to_probs(
+            acc_S, acc_S_mn, coord_S_mn, softmax, block_info, seqlen, row_start, n_block,
+            score_scale, window_left, window_right)
 
         if n_max > n_min:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             pipeline_q.consumer_wait(q_state)
-            for i in cutlass.range(n_max - n_min, unroll=1):
-                n_block = n_max - 1 - i
-                # S = Q K^T
-                pipeline_k.consumer_wait(kv_state)
-                warpgroup.fence()
-                for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
-                    tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
-                    cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k, wg],
-                              tSrK[None, None, k, kv_state.index], acc_S)
-                warpgroup.commit_group()
+            # First block: S = Q K^T alone.
+            pipeline_k.consumer_wait(k_state)
+            self.turn_wait(wg)
+            gemm_qk(k_state.index)
+            self.turn_pass(wg)
+            warpgroup.wait_group(0)
+            pipeline_k.consumer_release(k_state)
+            k_state.advance()
+            scores_to_probs(n_max - 1)
+            tOrP_as_acc.store(acc_S.load().to(self.dtype))
+            # Steady state: the next block's S = Q K^T and this block's O += P V are both in
+            # flight while this warpgroup waits for S, then the softmax of the next block runs
+            # under the P V GEMM (intra-warpgroup overlap). The turn barriers make the consumer
+            # warpgroups issue their GEMMs in turn, so one's softmax hides under the others' GEMMs.
+            for i in cutlass.range(1, n_max - n_min, unroll=1):
+                pipeline_k.consumer_wait(k_state)
+                self.turn_wait(wg)
+                gemm_qk(k_state.index)
+                pipeline_v.consumer_wait(v_state)
+                gemm_pv(v_state.index)
+                self.turn_pass(wg)
+                warpgroup.wait_group(1)
+                pipeline_k.consumer_release(k_state)
+                k_state.advance()
+                scores_to_probs(n_max - 1 - i)
                 warpgroup.wait_group(0)
-                pipeline_k.consumer_release(kv_state)
-
-                if const_expr(cfg.has_softcap):
-                    for j in cutlass.range_constexpr(cute.size(acc_S)):
-                        acc_S[j] = cute.math.tanh(acc_S[j] * score_scale, fastmath=True)
-                if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, WG_ROWS, n_block):
-                    apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
-                               seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
-                               cfg.causal, cfg.local)
-                softmax.step(acc_S_mn)
+                pipeline_v.consumer_release(v_state)
+                v_state.advance()
                 softmax.rescale(acc_O_mn)
                 tOrP_as_acc.store(acc_S.load().to(self.dtype))
-
-                # O += P V
-                pipeline_v.consumer_wait(kv_state)
-                warpgroup.fence()
-                tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-                for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
-                    cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k],
-                              tOrVt[None, None, k, kv_state.index], acc_O)
-                warpgroup.commit_group()
-                warpgroup.wait_group(0)
-                pipeline_v.consumer_release(kv_state)
-                kv_state.advance()
+            # Last block's O += P V.
+            pipeline_v.consumer_wait(v_state)
+            gemm_pv(v_state.index)
+            warpgroup.wait_group(0)
+            pipeline_v.consumer_release(v_state)
             pipeline_q.consumer_release(q_state)
 
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
         self.epilogue(acc_O, lse, sQ, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv,
                       row_start, head_idx, batch_idx, wg, tidx)
+
+    @cute.jit
+    def gemm_qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage):
+        """Issues S = Q K^T (K from ring stage `stage`) without waiting for it."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(tiled_mma_qk, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def gemm_pv(self, tiled_mma_pv, acc_O, tOrP, tOrVt, stage):
+        """Issues O += P V (P from registers, V from ring stage `stage`) without waiting."""
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(cute.size(tOrP, mode=[2])):
+            cute.gemm(tiled_mma_pv, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
+                        block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
+                        score_scale, window_left, window_right):
+        """softcap, mask and online softmax of one score block (probabilities left in acc_S)."""
+        cfg = self.cfg
+        if const_expr(cfg.has_softcap):
+            for j in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[j] = cute.math.tanh(acc_S[j] * score_scale, fastmath=True)
+        if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, WG_ROWS, n_block):
+            apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
+                       seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
+                       cfg.causal, cfg.local)
+        softmax.step(acc_S_mn)
+
+    # Named barriers: 0 is __syncthreads; 1..3 guard each consumer's epilogue; 4..6 are the turns.
+    def turn_wait(self, wg):
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=4 + wg, number_of_threads=2 * WG_THREADS)
+
+    def turn_pass(self, wg):
+        if const_expr(self.cfg.pingpong):
+            nxt = wg + 1 if const_expr(self.num_wg == 1) else (wg + 1) % self.num_wg
+            cute.arch.barrier_arrive(barrier_id=4 + nxt, number_of_threads=2 * WG_THREADS)
 
     @cute.jit
     def epilogue(self, acc_O, lse, sQ, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, tiled_mma_pv,
