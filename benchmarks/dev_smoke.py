@@ -136,7 +136,7 @@ def main():
     except Exception as e:  # the peer is optional
         print("fa4 unavailable:", type(e).__name__, e)
         fa4 = None
-    candidates = {64: [(3, 112, 4), (2, 128, 4), (3, 96, 4)], 128: [(2, 128, 2), (2, 128, 3)],
+    candidates = {64: [(3, 96, 4), (2, 128, 4)], 128: [(2, 128, 2), (2, 128, 3)],
                   256: [(2, 80, 2), (2, 64, 3)]}
     for d, tiles in candidates.items():
         for tile in tiles:

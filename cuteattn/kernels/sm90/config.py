@@ -6,18 +6,24 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # head_dim -> (consumer warpgroups, keys per block, K/V stages)
 _TILES = {
-    64: (3, 112, 4),
+    64: (3, 96, 4),
     96: (2, 128, 2),
     128: (2, 128, 2),
     192: (2, 112, 2),
     256: (2, 80, 2),
 }
 
+# sliding-window variants that need a narrower key block
+_LOCAL_TILE_N = {64: 96}
+
 
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False) -> Sm90FwdConfig:
     num_wg, tile_n, stages = _TILES[head_dim]
+    if local:
+        # The window mask keeps two column limits per row live: a narrower block stays spill-free.
+        tile_n = _LOCAL_TILE_N.get(head_dim, tile_n)
     return Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_n=tile_n, num_wg=num_wg,
         num_stages=stages, causal=causal, local=local, has_softcap=has_softcap,

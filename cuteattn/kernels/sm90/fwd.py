@@ -122,11 +122,11 @@ class FlashFwdSm90:
             mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
 
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, (1, 1, 1), (WG_ROWS, self.tile_n),
         )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, (1, 1, 1), (WG_ROWS, self.dv), warpgroup.OperandSource.RMEM,
         )
         # Shared memory: Q has one (64, d) slice per consumer warpgroup; K and V a ring of stages.
@@ -207,7 +207,7 @@ class FlashFwdSm90:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         pipeline_q, pipeline_k, pipeline_v = self.make_pipelines(storage)
         # Make the barrier initialisation visible to every warp before anyone waits on it.
