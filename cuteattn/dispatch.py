@@ -32,6 +32,10 @@ def can_implement(spec: AttentionSpec, device: torch.device) -> Optional[str]:
         return f"head_dim {spec.head_dim} is not supported by the sm90 kernel"
     if spec.head_dim_v != spec.head_dim:
         return "head_dim_v != head_dim is not supported by the sm90 kernel"
+    if spec.varlen_q or spec.varlen_k:
+        # compiled and wired, but its first GPU run disagreed with the reference: until the
+        # GPU suite passes, packed batches take the reference path (never a wrong answer)
+        return "the sm90 varlen kernel is not verified yet"
     if spec.varlen_q != spec.varlen_k:
         return "the sm90 kernel needs q and k both packed (cu_seqlens) or both batched"
     return None

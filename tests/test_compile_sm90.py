@@ -45,7 +45,8 @@ def make_spec(dtype, d, mask, varlen):
 
 @pytest.mark.parametrize("dtype,d,mask,varlen", CASES,
                          ids=[f"{str(c[0])[6:]}-d{c[1]}-{c[2]}{'-varlen' if c[3] else ''}" for c in CASES])
-def test_compile_sm90_fwd(dtype, d, mask, varlen, capfd):
+def test_compile_sm90_fwd(dtype, d, mask, varlen, capfd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
     cfg = dispatch.sm90_config(make_spec(dtype, d, mask, varlen))
     assert cfg.smem_bytes() <= 227 * 1024, f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory"
     compiled = compile_fwd(cfg, options="--keep-ptx remarks{ptx}")

@@ -1,0 +1,7 @@
+"""cuteattn: FlashAttention-compatible attention kernels written with the CuTe DSL."""
+
+__version__ = "0.1.0"
+
+from cuteattn.api import flash_attn_func, flash_attn_varlen_func
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "__version__"]

@@ -1,0 +1,271 @@
+"""Argument validation and normalisation into an AttentionSpec.
+
+Everything here reads only shapes, dtypes, devices, strides and Python scalars: no device sync, so it
+is cheap enough for every call. The one exception is `check_varlen_values`, which reads cu_seqlens
+and seqused to the host and runs only when the caller asks (validate=True).
+Errors name the argument and the rule: TypeError for a wrong type or dtype, ValueError for a wrong
+value or shape, NotImplementedError for a valid request cuteattn does not support yet.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from cuteattn.spec import AttentionSpec
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_unsupported(dropout_p, alibi_slopes, return_attn_probs) -> None:
+    """FlashAttention arguments we accept in the signature but do not implement."""
+    if not isinstance(dropout_p, numbers.Real) or dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p!r}: dropout is not supported (only 0.0)")
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: ALiBi is not supported (pass None)")
+    if return_attn_probs:
+        raise NotImplementedError(
+            "return_attn_probs=True: returning the attention probabilities is not supported"
+        )
+
+
+def normalize_mask(causal: bool, window_size) -> tuple[bool, bool, int, int]:
+    """FlashAttention's mask semantics -> (causal, local, window_left, window_right).
+
+    -1 (or None) means unbounded on that side. causal=True sets right = 0; a window of (-1, 0) is
+    causal whether or not causal=True was passed; any other bounded side makes the mask local.
+    Causal is returned as (-1, 0), no mask as (-1, -1).
+    """
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right); got {window_size!r}")
+    sides = []
+    for name, w in zip(("left", "right"), window_size):
+        w = -1 if w is None else w
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
+            raise TypeError(f"window_size {name} must be an int (-1 = unbounded); got {w!r}")
+        if w < -1:
+            raise ValueError(f"window_size {name} must be >= -1 (-1 = unbounded); got {w}")
+        sides.append(int(w))
+    left, right = sides
+    if causal:
+        right = 0
+    causal = left == -1 and right == 0
+    local = not causal and (left >= 0 or right >= 0)
+    return causal, local, left, right
+
+
+def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
+    """-> (softmax_scale, softcap) as floats; scale defaults to 1/sqrt(head_dim), softcap 0 = off."""
+    if softmax_scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+            raise TypeError(f"softmax_scale must be a Python number or None; got {type(softmax_scale)}")
+        scale = float(softmax_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale}")
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a Python number; got {type(softcap)}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap}")
+    return scale, softcap
+
+
+def check_qkv(q, k, v, rank: int, layout: str) -> None:
+    """Types, ranks, dtypes, devices, head dims, head counts and strides shared by both entry points.
+
+    layout names the expected shapes for messages, e.g. "(batch, seqlen, nheads, head_dim)".
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t)}")
+        if t.dim() != rank:
+            raise ValueError(f"{name} must be {rank}-D {layout}; got shape {tuple(t.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q dtype must be float16 or bfloat16; got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype ({t.dtype}) must equal q's ({q.dtype})")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}: all tensors on one device")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"v's shape {tuple(v.shape)} must match k's {tuple(k.shape)} in all but the last dim"
+        )
+    d, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+    if d_k != d:
+        raise ValueError(f"k's head_dim ({d_k}) must equal q's ({d})")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise NotImplementedError(f"head_dim {d} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    if d_v != d:
+        raise NotImplementedError(f"head_dim_v {d_v} (v's last dim) must equal head_dim {d} for now")
+    nheads, nheads_k = q.shape[-2], k.shape[-2]
+    if nheads < 1 or nheads_k < 1:
+        raise ValueError(f"nheads ({nheads}) and nheads_k ({nheads_k}) must be >= 1")
+    if nheads % nheads_k != 0:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        # the kernels load rows of head_dim contiguous elements; a hidden copy would cost a pass
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have stride 1 in its last (head_dim) dimension; got strides "
+                f"{t.stride()} (call .contiguous() first)"
+            )
+
+
+def _spec(q, k, v, *, softmax_scale, causal, window_size, softcap, **fields) -> AttentionSpec:
+    causal, local, left, right = normalize_mask(causal, window_size)
+    scale, softcap = check_scalars(softmax_scale, softcap, q.shape[-1])
+    return AttentionSpec(
+        dtype=q.dtype,
+        head_dim=q.shape[-1],
+        head_dim_v=v.shape[-1],
+        causal=causal,
+        local=local,
+        has_softcap=softcap > 0,
+        nheads=q.shape[-2],
+        nheads_k=k.shape[-2],
+        softmax_scale=scale,
+        window_left=left,
+        window_right=right,
+        softcap=softcap,
+        device_index=q.device.index if q.device.type == "cuda" else -1,
+        **fields,
+    )
+
+
+def fixed_spec(q, k, v, *, softmax_scale, causal, window_size, softcap) -> AttentionSpec:
+    """Validate flash_attn_func's arguments (no sync) and build the spec."""
+    check_qkv(q, k, v, 4, "(batch, seqlen, nheads, head_dim)")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k's batch ({k.shape[0]}) must equal q's ({q.shape[0]})")
+    return _spec(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, varlen_q=False, varlen_k=False,
+        batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+    )
+
+
+def _check_index_tensor(name: str, t, length: int | None, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t)}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32; got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D; got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but q is on {device}: all tensors on one device")
+    if length is not None and t.shape[0] != length:
+        raise ValueError(f"{name} must have length batch = {length}; got {t.shape[0]}")
+
+
+def _check_max_seqlen(name: str, value) -> int:
+    # a tensor here would need .item() (a sync) on every call: ask for the Python int instead
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be a Python int; got {type(value)}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0; got {value}")
+    return int(value)
+
+
+def varlen_spec(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+    *, softmax_scale, causal, window_size, softcap,
+) -> AttentionSpec:
+    """Validate flash_attn_varlen_func's arguments (no sync) and build the spec."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        missing = "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k"
+        raise NotImplementedError(
+            f"{missing} is None: mixing fixed-length and packed q/k is not supported; pass both "
+            "cu_seqlens_q and cu_seqlens_k with packed (total, nheads, head_dim) tensors, or use "
+            "flash_attn_func when neither side is packed"
+        )
+    check_qkv(q, k, v, 3, "(total, nheads, head_dim)")
+    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have length batch + 1 >= 1; got length 0")
+    batch = cu_seqlens_q.shape[0] - 1
+    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, None, q.device)
+    if cu_seqlens_k.shape[0] != batch + 1:
+        raise ValueError(
+            f"cu_seqlens_k has length {cu_seqlens_k.shape[0]} but cu_seqlens_q has {batch + 1}: "
+            "both must have length batch + 1"
+        )
+    if seqused_q is not None:
+        _check_index_tensor("seqused_q", seqused_q, batch, q.device)
+    if seqused_k is not None:
+        _check_index_tensor("seqused_k", seqused_k, batch, q.device)
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    return _spec(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, varlen_q=True, varlen_k=True,
+        has_seqused_q=seqused_q is not None, has_seqused_k=seqused_k is not None,
+        batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
+    )
+
+
+def check_varlen_values(
+    cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+) -> None:
+    """The checks that must read cu_seqlens / seqused (a device sync): validate=True only."""
+    for side, cu, total, max_len, used in (
+        ("q", cu_seqlens_q, total_q, max_seqlen_q, seqused_q),
+        ("k", cu_seqlens_k, total_k, max_seqlen_k, seqused_k),
+    ):
+        cu = cu.cpu().long()
+        if cu[0] != 0:
+            raise ValueError(f"cu_seqlens_{side} must start at 0; got {int(cu[0])}")
+        lengths = cu[1:] - cu[:-1]
+        if (lengths < 0).any():
+            b = int((lengths < 0).nonzero()[0])
+            raise ValueError(f"cu_seqlens_{side} must be non-decreasing; it decreases after index {b}")
+        if cu[-1] != total:
+            raise ValueError(
+                f"cu_seqlens_{side} must end at the total number of rows ({total}); got {int(cu[-1])}"
+            )
+        if used is not None:
+            used = used.cpu().long()
+            bad = (used < 0) | (used > lengths)
+            if bad.any():
+                b = int(bad.nonzero()[0])
+                raise ValueError(
+                    f"seqused_{side}[{b}] = {int(used[b])} must lie in [0, {int(lengths[b])}] "
+                    f"(the length given by cu_seqlens_{side})"
+                )
+            lengths = used
+        longest = int(lengths.max()) if lengths.numel() else 0
+        if max_len < longest:
+            raise ValueError(f"max_seqlen_{side} ({max_len}) is smaller than a sequence's length ({longest})")
+
+
+def output_buffers(q, out, lse, out_shape: tuple, lse_shape: tuple):
+    """Allocate (out, lse), or check the caller's preallocated ones (written in place)."""
+    if out is None:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    else:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a torch.Tensor; got {type(out)}")
+        if tuple(out.shape) != out_shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(
+                f"out must be {q.dtype} of shape {out_shape} on {q.device}; got {out.dtype} "
+                f"{tuple(out.shape)} on {out.device}"
+            )
+        if out.stride(-1) != 1:
+            raise ValueError(f"out must have stride 1 in its last dimension; got strides {out.stride()}")
+    if lse is None:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    else:
+        if not isinstance(lse, torch.Tensor):
+            raise TypeError(f"lse must be a torch.Tensor; got {type(lse)}")
+        if tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or lse.device != q.device:
+            raise ValueError(
+                f"lse must be float32 of shape {lse_shape} on {q.device}; got {lse.dtype} "
+                f"{tuple(lse.shape)} on {lse.device}"
+            )
+        if lse.stride(-1) != 1:
+            raise ValueError(f"lse must have stride 1 in its last dimension; got strides {lse.stride()}")
+    return out, lse

@@ -1,0 +1,247 @@
+"""FlashAttention-compatible entry points: validate, normalise into an AttentionSpec, dispatch.
+
+Flow: arguments -> _checks (no sync) -> AttentionSpec -> dispatch.can_implement -> kernel, or the
+PyTorch reference with a warning (or a RuntimeError in strict mode). Never a silent wrong answer.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from cuteattn import _checks
+from cuteattn.reference import attention_ref, attention_varlen_ref
+from cuteattn.spec import AttentionSpec
+
+
+class FallbackWarning(UserWarning):
+    """Emitted (once per distinct reason) when a call runs on the PyTorch reference, not a kernel."""
+
+
+_warned_reasons: set[str] = set()
+
+
+def _strict(strict: bool | None) -> bool:
+    if strict is not None:
+        return bool(strict)
+    return os.environ.get("CUTEATTN_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _select_kernel(spec: AttentionSpec, device: torch.device):
+    """(cuteattn.dispatch, None) when a GPU kernel serves spec on device, else (None, reason).
+
+    dispatch is imported lazily so the CPU path never needs the DSL or the kernels.
+    """
+    if device.type != "cuda":
+        return None, f"no kernel for {device.type} tensors"
+    try:
+        from cuteattn import dispatch
+    except ImportError as e:
+        return None, f"no kernel: cuteattn.dispatch could not be imported ({type(e).__name__}: {e})"
+    reason = dispatch.can_implement(spec, device)
+    return (dispatch, None) if reason is None else (None, reason)
+
+
+def _fall_back(reason: str, strict: bool | None) -> None:
+    """Raise in strict mode, else warn once per distinct reason."""
+    if _strict(strict):
+        raise RuntimeError(
+            f"cuteattn: no GPU kernel for this call ({reason}); strict mode (strict=True or "
+            "CUTEATTN_STRICT=1) forbids the PyTorch reference fallback"
+        )
+    if reason not in _warned_reasons:
+        _warned_reasons.add(reason)
+        warnings.warn(
+            f"cuteattn: {reason}; computing with the PyTorch reference instead (slow, materialises "
+            "the score matrix). Pass strict=True or set CUTEATTN_STRICT=1 to raise instead.",
+            FallbackWarning,
+            stacklevel=4,  # _fall_back <- _run <- flash_attn_*func <- the caller
+        )
+
+
+def _reference_kwargs(spec: AttentionSpec) -> dict:
+    # the normalised spec, not the user's arguments: the fallback then exercises the normalisation
+    return dict(
+        softmax_scale=spec.softmax_scale,
+        causal=spec.causal,
+        window_size=(spec.window_left, spec.window_right),
+        softcap=spec.softcap,
+    )
+
+
+def _is_empty(spec: AttentionSpec, out: torch.Tensor) -> bool:
+    """True when there is nothing to launch: no rows, or no keys for any row (host ints only)."""
+    return spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0 or out.numel() == 0
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """Carries the forward through autograd; the backward is not written yet."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, run):
+        out, lse = run()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise NotImplementedError(
+            "cuteattn: backward is not implemented yet (forward only); compute gradients with "
+            "another implementation or call under torch.no_grad()"
+        )
+
+
+def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None):
+    """Fill and return (out, lse): empty shortcut, kernel, or reference fallback."""
+    if _is_empty(spec, out):
+        dispatch, reason = None, None
+    else:
+        dispatch, reason = _select_kernel(spec, q.device)
+        if reason is not None:
+            _fall_back(reason, strict)  # decided here, before any work, so strict raises early
+
+    def run():
+        if dispatch is not None:
+            dispatch.forward(spec, q, k, v, out, lse, **(varlen or {}))
+        elif reason is None:  # empty: every query row (if any) sees no key
+            out.zero_()
+            lse.fill_(float("-inf"))
+        else:
+            if varlen is None:
+                o, l = attention_ref(q, k, v, **_reference_kwargs(spec))
+            else:
+                o, l = attention_varlen_ref(q, k, v, **varlen, **_reference_kwargs(spec))
+            out.copy_(o)
+            lse.copy_(l)
+        return out, lse
+
+    # only build a graph node when a gradient can be asked for: outputs of plain calls stay leaves
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _AttentionFunction.apply(q, k, v, run)
+    return run()
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    return_lse=False,
+    strict=None,
+    *,
+    out=None,
+    lse=None,
+):
+    """Attention of q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d),
+    v (batch, seqlen_k, nheads_k, d), fp16 or bf16, with FlashAttention's semantics.
+
+    causal / window_size=(left, right) masks are bottom-right aligned (-1 = unbounded side;
+    causal=True means right = 0); softcap > 0 maps scores s to softcap * tanh(s / softcap);
+    softmax_scale defaults to 1/sqrt(d); nheads must be a multiple of nheads_k (GQA/MQA).
+
+    Returns out (batch, seqlen_q, nheads, d), or (out, lse) with return_lse, lse float32
+    (batch, nheads, seqlen_q), natural log; rows that see no key get out 0 and lse -inf.
+
+    Checked on every call without a device sync: types, dtypes, devices, ranks, shapes, head_dim in
+    (64, 96, 128, 192, 256), v's head_dim equal to q's, nheads % nheads_k, unit stride in head_dim
+    (no hidden copy), window >= -1, softcap >= 0, softmax_scale finite > 0.
+    Not supported (NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs, backward.
+    deterministic is accepted; the forward is deterministic.
+
+    Without a GPU kernel for the problem (CPU tensors, an unsupported GPU or feature) the PyTorch
+    reference computes the result and a FallbackWarning names the reason once; strict=True (or
+    CUTEATTN_STRICT=1 when strict is None) raises RuntimeError instead.
+
+    out / lse (keyword-only, optional): preallocated buffers of the returned shapes, written in place
+    and returned. The GPU tests pass NaN-filled ones so that any element a kernel fails to write fails.
+    A seqlen_q or batch of 0 returns empty results; seqlen_k 0 returns out 0 and lse -inf; neither
+    launches a kernel.
+    """
+    _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    spec = _checks.fixed_spec(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap
+    )
+    out, lse = _checks.output_buffers(
+        q, out, lse,
+        out_shape=(*q.shape[:3], v.shape[-1]),
+        lse_shape=(spec.batch, spec.nheads, spec.seqlen_q),
+    )
+    out, lse = _run(q, k, v, spec, out, lse, strict)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    seqused_q=None,
+    seqused_k=None,
+    return_lse=False,
+    validate=False,
+    strict=None,
+    *,
+    out=None,
+    lse=None,
+):
+    """Attention over packed sequences: q (total_q, nheads, d), k/v (total_k, nheads_k, d).
+
+    Sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1]
+    of k/v (int32, length batch + 1); seqused_q / seqused_k (int32, length batch), when given, limit
+    sequence b to its first seqused[b] rows (the masks align to those lengths). max_seqlen_q/k are
+    Python ints bounding the lengths. Mask, scale, softcap and GQA semantics as in flash_attn_func.
+
+    Returns out (total_q, nheads, d), or (out, lse) with return_lse, lse float32 (nheads, total_q).
+    Rows outside every sequence or beyond seqused_q are left undefined by the kernel (the reference
+    fallback writes out 0, lse -inf there).
+
+    Checked on every call without a device sync: everything flash_attn_func checks, plus
+    cu_seqlens_q/k and seqused_q/k being int32 1-D tensors on q's device with lengths batch + 1 and
+    batch, and max_seqlen_q/k being Python ints >= 0. Both cu_seqlens must be given: fixed-length q
+    with packed k (or the reverse) is not supported yet (NotImplementedError).
+    validate=True also reads the lengths (a device sync) and checks that each cu_seqlens starts at 0,
+    never decreases and ends at the total row count, that seqused[b] lies in [0, length b], and that
+    max_seqlen is at least every used length.
+
+    Fallback, strict, out / lse: as in flash_attn_func. A batch, total_q or max_seqlen of 0 writes
+    out 0 and lse -inf without a launch.
+    """
+    _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    spec = _checks.varlen_spec(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+    )
+    if validate:
+        _checks.check_varlen_values(
+            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+            spec.seqlen_q, spec.seqlen_k, seqused_q, seqused_k,
+        )
+    out, lse = _checks.output_buffers(
+        q, out, lse,
+        out_shape=(*q.shape[:2], v.shape[-1]),
+        lse_shape=(spec.nheads, q.shape[0]),
+    )
+    varlen = dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
+    )
+    out, lse = _run(q, k, v, spec, out, lse, strict, varlen)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m cuteattn.bench [--quick] [--varlen] [--json PATH] [--plot [PNG]]`."""

@@ -1,0 +1,123 @@
+"""`python -m cuteattn.bench`: cuteattn beside its peers, a table, a JSON record, optionally a plot.
+
+Run from the project root: the default JSON path is benchmarks/results/<date>-<commit>-<device>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import warnings
+
+import torch
+
+from cuteattn.bench import report, shapes
+from cuteattn.bench.peers import check, implementations, make_inputs
+from cuteattn.bench.timing import first_call, median_ms
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cuteattn.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a few d=128 cells instead of the full grid")
+    p.add_argument("--varlen", action="store_true",
+                   help="also run the varlen cells (16 heads, d=128, 16384 tokens: 8x2048 and skewed)")
+    p.add_argument("--json", metavar="PATH",
+                   help="where to write the JSON (default on a GPU: "
+                        "benchmarks/results/<date>-<shortcommit>-<device>.json; on CPU: none)")
+    p.add_argument("--plot", metavar="PNG", nargs="?", const="",
+                   help="write a bar chart (default path: the JSON path with .png)")
+    p.add_argument("--commit", help="commit to record when this tree is not a git checkout")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per cell (median taken)")
+    return p.parse_args(argv)
+
+
+def compile_stats():
+    try:
+        from cuteattn import compile_cache
+
+        return dict(compile_cache.stats())
+    except Exception:  # no kernels on this machine: nothing to count
+        return None
+
+
+def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
+    x = make_inputs(cell, device)
+    result = dict(label=cell.label(), cell=cell.to_json(), tflops={}, check={}, skipped={},
+                  first_call_s={}, compiles=None)
+    for name, fn in implementations(cell, x, device).items():
+        if isinstance(fn, str):
+            result["skipped"][name] = fn
+            continue
+        ours = name.startswith("cuteattn")
+        before = compile_stats() if ours and device.type == "cuda" else None
+        try:
+            seconds, out = first_call(fn, device)
+            if ours:
+                result["first_call_s"][name] = round(seconds, 4)
+            if before is not None:
+                after = compile_stats()
+                result["compiles"] = after["compiles"] - before["compiles"]
+            result["check"][name] = check(cell, x, out)
+            del out
+            ms = median_ms(fn, device, iters=iters)
+        except Exception as e:  # one failing implementation must not end the run
+            result["skipped"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            continue
+        result["tflops"][name] = round(cell.flops() / (ms * 1e-3) / 1e12, 3)
+    del x
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda")
+        grid = shapes.quick_grid() if args.quick else shapes.default_grid()
+        if args.varlen:
+            grid += shapes.varlen_grid()
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        print("no CUDA device: timing cuteattn's PyTorch reference path on tiny shapes (no peers)")
+        device, grid, device_name = torch.device("cpu"), shapes.cpu_grid(), "cpu"
+        warnings.simplefilter("ignore")  # the fallback warning is the point here, not news
+
+    results = []
+    for cell in grid:
+        results.append(run_cell(cell, device, args.iters))
+        r = results[-1]
+        print(f"  {r['label']}: " + ", ".join(f"{n} {report.fmt(v)}" for n, v in r["tflops"].items()), flush=True)
+
+    impls = []
+    for r in results:
+        impls += [n for n in list(r["tflops"]) + list(r["skipped"]) if n not in impls]
+    print()
+    report.print_table(results, impls)
+    failed = [(r["label"], n) for r in results for n, c in r["check"].items() if not c["ok"]]
+    for label, name in failed:
+        print(f"CHECK FAILED: {name} on {label}")
+
+    commit, dirty = report.git_commit(os.getcwd())
+    commit = args.commit or commit
+    date = datetime.date.today().isoformat()
+    json_path = args.json
+    if json_path is None and cuda:
+        slug = report.device_slug(device_name)
+        json_path = os.path.join("benchmarks", "results", f"{date}-{commit}-{slug}.json")
+    meta = dict(commit=commit, dirty=dirty, date=date, device=device_name, torch=torch.__version__,
+                **(report.sm_clocks() if cuda else {"sm_clock": None, "sm_clock_max": None}))
+    if json_path:
+        report.write_json(json_path, meta, results)
+        print(f"wrote {json_path}")
+    if args.plot is not None:
+        png = args.plot or (os.path.splitext(json_path)[0] + ".png" if json_path else "bench.png")
+        title = f"{device_name}, commit {commit}, {date}"
+        print(f"wrote {png}" if report.plot(png, results, impls, title) else "matplotlib not importable: no plot")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The implementations a cell is timed with: cuteattn and its peers, each as a zero-argument callable
+returning the output in cuteattn's layout, or a string saying why it cannot run this cell."""
+from __future__ import annotations
+
+import torch
+
+from cuteattn.bench.shapes import Cell
+from cuteattn.reference import attention_ref
+from cuteattn.testing import FA_FLOOR, fa_error
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_inputs(cell: Cell, device: torch.device) -> dict:
+    dtype = DTYPES[cell.dtype]
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
+    if cell.lens is None:
+        return dict(
+            q=rand(cell.batch, cell.seqlen_q, cell.nheads, cell.d),
+            k=rand(cell.batch, cell.seqlen_k, cell.nheads_k, cell.d),
+            v=rand(cell.batch, cell.seqlen_k, cell.nheads_k, cell.d),
+        )
+    total = sum(cell.lens)
+    cu = torch.tensor([0, *torch.tensor(cell.lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return dict(
+        q=rand(total, cell.nheads, cell.d),
+        k=rand(total, cell.nheads_k, cell.d),
+        v=rand(total, cell.nheads_k, cell.d),
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=max(cell.lens),
+        max_seqlen_k=max(cell.lens),
+    )
+
+
+def _cuteattn(cell, x, strict):
+    from cuteattn import flash_attn_func, flash_attn_varlen_func
+
+    if cell.lens is None:
+        return lambda: flash_attn_func(x["q"], x["k"], x["v"], causal=cell.causal, strict=strict)
+    return lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=strict)
+
+
+def _sdpa(cell, x, backend_name):
+    if cell.lens is not None:
+        return "no varlen"
+    if cell.causal and cell.seqlen_q != cell.seqlen_k:
+        return "SDPA's causal mask is top-left aligned"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    backend = getattr(SDPBackend, backend_name)
+    q, k, v = (x[n].transpose(1, 2) for n in ("q", "k", "v"))  # SDPA wants (b, h, s, d)
+    gqa = cell.nheads != cell.nheads_k
+
+    def run():
+        with sdpa_kernel(backend):
+            out = scaled_dot_product_attention(q, k, v, is_causal=cell.causal, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _fa4(cell, x):
+    try:
+        from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:  # not installed, or its import fails on this machine
+        return f"flash_attn.cute not importable ({type(e).__name__})"
+    first = lambda r: r[0] if isinstance(r, tuple) else r  # FA4 returns (out, lse)
+    if cell.lens is None:
+        return lambda: first(flash_attn_func(x["q"], x["k"], x["v"], causal=cell.causal))
+    return lambda: first(flash_attn_varlen_func(
+        x["q"], x["k"], x["v"], cu_seqlens_q=x["cu_seqlens_q"], cu_seqlens_k=x["cu_seqlens_k"],
+        max_seqlen_q=x["max_seqlen_q"], max_seqlen_k=x["max_seqlen_k"], causal=cell.causal,
+    ))
+
+
+def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
+    """name -> callable or reason string. cuteattn is strict on a GPU: a fallback is not a timing."""
+    if device.type != "cuda":
+        return {"cuteattn (reference)": _cuteattn(cell, x, strict=False)}
+    return {
+        "cuteattn": _cuteattn(cell, x, strict=True),
+        "sdpa-flash": _sdpa(cell, x, "FLASH_ATTENTION"),
+        "sdpa-cudnn": _sdpa(cell, x, "CUDNN_ATTENTION"),
+        "fa4": _fa4(cell, x),
+    }
+
+
+def check(cell: Cell, x: dict, out: torch.Tensor) -> dict:
+    """FA rule on a slice (first sequence, first group of query heads sharing kv head 0), so the
+    float32 reference stays small even for 16k tokens."""
+    r = cell.nheads // cell.nheads_k
+    if cell.lens is None:
+        q, k, v, o = x["q"][:1, :, :r], x["k"][:1, :, :1], x["v"][:1, :, :1], out[:1, :, :r]
+    else:
+        n = cell.lens[0]
+        q, k, v, o = (t[None, :n] for t in (x["q"][:, :r], x["k"][:, :1], x["v"][:, :1], out[:, :r]))
+    ref, _ = attention_ref(q, k, v, causal=cell.causal)
+    lowprec, _ = attention_ref(q, k, v, causal=cell.causal, upcast=False)
+    err, base = fa_error(o, ref, lowprec)
+    bound = 2 * base + FA_FLOOR
+    return dict(ok=bool(err <= bound), err=err, bound=bound)

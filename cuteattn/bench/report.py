@@ -1,0 +1,101 @@
+"""Reporting: the console table, the JSON record and the optional bar chart."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+
+OURS = ("cuteattn", "cuteattn (reference)")
+
+
+def ratio_to_best_peer(tflops: dict) -> float | None:
+    ours = next((tflops[n] for n in OURS if tflops.get(n)), None)
+    peers = [v for n, v in tflops.items() if n not in OURS and v]
+    return ours / max(peers) if ours and peers else None
+
+
+def fmt(tflops: float) -> str:
+    return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
+
+
+def print_table(results: list[dict], impls: list[str]) -> None:
+    """One row per cell: TFLOP/s per implementation ('-' unavailable, '!' failed its check)."""
+    label_w = max([len("cell")] + [len(r["label"]) for r in results])
+    widths = [max(10, len(n)) for n in impls]
+    head = f"{'cell':<{label_w}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(impls, widths)) + "  vs best peer"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        cols = []
+        for n, w in zip(impls, widths):
+            value = r["tflops"].get(n)
+            mark = "" if r["check"].get(n, {}).get("ok", True) else "!"
+            cols.append(f"{'-' if value is None else fmt(value) + mark:>{w}}")
+        ratio = ratio_to_best_peer(r["tflops"])
+        print(f"{r['label']:<{label_w}}  " + "  ".join(cols) + f"  {'-' if ratio is None else f'{ratio:.2f}x':>13}")
+    print("TFLOP/s (algorithmic, exact attended pairs); '!' = output failed the check against the "
+          "float32 reference; '-' = not run (see the JSON's 'skipped').")
+
+
+def git_commit(root: str) -> tuple[str, bool]:
+    """(short commit, dirty) of the tree at root, or ('unknown', False) outside a git checkout."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                capture_output=True, text=True, check=True).stdout
+        return commit, bool(status.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
+
+
+def sm_clocks() -> dict:
+    """Current and max SM clock (MHz) from nvidia-smi, where it is available."""
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, check=True, timeout=20,
+        ).stdout.splitlines()[0]
+        current, top = (x.strip() for x in line.split(","))
+        return {"sm_clock": current, "sm_clock_max": top}
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return {"sm_clock": None, "sm_clock_max": None}
+
+
+def device_slug(device_name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", device_name.lower()).strip("-") or "device"
+
+
+def write_json(path: str, meta: dict, results: list[dict]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    cells = [dict(r["cell"], tflops=r["tflops"], check=r["check"], skipped=r["skipped"],
+                  first_call_s=r["first_call_s"], compiles=r.get("compiles")) for r in results]
+    with open(path, "w") as f:
+        json.dump(dict(meta, cells=cells), f, indent=1)
+        f.write("\n")
+
+
+def plot(path: str, results: list[dict], impls: list[str], title: str) -> bool:
+    """Grouped bars of TFLOP/s per cell; False when matplotlib is not importable."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(results) * max(1, len(impls)) / 2), 4.5))
+    for i, name in enumerate(impls):
+        xs = [j + i * width for j in range(len(results))]
+        ax.bar(xs, [r["tflops"].get(name) or 0 for r in results], width, label=name)
+    ax.set_xticks([j + width * (len(impls) - 1) / 2 for j in range(len(results))])
+    ax.set_xticklabels([r["label"] for r in results], rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

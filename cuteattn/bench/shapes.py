@@ -1,0 +1,90 @@
+"""Benchmark cells (one problem shape each) and their algorithmic FLOP counts."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+TOKENS = 16384      # batch * seqlen of the default grid, and total tokens of the varlen cells
+HIDDEN = 2048       # nheads * head_dim of the default grid
+SKEWED = (4096, 512, 3072, 1024, 2560, 1536, 2048, 1536)
+
+
+def attended_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) -> int:
+    """Exact count of (query, key) pairs a bottom-right aligned mask lets through."""
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return seqlen_q * seqlen_k
+    total = 0
+    offset = seqlen_k - seqlen_q
+    for i in range(seqlen_q):
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + offset + right)
+        lo = 0 if left < 0 else max(0, i + offset - left)
+        total += max(0, hi - lo + 1)
+    return total
+
+
+@dataclass(frozen=True)
+class Cell:
+    kind: str                 # "fwd" (flash_attn_func) or "varlen" (flash_attn_varlen_func)
+    d: int
+    batch: int
+    nheads: int
+    nheads_k: int
+    seqlen_q: int             # varlen: the longest sequence
+    seqlen_k: int
+    causal: bool
+    dtype: str = "bf16"
+    lens: tuple[int, ...] | None = None   # varlen: per-sequence lengths (q and k alike)
+
+    def flops(self) -> float:
+        """Forward FLOPs: 4 * heads * d per attended (query, key) pair (two GEMMs, 2 flops a MAC)."""
+        if self.lens is None:
+            pairs = self.batch * attended_pairs(self.seqlen_q, self.seqlen_k, self.causal)
+        else:
+            pairs = sum(attended_pairs(n, n, self.causal) for n in self.lens)
+        return 4.0 * self.nheads * self.d * pairs
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        if self.lens is not None:
+            shape = "x".join(map(str, self.lens)) if len(set(self.lens)) > 1 else f"{len(self.lens)}x{self.lens[0]}"
+            return f"varlen d{self.d} h{self.nheads} [{shape}] {mask}"
+        gqa = f"/{self.nheads_k}" if self.nheads_k != self.nheads else ""
+        return f"d{self.d} b{self.batch} h{self.nheads}{gqa} {self.seqlen_q}x{self.seqlen_k} {mask}"
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        if self.lens is None:
+            del out["lens"]
+        else:
+            out["lens"] = list(self.lens)
+        return out
+
+
+def fwd_cell(d: int, seqlen: int, causal: bool) -> Cell:
+    heads = HIDDEN // d
+    return Cell("fwd", d, TOKENS // seqlen, heads, heads, seqlen, seqlen, causal)
+
+
+def default_grid() -> list[Cell]:
+    return [fwd_cell(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
+
+
+def quick_grid() -> list[Cell]:
+    return [fwd_cell(128, s, c) for s in (1024, 4096) for c in (False, True)]
+
+
+def varlen_grid() -> list[Cell]:
+    cells = []
+    for lens in ((2048,) * 8, SKEWED):
+        for causal in (False, True):
+            cells.append(Cell("varlen", 128, len(lens), 16, 16, max(lens), max(lens), causal, lens=lens))
+    return cells
+
+
+def cpu_grid() -> list[Cell]:
+    """Tiny shapes for a machine without CUDA (the reference path)."""
+    return [Cell("fwd", 64, 1, 2, 2, 128, 128, c) for c in (False, True)] + [
+        Cell("varlen", 64, 3, 2, 2, 96, 96, True, lens=(32, 96, 64))
+    ]

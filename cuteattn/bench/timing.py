@@ -1,0 +1,42 @@
+"""Timing: CUDA events on a GPU (median of per-iteration times after a warm-up), wall clock on CPU."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def first_call(fn, device: torch.device):
+    """(seconds, result) of one call including completion: for cuteattn's first call, mostly the compile."""
+    _sync(device)
+    start = time.perf_counter()
+    result = fn()
+    _sync(device)
+    return time.perf_counter() - start, result
+
+
+def median_ms(fn, device: torch.device, warmup: int = 5, iters: int = 20) -> float:
+    """Median milliseconds of one call of fn (already called once, so no compile inside)."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))

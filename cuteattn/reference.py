@@ -1,0 +1,131 @@
+"""The PyTorch reference of every attention feature cuteattn implements.
+
+Used by the tests (the float32 ground truth, and the plain low-precision computation the
+FlashAttention correctness rule measures against) and by the API as the fallback where no GPU kernel
+serves a problem. It favours obviousness over speed: it materialises the full score matrix.
+
+Semantics (FlashAttention's):
+- scores s = softmax_scale * q.k; with softcap c > 0, s = c * tanh(s / c).
+- masks are bottom-right aligned: with lengths sq, sk, query i sees key j iff
+  j <= i + sk - sq + right (when right >= 0) and j >= i + sk - sq - left (when left >= 0).
+  causal means right = 0 (left from window_size, usually -1 = unbounded).
+- GQA/MQA: query head h uses key/value head h // (nheads // nheads_k).
+- lse is the natural-log logsumexp of the (masked) scores, float32.
+- a query row that sees no key gets output 0 and lse -inf (never NaN).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool: True where query i may attend key j (bottom-right aligned)."""
+    i = torch.arange(seqlen_q, device=device).unsqueeze(1)
+    j = torch.arange(seqlen_k, device=device).unsqueeze(0)
+    diag = i + (seqlen_k - seqlen_q)  # the key aligned with query i
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        mask &= j <= diag + right
+    if left >= 0:
+        mask &= j >= diag - left
+    return mask
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of batched q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv).
+
+    Returns (out, lse): out (b, sq, h, dv) is float32 when `upcast` (the ground truth) and in q's
+    dtype otherwise (every step in the input dtype, as plain PyTorch would do it); lse (b, h, sq) is
+    always returned as float32. The caller casts out to the dtype it needs.
+    """
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if h % hk != 0:
+        raise ValueError(f"nheads ({h}) must be a multiple of nheads_k ({hk})")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    dtype = torch.float32 if upcast else q.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if hk != h:
+        k = k.repeat_interleave(h // hk, dim=2)
+        v = v.repeat_interleave(h // hk, dim=2)
+
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window_size
+    if causal:
+        right = 0
+    mask = visible_mask(sq, sk, left, right, device=q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees no key (also when sk == 0)
+    probs = torch.softmax(scores, dim=-1)
+    # softmax of an all -inf row is NaN; such rows attend nothing and their output is 0
+    row_sees_a_key = mask.any(dim=-1).view(1, 1, sq, 1)
+    probs = torch.where(row_sees_a_key, probs, torch.zeros((), dtype=dtype, device=q.device))
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return out, lse.float()
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed attention: q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv).
+
+    Sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1]; with seqused, only its first seqused[b] rows
+    take part (and define the lengths the masks align to). Returns (out (total_q, h, dv), lse
+    (h, total_q) float32), dtypes as in `attention_ref`. Rows that belong to no sequence or lie beyond
+    seqused_q get output 0 and lse -inf (FlashAttention leaves them undefined; we write these).
+    Reads the lengths to the host (a sync): a reference, not a hot path.
+    """
+    total_q, h, _ = q.shape
+    dv = v.shape[-1]
+    dtype = torch.float32 if upcast else q.dtype
+    out = torch.zeros(total_q, h, dv, dtype=dtype, device=q.device)
+    lse = torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = seqused_q.tolist() if seqused_q is not None else None
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    for b in range(len(starts_q) - 1):
+        q0, k0 = starts_q[b], starts_k[b]
+        len_q = used_q[b] if used_q is not None else starts_q[b + 1] - q0
+        len_k = used_k[b] if used_k is not None else starts_k[b + 1] - k0
+        if len_q == 0:
+            continue
+        o, l = attention_ref(
+            q[q0 : q0 + len_q].unsqueeze(0),
+            k[k0 : k0 + len_k].unsqueeze(0),
+            v[k0 : k0 + len_k].unsqueeze(0),
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            upcast=upcast,
+        )
+        out[q0 : q0 + len_q] = o[0]
+        lse[:, q0 : q0 + len_q] = l[0]
+    return out, lse

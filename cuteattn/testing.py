@@ -1,0 +1,75 @@
+"""Comparison helpers implementing FlashAttention's correctness rule (used by the tests and the bench).
+
+The rule: a low-precision result passes when its max error against the float32 reference (computed
+from the same low-precision inputs) is at most twice the max error of a plain low-precision PyTorch
+computation of the same thing, plus a tiny floor. NaN never passes.
+"""
+from __future__ import annotations
+
+import torch
+
+# The floor only absorbs float32 rounding in the reference where both errors are (near) zero, e.g.
+# a single visible key, where every exact implementation returns v itself.
+FA_FLOOR = 1e-5
+
+
+def fa_error(out: torch.Tensor, out_ref: torch.Tensor, out_lowprec: torch.Tensor) -> tuple[float, float]:
+    """(max |out - ref|, max |lowprec - ref|) in float32; NaN anywhere in out makes the first NaN."""
+    if out.shape != out_ref.shape or out_lowprec.shape != out_ref.shape:
+        raise ValueError(
+            f"shape mismatch: out {tuple(out.shape)}, ref {tuple(out_ref.shape)}, "
+            f"lowprec {tuple(out_lowprec.shape)}"
+        )
+    if out.numel() == 0:
+        return 0.0, 0.0
+    ref = out_ref.float()
+    err = (out.float() - ref).abs()
+    # .max() propagates NaN, but be explicit: an unwritten (NaN-poisoned) element must fail
+    err_max = float("nan") if torch.isnan(out).any() else err.max().item()
+    base_max = (out_lowprec.float() - ref).abs().max().item()
+    return err_max, base_max
+
+
+def assert_close_fa(
+    out: torch.Tensor,
+    out_ref: torch.Tensor,
+    out_lowprec: torch.Tensor,
+    *,
+    floor: float = FA_FLOOR,
+    name: str = "out",
+) -> None:
+    """Assert max|out - out_ref| <= 2 * max|out_lowprec - out_ref| + floor, NaN failing.
+
+    out_ref: the float32 reference (reference.attention_ref(..., upcast=True));
+    out_lowprec: the same computation in the input dtype (upcast=False).
+    """
+    if torch.isnan(out_ref).any() or torch.isnan(out_lowprec).any():
+        raise AssertionError(f"{name}: the reference itself has NaN")
+    err, base = fa_error(out, out_ref, out_lowprec)
+    bound = 2 * base + floor
+    if not err <= bound:  # also catches NaN
+        raise AssertionError(
+            f"{name}: max error {err:.3e} exceeds 2 x low-precision error {base:.3e} + {floor:.0e}"
+            f" = {bound:.3e}"
+        )
+
+
+def assert_lse_close(lse: torch.Tensor, lse_ref: torch.Tensor, *, atol: float = 1e-3, name: str = "lse"):
+    """LSE check: -inf exactly where the reference has -inf (rows with no key), |diff| <= atol elsewhere."""
+    if lse.shape != lse_ref.shape:
+        raise AssertionError(f"{name}: shape {tuple(lse.shape)} != reference {tuple(lse_ref.shape)}")
+    if lse.dtype != torch.float32:
+        raise AssertionError(f"{name}: dtype {lse.dtype}, expected float32")
+    if torch.isnan(lse).any():
+        raise AssertionError(f"{name}: has NaN ({int(torch.isnan(lse).sum())} elements)")
+    empty_ref = torch.isneginf(lse_ref)
+    empty = torch.isneginf(lse)
+    if not torch.equal(empty, empty_ref):
+        raise AssertionError(
+            f"{name}: -inf pattern differs from the reference in {int((empty != empty_ref).sum())} rows"
+        )
+    finite = ~empty_ref
+    if finite.any():
+        err = (lse[finite] - lse_ref[finite]).abs().max().item()
+        if not err <= atol:
+            raise AssertionError(f"{name}: max error {err:.3e} > atol {atol:.0e}")

@@ -1,0 +1,327 @@
+"""The API on CPU: reference fallback, strict mode, autograd, normalisation, compile keys, and the
+contract with cuteattn.dispatch (exercised with a fake dispatch module)."""
+import types
+import warnings
+
+import pytest
+import torch
+
+import cuteattn
+from cuteattn import _checks, api, flash_attn_func, flash_attn_varlen_func
+from cuteattn.api import FallbackWarning
+from cuteattn.reference import attention_ref, attention_varlen_ref
+
+BF16 = torch.bfloat16
+
+
+def qkv(b=2, sq=9, sk=13, h=4, hk=2, d=64, dtype=BF16, **kw):
+    return (
+        torch.randn(b, sq, h, d, dtype=dtype, **kw),
+        torch.randn(b, sk, hk, d, dtype=dtype, **kw),
+        torch.randn(b, sk, hk, d, dtype=dtype, **kw),
+    )
+
+
+def packed(lens_q=(3, 0, 7), lens_k=(5, 2, 0), h=4, hk=4, d=64, device="cpu"):
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(lens_q), h, d, dtype=BF16)
+    k = torch.randn(sum(lens_k), hk, d, dtype=BF16)
+    v = torch.randn(sum(lens_k), hk, d, dtype=BF16)
+    args = dict(cu_seqlens_q=cu(lens_q), cu_seqlens_k=cu(lens_k),
+                max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    return [t.to(device) for t in (q, k, v)], {n: t.to(device) if torch.is_tensor(t) else t
+                                               for n, t in args.items()}
+
+
+def quiet(fn, *args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        return fn(*args, **kw)
+
+
+def test_public_names():
+    assert set(cuteattn.__all__) == {"flash_attn_func", "flash_attn_varlen_func", "__version__"}
+    assert isinstance(cuteattn.__version__, str)
+
+
+# ---- fallback ----
+
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(causal=True), dict(window_size=(3, 2)), dict(softcap=5.0, softmax_scale=0.2),
+     dict(causal=True, window_size=(4, -1))],
+)
+def test_cpu_falls_back_to_reference(seed, kw):
+    q, k, v = qkv()
+    with pytest.warns(FallbackWarning, match="no kernel for cpu tensors.*strict=True or set CUTEATTN_STRICT=1"):
+        out, lse = flash_attn_func(q, k, v, return_lse=True, **kw)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    assert out.dtype == BF16 and out.shape == q.shape and lse.shape == (2, 4, 9)
+    assert torch.equal(out, ref.to(BF16)) and torch.equal(lse, ref_lse)
+
+
+def test_varlen_falls_back_to_reference(seed):
+    (q, k, v), args = packed(h=4, hk=2)
+    with pytest.warns(FallbackWarning):
+        out, lse = flash_attn_varlen_func(q, k, v, **args, causal=True, return_lse=True)
+    ref, ref_lse = attention_varlen_ref(q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], causal=True)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    assert torch.equal(out, ref.to(BF16)) and torch.equal(lse, ref_lse)
+
+
+def test_warns_once_per_reason(seed, monkeypatch):
+    q, k, v = qkv()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flash_attn_func(q, k, v)
+        flash_attn_func(q, k, v, causal=True)
+        monkeypatch.setattr(api, "_select_kernel", lambda spec, dev: (None, "sm_80 has no kernel yet"))
+        flash_attn_func(q, k, v)
+        flash_attn_func(q, k, v)
+    messages = [str(w.message) for w in caught if w.category is FallbackWarning]
+    assert len(messages) == 2
+    assert "no kernel for cpu tensors" in messages[0] and "sm_80 has no kernel yet" in messages[1]
+
+
+def test_warning_points_at_the_caller(seed):
+    q, k, v = qkv()
+    with pytest.warns(FallbackWarning) as record:
+        flash_attn_func(q, k, v)
+    assert record[0].filename == __file__
+
+
+def test_strict_argument_raises(seed):
+    q, k, v = qkv()
+    with pytest.raises(RuntimeError, match=r"no GPU kernel for this call \(no kernel for cpu tensors\)"):
+        flash_attn_func(q, k, v, strict=True)
+    (q, k, v), args = packed()
+    with pytest.raises(RuntimeError, match="strict mode"):
+        flash_attn_varlen_func(q, k, v, **args, strict=True)
+
+
+def test_strict_env(seed, monkeypatch):
+    q, k, v = qkv()
+    monkeypatch.setenv("CUTEATTN_STRICT", "1")
+    with pytest.raises(RuntimeError, match="CUTEATTN_STRICT"):
+        flash_attn_func(q, k, v)
+    quiet(flash_attn_func, q, k, v, strict=False)  # the argument wins over the environment
+    monkeypatch.setenv("CUTEATTN_STRICT", "0")
+    quiet(flash_attn_func, q, k, v)
+
+
+def test_validation_comes_before_strict(seed):
+    q, k, v = qkv(d=80)
+    with pytest.raises(NotImplementedError, match="head_dim 80"):
+        flash_attn_func(q, k, v, strict=True)
+
+
+# ---- empty problems: no launch, no fallback ----
+
+@pytest.mark.parametrize("b, sq", [(0, 5), (2, 0)])
+def test_empty_queries(b, sq):
+    q, k, v = qkv(b=b, sq=sq)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, strict=True)
+    assert out.shape == q.shape and lse.shape == (b, 4, sq)
+
+
+def test_no_keys_gives_zero_and_minus_inf():
+    q, k, v = qkv(sk=0)
+    out, lse = flash_attn_func(q, k, v, return_lse=True, strict=True)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+def test_varlen_empty():
+    (q, k, v), args = packed(lens_q=(0, 0), lens_k=(3, 1))
+    out, lse = flash_attn_varlen_func(q, k, v, **args, return_lse=True, strict=True)
+    assert out.shape == (0, 4, 64) and lse.shape == (4, 0)
+    (q, k, v), args = packed(lens_q=(2, 1), lens_k=(0, 0))
+    out, lse = flash_attn_varlen_func(q, k, v, **args, return_lse=True, strict=True)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+# ---- out= / lse= buffers ----
+
+def test_out_buffers_written_in_place(seed):
+    q, k, v = qkv()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 4, 9), float("nan"))
+    got, got_lse = quiet(flash_attn_func, q, k, v, causal=True, return_lse=True, out=out, lse=lse)
+    assert got is out and got_lse is lse
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.equal(out, quiet(flash_attn_func, q, k, v, causal=True))
+
+
+# ---- autograd ----
+
+def test_no_grad_inputs_give_plain_outputs(seed):
+    out, lse = quiet(flash_attn_func, *qkv(), return_lse=True)
+    assert not out.requires_grad and not lse.requires_grad and out.grad_fn is None
+
+
+def test_backward_raises_only_when_asked(seed):
+    q, k, v = (t.requires_grad_() for t in qkv())
+    out, lse = quiet(flash_attn_func, q, k, v, return_lse=True)
+    assert out.requires_grad and not lse.requires_grad
+    with pytest.raises(NotImplementedError, match="cuteattn: backward is not implemented yet"):
+        out.float().sum().backward()
+    with torch.no_grad():
+        assert not quiet(flash_attn_func, q, k, v).requires_grad
+
+
+def test_varlen_backward_raises(seed):
+    (q, k, v), args = packed()
+    k.requires_grad_()
+    out = quiet(flash_attn_varlen_func, q, k, v, **args)
+    with pytest.raises(NotImplementedError, match="backward is not implemented"):
+        out.sum().backward()
+
+
+# ---- mask normalisation and the spec ----
+
+@pytest.mark.parametrize(
+    "causal, window, expected",
+    [
+        (False, (-1, -1), (False, False, -1, -1)),
+        (True, (-1, -1), (True, False, -1, 0)),
+        (False, (-1, 0), (True, False, -1, 0)),
+        (True, (-1, 7), (True, False, -1, 0)),
+        (True, (5, -1), (False, True, 5, 0)),
+        (True, (5, 3), (False, True, 5, 0)),
+        (False, (5, -1), (False, True, 5, -1)),
+        (False, (-1, 3), (False, True, -1, 3)),
+        (False, (0, 0), (False, True, 0, 0)),
+        (False, (None, None), (False, False, -1, -1)),
+        (False, (None, 0), (True, False, -1, 0)),
+    ],
+)
+def test_normalize_mask(causal, window, expected):
+    assert _checks.normalize_mask(causal, window) == expected
+
+
+def spec(q, k, v, **kw):
+    kw = dict(dict(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0), **kw)
+    return _checks.fixed_spec(q, k, v, **kw)
+
+
+def test_causal_equals_window_minus_one_zero(seed):
+    q, k, v = qkv()
+    assert spec(q, k, v, causal=True) == spec(q, k, v, window_size=(-1, 0))
+    out_c = quiet(flash_attn_func, q, k, v, causal=True)
+    out_w = quiet(flash_attn_func, q, k, v, window_size=(-1, 0))
+    assert torch.equal(out_c, out_w)
+
+
+def test_spec_fields(seed):
+    q, k, v = qkv(b=3, sq=5, sk=11, h=8, hk=2, d=128)
+    s = spec(q, k, v, window_size=(16, 4), softcap=30.0)
+    assert (s.dtype, s.head_dim, s.head_dim_v, s.causal, s.local, s.has_softcap) == (
+        BF16, 128, 128, False, True, True)
+    assert (s.batch, s.seqlen_q, s.seqlen_k, s.nheads, s.nheads_k, s.qhead_per_kvhead) == (3, 5, 11, 8, 2, 4)
+    assert (s.window_left, s.window_right, s.softcap, s.device_index) == (16, 4, 30.0, -1)
+    assert s.softmax_scale == pytest.approx(128 ** -0.5)
+    assert not (s.varlen_q or s.varlen_k or s.has_seqused_q or s.has_seqused_k)
+
+
+def test_compile_key_ignores_sizes(seed):
+    base = spec(*qkv()).compile_key()
+    assert spec(*qkv(b=5, sq=100, sk=3, h=8, hk=1)).compile_key() == base
+    assert spec(*qkv(), softmax_scale=0.3).compile_key() == base
+    local = spec(*qkv(), window_size=(8, 2)).compile_key()
+    assert spec(*qkv(sq=70), window_size=(100, 0)).compile_key() == local
+    assert spec(*qkv(), softcap=5.0).compile_key() == spec(*qkv(), softcap=50.0).compile_key()
+
+
+def test_compile_key_separates_static_features(seed):
+    keys = [
+        spec(*qkv()).compile_key(),
+        spec(*qkv(dtype=torch.float16)).compile_key(),
+        spec(*qkv(d=128)).compile_key(),
+        spec(*qkv(), causal=True).compile_key(),
+        spec(*qkv(), window_size=(8, 2)).compile_key(),
+        spec(*qkv(), softcap=5.0).compile_key(),
+        spec(*qkv(), causal=True, softcap=5.0).compile_key(),
+    ]
+    (q, k, v), args = packed()
+    vspec = lambda **kw: _checks.varlen_spec(
+        q, k, v, args["cu_seqlens_q"], args["cu_seqlens_k"], 7, 5, kw.get("sq"), kw.get("sk"),
+        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+    )
+    used = torch.zeros(3, dtype=torch.int32)
+    keys += [vspec().compile_key(), vspec(sq=used).compile_key(), vspec(sk=used).compile_key()]
+    assert len(set(keys)) == len(keys)
+
+
+# ---- the dispatch contract, with a fake dispatch module ----
+
+class FakeDispatch(types.SimpleNamespace):
+    """Stands in for cuteattn.dispatch: records the launch and fills out/lse with sentinels."""
+
+    def __init__(self):
+        super().__init__(calls=[])
+
+    def forward(self, spec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                seqused_q=None, seqused_k=None):
+        self.calls.append(dict(spec=spec, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
+                               cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k))
+        out.fill_(1.0)
+        lse.fill_(2.0)
+
+
+@pytest.fixture
+def fake_dispatch(monkeypatch):
+    fake = FakeDispatch()
+    monkeypatch.setattr(api, "_select_kernel", lambda spec, device: (fake, None))
+    return fake
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_fixed_launch_contract(fake_dispatch, device):
+    # on meta tensors any read of a value (.item(), a sync) would raise: the launch path reads none
+    q, k, v = qkv(b=3, sq=5, sk=7, h=8, hk=2, device=device)
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True, strict=True)
+    (call,) = fake_dispatch.calls
+    assert call["q"] is q and call["k"] is k and call["v"] is v
+    assert call["out"] is out and call["lse"] is lse
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert lse.shape == (3, 8, 5) and lse.dtype == torch.float32
+    assert call["spec"].causal and call["cu_seqlens_q"] is None
+    if device == "cpu":
+        assert torch.all(out == 1) and torch.all(lse == 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_varlen_launch_contract(fake_dispatch, device):
+    (q, k, v), args = packed(h=8, hk=2, device=device)
+    used = torch.tensor([1, 0, 7], dtype=torch.int32, device=device)
+    out, lse = flash_attn_varlen_func(q, k, v, **args, seqused_k=used, window_size=(4, 0), return_lse=True)
+    (call,) = fake_dispatch.calls
+    assert call["cu_seqlens_q"] is args["cu_seqlens_q"] and call["cu_seqlens_k"] is args["cu_seqlens_k"]
+    assert call["seqused_q"] is None and call["seqused_k"] is used
+    assert out.shape == q.shape and lse.shape == (8, q.shape[0])
+    s = call["spec"]
+    assert s.varlen_q and s.varlen_k and s.has_seqused_k and not s.has_seqused_q
+    assert (s.batch, s.seqlen_q, s.seqlen_k, s.local, s.window_left, s.window_right) == (3, 7, 5, True, 4, 0)
+
+
+def test_cpu_never_asks_dispatch(monkeypatch):
+    """CPU tensors fall back without importing cuteattn.dispatch (which needs the DSL and a GPU)."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def guarded(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "cuteattn.dispatch" or (name == "cuteattn" and fromlist and "dispatch" in fromlist):
+            raise AssertionError("dispatch imported on the CPU path")
+        return real_import(name, globals, locals, fromlist, level)
+
+    monkeypatch.setattr(builtins, "__import__", guarded)
+    q, k, v = qkv()
+    quiet(flash_attn_func, q, k, v)
+    with pytest.raises(AssertionError, match="dispatch imported"):  # the guard does work
+        api._select_kernel(spec(q, k, v), torch.device("cuda"))
+
+
+def test_deterministic_accepted(seed):
+    q, k, v = qkv()
+    a = quiet(flash_attn_func, q, k, v, deterministic=True)
+    assert torch.equal(a, quiet(flash_attn_func, q, k, v))

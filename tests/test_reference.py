@@ -1,0 +1,164 @@
+"""The reference against attention written the slow, obvious way: one query row at a time, float64."""
+import math
+
+import pytest
+import torch
+
+from cuteattn.reference import attention_ref, attention_varlen_ref
+
+
+def naive_attention(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0):
+    """Row-by-row float64 attention with the mask written directly from its definition."""
+    q, k, v = q.double(), k.double(), v.double()
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    left, right = window
+    if causal:
+        right = 0
+    out = torch.zeros(b, sq, h, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((b, h, sq), -math.inf, dtype=torch.float64)
+    for bi in range(b):
+        for hi in range(h):
+            kv = hi // (h // hk)
+            for i in range(sq):
+                keys = [
+                    j for j in range(sk)
+                    if (right < 0 or j <= i + sk - sq + right) and (left < 0 or j >= i + sk - sq - left)
+                ]
+                if not keys:
+                    continue
+                s = torch.stack([(q[bi, i, hi] * k[bi, j, kv]).sum() * scale for j in keys])
+                if softcap > 0:
+                    s = softcap * torch.tanh(s / softcap)
+                m = s.max()
+                e = torch.exp(s - m)
+                lse[bi, hi, i] = m + torch.log(e.sum())
+                out[bi, i, hi] = (e[:, None] * v[bi, keys, kv]).sum(0) / e.sum()
+    return out, lse
+
+
+def rand(*shape):
+    return torch.randn(*shape, dtype=torch.float32)
+
+
+def check(q, k, v, **kw):
+    out, lse = attention_ref(q, k, v, **kw)
+    naive_kw = dict(
+        scale=kw.get("softmax_scale"), causal=kw.get("causal", False),
+        window=kw.get("window_size", (-1, -1)), softcap=kw.get("softcap", 0.0),
+    )
+    out_n, lse_n = naive_attention(q, k, v, **naive_kw)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    torch.testing.assert_close(out.double(), out_n, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_n))
+    torch.testing.assert_close(lse.double(), lse_n, atol=1e-5, rtol=1e-5)
+    return out, lse
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 5), (3, 7), (7, 3), (1, 6), (6, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_causal_and_plain(seed, sq, sk, causal):
+    check(rand(2, sq, 2, 8), rand(2, sk, 2, 8), rand(2, sk, 2, 8), causal=causal)
+
+
+@pytest.mark.parametrize("window", [(2, 1), (0, 0), (3, -1), (-1, 2), (1, 0)])
+@pytest.mark.parametrize("sq, sk", [(6, 6), (4, 9), (9, 4)])
+def test_window(seed, window, sq, sk):
+    check(rand(1, sq, 2, 8), rand(1, sk, 2, 8), rand(1, sk, 2, 8), window_size=window)
+
+
+def test_causal_with_window_keeps_left(seed):
+    q, k, v = rand(1, 6, 2, 8), rand(1, 8, 2, 8), rand(1, 8, 2, 8)
+    out, lse = check(q, k, v, causal=True, window_size=(2, 5))
+    out_w, lse_w = attention_ref(q, k, v, window_size=(2, 0))
+    assert torch.equal(out, out_w) and torch.equal(lse, lse_w)
+
+
+@pytest.mark.parametrize("softcap", [0.5, 30.0])
+def test_softcap(seed, softcap):
+    q, k, v = rand(1, 5, 2, 8) * 3, rand(1, 6, 2, 8) * 3, rand(1, 6, 2, 8)
+    check(q, k, v, softcap=softcap, softmax_scale=0.7, causal=True)
+
+
+@pytest.mark.parametrize("h, hk", [(4, 2), (6, 1), (3, 3)])
+def test_gqa(seed, h, hk):
+    check(rand(2, 4, h, 8), rand(2, 5, hk, 8), rand(2, 5, hk, 8))
+
+
+def test_gqa_head_mapping(seed):
+    """Query heads 0..h/hk-1 use kv head 0: equal to MHA with the kv heads repeated."""
+    q, k, v = rand(1, 4, 6, 8), rand(1, 5, 2, 8), rand(1, 5, 2, 8)
+    out, _ = attention_ref(q, k, v)
+    out_mha, _ = attention_ref(q, k.repeat_interleave(3, 2), v.repeat_interleave(3, 2))
+    assert torch.equal(out, out_mha)
+
+
+def test_rows_without_keys_are_zero_and_minus_inf(seed):
+    # causal with sq > sk: the first sq - sk rows see no key
+    q, k, v = rand(1, 7, 2, 8), rand(1, 3, 2, 8), rand(1, 3, 2, 8)
+    out, lse = check(q, k, v, causal=True)
+    assert torch.all(out[:, :4] == 0) and torch.all(torch.isneginf(lse[:, :, :4]))
+    assert torch.isfinite(lse[:, :, 4:]).all()
+    # a window that excludes every key for some rows
+    out, lse = check(q, k, v, window_size=(0, 0))
+    assert torch.all(out[:, :4] == 0)
+
+
+def test_no_keys_at_all(seed):
+    q, k, v = rand(1, 3, 2, 8), rand(1, 0, 2, 8), rand(1, 0, 2, 8)
+    out, lse = attention_ref(q, k, v)
+    assert out.shape == (1, 3, 2, 8) and torch.all(out == 0) and torch.all(torch.isneginf(lse))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_modes(seed, dtype):
+    q, k, v = (rand(1, 9, 2, 64).to(dtype) for _ in range(3))
+    out, lse = attention_ref(q, k, v, causal=True)
+    out_lp, lse_lp = attention_ref(q, k, v, causal=True, upcast=False)
+    assert out.dtype == torch.float32 and out_lp.dtype == dtype and lse_lp.dtype == torch.float32
+    err = (out_lp.float() - out).abs().max().item()
+    assert 0 < err < 0.05  # really computed in low precision, and still close
+
+
+def test_upcast_matches_naive_on_low_precision_inputs(seed):
+    q, k, v = (rand(2, 6, 2, 16).bfloat16() for _ in range(3))
+    check(q, k, v, window_size=(2, 1))
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1))])
+def test_varlen_matches_per_sequence(seed, causal, window):
+    lens_q, lens_k = [3, 0, 5, 1, 4], [4, 2, 5, 0, 6]
+    h, hk, d = 4, 2, 8
+    q, k, v = rand(sum(lens_q), h, d), rand(sum(lens_k), hk, d), rand(sum(lens_k), hk, d)
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    out, lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window)
+    assert out.shape == (sum(lens_q), h, d) and lse.shape == (h, sum(lens_q))
+    for b in range(len(lens_q)):
+        q0, k0 = int(cu_q[b]), int(cu_k[b])
+        qs, ks = slice(q0, q0 + lens_q[b]), slice(k0, k0 + lens_k[b])
+        o_b, l_b = attention_ref(q[None, qs], k[None, ks], v[None, ks], causal=causal, window_size=window)
+        assert torch.equal(out[qs], o_b[0])
+        assert torch.equal(lse[:, qs], l_b[0])
+    # sequence 3 has a query but no key
+    assert torch.all(out[int(cu_q[3])] == 0) and torch.all(torch.isneginf(lse[:, int(cu_q[3])]))
+
+
+def test_varlen_seqused(seed):
+    lens_q, lens_k = [4, 5], [6, 3]
+    used_q, used_k = [2, 5], [6, 1]
+    q, k, v = rand(9, 2, 8), rand(9, 2, 8), rand(9, 2, 8)
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 9], dtype=torch.int32)
+    out, lse = attention_varlen_ref(
+        q, k, v, cu_q, cu_k, torch.tensor(used_q, dtype=torch.int32),
+        torch.tensor(used_k, dtype=torch.int32), causal=True,
+    )
+    # rows beyond seqused_q: 0 and -inf
+    assert torch.all(out[2:4] == 0) and torch.all(torch.isneginf(lse[:, 2:4]))
+    # the masks align to the used lengths: sequence 1 has 5 queries and 1 key
+    o1, l1 = naive_attention(q[None, 4:9], k[None, 6:7], v[None, 6:7], causal=True)
+    torch.testing.assert_close(out[4:9].double(), o1[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isneginf(lse[:, 4:9]), torch.isneginf(l1[0]))

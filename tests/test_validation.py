@@ -1,0 +1,293 @@
+"""Every rejected input, for both entry points: the error type and that the message names the rule."""
+import warnings
+
+import pytest
+import torch
+
+from cuteattn import flash_attn_func, flash_attn_varlen_func
+
+BF16 = torch.bfloat16
+KINDS = ["fixed", "varlen"]
+
+
+def make(kind, *, dtype=BF16, d=64, dv=None, h=4, hk=4):
+    """Valid arguments for one call of `kind` (small, CPU)."""
+    dv = d if dv is None else dv
+    if kind == "fixed":
+        return dict(
+            q=torch.randn(2, 8, h, d, dtype=dtype),
+            k=torch.randn(2, 12, hk, d, dtype=dtype),
+            v=torch.randn(2, 12, hk, dv, dtype=dtype),
+        )
+    return dict(
+        q=torch.randn(10, h, d, dtype=dtype),
+        k=torch.randn(14, hk, d, dtype=dtype),
+        v=torch.randn(14, hk, dv, dtype=dtype),
+        cu_seqlens_q=torch.tensor([0, 4, 10], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 6, 14], dtype=torch.int32),
+        max_seqlen_q=6,
+        max_seqlen_k=8,
+    )
+
+
+def call(kind, args, **kw):
+    fn = flash_attn_func if kind == "fixed" else flash_attn_varlen_func
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # valid calls fall back to the reference on CPU
+        return fn(**args, **kw)
+
+
+def rejects(kind, args, exc, match, **kw):
+    with pytest.raises(exc, match=match):
+        call(kind, args, **kw)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_valid_arguments_pass(kind):
+    args = make(kind)
+    out = call(kind, args)
+    assert out.shape == args["q"].shape
+
+
+# ---- dtypes and devices ----
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_float32_rejected(kind):
+    rejects(kind, make(kind, dtype=torch.float32), TypeError, "q dtype must be float16 or bfloat16")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_dtype_mismatch(kind, name):
+    args = make(kind)
+    args[name] = args[name].half()
+    rejects(kind, args, TypeError, f"{name} dtype .* must equal q's")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["k", "v"])
+def test_mixed_devices(kind, name):
+    args = make(kind)
+    args[name] = args[name].to("meta")
+    rejects(kind, args, ValueError, f"{name} is on meta but q is on cpu")
+
+
+def test_non_tensor_rejected():
+    args = make("fixed")
+    args["k"] = args["k"].tolist()
+    rejects("fixed", args, TypeError, "k must be a torch.Tensor")
+
+
+# ---- ranks and shapes ----
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rank(kind):
+    args = make(kind)
+    args["q"] = args["q"][0]
+    want = "4-D" if kind == "fixed" else "3-D"
+    rejects(kind, args, ValueError, f"q must be {want}")
+
+
+def test_batch_mismatch():
+    args = make("fixed")
+    args["k"], args["v"] = args["k"][:1], args["v"][:1]
+    rejects("fixed", args, ValueError, "k's batch")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_v_shape_mismatch(kind):
+    args = make(kind)
+    args["v"] = args["v"][..., :2, :]
+    rejects(kind, args, ValueError, "v's shape .* must match k's")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_k_head_dim_mismatch(kind):
+    args = make(kind)
+    args["k"] = torch.randn(*args["k"].shape[:-1], 128, dtype=BF16)
+    rejects(kind, args, ValueError, "k's head_dim")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("d", [32, 80, 160, 512])
+def test_unsupported_head_dim(kind, d):
+    rejects(kind, make(kind, d=d), NotImplementedError, f"head_dim {d} is not supported")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_head_dim_v_differs(kind):
+    rejects(kind, make(kind, d=128, dv=64), NotImplementedError, "head_dim_v 64")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nheads_not_multiple(kind):
+    rejects(kind, make(kind, h=6, hk=4), ValueError, r"nheads \(6\) must be a multiple of nheads_k \(4\)")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_non_unit_head_stride(kind, name):
+    args = make(kind)
+    wide = torch.randn(*args[name].shape[:-1], 2 * args[name].shape[-1], dtype=BF16)
+    args[name] = wide[..., ::2]
+    rejects(kind, args, ValueError, f"{name} must have stride 1 in its last")
+
+
+# ---- scalars and unsupported features ----
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [(-2, -1), (-1, -2), (3, -5)])
+def test_window_below_minus_one(kind, window):
+    rejects(kind, make(kind), ValueError, "window_size .* must be >= -1", window_size=window)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [(1.5, 0), (0,), "ab", 3])
+def test_window_type(kind, window):
+    rejects(kind, make(kind), TypeError, "window_size", window_size=window)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("softcap", [-1.0, float("nan"), float("inf")])
+def test_bad_softcap(kind, softcap):
+    rejects(kind, make(kind), ValueError, "softcap must be finite and >= 0", softcap=softcap)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("scale", [0.0, -0.1, float("inf"), float("nan")])
+def test_bad_softmax_scale(kind, scale):
+    rejects(kind, make(kind), ValueError, "softmax_scale must be finite and > 0", softmax_scale=scale)
+
+
+def test_softmax_scale_tensor_rejected():
+    rejects("fixed", make("fixed"), TypeError, "softmax_scale", softmax_scale=torch.tensor(0.1))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dropout(kind):
+    rejects(kind, make(kind), NotImplementedError, "dropout_p", dropout_p=0.1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_alibi(kind):
+    rejects(kind, make(kind), NotImplementedError, "alibi_slopes", alibi_slopes=torch.ones(4))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_return_attn_probs(kind):
+    rejects(kind, make(kind), NotImplementedError, "return_attn_probs", return_attn_probs=True)
+
+
+# ---- out / lse buffers ----
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_out_buffer_shape_and_dtype(kind):
+    args = make(kind)
+    rejects(kind, args, ValueError, "out must be", out=torch.empty(3, dtype=BF16))
+    rejects(kind, args, ValueError, "out must be", out=torch.empty_like(args["q"], dtype=torch.half))
+    rejects(kind, args, ValueError, "lse must be", lse=torch.empty(3))
+
+
+# ---- varlen index tensors ----
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_cu_seqlens_dtype(name):
+    args = make("varlen")
+    args[name] = args[name].long()
+    rejects("varlen", args, TypeError, f"{name} must be int32")
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_cu_seqlens_device(name):
+    args = make("varlen")
+    args[name] = args[name].to("meta")
+    rejects("varlen", args, ValueError, f"{name} is on meta but q is on cpu")
+
+
+def test_cu_seqlens_rank():
+    args = make("varlen")
+    args["cu_seqlens_q"] = args["cu_seqlens_q"].view(1, 3)
+    rejects("varlen", args, ValueError, "cu_seqlens_q must be 1-D")
+
+
+def test_cu_seqlens_length_mismatch():
+    args = make("varlen")
+    args["cu_seqlens_k"] = torch.tensor([0, 6, 10, 14], dtype=torch.int32)
+    rejects("varlen", args, ValueError, "cu_seqlens_k has length 4 but cu_seqlens_q has 3")
+
+
+def test_cu_seqlens_empty():
+    args = make("varlen")
+    args["cu_seqlens_q"] = torch.zeros(0, dtype=torch.int32)
+    rejects("varlen", args, ValueError, "batch \\+ 1 >= 1")
+
+
+@pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_cu_seqlens_none_rejected(name):
+    args = make("varlen")
+    args[name] = None
+    rejects("varlen", args, NotImplementedError, f"{name} is None: mixing fixed-length and packed")
+
+
+@pytest.mark.parametrize("name", ["seqused_q", "seqused_k"])
+def test_seqused_shape_dtype_device(name):
+    args = make("varlen")
+    rejects("varlen", args, ValueError, f"{name} must have length batch = 2",
+            **{name: torch.tensor([1, 2, 3], dtype=torch.int32)})
+    rejects("varlen", args, TypeError, f"{name} must be int32", **{name: torch.tensor([1, 2])})
+    rejects("varlen", args, ValueError, f"{name} is on meta",
+            **{name: torch.tensor([1, 2], dtype=torch.int32, device="meta")})
+
+
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
+def test_max_seqlen(name):
+    args = make("varlen")
+    args[name] = -1
+    rejects("varlen", args, ValueError, f"{name} must be >= 0")
+    for bad in (6.0, torch.tensor(6), True):
+        args[name] = bad
+        rejects("varlen", args, TypeError, f"{name} must be a Python int")
+
+
+# ---- validate=True: the checks that read the lengths ----
+
+def test_validate_accepts_good_input():
+    args = make("varlen")
+    call("varlen", args, validate=True, seqused_q=torch.tensor([4, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    "name, values, match",
+    [
+        ("cu_seqlens_q", [1, 4, 10], "cu_seqlens_q must start at 0"),
+        ("cu_seqlens_q", [0, 7, 6], "cu_seqlens_q must be non-decreasing"),
+        ("cu_seqlens_k", [0, 6, 12], r"cu_seqlens_k must end at the total number of rows \(14\)"),
+        ("cu_seqlens_k", [0, 6, 15], "cu_seqlens_k must end at"),
+    ],
+)
+def test_validate_cu_seqlens(name, values, match):
+    args = make("varlen")
+    args[name] = torch.tensor(values, dtype=torch.int32)
+    if name == "cu_seqlens_q" and values[-1] != 10:
+        args["q"] = torch.randn(values[-1], 4, 64, dtype=BF16)
+    rejects("varlen", args, ValueError, match, validate=True)
+
+
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
+def test_validate_max_seqlen_too_small(name):
+    args = make("varlen")
+    args[name] = 5  # the longest q sequence has 6 rows, the longest k sequence 8
+    rejects("varlen", args, ValueError, f"{name} .* smaller than a sequence's length", validate=True)
+
+
+def test_validate_max_seqlen_counts_seqused():
+    args = make("varlen")
+    args["max_seqlen_k"] = 6  # cu_seqlens_k gives lengths 6 and 8, but only 6 and 5 are used
+    call("varlen", args, validate=True, seqused_k=torch.tensor([6, 5], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("used", [[5, 0], [0, -1]])
+def test_validate_seqused_range(used):
+    args = make("varlen")
+    rejects("varlen", args, ValueError, r"seqused_q\[\d\] = -?\d must lie in \[0, \d\]",
+            validate=True, seqused_q=torch.tensor(used, dtype=torch.int32))
