@@ -136,8 +136,10 @@ def main():
     except Exception as e:  # the peer is optional
         print("fa4 unavailable:", type(e).__name__, e)
         fa4 = None
-    candidates = {64: [(3, 96, 4), (2, 128, 4)], 128: [(2, 128, 2), (2, 128, 3)],
-                  256: [(2, 80, 2), (2, 64, 3)]}
+    candidates = {d: [config._TILES[d]] for d in (64, 128, 256)}
+    if "sweep" in sys.argv:  # tile candidates to compare (keep each under 227 KB of smem)
+        candidates = {64: [(3, 96, 4), (2, 128, 4)], 128: [(2, 128, 2), (2, 128, 3)],
+                      256: [(2, 80, 2), (2, 64, 2)]}
     for d, tiles in candidates.items():
         for tile in tiles:
             config._TILES[d] = tile

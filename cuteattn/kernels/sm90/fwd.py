@@ -171,11 +171,11 @@ class FlashFwdSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            mQ.shape[0], mK.shape[0], qhead_per_kvhead,
+            mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch,
             score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sVt_layout,
         ).launch(
-            grid=(num_m_blocks, num_heads, batch),
+            grid=self.grid(num_m_blocks, num_heads, batch),
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -194,6 +194,7 @@ class FlashFwdSm90:
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32,
+        num_m_blocks: Int32, num_heads: Int32, batch: Int32,
         score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -219,9 +220,7 @@ class FlashFwdSm90:
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
 
         # Which tile: heavy (late) query blocks first for causal masks, so the tail is short.
-        m_block, head_idx, batch_idx = cute.arch.block_idx()
-        if const_expr(cfg.causal or cfg.local):
-            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        m_block, head_idx, batch_idx = self.tile_coord(num_m_blocks, num_heads, batch)
         seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static,
                             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
@@ -246,6 +245,27 @@ class FlashFwdSm90:
                     score_scale, softmax_scale_log2, window_left, window_right,
                     m_block, head_idx, batch_idx, n_min, n_max, wg, tidx % WG_THREADS,
                 )
+
+    # Tile order. Causal and windowed tiles differ in cost: launch them longest first (the last
+    # query blocks see the most keys) over all heads and batches, so the short ones fill the tail
+    # (LPT order). Equal-cost tiles keep the query block fastest, so the tiles that share one
+    # head's K and V run together and find them in L2.
+    def grid(self, num_m_blocks, num_heads, batch):
+        if const_expr(self.cfg.causal or self.cfg.local):
+            return (num_m_blocks * num_heads * batch, 1, 1)
+        return (num_m_blocks, num_heads, batch)
+
+    @cute.jit
+    def tile_coord(self, num_m_blocks: Int32, num_heads: Int32, batch: Int32):
+        bx, by, bz = cute.arch.block_idx()
+        m_block, head_idx, batch_idx = bx, by, bz
+        if const_expr(self.cfg.causal or self.cfg.local):
+            heads_x_batch = num_heads * batch
+            m_block = num_m_blocks - 1 - bx // heads_x_batch
+            rest = bx % heads_x_batch
+            head_idx = rest % num_heads
+            batch_idx = rest // num_heads
+        return m_block, head_idx, batch_idx
 
     def make_pipelines(self, storage):
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
