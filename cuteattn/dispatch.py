@@ -32,10 +32,6 @@ def can_implement(spec: AttentionSpec, device: torch.device) -> Optional[str]:
         return f"head_dim {spec.head_dim} is not supported by the sm90 kernel"
     if spec.head_dim_v != spec.head_dim:
         return "head_dim_v != head_dim is not supported by the sm90 kernel"
-    if spec.varlen_q or spec.varlen_k:
-        # compiled and wired, but its first GPU run disagreed with the reference: until the
-        # GPU suite passes, packed batches take the reference path (never a wrong answer)
-        return "the sm90 varlen kernel is not verified yet"
     if spec.varlen_q != spec.varlen_k:
         return "the sm90 kernel needs q and k both packed (cu_seqlens) or both batched"
     return None
@@ -68,6 +64,15 @@ def _to_cute(t: Optional[torch.Tensor], align: int = 16):
     return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.ndim - 1)
 
 
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA (and the kernel's compiled promise) needs a 16-byte aligned base and strides that are
+    multiples of 16 bytes. Tensors that are not (odd views, storage offsets) are copied."""
+    unit = 16 // t.element_size()
+    if t.data_ptr() % 16 == 0 and all(st % unit == 0 for st in t.stride()[:-1]):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
 def kernel_scalars(spec: AttentionSpec):
     """(score_scale, softmax_scale_log2, window_left, window_right) as the kernel takes them."""
     if spec.has_softcap:
@@ -91,10 +96,14 @@ def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlen
     fn = _compiled(spec)
     score_scale, scale_log2, left, right = kernel_scalars(spec)
     stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+    out_k = _tma_ready(out)
     fn(
-        _to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse, 4),
+        _to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out_k), _to_cute(lse, 4),
         _to_cute(cu_seqlens_q, 4), _to_cute(cu_seqlens_k, 4),
         _to_cute(seqused_q, 4), _to_cute(seqused_k, 4),
         Int32(max(spec.seqlen_q, 1)), Int32(spec.qhead_per_kvhead),
         Float32(score_scale), Float32(scale_log2), Int32(left), Int32(right), stream,
     )
+    if out_k is not out:
+        out.copy_(out_k)

@@ -16,9 +16,16 @@ from .fwd import FlashFwdSm90, Sm90FwdConfig
 
 def _fake(dtype, shape, align=16):
     """A tensor of `shape` whose last mode is contiguous and every other stride symbolic.
-    TMA needs 16-byte aligned strides: divisibility 8 elements for 16-bit types."""
-    div = max(1, (align * 8) // dtype.width) if align >= 16 else 1
+
+    Every extent is symbolic, the head dim included, because that is how a runtime tensor marked
+    with `mark_layout_dynamic` arrives: a static extent here would shift the runtime's dynamic
+    values against the compiled signature (seen as swapped strides on 3-D tensors). The kernel
+    takes its head dim from the static configuration, not from the tensor. Strides are promised
+    to be multiples of 16 bytes (TMA needs it; dispatch makes a copy of any tensor that is not).
+    """
+    div = (align * 8) // dtype.width
     strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
+    shape = tuple(cute.sym_int() if isinstance(x, int) else x for x in shape)
     return cute.runtime.make_fake_tensor(dtype, shape, strides, assumed_align=align)
 
 

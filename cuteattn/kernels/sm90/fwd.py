@@ -32,6 +32,7 @@ from ..common.layout import acc_mn_view, acc_to_a_operand_layout
 from ..common.mask import apply_mask
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import OnlineSoftmax
+from ..common.tile_scheduler import varlen_tile_coord
 
 WG_ROWS = 64  # rows of one consumer warpgroup's wgmma tile
 WG_THREADS = 128
@@ -160,9 +161,10 @@ class FlashFwdSm90:
         self.shared_storage = SharedStorage
 
         if const_expr(cfg.varlen_q):
-            num_m_blocks = (max_seqlen_q + self.tile_m - 1) // self.tile_m
             num_heads = mQ.shape[2]
-            batch = mCuSeqlensQ.shape[0] - 1 if const_expr(mCuSeqlensQ is not None) else mSeqUsedQ.shape[0]
+            batch = mCuSeqlensQ.shape[0] - 1
+            # an upper bound on the packed query blocks (see tile_scheduler.varlen_tile_coord)
+            num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m + batch
         else:
             num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
             num_heads = mQ.shape[2]
@@ -220,13 +222,16 @@ class FlashFwdSm90:
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
 
         # Which tile: heavy (late) query blocks first for causal masks, so the tail is short.
-        m_block, head_idx, batch_idx = self.tile_coord(num_m_blocks, num_heads, batch)
+        m_block, head_idx, batch_idx = self.tile_coord(num_m_blocks, num_heads, batch,
+                                                       mCuSeqlensQ, mSeqUsedQ)
+        tile_valid = batch_idx < batch  # packed grids have a few spare CTAs past the last block
+        batch_idx = cutlass.min(batch_idx, batch - 1)
         seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static,
                             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
         n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
-        tile_in_range = m_block * self.tile_m < seqlen.seqlen_q
+        tile_in_range = tile_valid & (m_block * self.tile_m < seqlen.seqlen_q)
         head_idx_kv = head_idx // qhead_per_kvhead
 
         if warp_idx < 4:
@@ -251,15 +256,21 @@ class FlashFwdSm90:
     # (LPT order). Equal-cost tiles keep the query block fastest, so the tiles that share one
     # head's K and V run together and find them in L2.
     def grid(self, num_m_blocks, num_heads, batch):
+        if const_expr(self.cfg.varlen_q):
+            return (num_m_blocks, num_heads, 1)
         if const_expr(self.cfg.causal or self.cfg.local):
             return (num_m_blocks * num_heads * batch, 1, 1)
         return (num_m_blocks, num_heads, batch)
 
     @cute.jit
-    def tile_coord(self, num_m_blocks: Int32, num_heads: Int32, batch: Int32):
+    def tile_coord(self, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
+                   mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor]):
         bx, by, bz = cute.arch.block_idx()
         m_block, head_idx, batch_idx = bx, by, bz
-        if const_expr(self.cfg.causal or self.cfg.local):
+        if const_expr(self.cfg.varlen_q):
+            m_block, batch_idx = varlen_tile_coord(bx, mCuSeqlensQ, mSeqUsedQ, batch, self.tile_m,
+                                                   self.cfg.causal or self.cfg.local)
+        elif const_expr(self.cfg.causal or self.cfg.local):
             heads_x_batch = num_heads * batch
             m_block = num_m_blocks - 1 - bx // heads_x_batch
             rest = bx % heads_x_batch

@@ -1,0 +1,55 @@
+"""Maps a CTA to its (query block, batch) for packed variable-length batches.
+
+The grid holds one CTA per query block that can exist: ceil(total_q / tile_m) + batch is an upper
+bound on sum_b ceil(len_b / tile_m), known on the host without reading cu_seqlens (no sync). Each
+CTA finds its sequence by a prefix sum over the per-sequence block counts, 32 sequences at a time
+with one warp's shuffles, so a skewed batch costs no idle CTAs beyond that small slack (which exit
+at once) instead of max_seqlen_q x batch tiles.
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@cute.jit
+def varlen_tile_coord(tile: Int32, mCuSeqlensQ, mSeqUsedQ, batch: Int32,
+                      tile_m: cutlass.Constexpr, reverse: cutlass.Constexpr):
+    """(m_block, batch_idx) of packed tile `tile`; batch_idx == batch when past the last block.
+    `reverse` numbers each sequence's blocks from its end (the heavy blocks of a causal mask
+    first). Every lane of the warp must call this (warp shuffles)."""
+    lane = cute.arch.lane_idx()
+    tiles_before = Int32(0)       # blocks of the sequences in earlier chunks
+    found_batch = batch
+    found_m = Int32(0)
+    num_chunks = (batch + 31) // 32
+    for chunk in cutlass.range(num_chunks, unroll=1):
+        b = chunk * 32 + lane
+        n = Int32(0)
+        if b < batch:
+            if cutlass.const_expr(mSeqUsedQ is not None):
+                length = mSeqUsedQ[b]
+            else:
+                length = mCuSeqlensQ[b + 1] - mCuSeqlensQ[b]
+            n = (length + tile_m - 1) // tile_m
+        incl = n  # inclusive prefix sum of n over the lanes
+        for k in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, offset=1 << k)
+            if lane >= (1 << k):
+                incl = incl + up
+        start = tiles_before + incl - n
+        hit = (tile >= start) & (tile < start + n)
+        cand_b = batch
+        cand_m = Int32(0)
+        if hit:
+            cand_b = b
+            cand_m = tile - start
+            if cutlass.const_expr(reverse):
+                cand_m = n - 1 - cand_m
+        # exactly one lane of one chunk hits (or none past the end): min picks it out
+        cand_b = cute.arch.warp_reduction(cand_b, lambda x, y: cutlass.min(x, y))
+        cand_m = cute.arch.warp_reduction(cand_m, lambda x, y: cutlass.max(x, y))
+        if cand_b < found_batch:
+            found_batch = cand_b
+            found_m = cand_m
+        tiles_before = tiles_before + cute.arch.shuffle_sync(incl, offset=31)
+    return found_m, found_batch
