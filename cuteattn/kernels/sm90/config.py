@@ -15,6 +15,8 @@ _TILES = {
 
 # sliding-window variants that need a narrower key block
 _LOCAL_TILE_N = {64: 96}
+# packed-batch variants that need a narrower key block
+_VARLEN_TILE_N = {128: 112}
 
 
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
@@ -24,6 +26,10 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     if local:
         # The window mask keeps two column limits per row live: a narrower block stays spill-free.
         tile_n = _LOCAL_TILE_N.get(head_dim, tile_n)
+    if varlen_q or varlen_k:
+        # The per-sequence offsets and lengths stay live through the mainloop; at d=128 that is
+        # the few registers that make 128-wide blocks spill (4-12 bytes), 112 does not.
+        tile_n = min(tile_n, _VARLEN_TILE_N.get(head_dim, tile_n))
     return Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_n=tile_n, num_wg=num_wg,
         num_stages=stages, causal=causal, local=local, has_softcap=has_softcap,

@@ -81,7 +81,7 @@ class FlashFwdSm90:
         self.num_stages = cfg.num_stages
         self.num_threads = WG_THREADS * (1 + cfg.num_wg)
         # Registers move from the producer (which only issues TMA) to the consumers.
-        self.producer_regs, self.consumer_regs = {2: (24, 240), 3: (32, 160)}[cfg.num_wg]
+        self.producer_regs, self.consumer_regs = {2: (32, 240), 3: (32, 160)}[cfg.num_wg]
 
     # ------------------------------------------------------------------------------------------
     # Host side: layouts, TMA descriptors, launch
