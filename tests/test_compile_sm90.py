@@ -78,3 +78,14 @@ def test_kernel_scalars_fold_softcap_and_windows():
     assert left == right == 1 << 30  # unbounded sides
     local = make_spec(torch.bfloat16, 128, "local", False)
     assert dispatch.kernel_scalars(local)[2:] == (64, 0)
+
+
+@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+def test_register_split_fits_launch(d):
+    """The producer/consumer register split must fit what the CTA is launched with, or the
+    consumers' setmaxnreg.inc waits forever (a hang on the GPU, invisible to the compiler)."""
+    from cuteattn.kernels.sm90.fwd import FlashFwdSm90
+    kernel = FlashFwdSm90(dispatch.sm90_config(make_spec(torch.bfloat16, d, "none", False)))
+    launch = (65536 // kernel.num_threads) // 8 * 8 * kernel.num_threads
+    used = 128 * (kernel.producer_regs + kernel.cfg.num_wg * kernel.consumer_regs)
+    assert used <= launch

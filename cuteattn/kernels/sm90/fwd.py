@@ -81,7 +81,13 @@ class FlashFwdSm90:
         self.num_stages = cfg.num_stages
         self.num_threads = WG_THREADS * (1 + cfg.num_wg)
         # Registers move from the producer (which only issues TMA) to the consumers.
-        self.producer_regs, self.consumer_regs = {2: (32, 240), 3: (32, 160)}[cfg.num_wg]
+        self.producer_regs, self.consumer_regs = {2: (24, 240), 3: (32, 160)}[cfg.num_wg]
+        # setmaxnreg can only redistribute the registers the CTA was launched with (ptxas caps
+        # a thread at 65536 / threads, rounded down to 8): asking for more makes the consumers'
+        # increase wait forever. (2 consumer warpgroups with a 32-register producer hung.)
+        launch_regs = (65536 // self.num_threads) // 8 * 8
+        assert WG_THREADS * (self.producer_regs + cfg.num_wg * self.consumer_regs) <= \
+            launch_regs * self.num_threads, "register split exceeds the launch allocation"
 
     # ------------------------------------------------------------------------------------------
     # Host side: layouts, TMA descriptors, launch
