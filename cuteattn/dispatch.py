@@ -32,6 +32,12 @@ def can_implement(spec: AttentionSpec, device: torch.device) -> Optional[str]:
         return f"head_dim {spec.head_dim} is not supported by the sm90 kernel"
     if spec.head_dim_v != spec.head_dim:
         return "head_dim_v != head_dim is not supported by the sm90 kernel"
+    if spec.varlen_q or spec.varlen_k:
+        # The sm90 varlen path compiles and its arguments bind correctly (tests/
+        # test_kernel_arguments.py), but the fix has not yet run on a GPU: until the GPU suite
+        # passes there, packed batches take the reference (strict mode raises): never a silent
+        # wrong answer.
+        return "the sm90 varlen kernel awaits its GPU verification"
     if spec.varlen_q != spec.varlen_k:
         return "the sm90 kernel needs q and k both packed (cu_seqlens) or both batched"
     return None
