@@ -58,8 +58,8 @@ def sm90_config(spec: AttentionSpec):
 
 def _compiled(spec: AttentionSpec):
     def build():
-        from .kernels.sm90.compile import compile_fwd
-        return compile_fwd(sm90_config(spec))
+        from .kernels.sm90.compile import compile_fwd_with_report
+        return compile_fwd_with_report(sm90_config(spec))
     return compile_cache.get_or_compile(("sm90", "fwd") + spec.compile_key(), build)
 
 

@@ -89,3 +89,13 @@ def test_register_split_fits_launch(d):
     launch = (65536 // kernel.num_threads) // 8 * 8 * kernel.num_threads
     used = 128 * (kernel.producer_regs + kernel.cfg.num_wg * kernel.consumer_regs)
     assert used <= launch
+
+
+def test_compile_report_reads_registers_and_spills():
+    """What the benchmark records per variant: ptxas's register count and spill bytes."""
+    from cuteattn.kernels.sm90.compile import compile_fwd_with_report
+    cfg = dispatch.sm90_config(make_spec(torch.bfloat16, 128, "causal", False))
+    compiled, info = compile_fwd_with_report(cfg)
+    assert compiled is not None
+    assert 128 <= info["registers"] <= 255
+    assert info["spill_store_bytes"] == 0 and info["spill_load_bytes"] == 0

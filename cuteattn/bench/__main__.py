@@ -57,6 +57,10 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
             if before is not None:
                 after = compile_stats()
                 result["compiles"] = after["compiles"] - before["compiles"]
+                # registers and spills of the variants this cell compiled (the issue asks for them)
+                result["kernels"] = {
+                    "/".join(map(str, key)): info for key, info in after["kernel_info"].items()
+                    if key not in before["kernel_info"]}
             result["check"][name] = check(cell, x, out)
             del out
             ms = median_ms(fn, device, iters=iters)

@@ -5,6 +5,12 @@ dim is static and unit-stride), so the cubin serves every batch, sequence length
 memory layout with a contiguous head dim. This needs no GPU: with CUTE_DSL_ARCH=sm_90a the same
 function runs in CI.
 """
+import contextlib
+import io
+import os
+import re
+import tempfile
+
 import cuda.bindings.driver as cuda
 
 import cutlass
@@ -77,3 +83,33 @@ def compile_fwd(cfg: Sm90FwdConfig, options: str = ""):
     scalars = (Int32(1), Int32(1), Float32(1.0), Float32(1.0), Int32(0), Int32(0))
     stream = cuda.CUstream(0)
     return cute.compile(kernel, *args, *scalars, stream, options=options)
+
+
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def compile_fwd_with_report(cfg: Sm90FwdConfig):
+    """compile_fwd, plus what ptxas reported: {'registers': per-thread registers at launch,
+    'spill_store_bytes', 'spill_load_bytes'} (empty if ptxas said nothing). The report goes to
+    stderr (Python's, and fd 2 for anything native), so both are captured while compiling."""
+    saved = os.dup(2)
+    py_err = io.StringIO()
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(py_err):  # the DSL writes its remarks here
+                compiled = compile_fwd(cfg, options="remarks{ptx}")
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace") + py_err.getvalue()
+    info = {}
+    used, spill = _PTXAS_USED.findall(text), _PTXAS_SPILL.findall(text)
+    if used:
+        info["registers"] = max(int(x) for x in used)
+    if spill:
+        info["spill_store_bytes"] = max(int(a) for a, _ in spill)
+        info["spill_load_bytes"] = max(int(b) for _, b in spill)
+    return compiled, info
