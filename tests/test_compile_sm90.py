@@ -99,3 +99,23 @@ def test_compile_report_reads_registers_and_spills():
     assert compiled is not None
     assert 128 <= info["registers"] <= 255
     assert info["spill_store_bytes"] == 0 and info["spill_load_bytes"] == 0
+
+
+PACKED_CASES = [(64, "none"), (64, "causal"), (96, "none"), (128, "none"), (128, "causal"),
+                (128, "softcap")]
+
+
+@pytest.mark.parametrize("d,mask", PACKED_CASES, ids=[f"d{d}-{m}" for d, m in PACKED_CASES])
+def test_compile_packed_convert_wide_tiles(d, mask, capfd, tmp_path, monkeypatch):
+    """The staged packed-conversion switch and its wider tiles compile to Hopper code that does
+    not spill (the reason for the switch: the unpacked conversion spills at these tiles)."""
+    from cuteattn.kernels.sm90.config import fwd_config
+    monkeypatch.chdir(tmp_path)
+    spec = make_spec(torch.bfloat16, d, mask, False)
+    cfg = fwd_config(cutlass.BFloat16, d, d, spec.causal, spec.local, spec.has_softcap,
+                     False, False, packed_convert=True)
+    assert cfg.packed_convert and cfg.smem_bytes() <= 227 * 1024
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert ("cvt.rn.bf16x2.f32" in ptx) and "wgmma.mma_async" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"

@@ -28,6 +28,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.block_info import BlockInfo
+from ..common.convert import convert_fragment
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout
 from ..common.mask import apply_mask
 from ..common.seqlen_info import SeqlenInfo
@@ -55,6 +56,7 @@ class Sm90FwdConfig:
     has_seqused_q: bool = False
     has_seqused_k: bool = False
     pingpong: bool = True        # consumer warpgroups take turns issuing GEMMs
+    packed_convert: bool = False  # P to 16 bits with one cvt per pair (see common/convert.py)
 
     @property
     def tile_m(self) -> int:
@@ -377,7 +379,7 @@ class FlashFwdSm90:
             pipeline_k.consumer_release(k_state)
             k_state.advance()
             scores_to_probs(n_max - 1)
-            tOrP_as_acc.store(acc_S.load().to(self.dtype))
+            self.probs_to_operand(acc_S, tOrP, tOrP_as_acc)
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
             # under the P V GEMM (intra-warpgroup overlap). The turn barriers make the consumer
@@ -397,7 +399,7 @@ class FlashFwdSm90:
                 pipeline_v.consumer_release(v_state)
                 v_state.advance()
                 softmax.rescale(acc_O_mn)
-                tOrP_as_acc.store(acc_S.load().to(self.dtype))
+                self.probs_to_operand(acc_S, tOrP, tOrP_as_acc)
             # Last block's O += P V.
             pipeline_v.consumer_wait(v_state)
             gemm_pv(v_state.index)
@@ -409,6 +411,14 @@ class FlashFwdSm90:
         softmax.finalize(acc_O_mn, lse)
         self.epilogue(acc_O, lse, sQ, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv,
                       row_start, head_idx, batch_idx, wg, tidx)
+
+    @cute.jit
+    def probs_to_operand(self, acc_S, tOrP, tOrP_as_acc):
+        """P (float32, in the accumulator) -> the 16-bit A operand of the P V GEMM."""
+        if const_expr(self.cfg.packed_convert):
+            convert_fragment(acc_S, tOrP)
+        else:
+            tOrP_as_acc.store(acc_S.load().to(self.dtype))
 
     @cute.jit
     def gemm_qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage):
