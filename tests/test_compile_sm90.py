@@ -119,3 +119,12 @@ def test_compile_packed_convert_wide_tiles(d, mask, capfd, tmp_path, monkeypatch
     assert ("cvt.rn.bf16x2.f32" in ptx) and "wgmma.mma_async" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
+
+
+def test_compile_for_tvm_ffi(tmp_path, monkeypatch):
+    """The kernel compiles for the TVM-FFI call path (torch tensors in, the stream from torch)."""
+    pytest.importorskip("tvm_ffi")
+    monkeypatch.chdir(tmp_path)
+    cfg = dispatch.sm90_config(make_spec(torch.bfloat16, 128, "causal", True))
+    compiled = compile_fwd(cfg, options="--keep-ptx", tvm_ffi=True)
+    assert "wgmma.mma_async" in compiled.__ptx__

@@ -4,8 +4,10 @@ Kernels are compiled against symbolic fake tensors (kernels/sm90/compile.py) and
 runtime tensors built by dispatch._to_cute. If the two disagree on which extents and strides are
 dynamic, the runtime values bind to the wrong symbols and the kernel reads the wrong memory (that
 happened: packed k/v saw their sequence and head strides swapped). Here a host-only probe with the
-kernel's argument list is compiled from the same fakes, called the way dispatch calls kernels, and
-writes back the shapes and strides it received, for comparison with torch's.
+kernel's argument list is compiled from the same fakes, called with dispatch.launch_arguments, and
+writes back the shapes, strides and scalars it received, for comparison with what was passed. Both
+call paths are covered: cute runtime tensors (DLPack) and TVM-FFI (torch tensors as they are; the
+probe is compiled for host memory there, since TVM-FFI checks the device of each tensor).
 """
 from typing import Optional
 
@@ -14,9 +16,11 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
-from cutlass import Int64  # noqa: E402
+from cutlass import Float32, Int32, Int64  # noqa: E402
 
+from cuteattn import dispatch  # noqa: E402
 from cuteattn.dispatch import _to_cute  # noqa: E402
+from cuteattn.spec import AttentionSpec  # noqa: E402
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 
@@ -24,7 +28,9 @@ from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 @cute.jit
 def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
           mCuQ: Optional[cute.Tensor], mCuK: Optional[cute.Tensor],
-          mUsedQ: Optional[cute.Tensor], mUsedK: Optional[cute.Tensor], info: cute.Tensor):
+          mUsedQ: Optional[cute.Tensor], mUsedK: Optional[cute.Tensor], max_seqlen_q: Int32,
+          qhead_per_kvhead: Int32, score_scale: Float32, scale_log2: Float32, window_left: Int32,
+          window_right: Int32, info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mO, mLSE):
         for m in cutlass.range_constexpr(cute.rank(t)):
@@ -36,9 +42,15 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
             info[i] = Int64(t.shape[0])
             info[i + 1] = Int64(t[1])
             i += 2
+    for x in (max_seqlen_q, qhead_per_kvhead, window_left, window_right):
+        info[i] = Int64(x)
+        i += 1
+    for x in (score_scale, scale_log2):  # to micro-units, to compare as integers
+        info[i] = Int64(x * 1e6)
+        i += 1
 
 
-def expected(tensors):
+def expected(tensors, spec):
     out = []
     for t in tensors[:5]:
         for n, st in zip(t.shape, t.stride()):
@@ -46,6 +58,9 @@ def expected(tensors):
     for t in tensors[5:]:
         if t is not None:
             out += [t.shape[0], int(t[1])]
+    score_scale, scale_log2, left, right = dispatch.kernel_scalars(spec)
+    out += [max(spec.seqlen_q, 1), spec.qhead_per_kvhead, left, right]
+    out += [int(score_scale * 1e6), int(scale_log2 * 1e6)]
     return out
 
 
@@ -59,11 +74,15 @@ def qkv_views(b, s, h, d):
     return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
 
+@pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
 @pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused"])
-def test_runtime_tensors_bind_to_compiled_signature(layout):
+def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
+    if tvm_ffi:
+        pytest.importorskip("tvm_ffi")
     varlen = layout.startswith("varlen")
-    cfg = fwd_config(cutlass.BFloat16, 128, 128, False, False, False, varlen, varlen,
-                     has_seqused_q=layout == "varlen-seqused", has_seqused_k=layout == "varlen-seqused")
+    seqused = layout == "varlen-seqused"
+    cfg = fwd_config(cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
+                     has_seqused_q=seqused, has_seqused_k=seqused)
     if layout == "fixed":
         q, k, v = (torch.randn(2, 96, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     elif layout == "fixed-qkv-views":
@@ -79,15 +98,30 @@ def test_runtime_tensors_bind_to_compiled_signature(layout):
         cu_q = torch.tensor([0, 100, 300], dtype=torch.int32)
         cu_k = torch.tensor([0, 250, 500], dtype=torch.int32)
         used = (torch.tensor([90, 7], dtype=torch.int32), torch.tensor([250, 3], dtype=torch.int32)) \
-            if layout == "varlen-seqused" else (None, None)
+            if seqused else (None, None)
     else:
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
         cu_q = cu_k = None
         used = (None, None)
+    spec = AttentionSpec(dtype=q.dtype, head_dim=128, head_dim_v=128, causal=False, local=True,
+                         has_softcap=True, varlen_q=varlen, varlen_k=varlen, seqlen_q=200,
+                         nheads=q.shape[-2], nheads_k=k.shape[-2], softmax_scale=0.125,
+                         window_left=17, window_right=-1, softcap=30.0)
     tensors = (q, k, v, o, lse, cu_q, cu_k, *used)
-    info = torch.full((64,), -1, dtype=torch.int64)
-    compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
-    compiled(*(_to_cute(t) for t in tensors[:4]), _to_cute(lse, 4),
-             *(_to_cute(t, 4) for t in tensors[5:]), _to_cute(info, 8))
-    want = expected(tensors)
-    assert info[: len(want)].tolist() == want
+    info = torch.full((80,), -1, dtype=torch.int64)
+    scalars = (Int32(0), Int32(0), Float32(0), Float32(0), Int32(0), Int32(0))
+    if tvm_ffi:
+        from cutlass.cute.typing import AddressSpace
+        fakes = fake_arguments(cfg, memspace=AddressSpace.generic)
+        fake_info = cute.runtime.make_fake_tensor(Int64, (80,), (1,), assumed_align=8,
+                                                  memspace=AddressSpace.generic)
+        compiled = cute.compile(probe, *fakes, *scalars, fake_info, options="--enable-tvm-ffi")
+        compiled(*dispatch.launch_arguments(spec, *tensors, tvm_ffi=True), info)
+    else:
+        compiled = cute.compile(probe, *fake_arguments(cfg), *scalars, _to_cute(info, 8))
+        compiled(*dispatch.launch_arguments(spec, *tensors), _to_cute(info, 8))
+    want = expected(tensors, spec)
+    got = info[: len(want)].tolist()
+    assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
+    # the two float32 scalars (in micro-units): equal up to float32 rounding
+    assert got[-2:] == pytest.approx(want[-2:], rel=1e-6)
