@@ -1,0 +1,90 @@
+"""The kernel's block geometry (which key blocks a query tile visits, which of them it masks),
+run on the CPU through the DSL's host JIT and checked against a brute-force mask.
+
+A key block skipped while some query of the tile sees one of its keys, or a block processed
+without the element mask while some element must be masked, is a silent wrong answer; the GPU
+tests see only their shapes, this sees every block of many more.
+"""
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32  # noqa: E402
+
+from cuteattn.dispatch import _UNBOUNDED, _to_cute  # noqa: E402
+from cuteattn.kernels.common.block_info import BlockInfo  # noqa: E402
+
+MAX_N_BLOCKS = 48
+
+
+@cute.jit
+def geometry(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32,
+             window_right: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+             causal: cutlass.Constexpr, local: cutlass.Constexpr):
+    """out[m] = (n_min, n_max, needs_mask of (block n, warpgroup w) at 2 + 4 n + w)."""
+    info = BlockInfo(tile_m, tile_n, causal, local, window_left, window_right)
+    for m in cutlass.range((seqlen_q + tile_m - 1) // tile_m, unroll=1):
+        n_min, n_max = info.n_block_range(seqlen_q, seqlen_k, m)
+        out[m, 0] = n_min
+        out[m, 1] = n_max
+        for n in cutlass.range(MAX_N_BLOCKS, unroll=1):
+            for w in cutlass.range_constexpr(tile_m // 64):
+                out[m, 2 + 4 * n + w] = Int32(
+                    info.needs_mask(seqlen_q, seqlen_k, m * tile_m + w * 64, 64, n))
+
+
+def visible(sq, sk, causal, left, right):
+    """The reference mask (bottom-right aligned), -1 = unbounded side."""
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    off = sk - sq
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        ok &= j <= i + off
+    if left >= 0:
+        ok &= j >= i + off - left
+    if right >= 0:
+        ok &= j <= i + off + right
+    return ok
+
+
+TILES = [(128, 128), (128, 80), (192, 96), (128, 112)]
+MASKS = [("none", -1, -1), ("causal", -1, 0), ("local", 64, 32), ("local", 0, 0),
+         ("local", 200, -1), ("local", -1, 50)]
+LENGTHS = [(1, 1), (17, 300), (300, 17), (128, 128), (1000, 1023), (700, 129), (129, 700)]
+
+
+@pytest.mark.parametrize("tile_m,tile_n", TILES, ids=[f"{m}x{n}" for m, n in TILES])
+@pytest.mark.parametrize("mask,left,right", MASKS, ids=[f"{m}{l},{r}" for m, l, r in MASKS])
+def test_block_range_and_mask_flags(tile_m, tile_n, mask, left, right):
+    causal, local = mask == "causal", mask == "local"
+    out = torch.zeros(64, 2 + 4 * MAX_N_BLOCKS, dtype=torch.int32)
+    compiled = cute.compile(geometry, _to_cute(out, 4), Int32(0), Int32(0), Int32(0), Int32(0),
+                            tile_m, tile_n, causal, local)
+    for sq, sk in LENGTHS:
+        assert (sk + tile_n - 1) // tile_n <= MAX_N_BLOCKS
+        out.fill_(-7)
+        compiled(_to_cute(out, 4), Int32(sq), Int32(sk),
+                 Int32(_UNBOUNDED if left < 0 else left), Int32(_UNBOUNDED if right < 0 else right))
+        ok = visible(sq, sk, causal, left, right)
+        for m in range((sq + tile_m - 1) // tile_m):
+            n_min, n_max = out[m, 0].item(), out[m, 1].item()
+            rows = slice(m * tile_m, min((m + 1) * tile_m, sq))
+            for n in range((sk + tile_n - 1) // tile_n + 1):
+                cols = slice(n * tile_n, min((n + 1) * tile_n, sk))
+                where = f"sq={sq} sk={sk} m_block={m} n_block={n}"
+                if ok[rows, cols].any():
+                    assert n_min <= n < n_max, f"{where}: visible keys but the block is skipped"
+                if not n_min <= n < n_max:
+                    continue
+                for w in range(tile_m // 64):
+                    r0 = m * tile_m + w * 64
+                    if r0 >= sq:
+                        continue  # rows past the sequence are never stored
+                    wg_rows = slice(r0, min(r0 + 64, sq))
+                    # a masked element: invisible, or a key column past the sequence end
+                    must_mask = (~ok[wg_rows, cols]).any() or (n + 1) * tile_n > sk
+                    if must_mask:
+                        assert out[m, 2 + 4 * n + w].item() == 1, \
+                            f"{where} warpgroup {w}: masked elements but no element mask"
