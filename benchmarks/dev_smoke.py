@@ -10,35 +10,13 @@ import time
 import torch
 
 from cuteattn import dispatch, compile_cache
+from cuteattn.reference import attention_ref
 from cuteattn.spec import AttentionSpec
 
 
 def ref(q, k, v, scale, causal, wl, wr, softcap, upcast=True):
-    dt = q.dtype
-    if upcast:
-        q, k, v = q.float(), k.float(), v.float()
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    k = k.repeat_interleave(h // hk, dim=2)
-    v = v.repeat_interleave(h // hk, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k).float() * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(sq, device=q.device)[:, None]
-    j = torch.arange(sk, device=q.device)[None, :]
-    off = sk - sq
-    ok = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
-    if causal:
-        ok &= j <= i + off
-    if wr >= 0:
-        ok &= j <= i + off + wr
-    if wl >= 0:
-        ok &= j >= i + off - wl
-    s = s.masked_fill(~ok, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    o = torch.einsum("bhqk,bkhd->bqhd", p.to(v.dtype), v)
-    return o.to(dt) if not upcast else o, lse
+    return attention_ref(q, k, v, softmax_scale=scale, causal=causal, window_size=(wl, wr),
+                         softcap=softcap, upcast=upcast)
 
 
 def run(b, sq, sk, h, hk, d, dtype, causal=False, wl=-1, wr=-1, softcap=0.0):
