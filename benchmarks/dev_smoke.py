@@ -1,7 +1,9 @@
 """Developer smoke test of the sm90 forward, bypassing the public API: every head dim and mask
 kind on a few odd shapes, errors against a float32 reference, then a quick timing. Prints one
 line per case; exits non-zero on any failure. Run on the GPU machine:
-    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py
+    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [tvm] [packed] [sweep]
+`tvm` and `packed` turn on the staged switches (dispatch.USE_TVM_FFI, config.PACKED_CONVERT) for
+this run, so one device call can check and time them before they are turned on for good.
 """
 import math
 import sys
@@ -82,6 +84,10 @@ def time_one(d, s, causal, fa4):
 
 
 def main():
+    from cuteattn.kernels.sm90 import config
+    dispatch.USE_TVM_FFI = "tvm" in sys.argv
+    config.PACKED_CONVERT = "packed" in sys.argv
+    print("switches:", {"USE_TVM_FFI": dispatch.USE_TVM_FFI, "PACKED_CONVERT": config.PACKED_CONVERT})
     fails = 0
     cases = []
     for d in (64, 96, 128, 192, 256):
@@ -108,26 +114,26 @@ def main():
                   f"{mask:8s} err={err:.2e} pt={err_pt:.2e} lse={'ok' if lse_ok else 'BAD'}", flush=True)
     print("compile stats:", {k: v for k, v in compile_cache.stats().items() if k != "compile_seconds"})
     # quick timing: bf16, 16k tokens, h*d = 2048; tile candidates per head dim, beside SDPA and FA4
-    from cuteattn.kernels.sm90 import config
     try:
         from flash_attn.cute.interface import flash_attn_func as fa4
     except Exception as e:  # the peer is optional
         print("fa4 unavailable:", type(e).__name__, e)
         fa4 = None
-    candidates = {d: [config._TILES[d]] for d in (64, 128, 256)}
+    table = config._TILES_PACKED if config.PACKED_CONVERT else config._TILES  # the active tiles
+    candidates = {d: [table[d]] for d in (64, 128, 256)}
     if "sweep" in sys.argv:  # tile candidates to compare (keep each under 227 KB of smem)
-        candidates = {64: [(3, 96, 4), (2, 128, 4)], 128: [(2, 128, 2), (2, 128, 3)],
-                      256: [(2, 80, 2), (2, 64, 2)]}
+        candidates = {64: [table[64], (2, 128, 4)], 128: [table[128], (2, 128, 3)],
+                      256: [table[256], (2, 64, 2)]}
     for d, tiles in candidates.items():
         for tile in tiles:
-            config._TILES[d] = tile
+            table[d] = tile
             compile_cache.clear()
             for causal in (False, True):
                 for s in (1024, 4096, 16384):
                     res = time_one(d, s, causal, fa4 if tile == tiles[0] else None)
                     print(f"time d={d} tile={tile} s={s:5d} causal={causal:d}: " +
                           "  ".join(f"{k} {v:4.0f}" for k, v in res.items()), flush=True)
-        config._TILES[d] = tiles[0]
+        table[d] = tiles[0]
     print("FAILURES:", fails)
     sys.exit(1 if fails else 0)
 
