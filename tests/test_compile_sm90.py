@@ -128,3 +128,24 @@ def test_compile_for_tvm_ffi(tmp_path, monkeypatch):
     cfg = dispatch.sm90_config(make_spec(torch.bfloat16, 128, "causal", True))
     compiled = compile_fwd(cfg, options="--keep-ptx", tvm_ffi=True)
     assert "wgmma.mma_async" in compiled.__ptx__
+
+
+WORST = [(d, local, varlen) for d in SUPPORTED_HEAD_DIMS for local in (False, True)
+         for varlen in (False, True)]
+
+
+@pytest.mark.parametrize("d,local,varlen", WORST,
+                         ids=[f"d{d}{'-local' if l else '-causal'}{'-varlen' if v else ''}" for d, l, v in WORST])
+def test_worst_case_variants_do_not_spill(d, local, varlen, capfd, tmp_path, monkeypatch):
+    """The register-hungriest variant of each kind, as dispatch configures it: fp16, softcap,
+    causal (where the mask is not a window), packed or not. config._TILE_N_CAPS must keep all of
+    them spill-free (found by benchmarks/dev_tile_search.py)."""
+    monkeypatch.chdir(tmp_path)
+    spec = AttentionSpec(
+        dtype=torch.float16, head_dim=d, head_dim_v=d, causal=not local, local=local,
+        has_softcap=True, varlen_q=varlen, varlen_k=varlen, softmax_scale=d ** -0.5,
+        window_left=64 if local else -1, window_right=16 if local else 0, softcap=20.0)
+    cfg = dispatch.sm90_config(spec)
+    compile_fwd(cfg, options="remarks{ptx}")
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"

@@ -26,10 +26,24 @@ _TILES_PACKED = {
     256: (2, 80, 2),
 }
 
-# sliding-window variants that need a narrower key block
-_LOCAL_TILE_N = {64: 96}
-# packed-batch variants that need a narrower key block
-_VARLEN_TILE_N = {128: 112}
+# Variants that need a narrower key block than their table's to compile without spills:
+# (packed_convert, head_dim, local, varlen) -> (widest tile_n without softcap, with softcap).
+# Found by benchmarks/dev_tile_search.py (compile-only, both dtypes, causal on and off), because
+# register pressure, not shared memory, limits these: the window keeps two column limits per row
+# live, varlen keeps the sequence's offsets and lengths, softcap its scale.
+_TILE_N_CAPS = {
+    (False, 64, False, True): (80, 80),
+    (False, 128, False, True): (112, 112),
+    (False, 128, True, True): (112, 112),
+    (False, 192, False, False): (96, 96),
+    (False, 192, False, True): (96, 96),
+    (False, 256, False, True): (64, 64),
+    (True, 64, False, True): (128, 112),
+    (True, 64, True, False): (96, 96),
+    (True, 64, True, True): (96, 96),
+    (True, 128, True, False): (160, 160),
+    (True, 128, True, True): (160, 144),
+}
 
 
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
@@ -38,13 +52,9 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                packed_convert: bool | None = None) -> Sm90FwdConfig:
     packed = PACKED_CONVERT if packed_convert is None else packed_convert
     num_wg, tile_n, stages = (_TILES_PACKED if packed else _TILES)[head_dim]
-    if local:
-        # The window mask keeps two column limits per row live: a narrower block stays spill-free.
-        tile_n = _LOCAL_TILE_N.get(head_dim, tile_n)
-    if varlen_q or varlen_k:
-        # The per-sequence offsets and lengths stay live through the mainloop; at d=128 that is
-        # the few registers that make 128-wide blocks spill (4-12 bytes), 112 does not.
-        tile_n = min(tile_n, _VARLEN_TILE_N.get(head_dim, tile_n))
+    caps = _TILE_N_CAPS.get((packed, head_dim, local, varlen_q or varlen_k))
+    if caps is not None:
+        tile_n = min(tile_n, caps[1] if has_softcap else caps[0])
     return Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_n=tile_n, num_wg=num_wg,
         num_stages=stages, causal=causal, local=local, has_softcap=has_softcap,
