@@ -7,7 +7,6 @@ this run, so one device call can check and time them before they are turned on f
 """
 import math
 import sys
-import time
 
 import torch
 

@@ -9,7 +9,6 @@ the backward).
 from dataclasses import dataclass
 
 import cutlass
-import cutlass.cute as cute
 from cutlass import Int32
 
 

@@ -13,7 +13,6 @@ import tempfile
 
 import cuda.bindings.driver as cuda
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.runtime import make_fake_stream
