@@ -11,6 +11,14 @@ from cuteattn.testing import assert_close_fa, assert_lse_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
+
+@pytest.fixture(autouse=True)
+def _varlen_kernel(monkeypatch):
+    """These tests are what verifies the varlen kernel: they route packed batches to it even while
+    dispatch.VARLEN_VERIFIED (the default users get) still sends them to the reference."""
+    from cuteattn import dispatch
+    monkeypatch.setattr(dispatch, "VARLEN_VERIFIED", True)
+
 LENS_Q = [1, 0, 63, 64, 65, 128, 129, 700]
 # different k lengths per sequence; sequence 2 has 63 queries and no key, sequence 1 keys but no query
 LENS_K = [129, 65, 0, 700, 1, 64, 128, 63]
