@@ -242,30 +242,23 @@ def check_varlen_values(
             raise ValueError(f"max_seqlen_{side} ({max_len}) is smaller than a sequence's length ({longest})")
 
 
+def _buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device):
+    """Allocate an output, or check the caller's preallocated one (written in place)."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(t)}")
+    if tuple(t.shape) != shape or t.dtype != dtype or t.device != device:
+        raise ValueError(
+            f"{name} must be {dtype} of shape {shape} on {device}; got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}"
+        )
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must have stride 1 in its last dimension; got strides {t.stride()}")
+    return t
+
+
 def output_buffers(q, out, lse, out_shape: tuple, lse_shape: tuple):
-    """Allocate (out, lse), or check the caller's preallocated ones (written in place)."""
-    if out is None:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    else:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor; got {type(out)}")
-        if tuple(out.shape) != out_shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(
-                f"out must be {q.dtype} of shape {out_shape} on {q.device}; got {out.dtype} "
-                f"{tuple(out.shape)} on {out.device}"
-            )
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have stride 1 in its last dimension; got strides {out.stride()}")
-    if lse is None:
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    else:
-        if not isinstance(lse, torch.Tensor):
-            raise TypeError(f"lse must be a torch.Tensor; got {type(lse)}")
-        if tuple(lse.shape) != lse_shape or lse.dtype != torch.float32 or lse.device != q.device:
-            raise ValueError(
-                f"lse must be float32 of shape {lse_shape} on {q.device}; got {lse.dtype} "
-                f"{tuple(lse.shape)} on {lse.device}"
-            )
-        if lse.stride(-1) != 1:
-            raise ValueError(f"lse must have stride 1 in its last dimension; got strides {lse.stride()}")
-    return out, lse
+    """(out, lse): allocated, or the caller's preallocated ones checked (written in place)."""
+    return (_buffer("out", out, out_shape, q.dtype, q.device),
+            _buffer("lse", lse, lse_shape, torch.float32, q.device))
