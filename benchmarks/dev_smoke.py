@@ -1,9 +1,9 @@
 """Developer smoke test of the sm90 forward, bypassing the public API: every head dim and mask
 kind on a few odd shapes, errors against a float32 reference, then a quick timing. Prints one
 line per case; exits non-zero on any failure. Run on the GPU machine:
-    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [tvm] [packed] [sweep]
-`tvm` and `packed` turn on the staged switches (dispatch.USE_TVM_FFI, config.PACKED_CONVERT) for
-this run, so one device call can check and time them before they are turned on for good.
+    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep]
+`dlpack` and `unpacked` turn off the switches dispatch.USE_TVM_FFI and config.PACKED_CONVERT for
+this run (both on by default), to compare against the older paths in one device call.
 """
 import math
 import sys
@@ -84,8 +84,8 @@ def time_one(d, s, causal, fa4):
 
 def main():
     from cuteattn.kernels.sm90 import config
-    dispatch.USE_TVM_FFI = "tvm" in sys.argv
-    config.PACKED_CONVERT = "packed" in sys.argv
+    dispatch.USE_TVM_FFI = "dlpack" not in sys.argv
+    config.PACKED_CONVERT = "unpacked" not in sys.argv
     print("switches:", {"USE_TVM_FFI": dispatch.USE_TVM_FFI, "PACKED_CONVERT": config.PACKED_CONVERT})
     fails = 0
     cases = []

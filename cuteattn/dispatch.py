@@ -19,13 +19,6 @@ _UNBOUNDED = 1 << 30  # a window side of -1 (unbounded) as the kernel sees it
 _LOG2E = 1.0 / math.log(2.0)
 
 
-# The sm90 varlen path compiles and its arguments bind correctly (tests/test_kernel_arguments.py),
-# but its stride fix and packed tile map have not run on a GPU yet: until tests/test_gpu_varlen.py
-# passes there, packed batches take the reference (strict mode raises). Never a silent wrong
-# answer. benchmarks/dev_varlen.py calls the kernel directly, to check it before flipping this.
-VARLEN_VERIFIED = False
-
-
 def can_implement(spec: AttentionSpec, device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return f"no kernel for device type {device.type!r}"
@@ -39,8 +32,6 @@ def can_implement(spec: AttentionSpec, device: torch.device) -> Optional[str]:
         return f"head_dim {spec.head_dim} is not supported by the sm90 kernel"
     if spec.head_dim_v != spec.head_dim:
         return "head_dim_v != head_dim is not supported by the sm90 kernel"
-    if (spec.varlen_q or spec.varlen_k) and not VARLEN_VERIFIED:
-        return "the sm90 varlen kernel awaits its GPU verification"
     if spec.varlen_q != spec.varlen_k:
         return "the sm90 kernel needs q and k both packed (cu_seqlens) or both batched"
     return None
@@ -60,10 +51,10 @@ def sm90_config(spec: AttentionSpec):
 
 
 # Call the kernels through TVM-FFI: torch tensors and Python numbers go straight in and the
-# stream comes from torch, ~1 us per call instead of ~95 us of DLPack conversion (measured on
-# the CPU with a host-only probe; the GPU kernels themselves took 60-700 us). Off until the
-# GPU suite has run with it: it was written when this session's device time had run out.
-USE_TVM_FFI = False
+# stream comes from torch, ~1 us per call instead of ~95 us of DLPack conversion (host-only
+# probe on the CPU). GPU-verified at c5a578c (benchmarks/dev_smoke.py tvm: 136 cases correct).
+# Without apache-tvm-ffi installed, or with this set to False, calls go through DLPack.
+USE_TVM_FFI = True
 
 
 def _use_tvm_ffi() -> bool:

@@ -15,9 +15,9 @@ _TILES = {
 
 # Converting P with one packed cvt per pair (common/convert.py) frees ~1 register per two score
 # columns, enough for the wider key blocks FA3 uses (d=64: 192x128, d=96/128: 128x176), all
-# spill-free when compiled (tests/test_compile_sm90.py). Off until measured on a GPU: the
-# switch and its tiles were written when this session's device time had run out.
-PACKED_CONVERT = False
+# spill-free when compiled (tests/test_compile_sm90.py). GPU-verified and measured at c5a578c
+# (docs/perf-log.md): d=128 16k causal 639 -> 677 TFLOP/s. False restores the unpacked tiles.
+PACKED_CONVERT = True
 _TILES_PACKED = {
     64: (3, 128, 4),
     96: (2, 176, 2),
