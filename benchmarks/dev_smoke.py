@@ -11,6 +11,7 @@ import sys
 import torch
 
 from cuteattn import dispatch, compile_cache
+from cuteattn.bench.timing import median_ms
 from cuteattn.reference import attention_ref
 from cuteattn.spec import AttentionSpec
 
@@ -47,18 +48,9 @@ def run(b, sq, sk, h, hk, d, dtype, causal=False, wl=-1, wr=-1, softcap=0.0):
 
 
 def bench(f, iters=20):
-    for _ in range(3):
-        f()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        f()
-        e1.record()
-        torch.cuda.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return sorted(ts)[len(ts) // 2]
+    """Median ms, timed like `python -m cuteattn.bench` (calls queued back to back, no sync
+    between them), so these numbers compare with the benchmark's."""
+    return median_ms(f, torch.device("cuda"), iters=iters)
 
 
 def time_one(d, s, causal, fa4):

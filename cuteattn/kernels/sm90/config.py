@@ -15,8 +15,8 @@ _TILES = {
 
 # Converting P with one packed cvt per pair (common/convert.py) frees ~1 register per two score
 # columns, enough for the wider key blocks FA3 uses (d=64: 192x128, d=96/128: 128x176), all
-# spill-free when compiled (tests/test_compile_sm90.py). GPU-verified and measured at c5a578c
-# (docs/perf-log.md): d=128 16k causal 639 -> 677 TFLOP/s. False restores the unpacked tiles.
+# spill-free when compiled (tests/test_compile_sm90.py). GPU-verified at c5a578c; the tiles'
+# timings are in docs/perf-log.md. False restores the unpacked path and its tiles.
 PACKED_CONVERT = True
 _TILES_PACKED = {
     64: (3, 128, 4),
