@@ -1,9 +1,11 @@
 """Developer smoke test of the sm90 forward, bypassing the public API: every head dim and mask
 kind on a few odd shapes, errors against a float32 reference, then a quick timing. Prints one
 line per case; exits non-zero on any failure. Run on the GPU machine:
-    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep]
+    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep] [nocheck]
 `dlpack` and `unpacked` turn off the switches dispatch.USE_TVM_FFI and config.PACKED_CONVERT for
 this run (both on by default), to compare against the older paths in one device call.
+`nocheck` skips the correctness cases. Every timing also runs the same kernel with one CTA per tile
+(dispatch.PERSISTENT off) beside the persistent grid.
 """
 import math
 import sys
@@ -63,7 +65,12 @@ def time_one(d, s, causal, fa4):
                          batch=b, seqlen_q=s, seqlen_k=s, nheads=h, nheads_k=h,
                          softmax_scale=d ** -0.5, device_index=0)
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
-    res = {"cuteattn": flops / bench(lambda: dispatch.forward(spec, q, k, v, out, lse)) / 1e9}
+    launch = dispatch.Launch(spec)
+    res = {"cuteattn": flops / bench(lambda: launch(q, k, v, out, lse)) / 1e9}
+    dispatch.PERSISTENT = False  # the same kernel with one CTA per tile, for comparison
+    grid = dispatch.Launch(spec)
+    dispatch.PERSISTENT = True
+    res["per-tile grid"] = flops / bench(lambda: grid(q, k, v, out, lse)) / 1e9
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -74,6 +81,33 @@ def time_one(d, s, causal, fa4):
     return res
 
 
+def host_overhead(fa4):
+    """Host microseconds per call (no sync: the GPU runs behind), small causal problem: what a
+    caller's CPU pays per attention call, ours through the public API beside the peers'."""
+    import time
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from cuteattn import flash_attn_func
+    q, k, v = [torch.randn(1, 128, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def cudnn():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    fns = {"cuteattn flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True),
+           "sdpa cudnn": cudnn}
+    if fa4 is not None:
+        fns["fa4"] = lambda: fa4(q, k, v, causal=True)
+    for name, f in fns.items():
+        f()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            f()
+        host_us = (time.perf_counter() - start) / 200 * 1e6
+        torch.cuda.synchronize()
+        print(f"host us/call {name}: {host_us:.1f}", flush=True)
+
+
 def main():
     from cuteattn.kernels.sm90 import config
     dispatch.USE_TVM_FFI = "dlpack" not in sys.argv
@@ -81,7 +115,7 @@ def main():
     print("switches:", {"USE_TVM_FFI": dispatch.USE_TVM_FFI, "PACKED_CONVERT": config.PACKED_CONVERT})
     fails = 0
     cases = []
-    for d in (64, 96, 128, 192, 256):
+    for d in (() if "nocheck" in sys.argv else (64, 96, 128, 192, 256)):
         for (sq, sk) in ((1, 1), (17, 17), (113, 203), (1023, 1023), (128, 17), (300, 64)):
             for mask in ("none", "causal", "window", "softcap"):
                 cases.append((d, sq, sk, mask))
@@ -110,6 +144,7 @@ def main():
     except Exception as e:  # the peer is optional
         print("fa4 unavailable:", type(e).__name__, e)
         fa4 = None
+    host_overhead(fa4)
     table = config._TILES_PACKED if config.PACKED_CONVERT else config._TILES  # the active tiles
     candidates = {d: [table[d]] for d in (64, 128, 256)}
     if "sweep" in sys.argv:  # tile candidates to compare (keep each under 227 KB of smem)

@@ -7,6 +7,7 @@ launches it on the current stream. No host synchronisation, no per-call compilat
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -74,6 +75,24 @@ def _compiled(spec: AttentionSpec, tvm_ffi: bool):
     return compile_cache.get_or_compile(("sm90", "fwd", tvm_ffi) + spec.compile_key(), build)
 
 
+# The kernel's grid is persistent: one CTA per SM walks the tiles (fwd.py says why). False
+# launches one CTA per tile instead (the same compiled kernel), to compare the two.
+PERSISTENT = True
+_ONE_CTA_PER_TILE = (1 << 31) - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def max_ctas(spec: AttentionSpec) -> int:
+    """The persistent grid's size: one CTA per SM (a CTA fills an SM's shared memory)."""
+    if not PERSISTENT or spec.device_index < 0:
+        return _ONE_CTA_PER_TILE
+    return _sm_count(spec.device_index)
+
+
 def _to_cute(t: Optional[torch.Tensor], align: int = 16):
     if t is None:
         return None
@@ -104,37 +123,60 @@ def kernel_scalars(spec: AttentionSpec):
     return score_scale, scale_log2, left, right
 
 
+def launch_scalars(spec: AttentionSpec) -> tuple:
+    """(max_seqlen_q, qhead_per_kvhead, score_scale, softmax_scale_log2, window_left,
+    window_right, max_ctas): the kernel's scalar arguments, in order."""
+    score_scale, scale_log2, left, right = kernel_scalars(spec)
+    return (max(spec.seqlen_q, 1), spec.qhead_per_kvhead, score_scale, scale_log2, left, right,
+            max_ctas(spec))
+
+
 def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None,
-                     cu_seqlens_k=None, seqused_q=None, seqused_k=None, tvm_ffi=False) -> tuple:
+                     cu_seqlens_k=None, seqused_q=None, seqused_k=None, tvm_ffi=False,
+                     scalars=None) -> tuple:
     """The compiled kernel's arguments, less the stream: (q, k, v, out, lse, cu_seqlens_q,
     cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, qhead_per_kvhead, score_scale,
-    softmax_scale_log2, window_left, window_right); cute runtime tensors and scalars, or as they
-    are for TVM-FFI."""
-    score_scale, scale_log2, left, right = kernel_scalars(spec)
+    softmax_scale_log2, window_left, window_right, max_ctas); cute runtime tensors and scalars,
+    or as they are for TVM-FFI. `scalars`: launch_scalars(spec), when the caller kept them."""
     tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    scalars = (max(spec.seqlen_q, 1), spec.qhead_per_kvhead, score_scale, scale_log2, left, right)
+    if scalars is None:
+        scalars = launch_scalars(spec)
     if tvm_ffi:
         return tensors + scalars
     from cutlass import Float32, Int32
     converted = tuple(_to_cute(t) for t in tensors[:4]) + (_to_cute(lse, 4),) + tuple(
         _to_cute(t, 4) for t in tensors[5:])
     return converted + tuple(kind(x) for kind, x in zip(
-        (Int32, Int32, Float32, Float32, Int32, Int32), scalars))
+        (Int32, Int32, Float32, Float32, Int32, Int32, Int32), scalars))
+
+
+class Launch:
+    """The compiled kernel for one spec with its scalar arguments worked out: calling it costs
+    only the per-tensor work (alignment check, argument conversion) and the launch itself.
+    The API keeps one per distinct call signature, so a repeated call skips everything else."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.tvm_ffi = _use_tvm_ffi()
+        self.fn = _compiled(spec, self.tvm_ffi)
+        self.scalars = launch_scalars(spec)
+
+    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                 seqused_k=None) -> None:
+        q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+        out_k = _tma_ready(out)
+        args = launch_arguments(self.spec, q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k,
+                                seqused_q, seqused_k, self.tvm_ffi, self.scalars)
+        if self.tvm_ffi:
+            self.fn(*args)
+        else:
+            import cuda.bindings.driver as cuda
+            self.fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+        if out_k is not out:
+            out.copy_(out_k)
 
 
 def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
             seqused_q=None, seqused_k=None) -> None:
     """Launches the forward kernel on the current stream: writes `out` and `lse` (float32)."""
-    tvm_ffi = _use_tvm_ffi()
-    fn = _compiled(spec, tvm_ffi)
-    q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-    out_k = _tma_ready(out)
-    args = launch_arguments(spec, q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                            seqused_k, tvm_ffi)
-    if tvm_ffi:
-        fn(*args)
-    else:
-        import cuda.bindings.driver as cuda
-        fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
-    if out_k is not out:
-        out.copy_(out_k)
+    Launch(spec)(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)

@@ -1,5 +1,6 @@
 """The API on CPU: reference fallback, strict mode, autograd, normalisation, compile keys, and the
 contract with cuteattn.dispatch (exercised with a fake dispatch module)."""
+import functools
 import types
 import warnings
 
@@ -270,7 +271,14 @@ class FakeDispatch(types.SimpleNamespace):
 @pytest.fixture
 def fake_dispatch(monkeypatch):
     fake = FakeDispatch()
-    monkeypatch.setattr(api, "_select_kernel", lambda spec, device: (fake, None))
+    fake.selections = 0
+
+    def select(spec, device):  # api._select_kernel's contract: (launch, None)
+        fake.selections += 1
+        return functools.partial(fake.forward, spec), None
+
+    monkeypatch.setattr(api, "_select_kernel", select)
+    monkeypatch.setattr(api, "_launches", {})
     return fake
 
 
@@ -301,6 +309,64 @@ def test_varlen_launch_contract(fake_dispatch, device):
     s = call["spec"]
     assert s.varlen_q and s.varlen_k and s.has_seqused_k and not s.has_seqused_q
     assert (s.batch, s.seqlen_q, s.seqlen_k, s.local, s.window_left, s.window_right) == (3, 7, 5, True, 4, 0)
+
+
+def test_repeated_call_skips_checks_and_selection(fake_dispatch):
+    q, k, v = qkv(b=2, sq=9, sk=9, h=4, hk=4)
+    first = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    second = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert fake_dispatch.selections == 1 and len(fake_dispatch.calls) == 2
+    assert fake_dispatch.calls[1]["spec"] is fake_dispatch.calls[0]["spec"]
+    assert second[0].shape == first[0].shape and second[1].shape == first[1].shape
+    assert second[0] is not first[0]  # fresh outputs every call
+    assert torch.all(second[0] == 1) and torch.all(second[1] == 2)
+
+
+@pytest.mark.parametrize("change", ["shape", "stride", "dtype", "causal", "window", "scale", "softcap"])
+def test_shortcut_misses_on_any_change(fake_dispatch, change):
+    q, k, v = qkv(b=2, sq=9, sk=9, h=4, hk=4)
+    kw = dict(causal=False, window_size=(-1, -1), softmax_scale=None, softcap=0.0)
+    flash_attn_func(q, k, v, **kw)
+    if change == "shape":
+        q, k, v = qkv(b=2, sq=10, sk=9, h=4, hk=4)
+    elif change == "stride":
+        q = torch.randn(2, 4, 9, 64, dtype=q.dtype).transpose(1, 2)
+    elif change == "dtype":
+        q, k, v = (t.to(torch.float16) for t in (q, k, v))
+    elif change == "causal":
+        kw["causal"] = True
+    elif change == "window":
+        kw["window_size"] = (3, 0)
+    elif change == "scale":
+        kw["softmax_scale"] = 0.5
+    else:
+        kw["softcap"] = 5.0
+    flash_attn_func(q, k, v, **kw)
+    assert fake_dispatch.selections == 2  # the second call took the full path
+    first, second = (c["spec"] for c in fake_dispatch.calls)
+    assert (first == second) == (change == "stride")  # strides are not part of the spec
+
+
+def test_shortcut_still_rejects_lookalike_arguments(fake_dispatch):
+    """True == 1 and hashes alike, but a bool softmax_scale or window side is an error."""
+    q, k, v = qkv(b=1, sq=5, sk=5, h=2, hk=2)
+    flash_attn_func(q, k, v, softmax_scale=1, window_size=(1, 0))
+    with pytest.raises(TypeError, match="softmax_scale"):
+        flash_attn_func(q, k, v, softmax_scale=True, window_size=(1, 0))
+    with pytest.raises(TypeError, match="window_size"):
+        flash_attn_func(q, k, v, softmax_scale=1, window_size=(True, 0))
+
+
+def test_shortcut_not_taken_for_buffers_grads_or_lists(fake_dispatch):
+    q, k, v = qkv(b=1, sq=5, sk=5, h=2, hk=2)
+    for _ in range(2):
+        flash_attn_func(q, k, v, out=torch.empty_like(q))
+    for _ in range(2):
+        flash_attn_func(q, k, v, window_size=[-1, -1])
+    assert fake_dispatch.selections == 4 and not api._launches
+    qg = q.clone().requires_grad_()
+    flash_attn_func(qg, k, v)
+    assert fake_dispatch.selections == 5 and not api._launches
 
 
 def test_cpu_never_asks_dispatch(monkeypatch):

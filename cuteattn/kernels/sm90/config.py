@@ -30,7 +30,9 @@ _TILES_PACKED = {
 # (packed_convert, head_dim, local, varlen) -> (widest tile_n without softcap, with softcap).
 # Found by benchmarks/dev_tile_search.py (compile-only, both dtypes, causal on and off), because
 # register pressure, not shared memory, limits these: the window keeps two column limits per row
-# live, varlen keeps the sequence's offsets and lengths, softcap its scale.
+# live, varlen keeps the sequence's offsets and lengths (and its producer and consumers split the
+# registers 40/232, fwd.py says why), softcap its scale. Spill-freedom is not monotonic in the
+# tile (ptxas's choices), so where softcap on and off disagree the narrower serves both.
 _TILE_N_CAPS = {
     (False, 64, False, True): (80, 80),
     (False, 128, False, True): (112, 112),
@@ -38,11 +40,15 @@ _TILE_N_CAPS = {
     (False, 192, False, False): (96, 96),
     (False, 192, False, True): (96, 96),
     (False, 256, False, True): (64, 64),
-    (True, 64, False, True): (128, 112),
+    (True, 64, False, True): (112, 112),
     (True, 64, True, False): (96, 96),
-    (True, 64, True, True): (96, 96),
+    (True, 64, True, True): (80, 80),
+    (True, 96, True, False): (160, 160),
+    (True, 96, True, True): (128, 128),
     (True, 128, True, False): (160, 160),
-    (True, 128, True, True): (160, 144),
+    (True, 128, True, True): (128, 128),
+    (True, 192, True, True): (96, 96),
+    (True, 256, True, True): (64, 64),
 }
 
 

@@ -1,8 +1,12 @@
 """Hopper (sm_90a) attention forward: TMA loads, wgmma GEMMs, warp specialization.
 
-One CTA computes `num_wg * 64` query rows of one (batch, head):
-  - warpgroup 0 is the producer: one warp issues TMA loads of Q (once) and of K and V blocks into
-    a `num_stages`-deep ring of shared-memory buffers, guarded by mbarrier pipelines;
+A tile is `num_wg * 64` query rows of one (batch, head). The grid is persistent: at most
+`max_ctas` CTAs (one per SM), each walking the tiles `blockIdx.x, + gridDim.x, ...`, so the next
+tile's K/V (and then Q) loads overlap this tile's last GEMMs and its epilogue, and no CTA pays a
+launch per tile. In each CTA:
+  - warpgroup 0 is the producer: one warp issues TMA loads of Q (once per tile) and of K and V
+    blocks into a `num_stages`-deep ring of shared-memory buffers, guarded by mbarrier pipelines
+    whose states run on across tiles;
   - warpgroups 1..num_wg are consumers: each owns 64 query rows, computes S = Q K^T with wgmma
     from shared memory, masks and turns S into probabilities P in registers (online softmax in the
     exp2 domain), and accumulates O += P V with a register-A wgmma.
@@ -81,8 +85,13 @@ class FlashFwdSm90:
         self.num_wg = cfg.num_wg
         self.num_stages = cfg.num_stages
         self.num_threads = WG_THREADS * (1 + cfg.num_wg)
-        # Registers move from the producer (which only issues TMA) to the consumers.
-        self.producer_regs, self.consumer_regs = {2: (24, 240), 3: (32, 160)}[cfg.num_wg]
+        # Registers move from the producer (which only issues TMA) to the consumers. ptxas keeps
+        # the producer's code within its budget: with the persistent tile loop, the varlen
+        # prefix sum made a 24-register producer spill, so varlen producers get 40 (and their
+        # consumers 232: config._TILE_N_CAPS narrows the tiles that need more).
+        varlen = cfg.varlen_q or cfg.varlen_k
+        self.producer_regs, self.consumer_regs = {
+            2: (40, 232) if varlen else (24, 240), 3: (32, 160)}[cfg.num_wg]
         # setmaxnreg can only redistribute the registers the CTA was launched with (ptxas caps
         # a thread at 65536 / threads, rounded down to 8): asking for more makes the consumers'
         # increase wait forever. (2 consumer warpgroups with a 32-register producer hung.)
@@ -111,6 +120,7 @@ class FlashFwdSm90:
         softmax_scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap)
         window_left: Int32,
         window_right: Int32,
+        max_ctas: Int32,           # persistent grid size (SMs); >= the tile count: one tile each
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -172,19 +182,21 @@ class FlashFwdSm90:
             batch = mCuSeqlensQ.shape[0] - 1
             # an upper bound on the packed query blocks (see tile_scheduler.varlen_tile_coord)
             num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m + batch
+            num_tiles = num_m_blocks * num_heads
         else:
             num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
             num_heads = mQ.shape[2]
             batch = mQ.shape[3]
+            num_tiles = num_m_blocks * num_heads * batch
 
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch,
+            mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sVt_layout,
         ).launch(
-            grid=self.grid(num_m_blocks, num_heads, batch),
+            grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -203,7 +215,7 @@ class FlashFwdSm90:
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32,
-        num_m_blocks: Int32, num_heads: Int32, batch: Int32,
+        num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
         score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
@@ -228,62 +240,86 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
 
-        # Which tile: heavy (late) query blocks first for causal masks, so the tail is short.
-        m_block, head_idx, batch_idx = self.tile_coord(num_m_blocks, num_heads, batch,
-                                                       mCuSeqlensQ, mSeqUsedQ)
-        tile_valid = batch_idx < batch  # packed grids have a few spare CTAs past the last block
-        batch_idx = cutlass.min(batch_idx, batch - 1)
-        seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static,
-                            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
-        n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
-        tile_in_range = tile_valid & (m_block * self.tile_m < seqlen.seqlen_q)
-        head_idx_kv = head_idx // qhead_per_kvhead
-
+        tile_stride = cute.arch.grid_dim()[0]
+        first_tile = cute.arch.block_idx()[0]
+        # Producer and consumers walk the same tiles and skip the same ones, so their pipeline
+        # states stay in step across tiles.
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0 and tile_in_range and n_max > n_min:
-                self.load(tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
-                          pipeline_q, pipeline_k, pipeline_v, seqlen, m_block, head_idx,
-                          head_idx_kv, batch_idx, n_min, n_max)
+            if warp_idx == 0:
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+                tile = first_tile
+                while tile < num_tiles:
+                    m_block, head_idx, batch_idx, in_range, seqlen = self.tile_info(
+                        tile, num_m_blocks, num_heads, batch, seqlen_q_static, seqlen_k_static,
+                        mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+                    if in_range:
+                        n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+                        q_state, kv_state = self.load(
+                            tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
+                            pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen, m_block,
+                            head_idx, head_idx // qhead_per_kvhead, batch_idx, n_min, n_max)
+                    tile += tile_stride
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            if tile_in_range:
-                wg = (warp_idx // 4) - 1
-                self.consume(
-                    tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, mO, mLSE,
-                    pipeline_q, pipeline_k, pipeline_v, seqlen, block_info,
-                    score_scale, softmax_scale_log2, window_left, window_right,
-                    m_block, head_idx, batch_idx, n_min, n_max, wg, tidx % WG_THREADS,
-                )
+            wg = (warp_idx // 4) - 1
+            if const_expr(cfg.pingpong):
+                if wg == 0:  # the first consumer warpgroup takes the first turn
+                    cute.arch.barrier_arrive(barrier_id=4, number_of_threads=2 * WG_THREADS)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            # K and V advance together over a whole tile: one state carries both across tiles
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            tile = first_tile
+            while tile < num_tiles:
+                m_block, head_idx, batch_idx, in_range, seqlen = self.tile_info(
+                    tile, num_m_blocks, num_heads, batch, seqlen_q_static, seqlen_k_static,
+                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+                if in_range:
+                    n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+                    q_state, kv_state = self.consume(
+                        tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, mO, mLSE,
+                        pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
+                        block_info, score_scale, softmax_scale_log2, window_left, window_right,
+                        m_block, head_idx, batch_idx, n_min, n_max, wg, tidx % WG_THREADS,
+                    )
+                tile += tile_stride
 
-    # Tile order. Causal and windowed tiles differ in cost: launch them longest first (the last
-    # query blocks see the most keys) over all heads and batches, so the short ones fill the tail
-    # (LPT order). Equal-cost tiles keep the query block fastest, so the tiles that share one
-    # head's K and V run together and find them in L2.
-    def grid(self, num_m_blocks, num_heads, batch):
-        if const_expr(self.cfg.varlen_q):
-            return (num_m_blocks, num_heads, 1)
-        if const_expr(self.cfg.causal or self.cfg.local):
-            return (num_m_blocks * num_heads * batch, 1, 1)
-        return (num_m_blocks, num_heads, batch)
-
+    # Tile order (the linear tile index a CTA walks). Causal and windowed tiles differ in cost:
+    # they go longest first (the last query blocks see the most keys) over all heads and
+    # batches, so the short ones fill the tail (LPT order). Equal-cost tiles keep the query block
+    # fastest, so the tiles that share one head's K and V run together and find them in L2.
     @cute.jit
-    def tile_coord(self, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
-                   mCuSeqlensQ: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor]):
-        bx, by, bz = cute.arch.block_idx()
-        m_block, head_idx, batch_idx = bx, by, bz
+    def tile_info(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
+                  seqlen_q_static: Int32, seqlen_k_static: Int32,
+                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor]):
+        """(m_block, head_idx, batch_idx, in_range, seqlen) of linear tile `tile`; in_range is
+        False for the packed grid's spare tiles and for blocks past their sequence's end."""
         if const_expr(self.cfg.varlen_q):
-            m_block, batch_idx = varlen_tile_coord(bx, mCuSeqlensQ, mSeqUsedQ, batch, self.tile_m,
+            head_idx = tile // num_m_blocks
+            m_block, batch_idx = varlen_tile_coord(tile % num_m_blocks, mCuSeqlensQ, mSeqUsedQ,
+                                                   batch, self.tile_m,
                                                    self.cfg.causal or self.cfg.local)
         elif const_expr(self.cfg.causal or self.cfg.local):
             heads_x_batch = num_heads * batch
-            m_block = num_m_blocks - 1 - bx // heads_x_batch
-            rest = bx % heads_x_batch
+            m_block = num_m_blocks - 1 - tile // heads_x_batch
+            rest = tile % heads_x_batch
             head_idx = rest % num_heads
             batch_idx = rest // num_heads
-        return m_block, head_idx, batch_idx
+        else:
+            m_block = tile % num_m_blocks
+            rest = tile // num_m_blocks
+            head_idx = rest % num_heads
+            batch_idx = rest // num_heads
+        tile_valid = batch_idx < batch  # the packed grid has a few spare tiles past the last block
+        batch_idx = cutlass.min(batch_idx, batch - 1)
+        seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static,
+                                   mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        in_range = tile_valid & (m_block * self.tile_m < seqlen.seqlen_q)
+        return m_block, head_idx, batch_idx, in_range, seqlen
 
     def make_pipelines(self, storage):
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -298,9 +334,12 @@ class FlashFwdSm90:
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
-             pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, m_block, head_idx,
-             head_idx_kv, batch_idx, n_min, n_max):
-        """Producer warp: Q once (one TMA per consumer warpgroup), then K and V block by block."""
+             pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen: SeqlenInfo, m_block,
+             head_idx, head_idx_kv, batch_idx, n_min, n_max):
+        """Producer warp, one tile: the first K and V block, then Q (one TMA per consumer
+        warpgroup), then the other K and V blocks. The first block goes before Q because its
+        ring slots free up during the previous tile's last GEMMs, while Q's buffer is only free
+        once the previous tile's epilogue is done with it. Returns the advanced states."""
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
         gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (None, 0))
         gVt = cute.local_tile(seqlen.vt_view(mVt, head_idx_kv, batch_idx), (self.dv, self.tile_n), (0, None))
@@ -309,29 +348,40 @@ class FlashFwdSm90:
         tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2))
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        n_blocks = n_max - n_min
+        if n_blocks > 0:
+            kv_state = self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV,
+                                    pipeline_k, pipeline_v, kv_state, n_max - 1)
         pipeline_q.producer_acquire(q_state)
         for wg in cutlass.range_constexpr(self.num_wg):
             cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+        q_state.advance()
+        for i in cutlass.range(1, n_blocks, unroll=1):
+            kv_state = self.load_kv(tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV,
+                                    pipeline_k, pipeline_v, kv_state, n_max - 1 - i)
+        return q_state, kv_state
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for i in cutlass.range(n_max - n_min, unroll=1):
-            n_block = n_max - 1 - i
-            pipeline_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-            pipeline_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
-            kv_state.advance()
+    @cute.jit
+    def load_kv(self, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipeline_k, pipeline_v,
+                kv_state, n_block):
+        pipeline_k.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+                  tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+        pipeline_v.producer_acquire(kv_state)
+        cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
+                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+        kv_state.advance()
+        return kv_state
 
     @cute.jit
     def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, mO, mLSE,
-                pipeline_q, pipeline_k, pipeline_v, seqlen: SeqlenInfo, block_info: BlockInfo,
+                pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
+                seqlen: SeqlenInfo, block_info: BlockInfo,
                 score_scale, softmax_scale_log2, window_left, window_right,
                 m_block, head_idx, batch_idx, n_min, n_max, wg, tidx):
-        """One consumer warpgroup: 64 query rows against every visible key block."""
+        """One consumer warpgroup, one tile: 64 query rows against every visible key block, then
+        the epilogue. Returns the advanced pipeline states."""
         cfg = self.cfg
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
@@ -349,9 +399,6 @@ class FlashFwdSm90:
 
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
         softmax.reset()
-        if const_expr(cfg.pingpong):
-            if wg == 0:  # the first consumer warpgroup takes the first turn
-                cute.arch.barrier_arrive(barrier_id=4, number_of_threads=2 * WG_THREADS)
         row_start = m_block * self.tile_m + wg * WG_ROWS
 
         tSrQ_wg = tSrQ[None, None, None, wg]
@@ -364,11 +411,12 @@ class FlashFwdSm90:
             acc_S, acc_S_mn, coord_S_mn, softmax, block_info, seqlen, row_start, n_block,
             score_scale, window_left, window_right)
 
+        # V's state trails K's by one block inside the tile; both end the tile equal.
+        k_state = kv_state.clone()
+        v_state = kv_state.clone()
+        # Q is loaded for every tile, even one without keys: its buffer stages O in the epilogue.
+        pipeline_q.consumer_wait(q_state)
         if n_max > n_min:
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            pipeline_q.consumer_wait(q_state)
             # First block: S = Q K^T alone.
             pipeline_k.consumer_wait(k_state)
             self.turn_wait(wg)
@@ -404,12 +452,16 @@ class FlashFwdSm90:
             gemm_pv(v_state.index)
             warpgroup.wait_group(0)
             pipeline_v.consumer_release(v_state)
-            pipeline_q.consumer_release(q_state)
+            v_state.advance()
 
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
         self.epilogue(acc_O, lse, sQ, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv,
                       row_start, head_idx, batch_idx, wg, tidx)
+        # The epilogue has read O back out of the Q buffer: the next tile's Q may land there.
+        pipeline_q.consumer_release(q_state)
+        q_state.advance()
+        return q_state, k_state
 
     @cute.jit
     def probs_to_operand(self, acc_S, tOrP, tOrP_as_acc):
