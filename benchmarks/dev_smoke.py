@@ -108,6 +108,25 @@ def host_overhead(fa4):
         print(f"host us/call {name}: {host_us:.1f}", flush=True)
 
 
+def time_varlen():
+    """The benchmark's varlen cells: persistent grid against one CTA per tile, beside FA4."""
+    from cuteattn.bench import shapes
+    from cuteattn.bench.peers import implementations, make_inputs
+    device = torch.device("cuda")
+    for cell in shapes.varlen_grid():
+        x = make_inputs(cell, device)
+        fns = implementations(cell, x, device)
+        res = {}
+        for persistent in (True, False):
+            dispatch.PERSISTENT = persistent
+            name = "cuteattn" if persistent else "per-tile grid"
+            res[name] = cell.flops() / bench(fns["cuteattn"]) / 1e9
+        dispatch.PERSISTENT = True
+        if callable(fns.get("fa4")):
+            res["fa4"] = cell.flops() / bench(fns["fa4"]) / 1e9
+        print(f"time {cell.label()}: " + "  ".join(f"{k} {v:4.0f}" for k, v in res.items()), flush=True)
+
+
 def main():
     from cuteattn.kernels.sm90 import config
     dispatch.USE_TVM_FFI = "dlpack" not in sys.argv
@@ -145,6 +164,7 @@ def main():
         print("fa4 unavailable:", type(e).__name__, e)
         fa4 = None
     host_overhead(fa4)
+    time_varlen()
     table = config._TILES_PACKED if config.PACKED_CONVERT else config._TILES  # the active tiles
     candidates = {d: [table[d]] for d in (64, 128, 256)}
     if "sweep" in sys.argv:  # tile candidates to compare (keep each under 227 KB of smem)

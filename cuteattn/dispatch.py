@@ -93,6 +93,40 @@ def max_ctas(spec: AttentionSpec) -> int:
     return _sm_count(spec.device_index)
 
 
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    if device_index < 0:
+        return 50 << 20  # an H100/H200's, for host-only callers (tests)
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def l2_group(spec: AttentionSpec) -> int:
+    """(batch, head) pairs per group of the causal/windowed tile order (common/tile_scheduler.py):
+    as many as have K/V in half the L2 (the other half for the next group's first tiles, Q and O),
+    in whole GQA groups, at least one."""
+    elem = spec.dtype.itemsize
+    kv_head_bytes = max(spec.seqlen_k, 1) * (spec.head_dim + spec.head_dim_v) * elem
+    kv_heads = max(1, (_l2_bytes(spec.device_index) // 2) // kv_head_bytes)
+    return kv_heads * spec.qhead_per_kvhead
+
+
+# The counter a dynamically scheduled kernel draws its tiles from (fwd.py: dynamic_tiles). The
+# kernel leaves it at zero when it ends, but two launches running at once must not share one,
+# so there is one per (device, stream). Kernels without dynamic tiles ignore it: one per device.
+_tile_counters: dict = {}
+
+
+def tile_counter(device_index: int, per_stream: bool) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device_index).cuda_stream if (
+        per_stream and device_index >= 0) else None
+    key = (device_index, stream)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        device = torch.device("cuda", device_index) if device_index >= 0 else torch.device("cpu")
+        counter = _tile_counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
 def _to_cute(t: Optional[torch.Tensor], align: int = 16):
     if t is None:
         return None
@@ -125,20 +159,22 @@ def kernel_scalars(spec: AttentionSpec):
 
 def launch_scalars(spec: AttentionSpec) -> tuple:
     """(max_seqlen_q, qhead_per_kvhead, score_scale, softmax_scale_log2, window_left,
-    window_right, max_ctas): the kernel's scalar arguments, in order."""
+    window_right, max_ctas, l2_group): the kernel's scalar arguments, in order."""
     score_scale, scale_log2, left, right = kernel_scalars(spec)
     return (max(spec.seqlen_q, 1), spec.qhead_per_kvhead, score_scale, scale_log2, left, right,
-            max_ctas(spec))
+            max_ctas(spec), l2_group(spec))
 
 
 def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None,
                      cu_seqlens_k=None, seqused_q=None, seqused_k=None, tvm_ffi=False,
-                     scalars=None) -> tuple:
+                     scalars=None, counter=None) -> tuple:
     """The compiled kernel's arguments, less the stream: (q, k, v, out, lse, cu_seqlens_q,
-    cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, qhead_per_kvhead, score_scale,
-    softmax_scale_log2, window_left, window_right, max_ctas); cute runtime tensors and scalars,
+    cu_seqlens_k, seqused_q, seqused_k, tile_counter, max_seqlen_q, qhead_per_kvhead, score_scale,
+    softmax_scale_log2, window_left, window_right, max_ctas, l2_group); cute runtime tensors and scalars,
     or as they are for TVM-FFI. `scalars`: launch_scalars(spec), when the caller kept them."""
-    tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    if counter is None:
+        counter = tile_counter(spec.device_index, per_stream=False)
+    tensors = (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, counter)
     if scalars is None:
         scalars = launch_scalars(spec)
     if tvm_ffi:
@@ -147,7 +183,7 @@ def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None,
     converted = tuple(_to_cute(t) for t in tensors[:4]) + (_to_cute(lse, 4),) + tuple(
         _to_cute(t, 4) for t in tensors[5:])
     return converted + tuple(kind(x) for kind, x in zip(
-        (Int32, Int32, Float32, Float32, Int32, Int32, Int32), scalars))
+        (Int32, Int32, Float32, Float32, Int32, Int32, Int32, Int32), scalars))
 
 
 class Launch:
@@ -160,13 +196,15 @@ class Launch:
         self.tvm_ffi = _use_tvm_ffi()
         self.fn = _compiled(spec, self.tvm_ffi)
         self.scalars = launch_scalars(spec)
+        self.dynamic_tiles = sm90_config(spec).dynamic_tiles
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None) -> None:
         q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
         out_k = _tma_ready(out)
+        counter = tile_counter(self.spec.device_index, per_stream=self.dynamic_tiles)
         args = launch_arguments(self.spec, q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k,
-                                seqused_q, seqused_k, self.tvm_ffi, self.scalars)
+                                seqused_q, seqused_k, self.tvm_ffi, self.scalars, counter)
         if self.tvm_ffi:
             self.fn(*args)
         else:

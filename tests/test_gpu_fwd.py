@@ -115,3 +115,30 @@ def test_no_recompile_for_new_shapes(seed):
     after = compile_cache.stats()
     assert after["compiles"] == before["compiles"], (before, after)
     assert after["hits"] >= before["hits"] + 2, (before, after)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("mask", ["causal", "window", "none"])
+def test_tile_counters_left_at_zero_across_streams(seed, mask):
+    """Dynamically scheduled kernels (causal, windowed) draw tiles from a per-stream counter and
+    must leave it at zero; two streams at once must not disturb each other."""
+    from cuteattn import dispatch
+
+    kw = MASKS[mask]
+    side = torch.cuda.Stream()
+    inputs = [[torch.randn(2, 2048, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+              for _ in range(2)]
+    torch.cuda.synchronize()
+    outs = []
+    for i in range(4):  # alternate streams, without waiting in between
+        stream = side if i % 2 else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            outs.append(flash_attn_func(*inputs[i % 2], strict=True, **kw))
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        q, k, v = inputs[i % 2]
+        ref, _ = attention_ref(q, k, v, **kw)
+        lowprec, _ = attention_ref(q, k, v, **kw, upcast=False)
+        assert_close_fa(out, ref, lowprec, name=f"call {i}")
+    assert all(int(c.abs().sum()) == 0 for c in dispatch._tile_counters.values())

@@ -61,3 +61,11 @@ def test_varlen_seqused(seed, mask):
     used_k = torch.tensor([100, 3, 0, 700, 1, 0, 128, 10], dtype=torch.int32, device="cuda")
     run_and_check(LENS_Q, LENS_K, 8, 2, 128, torch.bfloat16, seqused_q=used_q, seqused_k=used_k,
                   **MASKS[mask])
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_varlen_many_tiles_per_cta(seed, mask):
+    """Several hundred tiles of unequal cost, more than the GPU has SMs: the persistent grid's
+    CTAs draw many tiles each from the tile counter."""
+    lens = [4096, 512, 3072, 1, 1024, 700, 2560, 0, 1536]
+    run_and_check(lens, lens, 8, 2, 128, torch.bfloat16, **MASKS[mask])

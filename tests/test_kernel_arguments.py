@@ -28,21 +28,22 @@ from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 @cute.jit
 def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
           mCuQ: Optional[cute.Tensor], mCuK: Optional[cute.Tensor],
-          mUsedQ: Optional[cute.Tensor], mUsedK: Optional[cute.Tensor], max_seqlen_q: Int32,
+          mUsedQ: Optional[cute.Tensor], mUsedK: Optional[cute.Tensor], mTileCounter: cute.Tensor,
+          max_seqlen_q: Int32,
           qhead_per_kvhead: Int32, score_scale: Float32, scale_log2: Float32, window_left: Int32,
-          window_right: Int32, max_ctas: Int32, info: cute.Tensor):
+          window_right: Int32, max_ctas: Int32, l2_group: Int32, info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mO, mLSE):
         for m in cutlass.range_constexpr(cute.rank(t)):
             info[i] = Int64(t.shape[m])
             info[i + 1] = Int64(t.stride[m])
             i += 2
-    for t in (mCuQ, mCuK, mUsedQ, mUsedK):
+    for t in (mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter):
         if cutlass.const_expr(t is not None):
             info[i] = Int64(t.shape[0])
             info[i + 1] = Int64(t[1])
             i += 2
-    for x in (max_seqlen_q, qhead_per_kvhead, window_left, window_right, max_ctas):
+    for x in (max_seqlen_q, qhead_per_kvhead, window_left, window_right, max_ctas, l2_group):
         info[i] = Int64(x)
         i += 1
     for x in (score_scale, scale_log2):  # to micro-units, to compare as integers
@@ -59,7 +60,8 @@ def expected(tensors, spec):
         if t is not None:
             out += [t.shape[0], int(t[1])]
     score_scale, scale_log2, left, right = dispatch.kernel_scalars(spec)
-    out += [max(spec.seqlen_q, 1), spec.qhead_per_kvhead, left, right, dispatch.max_ctas(spec)]
+    out += [max(spec.seqlen_q, 1), spec.qhead_per_kvhead, left, right, dispatch.max_ctas(spec),
+            dispatch.l2_group(spec)]
     out += [int(score_scale * 1e6), int(scale_log2 * 1e6)]
     return out
 
@@ -107,19 +109,20 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
                          has_softcap=True, varlen_q=varlen, varlen_k=varlen, seqlen_q=200,
                          nheads=q.shape[-2], nheads_k=k.shape[-2], softmax_scale=0.125,
                          window_left=17, window_right=-1, softcap=30.0)
-    tensors = (q, k, v, o, lse, cu_q, cu_k, *used)
+    counter = torch.tensor([0, 7], dtype=torch.int32)  # [1] is what the probe reads back
+    tensors = (q, k, v, o, lse, cu_q, cu_k, *used, counter)
     info = torch.full((80,), -1, dtype=torch.int64)
-    scalars = (Int32(0), Int32(0), Float32(0), Float32(0), Int32(0), Int32(0), Int32(0))
+    scalars = (Int32(0), Int32(0), Float32(0), Float32(0), Int32(0), Int32(0), Int32(0), Int32(0))
     if tvm_ffi:
         from cutlass.cute.typing import AddressSpace
         fakes = fake_arguments(cfg, memspace=AddressSpace.generic)
         fake_info = cute.runtime.make_fake_tensor(Int64, (80,), (1,), assumed_align=8,
                                                   memspace=AddressSpace.generic)
         compiled = cute.compile(probe, *fakes, *scalars, fake_info, options="--enable-tvm-ffi")
-        compiled(*dispatch.launch_arguments(spec, *tensors, tvm_ffi=True), info)
+        compiled(*dispatch.launch_arguments(spec, *tensors[:9], tvm_ffi=True, counter=counter), info)
     else:
         compiled = cute.compile(probe, *fake_arguments(cfg), *scalars, _to_cute(info, 8))
-        compiled(*dispatch.launch_arguments(spec, *tensors), _to_cute(info, 8))
+        compiled(*dispatch.launch_arguments(spec, *tensors[:9], counter=counter), _to_cute(info, 8))
     want = expected(tensors, spec)
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar

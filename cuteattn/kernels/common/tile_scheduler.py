@@ -1,6 +1,10 @@
-"""Maps a CTA to its (query block, batch) for packed variable-length batches.
+"""Tile orders: which (query block, head, batch) a linear tile index stands for.
 
-The grid holds one CTA per query block that can exist: ceil(total_q / tile_m) + batch is an upper
+Fixed-length batches (`fixed_tile_coord`): causal and windowed tiles go longest first (LPT), in
+groups of (batch, head) pairs whose K/V fit in L2 together; other tiles keep the query block
+fastest, so one head's tiles run together.
+
+Packed variable-length batches (`varlen_tile_coord`): the grid holds one CTA per query block that can exist: ceil(total_q / tile_m) + batch is an upper
 bound on sum_b ceil(len_b / tile_m), known on the host without reading cu_seqlens (no sync). Each
 CTA finds its sequence by a prefix sum over the per-sequence block counts, 32 sequences at a time
 with one warp's shuffles, so a skewed batch costs no idle CTAs beyond that small slack (which exit
@@ -9,6 +13,35 @@ at once) instead of max_seqlen_q x batch tiles.
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+
+@cute.jit
+def fixed_tile_coord(tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
+                     l2_group: Int32, lpt: cutlass.Constexpr):
+    """(m_block, head_idx, batch_idx) of tile `tile` in [0, num_m_blocks * num_heads * batch).
+
+    lpt (causal, windowed): tiles differ in cost, so the last query blocks (the most keys) go
+    first. Doing that over every (batch, head) at once would run one query block of every head
+    together, whose K/V overflow L2 at long sequences (4k tokens, 64 heads: 128 MB), so each
+    block re-reads its keys from HBM. The pairs are instead taken `l2_group` at a time (the host
+    sizes a group to fit L2): within a group the query blocks go from last to first, the pair
+    fastest; groups follow each other. Pairs are numbered batch-major, head fastest, so GQA heads
+    that share K/V sit together.
+    Otherwise: query block fastest, then head, then batch.
+    """
+    if cutlass.const_expr(lpt):
+        pairs = num_heads * batch
+        per_group = l2_group * num_m_blocks
+        group = tile // per_group
+        rank = tile - group * per_group
+        first_pair = group * l2_group
+        pairs_here = cutlass.min(l2_group, pairs - first_pair)  # the last group may be short
+        m_block = num_m_blocks - 1 - rank // pairs_here
+        pair = first_pair + rank % pairs_here
+    else:
+        m_block = tile % num_m_blocks
+        pair = tile // num_m_blocks
+    return m_block, pair % num_heads, pair // num_heads
 
 
 @cute.jit

@@ -51,7 +51,8 @@ def _fake_vector(memspace=None):
 
 
 def fake_arguments(cfg: Sm90FwdConfig, memspace=None):
-    """Symbolic stand-ins for (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k).
+    """Symbolic stand-ins for (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+    tile_counter).
     A `memspace` other than global memory only serves host-side tests of the argument binding."""
     sym, m = cute.sym_int, memspace
     h, hk = sym(), sym()
@@ -77,17 +78,17 @@ def fake_arguments(cfg: Sm90FwdConfig, memspace=None):
     cu_k = _fake_vector(m) if cfg.varlen_k else None
     used_q = _fake_vector(m) if cfg.has_seqused_q else None
     used_k = _fake_vector(m) if cfg.has_seqused_k else None
-    return q, k, v, o, lse, cu_q, cu_k, used_q, used_k
+    return q, k, v, o, lse, cu_q, cu_k, used_q, used_k, _fake_vector(m)
 
 
 def compile_fwd(cfg: Sm90FwdConfig, options: str = "", tvm_ffi: bool = False):
     """Returns the compiled kernel. Call it with (q, k, v, out, lse, cu_q, cu_k, used_q, used_k,
-    max_seqlen_q, qhead_per_kvhead, score_scale, softmax_scale_log2, window_left, window_right,
-    max_ctas, stream): cute runtime tensors and scalars; or, with `tvm_ffi`, torch tensors and Python
+    tile_counter, max_seqlen_q, qhead_per_kvhead, score_scale, softmax_scale_log2, window_left, window_right,
+    max_ctas, l2_group, stream): cute runtime tensors and scalars; or, with `tvm_ffi`, torch tensors and Python
     numbers and no stream (TVM-FFI passes the caller's current stream)."""
     kernel = FlashFwdSm90(cfg)
     args = fake_arguments(cfg)
-    scalars = (Int32(1), Int32(1), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1))
+    scalars = (Int32(1), Int32(1), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1))
     if tvm_ffi:
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         options = (options + " --enable-tvm-ffi").strip()

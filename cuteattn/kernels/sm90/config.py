@@ -70,4 +70,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # at d > 128 the GEMMs dominate and the turns only add waiting (FA3's finding too).
         pingpong=head_dim <= 128,
         packed_convert=packed,
+        # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
+        dynamic_tiles=causal or local or varlen_q,
     )

@@ -1,9 +1,11 @@
 """Hopper (sm_90a) attention forward: TMA loads, wgmma GEMMs, warp specialization.
 
 A tile is `num_wg * 64` query rows of one (batch, head). The grid is persistent: at most
-`max_ctas` CTAs (one per SM), each walking the tiles `blockIdx.x, + gridDim.x, ...`, so the next
-tile's K/V (and then Q) loads overlap this tile's last GEMMs and its epilogue, and no CTA pays a
-launch per tile. In each CTA:
+`max_ctas` CTAs (one per SM) walk the tiles, so the next tile's K/V (and then Q) loads overlap
+this tile's last GEMMs and its epilogue, and no CTA pays a launch per tile. Equal-cost tiles are
+dealt round robin (`blockIdx.x, + gridDim.x, ...`); tiles of unequal cost (causal, windowed,
+varlen) are handed out one at a time from a global counter (`dynamic_tiles`), so a CTA that
+drew short tiles takes more of them. In each CTA:
   - warpgroup 0 is the producer: one warp issues TMA loads of Q (once per tile) and of K and V
     blocks into a `num_stages`-deep ring of shared-memory buffers, guarded by mbarrier pipelines
     whose states run on across tiles;
@@ -36,10 +38,14 @@ from ..common.layout import acc_mn_view, acc_to_a_operand_layout
 from ..common.mask import apply_mask
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import OnlineSoftmax
-from ..common.tile_scheduler import varlen_tile_coord
+from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
 
 WG_ROWS = 64  # rows of one consumer warpgroup's wgmma tile
 WG_THREADS = 128
+# Named barriers: 0 is __syncthreads; 1..3 guard each consumer's epilogue; 4..6 are the GEMM
+# turns; 7 and 8 hand the next tile from the producer warp to the consumers.
+BAR_TILE_READY = 7
+BAR_TILE_FREE = 8
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class Sm90FwdConfig:
     has_seqused_q: bool = False
     has_seqused_k: bool = False
     pingpong: bool = True        # consumer warpgroups take turns issuing GEMMs
+    dynamic_tiles: bool = False  # tiles from a global counter instead of round robin
     packed_convert: bool = False  # P to 16 bits with one cvt per pair (see common/convert.py)
 
     @property
@@ -85,6 +92,7 @@ class FlashFwdSm90:
         self.num_wg = cfg.num_wg
         self.num_stages = cfg.num_stages
         self.num_threads = WG_THREADS * (1 + cfg.num_wg)
+        self.tile_sync_threads = 32 + WG_THREADS * cfg.num_wg  # the producer warp + consumers
         # Registers move from the producer (which only issues TMA) to the consumers. ptxas keeps
         # the producer's code within its budget: with the persistent tile loop, the varlen
         # prefix sum made a 24-register producer spill, so varlen producers get 40 (and their
@@ -114,6 +122,7 @@ class FlashFwdSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         max_seqlen_q: Int32,       # grid extent for varlen; ignored otherwise
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -121,6 +130,7 @@ class FlashFwdSm90:
         window_left: Int32,
         window_right: Int32,
         max_ctas: Int32,           # persistent grid size (SMs); >= the tile count: one tile each
+        l2_group: Int32,           # (batch, head) pairs per L2 group of the causal tile order
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -174,6 +184,7 @@ class FlashFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
+            next_tile: cute.struct.MemRange[Int32, 1]  # producer -> consumers (dynamic_tiles)
 
         self.shared_storage = SharedStorage
 
@@ -191,9 +202,9 @@ class FlashFwdSm90:
 
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
-            score_scale, softmax_scale_log2, window_left, window_right,
+            l2_group, score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sVt_layout,
         ).launch(
             grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
@@ -214,9 +225,10 @@ class FlashFwdSm90:
         mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        mTileCounter: cute.Tensor,
         seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
-        score_scale: Float32, softmax_scale_log2: Float32,
+        l2_group: Int32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -239,6 +251,7 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        sNextTile = storage.next_tile.get_tensor(cute.make_layout(1))
 
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
@@ -254,7 +267,7 @@ class FlashFwdSm90:
                 tile = first_tile
                 while tile < num_tiles:
                     m_block, head_idx, batch_idx, in_range, seqlen = self.tile_info(
-                        tile, num_m_blocks, num_heads, batch, seqlen_q_static, seqlen_k_static,
+                        tile, num_m_blocks, num_heads, batch, l2_group, seqlen_q_static, seqlen_k_static,
                         mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
                     if in_range:
                         n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
@@ -262,7 +275,8 @@ class FlashFwdSm90:
                             tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
                             pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen, m_block,
                             head_idx, head_idx // qhead_per_kvhead, batch_idx, n_min, n_max)
-                    tile += tile_stride
+                    tile = self.next_tile_producer(tile, tile_stride, num_tiles, mTileCounter,
+                                                   sNextTile)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = (warp_idx // 4) - 1
@@ -272,10 +286,12 @@ class FlashFwdSm90:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             # K and V advance together over a whole tile: one state carries both across tiles
             kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            if const_expr(cfg.dynamic_tiles):  # the next-tile slot starts free
+                cute.arch.barrier_arrive(barrier_id=BAR_TILE_FREE, number_of_threads=self.tile_sync_threads)
             tile = first_tile
             while tile < num_tiles:
                 m_block, head_idx, batch_idx, in_range, seqlen = self.tile_info(
-                    tile, num_m_blocks, num_heads, batch, seqlen_q_static, seqlen_k_static,
+                    tile, num_m_blocks, num_heads, batch, l2_group, seqlen_q_static, seqlen_k_static,
                     mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
                 if in_range:
                     n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
@@ -285,14 +301,50 @@ class FlashFwdSm90:
                         block_info, score_scale, softmax_scale_log2, window_left, window_right,
                         m_block, head_idx, batch_idx, n_min, n_max, wg, tidx % WG_THREADS,
                     )
-                tile += tile_stride
+                tile = self.next_tile_consumer(tile, tile_stride, sNextTile)
 
-    # Tile order (the linear tile index a CTA walks). Causal and windowed tiles differ in cost:
-    # they go longest first (the last query blocks see the most keys) over all heads and
-    # batches, so the short ones fill the tail (LPT order). Equal-cost tiles keep the query block
-    # fastest, so the tiles that share one head's K and V run together and find them in L2.
+    # Which tile next. Round robin needs no communication. Dynamic: the producer warp draws the
+    # next tile from the global counter as soon as it has issued this tile's loads, and hands it
+    # to the consumers through one shared-memory slot guarded by two named barriers (READY: the
+    # slot holds the next tile; FREE: the consumers have read it). The last CTA to run out of
+    # tiles zeroes the counter for the next launch (kernel boundaries order that for the stream).
+    @cute.jit
+    def next_tile_producer(self, tile, tile_stride, num_tiles, mTileCounter, sNextTile):
+        if const_expr(not self.cfg.dynamic_tiles):
+            return tile + tile_stride
+        lane = cute.arch.lane_idx()
+        drawn = Int32(0)
+        if lane == 0:
+            drawn = cute.arch.atomic_add(mTileCounter.iterator, Int32(1), sem="relaxed", scope="gpu")
+        nxt = cute.arch.shuffle_sync(drawn, 0) + tile_stride  # the first tile was blockIdx.x
+        if nxt >= num_tiles:
+            if lane == 0:
+                # this CTA's draws are over; the last CTA to get here resets the counter
+                cute.arch.fence_acq_rel_gpu()
+                done = cute.arch.atomic_add(mTileCounter.iterator + 1, Int32(1), sem="acq_rel",
+                                            scope="gpu")
+                if done == tile_stride - 1:
+                    mTileCounter[0] = Int32(0)
+                    mTileCounter[1] = Int32(0)
+        cute.arch.barrier(barrier_id=BAR_TILE_FREE, number_of_threads=self.tile_sync_threads)
+        if lane == 0:
+            sNextTile[0] = nxt
+        cute.arch.barrier_arrive(barrier_id=BAR_TILE_READY, number_of_threads=self.tile_sync_threads)
+        return nxt
+
+    @cute.jit
+    def next_tile_consumer(self, tile, tile_stride, sNextTile):
+        if const_expr(not self.cfg.dynamic_tiles):
+            return tile + tile_stride
+        cute.arch.barrier(barrier_id=BAR_TILE_READY, number_of_threads=self.tile_sync_threads)
+        nxt = sNextTile[0]
+        cute.arch.barrier_arrive(barrier_id=BAR_TILE_FREE, number_of_threads=self.tile_sync_threads)
+        return nxt
+
+    # Tile order (the linear tile index a CTA walks): common/tile_scheduler.py.
     @cute.jit
     def tile_info(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
+                  l2_group: Int32,
                   seqlen_q_static: Int32, seqlen_k_static: Int32,
                   mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                   mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor]):
@@ -303,17 +355,9 @@ class FlashFwdSm90:
             m_block, batch_idx = varlen_tile_coord(tile % num_m_blocks, mCuSeqlensQ, mSeqUsedQ,
                                                    batch, self.tile_m,
                                                    self.cfg.causal or self.cfg.local)
-        elif const_expr(self.cfg.causal or self.cfg.local):
-            heads_x_batch = num_heads * batch
-            m_block = num_m_blocks - 1 - tile // heads_x_batch
-            rest = tile % heads_x_batch
-            head_idx = rest % num_heads
-            batch_idx = rest // num_heads
         else:
-            m_block = tile % num_m_blocks
-            rest = tile // num_m_blocks
-            head_idx = rest % num_heads
-            batch_idx = rest // num_heads
+            m_block, head_idx, batch_idx = fixed_tile_coord(
+                tile, num_m_blocks, num_heads, batch, l2_group, self.cfg.causal or self.cfg.local)
         tile_valid = batch_idx < batch  # the packed grid has a few spare tiles past the last block
         batch_idx = cutlass.min(batch_idx, batch - 1)
         seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static,
@@ -503,7 +547,6 @@ class FlashFwdSm90:
                        cfg.causal, cfg.local)
         softmax.step(acc_S_mn)
 
-    # Named barriers: 0 is __syncthreads; 1..3 guard each consumer's epilogue; 4..6 are the turns.
     def turn_wait(self, wg):
         if const_expr(self.cfg.pingpong):
             cute.arch.barrier(barrier_id=4 + wg, number_of_threads=2 * WG_THREADS)
