@@ -71,6 +71,12 @@ def time_one(d, s, causal, fa4):
     grid = dispatch.Launch(spec)
     dispatch.PERSISTENT = True
     res["per-tile grid"] = flops / bench(lambda: grid(q, k, v, out, lse)) / 1e9
+    from cuteattn.kernels.sm90 import config
+    if s <= config.SHORT_SEQLEN and d in config._TILES_SHORT:  # the long-sequence tile, for comparison
+        config.SHORT_TILES = False
+        long_tiles = dispatch.Launch(spec)
+        config.SHORT_TILES = True
+        res["long-seq tile"] = flops / bench(lambda: long_tiles(q, k, v, out, lse)) / 1e9
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

@@ -48,6 +48,7 @@ def sm90_config(spec: AttentionSpec):
     return fwd_config(
         _cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
+        max_seqlen_q=spec.seqlen_q,
     )
 
 
@@ -68,11 +69,16 @@ def _use_tvm_ffi() -> bool:
     return True
 
 
-def _compiled(spec: AttentionSpec, tvm_ffi: bool):
+def _compiled(spec: AttentionSpec, tvm_ffi: bool, cfg=None):
+    """The compiled kernel for spec, keyed by the spec's static part and the tile shape (which
+    also depends on the sequence length class, config.SHORT_SEQLEN)."""
+    cfg = cfg or sm90_config(spec)
+
     def build():
         from .kernels.sm90.compile import compile_fwd_with_report
-        return compile_fwd_with_report(sm90_config(spec), tvm_ffi=tvm_ffi)
-    return compile_cache.get_or_compile(("sm90", "fwd", tvm_ffi) + spec.compile_key(), build)
+        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi)
+    key = ("sm90", "fwd", tvm_ffi) + spec.compile_key() + (cfg.num_wg, cfg.tile_n, cfg.num_stages)
+    return compile_cache.get_or_compile(key, build)
 
 
 # The kernel's grid is persistent: one CTA per SM walks the tiles (fwd.py says why). False
@@ -194,9 +200,10 @@ class Launch:
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
         self.tvm_ffi = _use_tvm_ffi()
-        self.fn = _compiled(spec, self.tvm_ffi)
+        cfg = sm90_config(spec)
+        self.fn = _compiled(spec, self.tvm_ffi, cfg)
         self.scalars = launch_scalars(spec)
-        self.dynamic_tiles = sm90_config(spec).dynamic_tiles
+        self.dynamic_tiles = cfg.dynamic_tiles
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None) -> None:

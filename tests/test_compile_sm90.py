@@ -34,9 +34,11 @@ CASES = (
 )
 
 
-def make_spec(dtype, d, mask, varlen):
+def make_spec(dtype, d, mask, varlen, seqlen_q=4096):
+    """seqlen_q picks the tile class: long (the main tiles) by default, short at <= 2048."""
     return AttentionSpec(
         dtype=dtype, head_dim=d, head_dim_v=d, causal=mask == "causal", local=mask == "local",
+        seqlen_q=seqlen_q, seqlen_k=seqlen_q,
         has_softcap=mask == "softcap", varlen_q=varlen, varlen_k=varlen,
         softmax_scale=d ** -0.5, window_left=64 if mask == "local" else -1,
         window_right=0 if mask == "local" else -1, softcap=30.0 if mask == "softcap" else 0.0,
@@ -63,11 +65,20 @@ def test_compile_sm90_fwd(dtype, d, mask, varlen, capfd, tmp_path, monkeypatch):
 
 
 def test_compile_key_ignores_sizes():
-    a = make_spec(torch.bfloat16, 128, "causal", False)
-    b = AttentionSpec(**{**a.__dict__, "batch": 7, "seqlen_q": 4096, "seqlen_k": 17,
+    a = make_spec(torch.bfloat16, 128, "causal", False, seqlen_q=100)
+    b = AttentionSpec(**{**a.__dict__, "batch": 7, "seqlen_q": 2048, "seqlen_k": 17,
                          "nheads": 32, "nheads_k": 8, "softmax_scale": 0.3})
     assert a.compile_key() == b.compile_key()
     assert dispatch.sm90_config(a) == dispatch.sm90_config(b)
+    # past config.SHORT_SEQLEN queries only the tile shape changes (a second variant, not one
+    # per length)
+    c = AttentionSpec(**{**b.__dict__, "seqlen_q": 2049})
+    d = AttentionSpec(**{**b.__dict__, "seqlen_q": 1 << 20})
+    cfg_b, cfg_c = dispatch.sm90_config(b), dispatch.sm90_config(c)
+    assert cfg_c == dispatch.sm90_config(d) and cfg_c != cfg_b
+    tile = ("num_wg", "tile_n", "num_stages")
+    assert {k: v for k, v in cfg_b.__dict__.items() if k not in tile} == \
+        {k: v for k, v in cfg_c.__dict__.items() if k not in tile}
 
 
 def test_kernel_scalars_fold_softcap_and_windows():
@@ -130,13 +141,17 @@ def test_compile_for_tvm_ffi(tmp_path, monkeypatch):
     assert "wgmma.mma_async" in compiled.__ptx__
 
 
-WORST = [(d, local, varlen) for d in SUPPORTED_HEAD_DIMS for local in (False, True)
-         for varlen in (False, True)]
+from cuteattn.kernels.sm90.config import SHORT_SEQLEN, _TILES_SHORT  # noqa: E402
+
+WORST = [(d, local, varlen, seqlen) for d in SUPPORTED_HEAD_DIMS for local in (False, True)
+         for varlen in (False, True)
+         for seqlen in ((4096, SHORT_SEQLEN) if d in _TILES_SHORT else (4096,))]
 
 
-@pytest.mark.parametrize("d,local,varlen", WORST,
-                         ids=[f"d{d}{'-local' if l else '-causal'}{'-varlen' if v else ''}" for d, l, v in WORST])
-def test_worst_case_variants_do_not_spill(d, local, varlen, capfd, tmp_path, monkeypatch):
+@pytest.mark.parametrize("d,local,varlen,seqlen", WORST,
+                         ids=[f"d{d}{'-local' if l else '-causal'}{'-varlen' if v else ''}"
+                              f"{'-short' if s <= SHORT_SEQLEN else ''}" for d, l, v, s in WORST])
+def test_worst_case_variants_do_not_spill(d, local, varlen, seqlen, capfd, tmp_path, monkeypatch):
     """The register-hungriest variant of each kind, as dispatch configures it: fp16, softcap,
     causal (where the mask is not a window), packed or not. config._TILE_N_CAPS must keep all of
     them spill-free (found by benchmarks/dev_tile_search.py)."""
@@ -144,6 +159,7 @@ def test_worst_case_variants_do_not_spill(d, local, varlen, capfd, tmp_path, mon
     spec = AttentionSpec(
         dtype=torch.float16, head_dim=d, head_dim_v=d, causal=not local, local=local,
         has_softcap=True, varlen_q=varlen, varlen_k=varlen, softmax_scale=d ** -0.5,
+        seqlen_q=seqlen, seqlen_k=seqlen,
         window_left=64 if local else -1, window_right=16 if local else 0, softcap=20.0)
     cfg = dispatch.sm90_config(spec)
     compile_fwd(cfg, options="remarks{ptx}")

@@ -26,6 +26,17 @@ _TILES_PACKED = {
     256: (2, 80, 2),
 }
 
+# Short sequences (at most SHORT_SEQLEN queries) favour smaller tiles: fewer rows wasted past
+# the end (a 192-row tile covers 1024 queries in 6 blocks, the last a third full) and, under a
+# causal mask, less of each block masked away. Measured in docs/perf-log.md. Only these head
+# dims have a short-sequence tile; the others use their table's at every length.
+SHORT_SEQLEN = 2048
+SHORT_TILES = True
+_TILES_SHORT = {
+    64: (2, 128, 4),
+    128: (2, 128, 3),
+}
+
 # Variants that need a narrower key block than their table's to compile without spills:
 # (packed_convert, head_dim, local, varlen) -> (widest tile_n without softcap, with softcap).
 # Found by benchmarks/dev_tile_search.py (compile-only, both dtypes, causal on and off), because
@@ -55,9 +66,13 @@ _TILE_N_CAPS = {
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
-               packed_convert: bool | None = None) -> Sm90FwdConfig:
+               packed_convert: bool | None = None, max_seqlen_q: int | None = None) -> Sm90FwdConfig:
+    """max_seqlen_q (the longest query sequence, when known) picks the short-sequence tiles."""
     packed = PACKED_CONVERT if packed_convert is None else packed_convert
     num_wg, tile_n, stages = (_TILES_PACKED if packed else _TILES)[head_dim]
+    if (SHORT_TILES and packed and head_dim in _TILES_SHORT and max_seqlen_q is not None
+            and max_seqlen_q <= SHORT_SEQLEN):
+        num_wg, tile_n, stages = _TILES_SHORT[head_dim]
     caps = _TILE_N_CAPS.get((packed, head_dim, local, varlen_q or varlen_k))
     if caps is not None:
         tile_n = min(tile_n, caps[1] if has_softcap else caps[0])
