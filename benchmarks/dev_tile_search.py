@@ -16,7 +16,7 @@ from cuteattn.kernels.sm90 import config  # noqa: E402
 from cuteattn.kernels.sm90.compile import compile_fwd_with_report  # noqa: E402
 
 PACKED = "packed" in sys.argv
-CANDIDATES = ({64: [128, 112, 96], 96: [176, 160, 144, 128], 128: [176, 160, 144, 128],
+CANDIDATES = ({64: [128, 112, 96, 80, 64], 96: [176, 160, 144, 128], 128: [176, 160, 144, 128],
                192: [112, 96], 256: [80, 64]} if PACKED else
               {64: [96, 80], 96: [128, 112, 96], 128: [128, 112, 96], 192: [112, 96],
                256: [80, 64]})
