@@ -1,11 +1,14 @@
 """Developer smoke test of the sm90 forward, bypassing the public API: every head dim and mask
 kind on a few odd shapes, errors against a float32 reference, then a quick timing. Prints one
 line per case; exits non-zero on any failure. Run on the GPU machine:
-    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep] [nocheck]
+    PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep] [nocheck] [quick]
+        [dims=64,128,256]
 `dlpack` and `unpacked` turn off the switches dispatch.USE_TVM_FFI and config.PACKED_CONVERT for
 this run (both on by default), to compare against the older paths in one device call.
-`nocheck` skips the correctness cases. Every timing also runs the same kernel with one CTA per tile
-(dispatch.PERSISTENT off) beside the persistent grid.
+`nocheck` skips the correctness cases, `quick` the host-time and varlen timings, `dims=` picks
+the head dims timed. Every timing also runs the same kernel with one CTA per tile
+(dispatch.PERSISTENT off) beside the persistent grid, and the alternatives the configuration
+has switches for (long-sequence tiles at short lengths, O staged in Q's buffer).
 """
 import math
 import sys
@@ -77,6 +80,11 @@ def time_one(d, s, causal, fa4):
         long_tiles = dispatch.Launch(spec)
         config.SHORT_TILES = True
         res["long-seq tile"] = flops / bench(lambda: long_tiles(q, k, v, out, lse)) / 1e9
+    if dispatch.sm90_config(spec).separate_o:  # O staged in Q's buffer instead, for comparison
+        config.SEPARATE_O = False
+        o_in_q = dispatch.Launch(spec)
+        config.SEPARATE_O = True
+        res["O in Q buffer"] = flops / bench(lambda: o_in_q(q, k, v, out, lse)) / 1e9
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -169,10 +177,13 @@ def main():
     except Exception as e:  # the peer is optional
         print("fa4 unavailable:", type(e).__name__, e)
         fa4 = None
-    host_overhead(fa4)
-    time_varlen()
+    if "quick" not in sys.argv:  # `quick`: only the fixed-length timings
+        host_overhead(fa4)
+        time_varlen()
     table = config._TILES_PACKED if config.PACKED_CONVERT else config._TILES  # the active tiles
-    candidates = {d: [table[d]] for d in (64, 128, 256)}
+    dims = next((tuple(int(x) for x in a[5:].split(",")) for a in sys.argv if a.startswith("dims=")),
+                (64, 128, 256))
+    candidates = {d: [table[d]] for d in dims}
     if "sweep" in sys.argv:  # tile candidates to compare (keep each under 227 KB of smem)
         candidates = {64: [table[64], (2, 128, 4)], 128: [table[128], (2, 128, 3)],
                       256: [table[256], (2, 64, 2)]}

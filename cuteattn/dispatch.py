@@ -77,7 +77,8 @@ def _compiled(spec: AttentionSpec, tvm_ffi: bool, cfg=None):
     def build():
         from .kernels.sm90.compile import compile_fwd_with_report
         return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi)
-    key = ("sm90", "fwd", tvm_ffi) + spec.compile_key() + (cfg.num_wg, cfg.tile_n, cfg.num_stages)
+    key = ("sm90", "fwd", tvm_ffi) + spec.compile_key() + (
+        cfg.num_wg, cfg.tile_n, cfg.num_stages, cfg.separate_o)
     return compile_cache.get_or_compile(key, build)
 
 

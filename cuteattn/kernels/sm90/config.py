@@ -1,5 +1,7 @@
 """Tile shapes of the sm90 forward per head dim (all fit 227 KB of shared memory and 240
 registers per consumer thread; see docs/perf-log.md for how they were chosen)."""
+import dataclasses
+
 from .fwd import Sm90FwdConfig
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -25,6 +27,12 @@ _TILES_PACKED = {
     192: (2, 112, 2),
     256: (2, 80, 2),
 }
+
+# O staged in its own shared-memory buffer, where it fits beside Q and the K/V ring (d=64 and
+# d=96): Q's buffer is then free after a tile's last QK GEMM, and the next tile's Q loads during
+# this tile's last P V and epilogue instead of after them. False stages O in Q's buffer always.
+SEPARATE_O = True
+SMEM_LIMIT = 227 * 1024
 
 # Short sequences (at most SHORT_SEQLEN queries) favour smaller tiles: fewer rows wasted past
 # the end (a 192-row tile covers 1024 queries in 6 blocks, the last a third full) and, under a
@@ -76,7 +84,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     caps = _TILE_N_CAPS.get((packed, head_dim, local, varlen_q or varlen_k))
     if caps is not None:
         tile_n = min(tile_n, caps[1] if has_softcap else caps[0])
-    return Sm90FwdConfig(
+    cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_n=tile_n, num_wg=num_wg,
         num_stages=stages, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
@@ -88,3 +96,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
     )
+    if SEPARATE_O and head_dim <= 96:  # elsewhere it fits only narrowed tiles (d=128 local)
+        with_o = dataclasses.replace(cfg, separate_o=True)
+        if with_o.smem_bytes() <= SMEM_LIMIT:
+            return with_o
+    return cfg

@@ -66,6 +66,7 @@ class Sm90FwdConfig:
     has_seqused_k: bool = False
     pingpong: bool = True        # consumer warpgroups take turns issuing GEMMs
     dynamic_tiles: bool = False  # tiles from a global counter instead of round robin
+    separate_o: bool = False     # O staged in its own buffer, so Q's is free after the last QK
     packed_convert: bool = False  # P to 16 bits with one cvt per pair (see common/convert.py)
 
     @property
@@ -75,8 +76,9 @@ class Sm90FwdConfig:
     def smem_bytes(self) -> int:
         elem = self.dtype.width // 8
         q = self.tile_m * self.head_dim * elem
+        o = self.tile_m * self.head_dim_v * elem if self.separate_o else 0
         kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elem
-        return q + kv + 1024  # + barriers and alignment
+        return q + o + kv + 1024  # + barriers and alignment
 
 
 class FlashFwdSm90:
@@ -176,17 +178,7 @@ class FlashFwdSm90:
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
 
-        @cute.struct
-        class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sVt: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
-            next_tile: cute.struct.MemRange[Int32, 1]  # producer -> consumers (dynamic_tiles)
-
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sVt_layout)
 
         if const_expr(cfg.varlen_q):
             num_heads = mQ.shape[2]
@@ -212,6 +204,22 @@ class FlashFwdSm90:
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout):
+        """The shared-memory layout (plain Python: the O buffer is a compile-time option)."""
+        q_elems, k_elems, v_elems = (cute.cosize(x) for x in (sQ_layout, sK_layout, sVt_layout))
+        fields = {
+            "mbar_q": cute.struct.MemRange[cutlass.Int64, 2],
+            "mbar_k": cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+            "mbar_v": cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages],
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, k_elems], 1024],
+            "sVt": cute.struct.Align[cute.struct.MemRange[self.dtype, v_elems], 1024],
+            "next_tile": cute.struct.MemRange[Int32, 1],  # producer -> consumers (dynamic_tiles)
+        }
+        if self.cfg.separate_o:
+            fields["sO"] = cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -252,6 +260,10 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
         sNextTile = storage.next_tile.get_tensor(cute.make_layout(1))
+        # O's staging buffer: its own where shared memory allows, else Q's (free once the
+        # tile's last QK GEMM is done, but only reloaded after the epilogue)
+        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(
+            cfg.separate_o) else sQ
 
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
@@ -296,7 +308,7 @@ class FlashFwdSm90:
                 if in_range:
                     n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     q_state, kv_state = self.consume(
-                        tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, mO, mLSE,
+                        tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, mO, mLSE,
                         pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                         block_info, score_scale, softmax_scale_log2, window_left, window_right,
                         m_block, head_idx, batch_idx, n_min, n_max, wg, tidx % WG_THREADS,
@@ -419,7 +431,7 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, mO, mLSE,
+    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo,
                 score_scale, softmax_scale_log2, window_left, window_right,
@@ -491,6 +503,10 @@ class FlashFwdSm90:
                 v_state.advance()
                 softmax.rescale(acc_O_mn)
                 self.probs_to_operand(acc_S, tOrP, tOrP_as_acc)
+            if const_expr(cfg.separate_o):
+                # every QK GEMM of this tile is done: the next tile's Q may load now, during
+                # this tile's last P V and its epilogue
+                pipeline_q.consumer_release(q_state)
             # Last block's O += P V.
             pipeline_v.consumer_wait(v_state)
             gemm_pv(v_state.index)
@@ -500,10 +516,14 @@ class FlashFwdSm90:
 
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
-        self.epilogue(acc_O, lse, sQ, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv,
+        if const_expr(cfg.separate_o):
+            if n_max <= n_min:  # no GEMM read Q
+                pipeline_q.consumer_release(q_state)
+        self.epilogue(acc_O, lse, sO, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv,
                       row_start, head_idx, batch_idx, wg, tidx)
-        # The epilogue has read O back out of the Q buffer: the next tile's Q may land there.
-        pipeline_q.consumer_release(q_state)
+        if const_expr(not cfg.separate_o):
+            # the epilogue has read O back out of Q's buffer: the next tile's Q may land there
+            pipeline_q.consumer_release(q_state)
         q_state.advance()
         return q_state, k_state
 
@@ -557,11 +577,11 @@ class FlashFwdSm90:
             cute.arch.barrier_arrive(barrier_id=4 + nxt, number_of_threads=2 * WG_THREADS)
 
     @cute.jit
-    def epilogue(self, acc_O, lse, sQ, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, tiled_mma_pv,
+    def epilogue(self, acc_O, lse, sO_all, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, tiled_mma_pv,
                  row_start, head_idx, batch_idx, wg, tidx):
-        """O goes registers -> shared memory (this warpgroup's own Q slice, no longer read) ->
-        global memory with 16-byte stores, only for rows inside the sequence. LSE is written
-        straight from the registers of the threads that own column 0."""
+        """O goes registers -> shared memory (this warpgroup's slice of the O buffer, or of Q's,
+        no longer read) -> global memory with 16-byte stores, only for rows inside the sequence.
+        LSE is written straight from the registers of the threads that own column 0."""
         cfg = self.cfg
         seqlen_q = seqlen.seqlen_q
         # LSE
@@ -577,10 +597,11 @@ class FlashFwdSm90:
                     gLSE[row] = lse[r]
 
         # O: registers -> smem. Wait until every warp of this warpgroup is past its last GEMM
-        # reading this Q slice before overwriting it.
+        # reading this Q slice (O in Q's buffer), or past its reads of the previous tile's O
+        # (its own buffer), before overwriting it.
         barrier_id = 1 + wg
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_THREADS)
-        sO = sQ[None, None, wg]
+        sO = sO_all[None, None, wg]
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         store_atom = cute.make_copy_atom(
