@@ -80,11 +80,15 @@ def time_one(d, s, causal, fa4):
         long_tiles = dispatch.Launch(spec)
         config.SHORT_TILES = True
         res["long-seq tile"] = flops / bench(lambda: long_tiles(q, k, v, out, lse)) / 1e9
-    if dispatch.sm90_config(spec).separate_o:  # O staged in Q's buffer instead, for comparison
-        config.SEPARATE_O = False
-        o_in_q = dispatch.Launch(spec)
-        config.SEPARATE_O = True
-        res["O in Q buffer"] = flops / bench(lambda: o_in_q(q, k, v, out, lse)) / 1e9
+    saved = config.SEPARATE_O  # the other O staging, for comparison, where it applies
+    config.SEPARATE_O = True
+    applies = dispatch.sm90_config(spec).separate_o
+    config.SEPARATE_O = not saved
+    other = dispatch.Launch(spec) if applies else None
+    config.SEPARATE_O = saved
+    if other is not None:
+        name = "O in Q buffer" if saved else "separate O"
+        res[name] = flops / bench(lambda: other(q, k, v, out, lse)) / 1e9
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

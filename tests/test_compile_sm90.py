@@ -165,3 +165,23 @@ def test_worst_case_variants_do_not_spill(d, local, varlen, seqlen, capfd, tmp_p
     compile_fwd(cfg, options="remarks{ptx}")
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
+
+
+SEPARATE_O_CASES = [(64, "causal", False, 1024), (64, "none", False, 4096), (64, "local", True, 1024),
+                    (96, "softcap", False, 4096), (96, "local", True, 4096)]
+
+
+@pytest.mark.parametrize("d,mask,varlen,seqlen", SEPARATE_O_CASES,
+                         ids=[f"d{d}-{m}{'-varlen' if v else ''}-{s}" for d, m, v, s in SEPARATE_O_CASES])
+def test_compile_separate_o_buffer(d, mask, varlen, seqlen, capfd, tmp_path, monkeypatch):
+    """The staged config.SEPARATE_O switch (O in its own shared-memory buffer) fits shared memory
+    and compiles without spills wherever it applies (d <= 96)."""
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(config, "SEPARATE_O", True)
+    cfg = dispatch.sm90_config(make_spec(torch.float16, d, mask, varlen, seqlen_q=seqlen))
+    assert cfg.separate_o and cfg.smem_bytes() <= config.SMEM_LIMIT
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "wgmma.mma_async" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
