@@ -79,7 +79,7 @@ def _compiled(spec: AttentionSpec, tvm_ffi: bool, cfg=None):
         return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi)
     key = ("sm90", "fwd", tvm_ffi) + spec.compile_key() + (
         cfg.num_wg, cfg.tile_n, cfg.num_stages, cfg.separate_o)
-    return compile_cache.get_or_compile(key, build)
+    return compile_cache.get_or_compile(key, build, persist=tvm_ffi)
 
 
 # The kernel's grid is persistent: one CTA per SM walks the tiles (fwd.py says why). False
