@@ -1,0 +1,60 @@
+"""Fills the disk cache (compile_cache, CUTEATTN_DISK_CACHE) with every sm90 forward variant the
+GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried to the GPU machine
+(about 90 KB per variant), it turns most of the GPU tests' time, compiling, into loading:
+    CUTEATTN_CACHE_DIR=$PWD/.kcache python benchmarks/dev_build_cache.py [processes]
+then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
+(carry `.kcache`). The cache directory is keyed by a fingerprint of the kernel sources, the DSL
+and TVM-FFI versions and the architecture, so a mismatch only means compiling as before.
+"""
+import itertools
+import os
+import sys
+from multiprocessing import Pool
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+os.environ["CUTEATTN_DISK_CACHE"] = "1"
+
+import torch  # noqa: E402
+
+MASKS = {  # name -> (causal, local, softcap)
+    "none": (False, False, False), "causal": (True, False, False), "local": (False, True, False),
+    "softcap": (False, False, True), "softcap_causal": (True, False, True),
+    "softcap_local": (False, True, True),
+}
+
+
+def specs():
+    from cuteattn.spec import AttentionSpec
+    for dtype, d, mask, varlen, seqlen in itertools.product(
+            (torch.bfloat16, torch.float16), (64, 96, 128, 192, 256), MASKS, (False, True),
+            (1024, 4096)):
+        causal, local, softcap = MASKS[mask]
+        for seqused in ((False, True) if varlen else (False,)):
+            yield AttentionSpec(
+                dtype=dtype, head_dim=d, head_dim_v=d, causal=causal, local=local,
+                has_softcap=softcap, varlen_q=varlen, varlen_k=varlen, has_seqused_q=seqused,
+                has_seqused_k=seqused, seqlen_q=seqlen, seqlen_k=seqlen, softmax_scale=d ** -0.5,
+                softcap=30.0 if softcap else 0.0)
+
+
+def build(spec):
+    from cuteattn import dispatch
+    dispatch._compiled(spec, tvm_ffi=True)
+    return 1
+
+
+def main():
+    from cuteattn import compile_cache, dispatch
+    unique = {}
+    for spec in specs():  # one per compiled variant (the tile class folds lengths together)
+        cfg = dispatch.sm90_config(spec)
+        unique.setdefault((spec.compile_key(), cfg), spec)
+    processes = int(sys.argv[1]) if len(sys.argv) > 1 else os.cpu_count()
+    print(f"{len(unique)} variants into {compile_cache.cache_dir()}", flush=True)
+    with Pool(processes) as pool:
+        done = sum(pool.imap_unordered(build, unique.values()))
+    print(f"built {done}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
