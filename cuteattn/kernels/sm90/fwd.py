@@ -271,6 +271,9 @@ class FlashFwdSm90:
         first_tile = cute.arch.block_idx()[0]
         # Producer and consumers walk the same tiles and skip the same ones, so their pipeline
         # states stay in step across tiles.
+        tile_info = lambda tile: self.tile_info(
+            tile, num_m_blocks, num_heads, batch, l2_group, seqlen_q_static, seqlen_k_static,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -278,9 +281,7 @@ class FlashFwdSm90:
                 kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
                 tile = first_tile
                 while tile < num_tiles:
-                    m_block, head_idx, batch_idx, in_range, seqlen = self.tile_info(
-                        tile, num_m_blocks, num_heads, batch, l2_group, seqlen_q_static, seqlen_k_static,
-                        mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+                    m_block, head_idx, batch_idx, in_range, seqlen = tile_info(tile)
                     if in_range:
                         n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                         q_state, kv_state = self.load(
@@ -302,9 +303,7 @@ class FlashFwdSm90:
                 cute.arch.barrier_arrive(barrier_id=BAR_TILE_FREE, number_of_threads=self.tile_sync_threads)
             tile = first_tile
             while tile < num_tiles:
-                m_block, head_idx, batch_idx, in_range, seqlen = self.tile_info(
-                    tile, num_m_blocks, num_heads, batch, l2_group, seqlen_q_static, seqlen_k_static,
-                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+                m_block, head_idx, batch_idx, in_range, seqlen = tile_info(tile)
                 if in_range:
                     n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     q_state, kv_state = self.consume(

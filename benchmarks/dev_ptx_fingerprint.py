@@ -1,0 +1,29 @@
+"""Prints a hash of the PTX of a few sm90 forward variants, compiled without a GPU, with kernel
+names normalised. Run it at two commits: equal hashes mean the refactor between them did not
+change the generated code, so a GPU verification of the first carries over to the second.
+    PYTHONPATH=$PWD python benchmarks/dev_ptx_fingerprint.py
+"""
+import hashlib
+import os
+import re
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cutlass  # noqa: E402
+
+from cuteattn.kernels.sm90.compile import compile_fwd  # noqa: E402
+from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
+
+VARIANTS = [  # (head_dim, causal, local, varlen, max_seqlen_q)
+    (128, True, False, False, 4096), (64, True, False, False, 1024), (128, False, False, True, 4096),
+    (64, False, True, False, 4096), (256, False, False, False, 4096),
+]
+
+for d, causal, local, varlen, seqlen in VARIANTS:
+    cfg = fwd_config(cutlass.BFloat16, d, d, causal, local, False, varlen, varlen, max_seqlen_q=seqlen)
+    ptx = compile_fwd(cfg, options="--keep-ptx", tvm_ffi=True).__ptx__
+    body = ptx[ptx.index(".entry"):]
+    body = re.sub(r"\.entry \S+", ".entry K", body)
+    body = re.sub(r"\w*cutlass\w*", "N", body)
+    print(f"d={d} causal={causal:d} local={local:d} varlen={varlen:d} seqlen={seqlen}: "
+          f"{hashlib.sha1(body.encode()).hexdigest()[:12]} ({len(body)} chars)", flush=True)
