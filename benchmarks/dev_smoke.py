@@ -189,8 +189,10 @@ def main():
                 (64, 128, 256))
     candidates = {d: [table[d]] for d in dims}
     if "sweep" in sys.argv:  # tile candidates to compare (keep each under 227 KB of smem)
-        candidates = {64: [table[64], (2, 128, 4)], 128: [table[128], (2, 128, 3)],
+        candidates = {64: [table[64], (2, 128, 4)], 128: [table[128], (2, 128, 3), (2, 128, 2)],
                       256: [table[256], (2, 64, 2)]}
+        config.SHORT_TILES = False  # every length runs the tile being swept
+        print("sweep: short-sequence tiles off, each candidate runs at every length")
     for d, tiles in candidates.items():
         for tile in tiles:
             table[d] = tile
