@@ -75,8 +75,8 @@ def time_one(d, s, causal, fa4):
     dispatch.PERSISTENT = True
     res["per-tile grid"] = flops / bench(lambda: grid(q, k, v, out, lse)) / 1e9
     from cuteattn.kernels.sm90 import config
-    if s <= config.SHORT_SEQLEN and d in config._TILES_SHORT:  # the long-sequence tile, for comparison
-        config.SHORT_TILES = False
+    if config.SHORT_TILES and s <= config.SHORT_SEQLEN and d in config._TILES_SHORT:
+        config.SHORT_TILES = False  # the long-sequence tile, for comparison
         long_tiles = dispatch.Launch(spec)
         config.SHORT_TILES = True
         res["long-seq tile"] = flops / bench(lambda: long_tiles(q, k, v, out, lse)) / 1e9
