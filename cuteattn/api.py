@@ -138,23 +138,13 @@ _launches: dict = {}
 _LAUNCHES_MAX = 1024
 
 
-def _signature(q, k, v, *args, index_tensors=()):
+def _signature(q, k, v, *args):
     """A hashable summary of everything the checks read, with each argument's type (so that
-    True does not pass for 1), or None when the call does not qualify for the shortcut.
-    index_tensors (cu_seqlens, seqused; None where absent) count by type, shape, dtype and
-    device: their values are never checked without validate=True, which takes the full path."""
+    True does not pass for 1), or None when the call does not qualify for the shortcut."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    index = []
-    for t in index_tensors:
-        if t is None:
-            index.append(None)
-        elif type(t) is torch.Tensor:
-            index.append((t.shape, t.stride(), t.dtype, t.device))
-        else:
-            return None
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-            v.shape, v.stride(), v.dtype, v.device, tuple(index), tuple(map(type, args)), args)
+            v.shape, v.stride(), v.dtype, v.device, tuple(map(type, args)), args)
 
 
 def _remember(sig, spec, launch) -> None:
@@ -286,25 +276,6 @@ def flash_attn_varlen_func(
     Fallback, strict, out / lse: as in flash_attn_func. A batch, total_q or max_seqlen of 0 writes
     out 0 and lse -inf without a launch.
     """
-    varlen = dict(
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
-    )
-    sig = None
-    if (out is None and lse is None and not validate and alibi_slopes is None
-            and return_attn_probs is False and type(window_size) is tuple):
-        try:
-            sig = _signature(q, k, v, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                             window_size, *map(type, window_size), softcap,
-                             index_tensors=(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
-            hit = _launches.get(sig) if sig is not None and not _needs_grad(q, k, v) else None
-        except TypeError:  # an unhashable argument: the checks below say what is wrong with it
-            sig = hit = None
-        if hit is not None:
-            spec, launch = hit
-            out = torch.empty((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device)
-            lse = torch.empty((spec.nheads, q.shape[0]), dtype=torch.float32, device=q.device)
-            launch(q, k, v, out, lse, **varlen)
-            return (out, lse) if return_lse else out
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     spec = _checks.varlen_spec(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
@@ -320,7 +291,8 @@ def flash_attn_varlen_func(
         out_shape=(*q.shape[:2], v.shape[-1]),
         lse_shape=(spec.nheads, q.shape[0]),
     )
-    out, lse, launch = _run(q, k, v, spec, out, lse, strict, varlen)
-    if not _needs_grad(q, k, v):
-        _remember(sig, spec, launch)
+    varlen = dict(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
+    )
+    out, lse, _ = _run(q, k, v, spec, out, lse, strict, varlen)
     return (out, lse) if return_lse else out

@@ -391,22 +391,3 @@ def test_deterministic_accepted(seed):
     q, k, v = qkv()
     a = quiet(flash_attn_func, q, k, v, deterministic=True)
     assert torch.equal(a, quiet(flash_attn_func, q, k, v))
-
-
-def test_varlen_repeated_call_takes_the_shortcut_with_new_lengths(fake_dispatch):
-    """Same shapes, new cu_seqlens values: the shortcut passes the new tensors (values are
-    runtime arguments); validate=True, a new max_seqlen or a new seqused always take the full
-    path."""
-    (q, k, v), args = packed()
-    flash_attn_varlen_func(q, k, v, **args)
-    other = dict(args, cu_seqlens_q=torch.tensor([0, 5, 5, 10], dtype=torch.int32))
-    flash_attn_varlen_func(q, k, v, **other)
-    assert fake_dispatch.selections == 1 and len(fake_dispatch.calls) == 2
-    assert fake_dispatch.calls[1]["cu_seqlens_q"] is other["cu_seqlens_q"]
-    flash_attn_varlen_func(q, k, v, **args, validate=True)
-    assert fake_dispatch.selections == 2
-    flash_attn_varlen_func(q, k, v, **dict(args, max_seqlen_q=args["max_seqlen_q"] + 1))
-    assert fake_dispatch.selections == 3
-    flash_attn_varlen_func(q, k, v, **args, seqused_k=torch.tensor([1, 1, 0], dtype=torch.int32))
-    assert fake_dispatch.selections == 4
-    assert fake_dispatch.calls[-1]["spec"].has_seqused_k
