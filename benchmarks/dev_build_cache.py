@@ -1,7 +1,7 @@
 """Fills the disk cache (compile_cache, CUTEATTN_DISK_CACHE) with every sm90 forward variant the
 GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried to the GPU machine
 (about 90 KB per variant), it turns most of the GPU tests' time, compiling, into loading:
-    CUTEATTN_CACHE_DIR=$PWD/.kcache python benchmarks/dev_build_cache.py [processes]
+    CUTEATTN_CACHE_DIR=$PWD/.kcache python benchmarks/dev_build_cache.py [processes] [o_paths=a,b]
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
 (carry `.kcache`). The cache directory is keyed by a fingerprint of the kernel sources, the DSL
 and TVM-FFI versions and the architecture, so a mismatch only means compiling as before.
@@ -37,19 +37,27 @@ def specs():
                 softcap=30.0 if softcap else 0.0)
 
 
-def build(spec):
+def build(job):
     from cuteattn import dispatch
+    from cuteattn.kernels.sm90 import config
+    spec, config.O_PATH = job
     dispatch._compiled(spec, tvm_ffi=True)
     return 1
 
 
 def main():
     from cuteattn import compile_cache, dispatch
+    from cuteattn.kernels.sm90 import config
+    args = sys.argv[1:]
+    o_paths = next((a[8:].split(",") for a in args if a.startswith("o_paths=")), [config.O_PATH])
+    args = [a for a in args if not a.startswith("o_paths=")]
     unique = {}
-    for spec in specs():  # one per compiled variant (the tile class folds lengths together)
-        cfg = dispatch.sm90_config(spec)
-        unique.setdefault((spec.compile_key(), cfg), spec)
-    processes = int(sys.argv[1]) if len(sys.argv) > 1 else os.cpu_count()
+    for o_path in o_paths:
+        config.O_PATH = o_path
+        for spec in specs():  # one per compiled variant (the tile class folds lengths together)
+            cfg = dispatch.sm90_config(spec)
+            unique.setdefault((spec.compile_key(), cfg), (spec, o_path))
+    processes = int(args[0]) if args else os.cpu_count()
     print(f"{len(unique)} variants into {compile_cache.cache_dir()}", flush=True)
     with Pool(processes) as pool:
         done = sum(pool.imap_unordered(build, unique.values()))

@@ -2,13 +2,13 @@
 kind on a few odd shapes, errors against a float32 reference, then a quick timing. Prints one
 line per case; exits non-zero on any failure. Run on the GPU machine:
     PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep] [nocheck] [quick]
-        [dims=64,128,256]
+        [grid] [dims=64,128,256] [o_path=auto|q_buffer|own_buffer|v_stage]
 `dlpack` and `unpacked` turn off the switches dispatch.USE_TVM_FFI and config.PACKED_CONVERT for
 this run (both on by default), to compare against the older paths in one device call.
 `nocheck` skips the correctness cases, `quick` the host-time and varlen timings, `dims=` picks
-the head dims timed. Every timing also runs the same kernel with one CTA per tile
-(dispatch.PERSISTENT off) beside the persistent grid, and the alternatives the configuration
-has switches for (long-sequence tiles at short lengths, O staged in Q's buffer).
+the head dims timed, `o_path=` config.O_PATH. Every timing also runs the alternatives the
+configuration has switches for (long-sequence tiles at short lengths, the other O paths), and
+with `grid` the same kernel with one CTA per tile (dispatch.PERSISTENT off).
 """
 import math
 import sys
@@ -70,25 +70,26 @@ def time_one(d, s, causal, fa4):
     flops = 4 * b * h * s * s * d / (2 if causal else 1)
     launch = dispatch.Launch(spec)
     res = {"cuteattn": flops / bench(lambda: launch(q, k, v, out, lse)) / 1e9}
-    dispatch.PERSISTENT = False  # the same kernel with one CTA per tile, for comparison
-    grid = dispatch.Launch(spec)
-    dispatch.PERSISTENT = True
-    res["per-tile grid"] = flops / bench(lambda: grid(q, k, v, out, lse)) / 1e9
+    if "grid" in sys.argv:
+        dispatch.PERSISTENT = False  # the same kernel with one CTA per tile, for comparison
+        grid = dispatch.Launch(spec)
+        dispatch.PERSISTENT = True
+        res["per-tile grid"] = flops / bench(lambda: grid(q, k, v, out, lse)) / 1e9
     from cuteattn.kernels.sm90 import config
     if config.SHORT_TILES and s <= config.SHORT_SEQLEN and d in config._TILES_SHORT:
         config.SHORT_TILES = False  # the long-sequence tile, for comparison
         long_tiles = dispatch.Launch(spec)
         config.SHORT_TILES = True
         res["long-seq tile"] = flops / bench(lambda: long_tiles(q, k, v, out, lse)) / 1e9
-    saved = config.SEPARATE_O  # the other O staging, for comparison, where it applies
-    config.SEPARATE_O = True
-    applies = dispatch.sm90_config(spec).separate_o
-    config.SEPARATE_O = not saved
-    other = dispatch.Launch(spec) if applies else None
-    config.SEPARATE_O = saved
-    if other is not None:
-        name = "O in Q buffer" if saved else "separate O"
-        res[name] = flops / bench(lambda: other(q, k, v, out, lse)) / 1e9
+    saved = config.O_PATH  # the other ways out for O, for comparison, where they apply
+    timed = dispatch.sm90_config(spec).o_path
+    res = {f"cuteattn[{timed}]": res.pop("cuteattn"), **res}
+    for path in config.O_PATHS:
+        config.O_PATH = path
+        if path != timed and dispatch.sm90_config(spec).o_path == path:
+            other = dispatch.Launch(spec)
+            res[f"O {path}"] = flops / bench(lambda: other(q, k, v, out, lse)) / 1e9
+    config.O_PATH = saved
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
@@ -149,7 +150,9 @@ def main():
     from cuteattn.kernels.sm90 import config
     dispatch.USE_TVM_FFI = "dlpack" not in sys.argv
     config.PACKED_CONVERT = "unpacked" not in sys.argv
-    print("switches:", {"USE_TVM_FFI": dispatch.USE_TVM_FFI, "PACKED_CONVERT": config.PACKED_CONVERT})
+    config.O_PATH = next((a[7:] for a in sys.argv if a.startswith("o_path=")), config.O_PATH)
+    print("switches:", {"USE_TVM_FFI": dispatch.USE_TVM_FFI, "PACKED_CONVERT": config.PACKED_CONVERT,
+                        "O_PATH": config.O_PATH})
     fails = 0
     cases = []
     for d in (() if "nocheck" in sys.argv else (64, 96, 128, 192, 256)):

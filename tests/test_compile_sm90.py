@@ -167,21 +167,28 @@ def test_worst_case_variants_do_not_spill(d, local, varlen, seqlen, capfd, tmp_p
     assert spills and max(spills) == 0, f"{cfg} spills"
 
 
-SEPARATE_O_CASES = [(64, "causal", False, 1024), (64, "none", False, 4096), (64, "local", True, 1024),
-                    (96, "softcap", False, 4096), (96, "local", True, 4096)]
+O_PATH_CASES = [("own_buffer", 64, "causal", False, 1024), ("own_buffer", 64, "none", False, 4096),
+                 ("own_buffer", 64, "local", True, 1024), ("own_buffer", 96, "softcap", False, 4096),
+                 ("own_buffer", 96, "local", True, 4096),
+                 ("v_stage", 128, "causal", False, 1024), ("v_stage", 128, "none", False, 4096),
+                 ("v_stage", 128, "local", True, 4096), ("v_stage", 128, "softcap", True, 1024),
+                 ("q_buffer", 192, "causal", False, 4096), ("q_buffer", 256, "local", True, 4096)]
 
 
-@pytest.mark.parametrize("d,mask,varlen,seqlen", SEPARATE_O_CASES,
-                         ids=[f"d{d}-{m}{'-varlen' if v else ''}-{s}" for d, m, v, s in SEPARATE_O_CASES])
-def test_compile_separate_o_buffer(d, mask, varlen, seqlen, capfd, tmp_path, monkeypatch):
-    """The staged config.SEPARATE_O switch (O in its own shared-memory buffer) fits shared memory
-    and compiles without spills wherever it applies (d <= 96)."""
+@pytest.mark.parametrize("path,d,mask,varlen,seqlen", O_PATH_CASES,
+                         ids=[f"{p}-d{d}-{m}{'-varlen' if v else ''}-{s}" for p, d, m, v, s in O_PATH_CASES])
+def test_compile_o_paths(path, d, mask, varlen, seqlen, capfd, tmp_path, monkeypatch):
+    """config.O_PATH = "auto" stages O in its own buffer where it fits, else in the last V
+    stage where one holds the O tile, else in Q's buffer; each fits shared memory and compiles
+    without spills."""
     from cuteattn.kernels.sm90 import config
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(config, "SEPARATE_O", True)
+    monkeypatch.setattr(config, "O_PATH", "auto")
     cfg = dispatch.sm90_config(make_spec(torch.float16, d, mask, varlen, seqlen_q=seqlen))
-    assert cfg.separate_o and cfg.smem_bytes() <= config.SMEM_LIMIT
+    assert cfg.o_path == path and cfg.smem_bytes() <= config.SMEM_LIMIT
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
-    assert "wgmma.mma_async" in ptx
+    assert "wgmma.mma_async" in ptx and "stmatrix" in ptx and "st.global.v4.b32" in ptx
+    # TMA rewrites a V stage after the epilogue's generic-proxy reads of O: they need a fence
+    assert ("fence.proxy.async" in ptx) == (path == "v_stage")
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"

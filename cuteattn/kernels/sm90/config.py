@@ -28,13 +28,18 @@ _TILES_PACKED = {
     256: (2, 80, 2),
 }
 
-# O staged in its own shared-memory buffer, where it fits beside Q and the K/V ring (d=64 and
-# d=96): Q's buffer is then free after a tile's last QK GEMM, and the next tile's Q loads during
-# this tile's last P V and epilogue instead of after them. Written and compile-tested
-# (tests/test_compile_sm90.py) after the session's device time ran out: off until the GPU suite
-# has run with it and dev_smoke has timed it ("O in Q buffer" column). False stages O in Q's
-# buffer, the GPU-verified path.
-SEPARATE_O = False
+# Where O is staged on its way out (Sm90FwdConfig.o_path), in order of preference:
+#   "own_buffer": its own shared-memory buffer, where it fits beside Q and the K/V ring (d <= 96);
+#   "v_stage": the ring stage of the tile's last V block, where one stage holds the whole O tile
+#     (tile_n >= tile_m: d = 128);
+#   "q_buffer": Q's buffer (every other head dim; GPU-verified at fde8789).
+# The first two free Q's buffer after the tile's last QK GEMM, so the next tile's Q loads during
+# this tile's last P V GEMM and epilogue rather than after them. "auto" picks the first that
+# applies; a name picks that one where it applies and "q_buffer" elsewhere (for comparisons).
+# Written after a session's device time ran out: "q_buffer" everywhere until the GPU suite has
+# run with "auto" (docs/perf-log.md).
+O_PATHS = ("q_buffer", "own_buffer", "v_stage")
+O_PATH = "q_buffer"
 SMEM_LIMIT = 227 * 1024
 
 # Short sequences (at most SHORT_SEQLEN queries) favour smaller tiles: fewer rows wasted past
@@ -99,8 +104,15 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
     )
-    if SEPARATE_O and head_dim <= 96:  # elsewhere it fits only narrowed tiles (d=128 local)
-        with_o = dataclasses.replace(cfg, separate_o=True)
+    return _with_o_path(cfg, O_PATH)
+
+
+def _with_o_path(cfg: Sm90FwdConfig, wanted: str) -> Sm90FwdConfig:
+    if wanted in ("auto", "own_buffer") and cfg.head_dim <= 96:
+        with_o = dataclasses.replace(cfg, o_path="own_buffer")
         if with_o.smem_bytes() <= SMEM_LIMIT:
             return with_o
+    v_stage_bytes = cfg.tile_n * cfg.head_dim_v * cfg.dtype.width // 8
+    if wanted in ("auto", "v_stage") and cfg.tile_n >= cfg.tile_m and v_stage_bytes % 1024 == 0:
+        return dataclasses.replace(cfg, o_path="v_stage")
     return cfg

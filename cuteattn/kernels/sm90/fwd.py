@@ -43,9 +43,11 @@ from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
 WG_ROWS = 64  # rows of one consumer warpgroup's wgmma tile
 WG_THREADS = 128
 # Named barriers: 0 is __syncthreads; 1..3 guard each consumer's epilogue; 4..6 are the GEMM
-# turns; 7 and 8 hand the next tile from the producer warp to the consumers.
+# turns; 7 and 8 hand the next tile from the producer warp to the consumers; 9 gathers every
+# consumer before O overwrites the V stage they all read (o_path "v_stage").
 BAR_TILE_READY = 7
 BAR_TILE_FREE = 8
+BAR_ALL_CONSUMERS = 9
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,11 @@ class Sm90FwdConfig:
     has_seqused_k: bool = False
     pingpong: bool = True        # consumer warpgroups take turns issuing GEMMs
     dynamic_tiles: bool = False  # tiles from a global counter instead of round robin
-    separate_o: bool = False     # O staged in its own buffer, so Q's is free after the last QK
+    # Where O is staged on its way to global memory (config.O_PATHS): Q's buffer (the next
+    # tile's Q loads only once the epilogue has read O back), a buffer of its own, or the
+    # ring stage of the tile's last V block. The last two free Q's buffer after the tile's last
+    # QK GEMM, so the next tile's Q loads under this one's last P V GEMM and epilogue.
+    o_path: str = "q_buffer"
     packed_convert: bool = False  # P to 16 bits with one cvt per pair (see common/convert.py)
 
     @property
@@ -76,7 +82,7 @@ class Sm90FwdConfig:
     def smem_bytes(self) -> int:
         elem = self.dtype.width // 8
         q = self.tile_m * self.head_dim * elem
-        o = self.tile_m * self.head_dim_v * elem if self.separate_o else 0
+        o = self.tile_m * self.head_dim_v * elem if self.o_path == "own_buffer" else 0
         kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elem
         return q + o + kv + 1024  # + barriers and alignment
 
@@ -217,7 +223,7 @@ class FlashFwdSm90:
             "sVt": cute.struct.Align[cute.struct.MemRange[self.dtype, v_elems], 1024],
             "next_tile": cute.struct.MemRange[Int32, 1],  # producer -> consumers (dynamic_tiles)
         }
-        if self.cfg.separate_o:
+        if self.cfg.o_path == "own_buffer":
             fields["sO"] = cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
@@ -260,10 +266,17 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
         sNextTile = storage.next_tile.get_tensor(cute.make_layout(1))
-        # O's staging buffer: its own where shared memory allows, else Q's (free once the
-        # tile's last QK GEMM is done, but only reloaded after the epilogue)
-        sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner) if const_expr(
-            cfg.separate_o) else sQ
+        # O's staging buffer (Sm90FwdConfig.o_path): Q's, its own, or, as a function of the
+        # ring stage, the V stage of the tile's last block seen with Q's layout.
+        sO = sQ
+        if const_expr(cfg.o_path == "own_buffer"):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        if const_expr(cfg.o_path == "v_stage"):
+            v_stage_elems = self.v_bytes * 8 // self.dtype.width
+            # (stages start on 1024-byte boundaries, as the 128-byte swizzle needs)
+            sO = lambda stage: cute.make_tensor(
+                cute.recast_ptr(storage.sVt.data_ptr() + cute.assume(stage * v_stage_elems, divby=512),
+                                sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
@@ -502,7 +515,7 @@ class FlashFwdSm90:
                 v_state.advance()
                 softmax.rescale(acc_O_mn)
                 self.probs_to_operand(acc_S, tOrP, tOrP_as_acc)
-            if const_expr(cfg.separate_o):
+            if const_expr(cfg.o_path != "q_buffer"):
                 # every QK GEMM of this tile is done: the next tile's Q may load now, during
                 # this tile's last P V and its epilogue
                 pipeline_q.consumer_release(q_state)
@@ -510,19 +523,32 @@ class FlashFwdSm90:
             pipeline_v.consumer_wait(v_state)
             gemm_pv(v_state.index)
             warpgroup.wait_group(0)
-            pipeline_v.consumer_release(v_state)
-            v_state.advance()
+            if const_expr(cfg.o_path != "v_stage"):  # else the epilogue stages O there first
+                pipeline_v.consumer_release(v_state)
+                v_state.advance()
 
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
-        if const_expr(cfg.separate_o):
-            if n_max <= n_min:  # no GEMM read Q
+        epilogue = lambda sO_buf, all_consumers: self.epilogue(
+            acc_O, lse, sO_buf, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv, row_start, head_idx,
+            batch_idx, wg, tidx, all_consumers)
+        if const_expr(cfg.o_path == "v_stage"):
+            if n_max > n_min:
+                epilogue(sO(v_state.index), True)
+                # the generic-proxy reads of O must be ordered before TMA rewrites the stage
+                cute.arch.fence_proxy("async.shared", space="cta")
+                pipeline_v.consumer_release(v_state)
+            else:  # no V block held: O goes through Q's buffer, which no GEMM read
+                epilogue(sQ, False)
                 pipeline_q.consumer_release(q_state)
-        self.epilogue(acc_O, lse, sO, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv,
-                      row_start, head_idx, batch_idx, wg, tidx)
-        if const_expr(not cfg.separate_o):
-            # the epilogue has read O back out of Q's buffer: the next tile's Q may land there
-            pipeline_q.consumer_release(q_state)
+        else:
+            if const_expr(cfg.o_path == "own_buffer"):
+                if n_max <= n_min:  # no GEMM read Q
+                    pipeline_q.consumer_release(q_state)
+            epilogue(sO, False)
+            if const_expr(cfg.o_path == "q_buffer"):
+                # the epilogue has read O back out of Q's buffer: the next tile's Q may land there
+                pipeline_q.consumer_release(q_state)
         q_state.advance()
         return q_state, k_state
 
@@ -577,10 +603,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def epilogue(self, acc_O, lse, sO_all, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, tiled_mma_pv,
-                 row_start, head_idx, batch_idx, wg, tidx):
-        """O goes registers -> shared memory (this warpgroup's slice of the O buffer, or of Q's,
-        no longer read) -> global memory with 16-byte stores, only for rows inside the sequence.
-        LSE is written straight from the registers of the threads that own column 0."""
+                 row_start, head_idx, batch_idx, wg, tidx, all_consumers: cutlass.Constexpr):
+        """LSE straight from the registers of the threads that own column 0; O through shared
+        memory (`sO_all`: this warpgroup's slice) with 16-byte stores, only for rows inside the
+        sequence. `all_consumers`: every consumer warpgroup read the buffer, so all must be
+        past their last GEMM before any overwrites it."""
         cfg = self.cfg
         seqlen_q = seqlen.seqlen_q
         # LSE
@@ -595,11 +622,14 @@ class FlashFwdSm90:
                 if row < seqlen_q:
                     gLSE[row] = lse[r]
 
-        # O: registers -> smem. Wait until every warp of this warpgroup is past its last GEMM
-        # reading this Q slice (O in Q's buffer), or past its reads of the previous tile's O
-        # (its own buffer), before overwriting it.
+        # O: registers -> smem. Wait until every warp that read this buffer is past its last
+        # GEMM (O in Q's buffer or a V stage), or past its reads of the previous tile's O (its
+        # own buffer), before overwriting it.
         barrier_id = 1 + wg
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_THREADS)
+        if const_expr(all_consumers):
+            cute.arch.barrier(barrier_id=BAR_ALL_CONSUMERS, number_of_threads=WG_THREADS * self.num_wg)
+        else:
+            cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_THREADS)
         sO = sO_all[None, None, wg]
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
