@@ -3,10 +3,12 @@ kind on a few odd shapes, errors against a float32 reference, then a quick timin
 line per case; exits non-zero on any failure. Run on the GPU machine:
     PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep] [nocheck] [quick]
         [grid] [dims=64,128,256] [o_path=auto|q_buffer|own_buffer|v_stage]
+        [tiles=128:2x128x2,64:2x128x4]
 `dlpack` and `unpacked` turn off the switches dispatch.USE_TVM_FFI and config.PACKED_CONVERT for
 this run (both on by default), to compare against the older paths in one device call.
 `nocheck` skips the correctness cases, `quick` the host-time and varlen timings, `dims=` picks
-the head dims timed, `o_path=` config.O_PATH. Every timing also runs the alternatives the
+the head dims timed, `o_path=` config.O_PATH, `tiles=` other tile shapes to time beside the
+configured ones (at every length). Every timing also runs the alternatives the
 configuration has switches for (long-sequence tiles at short lengths, the other O paths), and
 with `grid` the same kernel with one CTA per tile (dispatch.PERSISTENT off).
 """
@@ -58,6 +60,15 @@ def bench(f, iters=20):
     return median_ms(f, torch.device("cuda"), iters=iters)
 
 
+# `tiles=128:2x128x2,64:2x128x4`: head dim -> other (warpgroups, tile_n, stages) to time
+ALT_TILES = {}
+for _arg in sys.argv:
+    if _arg.startswith("tiles="):
+        for _item in _arg[6:].split(","):
+            _d, _tile = _item.split(":")
+            ALT_TILES.setdefault(int(_d), []).append(tuple(int(x) for x in _tile.split("x")))
+
+
 def time_one(d, s, causal, fa4):
     b, h = 16384 // s, 2048 // d
     q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -81,6 +92,13 @@ def time_one(d, s, causal, fa4):
         long_tiles = dispatch.Launch(spec)
         config.SHORT_TILES = True
         res["long-seq tile"] = flops / bench(lambda: long_tiles(q, k, v, out, lse)) / 1e9
+    table = config._TILES_PACKED if config.PACKED_CONVERT else config._TILES
+    for tile in ALT_TILES.get(d, ()):  # other tile shapes, at every length
+        saved_tile, saved_short = table[d], config.SHORT_TILES
+        table[d], config.SHORT_TILES = tile, False
+        alt = dispatch.Launch(spec)
+        table[d], config.SHORT_TILES = saved_tile, saved_short
+        res[f"tile {'x'.join(map(str, tile))}"] = flops / bench(lambda: alt(q, k, v, out, lse)) / 1e9
     saved = config.O_PATH  # the other ways out for O, for comparison, where they apply
     timed = dispatch.sm90_config(spec).o_path
     res = {f"cuteattn[{timed}]": res.pop("cuteattn"), **res}
@@ -90,6 +108,11 @@ def time_one(d, s, causal, fa4):
             other = dispatch.Launch(spec)
             res[f"O {path}"] = flops / bench(lambda: other(q, k, v, out, lse)) / 1e9
     config.O_PATH = saved
+    if timed == "own_buffer" and not config.TMA_STORE_O:  # O written by TMA stores instead
+        config.TMA_STORE_O = True
+        tma = dispatch.Launch(spec)
+        config.TMA_STORE_O = False
+        res["O tma store"] = flops / bench(lambda: tma(q, k, v, out, lse)) / 1e9
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):

@@ -40,6 +40,10 @@ _TILES_PACKED = {
 # run with "auto" (docs/perf-log.md).
 O_PATHS = ("q_buffer", "own_buffer", "v_stage")
 O_PATH = "q_buffer"
+# With O in its own buffer and fixed lengths, one TMA store per warpgroup writes it out
+# (Sm90FwdConfig.tma_store_o) instead of 16-byte stores by every thread; the buffer's next
+# writer waits for the store to have read it. Off until measured on the GPU.
+TMA_STORE_O = False
 SMEM_LIMIT = 227 * 1024
 
 # Short sequences (at most SHORT_SEQLEN queries) favour smaller tiles: fewer rows wasted past
@@ -109,7 +113,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
 
 def _with_o_path(cfg: Sm90FwdConfig, wanted: str) -> Sm90FwdConfig:
     if wanted in ("auto", "own_buffer") and cfg.head_dim <= 96:
-        with_o = dataclasses.replace(cfg, o_path="own_buffer")
+        with_o = dataclasses.replace(cfg, o_path="own_buffer",
+                                     tma_store_o=TMA_STORE_O and not cfg.varlen_q)
         if with_o.smem_bytes() <= SMEM_LIMIT:
             return with_o
     v_stage_bytes = cfg.tile_n * cfg.head_dim_v * cfg.dtype.width // 8

@@ -73,6 +73,9 @@ class Sm90FwdConfig:
     # ring stage of the tile's last V block. The last two free Q's buffer after the tile's last
     # QK GEMM, so the next tile's Q loads under this one's last P V GEMM and epilogue.
     o_path: str = "q_buffer"
+    # O from its own buffer to global memory by one TMA store per warpgroup (fixed-length only:
+    # the descriptor covers one (batch, head) grid, and it clips rows past the sequence end)
+    tma_store_o: bool = False
     packed_convert: bool = False  # P to 16 bits with one cvt per pair (see common/convert.py)
 
     @property
@@ -180,6 +183,11 @@ class FlashFwdSm90:
             tma_load, mK, cute.slice_(sK_layout, (None, None, 0)), (self.tile_n, self.d))
         tma_atom_v, tma_vt = cpasync.make_tiled_tma_atom(
             tma_load, mVt, cute.slice_(sVt_layout, (None, None, 0)), (self.dv, self.tile_n))
+        tma_atom_o = None
+        if const_expr(cfg.tma_store_o):  # O's smem slices have Q's layout
+            tma_atom_o, mO = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.slice_(sQ_layout, (None, None, 0)),
+                (WG_ROWS, self.dv))
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
@@ -199,7 +207,7 @@ class FlashFwdSm90:
             num_tiles = num_m_blocks * num_heads * batch
 
         self.kernel(
-            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, tma_atom_o, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, score_scale, softmax_scale_log2, window_left, window_right,
@@ -236,7 +244,7 @@ class FlashFwdSm90:
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
         tma_atom_v: cute.CopyAtom, mVt: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor,
+        tma_atom_o: Optional[cute.CopyAtom], mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         mTileCounter: cute.Tensor,
@@ -254,6 +262,8 @@ class FlashFwdSm90:
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(cfg.tma_store_o):
+                cpasync.prefetch_descriptor(tma_atom_o)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -320,12 +330,15 @@ class FlashFwdSm90:
                 if in_range:
                     n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
                     q_state, kv_state = self.consume(
-                        tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, mO, mLSE,
+                        tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_o, mO, mLSE,
                         pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                         block_info, score_scale, softmax_scale_log2, window_left, window_right,
                         m_block, head_idx, batch_idx, n_min, n_max, wg, tidx % WG_THREADS,
                     )
                 tile = self.next_tile_consumer(tile, tile_stride, sNextTile)
+            if const_expr(cfg.tma_store_o):  # the last O store must read shared memory before exit
+                if tidx % WG_THREADS < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # Which tile next. Round robin needs no communication. Dynamic: the producer warp draws the
     # next tile from the global counter as soon as it has issued this tile's loads, and hands it
@@ -443,7 +456,7 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, mO, mLSE,
+    def consume(self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_o, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo,
                 score_scale, softmax_scale_log2, window_left, window_right,
@@ -530,7 +543,7 @@ class FlashFwdSm90:
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
         epilogue = lambda sO_buf, all_consumers: self.epilogue(
-            acc_O, lse, sO_buf, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv, row_start, head_idx,
+            acc_O, lse, sO_buf, tma_atom_o, mO, mLSE, seqlen, thr_mma_pv, tiled_mma_pv, row_start, head_idx,
             batch_idx, wg, tidx, all_consumers)
         if const_expr(cfg.o_path == "v_stage"):
             if n_max > n_min:
@@ -602,7 +615,7 @@ class FlashFwdSm90:
             cute.arch.barrier_arrive(barrier_id=4 + nxt, number_of_threads=2 * WG_THREADS)
 
     @cute.jit
-    def epilogue(self, acc_O, lse, sO_all, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, tiled_mma_pv,
+    def epilogue(self, acc_O, lse, sO_all, tma_atom_o, mO, mLSE, seqlen: SeqlenInfo, thr_mma_pv, tiled_mma_pv,
                  row_start, head_idx, batch_idx, wg, tidx, all_consumers: cutlass.Constexpr):
         """LSE straight from the registers of the threads that own column 0; O through shared
         memory (`sO_all`: this warpgroup's slice) with 16-byte stores, only for rows inside the
@@ -626,6 +639,9 @@ class FlashFwdSm90:
         # GEMM (O in Q's buffer or a V stage), or past its reads of the previous tile's O (its
         # own buffer), before overwriting it.
         barrier_id = 1 + wg
+        if const_expr(cfg.tma_store_o):  # the previous tile's O store has read this buffer
+            if tidx < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         if const_expr(all_consumers):
             cute.arch.barrier(barrier_id=BAR_ALL_CONSUMERS, number_of_threads=WG_THREADS * self.num_wg)
         else:
@@ -637,9 +653,25 @@ class FlashFwdSm90:
             cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
         thr_copy_r2s = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
         cute.copy(thr_copy_r2s, thr_copy_r2s.retile(rO), thr_copy_r2s.partition_D(sO))
+        if const_expr(cfg.tma_store_o):
+            # the generic-proxy writes must be visible to the TMA unit's reads
+            cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=barrier_id, number_of_threads=WG_THREADS)
+        if const_expr(cfg.tma_store_o):
+            if tidx < 32:
+                gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (WG_ROWS, self.dv), (None, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_atom_o, 0, cute.make_layout(1), cute.group_modes(sO_all, 0, 2),
+                    cute.group_modes(gO, 0, 2))
+                cute.copy(tma_atom_o, tOsO[None, wg], tOgO[None, row_start // WG_ROWS])
+                cute.arch.cp_async_bulk_commit_group()
+        else:
+            self.store_o_from_smem(sO, mO, seqlen, row_start, head_idx, batch_idx, tidx)
 
-        # smem -> gmem, 8 elements (16 bytes) per thread per copy, rows predicated.
+    @cute.jit
+    def store_o_from_smem(self, sO, mO, seqlen: SeqlenInfo, row_start, head_idx, batch_idx, tidx):
+        """Shared memory -> global memory, 16 bytes per thread per copy, rows predicated."""
+        seqlen_q = seqlen.seqlen_q
         vec = 128 // self.dtype.width
         # The thread layout must tile (64, d_v) exactly: d_v = 96 has 12 vectors per row, so 4
         # threads share a row and each stores 3 vectors.
