@@ -39,7 +39,7 @@ _TILES_PACKED = {
 # Written after a session's device time ran out: "q_buffer" everywhere until the GPU suite has
 # run with "auto" (docs/perf-log.md).
 O_PATHS = ("q_buffer", "own_buffer", "v_stage")
-O_PATH = "q_buffer"
+O_PATH = "auto"
 # With O in its own buffer and fixed lengths, one TMA store per warpgroup writes it out
 # (Sm90FwdConfig.tma_store_o) instead of 16-byte stores by every thread; the buffer's next
 # writer waits for the store to have read it. Off until measured on the GPU.
