@@ -3,12 +3,13 @@ kind on a few odd shapes, errors against a float32 reference, then a quick timin
 line per case; exits non-zero on any failure. Run on the GPU machine:
     PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep] [nocheck] [quick]
         [grid] [dims=64,128,256] [o_path=auto|q_buffer|own_buffer|v_stage]
-        [tiles=128:2x128x2,64:2x128x4]
+        [tiles=128:2x128x2,64:2x128x4] [l2=1,0] [causal_only]
 `dlpack` and `unpacked` turn off the switches dispatch.USE_TVM_FFI and config.PACKED_CONVERT for
 this run (both on by default), to compare against the older paths in one device call.
 `nocheck` skips the correctness cases, `quick` the host-time and varlen timings, `dims=` picks
 the head dims timed, `o_path=` config.O_PATH, `tiles=` other tile shapes to time beside the
-configured ones (at every length). Every timing also runs the alternatives the
+configured ones (at every length), `l2=` other group sizes of the causal tile order (0: one
+group), `causal_only` only the causal cells. Every timing also runs the alternatives the
 configuration has switches for (long-sequence tiles at short lengths, the other O paths), and
 with `grid` the same kernel with one CTA per tile (dispatch.PERSISTENT off).
 """
@@ -68,6 +69,9 @@ for _arg in sys.argv:
             _d, _tile = _item.split(":")
             ALT_TILES.setdefault(int(_d), []).append(tuple(int(x) for x in _tile.split("x")))
 
+L2_GROUPS = next((tuple(int(x) for x in a[3:].split(",")) for a in sys.argv if a.startswith("l2=")), ())
+CAUSAL_ONLY = "causal_only" in sys.argv
+
 
 def time_one(d, s, causal, fa4):
     b, h = 16384 // s, 2048 // d
@@ -92,6 +96,13 @@ def time_one(d, s, causal, fa4):
         long_tiles = dispatch.Launch(spec)
         config.SHORT_TILES = True
         res["long-seq tile"] = flops / bench(lambda: long_tiles(q, k, v, out, lse)) / 1e9
+    if causal:  # `l2=1,0`: other (batch, head) group sizes of the causal tile order (0: all)
+        default_group = dispatch.l2_group
+        for group in L2_GROUPS:
+            dispatch.l2_group = lambda _spec, g=group: g if g > 0 else b * h
+            other_order = dispatch.Launch(spec)
+            dispatch.l2_group = default_group
+            res[f"l2 group {group}"] = flops / bench(lambda: other_order(q, k, v, out, lse)) / 1e9
     table = config._TILES_PACKED if config.PACKED_CONVERT else config._TILES
     for tile in ALT_TILES.get(d, ()):  # other tile shapes, at every length
         saved_tile, saved_short = table[d], config.SHORT_TILES
@@ -223,7 +234,7 @@ def main():
         for tile in tiles:
             table[d] = tile
             compile_cache.clear()
-            for causal in (False, True):
+            for causal in ((True,) if CAUSAL_ONLY else (False, True)):
                 for s in (1024, 4096, 16384):
                     res = time_one(d, s, causal, fa4 if tile == tiles[0] else None)
                     print(f"time d={d} tile={tile} s={s:5d} causal={causal:d}: " +
