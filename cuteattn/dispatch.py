@@ -117,6 +117,21 @@ def l2_group(spec: AttentionSpec) -> int:
     return kv_heads * spec.qhead_per_kvhead
 
 
+def balanced_l2_groups(pairs: int, max_pairs: int, unit: int) -> tuple:
+    """(pairs per small group, number of small groups) of the causal tile order: as few groups
+    as `max_pairs` per group allows, their sizes within one `unit` (the pairs sharing K/V under
+    GQA) of each other; the groups after the small ones have `unit` more pairs."""
+    units = max(pairs // unit, 1)
+    num_groups = -(-units // max(max_pairs // unit, 1))
+    return units // num_groups * unit, num_groups - units % num_groups
+
+
+def l2_groups(spec: AttentionSpec) -> tuple:
+    """(pairs per small group, number of small groups): l2_group's budget, balanced."""
+    return balanced_l2_groups(max(spec.batch * spec.nheads, 1), l2_group(spec),
+                              spec.qhead_per_kvhead)
+
+
 # The counter a dynamically scheduled kernel draws its tiles from (fwd.py: dynamic_tiles). The
 # kernel leaves it at zero when it ends, but two launches running at once must not share one,
 # so there is one per (device, stream). Kernels without dynamic tiles ignore it: one per device.
@@ -166,10 +181,10 @@ def kernel_scalars(spec: AttentionSpec):
 
 def launch_scalars(spec: AttentionSpec) -> tuple:
     """(max_seqlen_q, qhead_per_kvhead, score_scale, softmax_scale_log2, window_left,
-    window_right, max_ctas, l2_group): the kernel's scalar arguments, in order."""
+    window_right, max_ctas, l2_group, l2_small_groups): the kernel's scalar arguments, in order."""
     score_scale, scale_log2, left, right = kernel_scalars(spec)
     return (max(spec.seqlen_q, 1), spec.qhead_per_kvhead, score_scale, scale_log2, left, right,
-            max_ctas(spec), l2_group(spec))
+            max_ctas(spec), *l2_groups(spec))
 
 
 def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None,
@@ -177,7 +192,7 @@ def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None,
                      scalars=None, counter=None) -> tuple:
     """The compiled kernel's arguments, less the stream: (q, k, v, out, lse, cu_seqlens_q,
     cu_seqlens_k, seqused_q, seqused_k, tile_counter, max_seqlen_q, qhead_per_kvhead, score_scale,
-    softmax_scale_log2, window_left, window_right, max_ctas, l2_group); cute runtime tensors and scalars,
+    softmax_scale_log2, window_left, window_right, max_ctas, l2_group, l2_small_groups); cute runtime tensors and scalars,
     or as they are for TVM-FFI. `scalars`: launch_scalars(spec), when the caller kept them."""
     if counter is None:
         counter = tile_counter(spec.device_index, per_stream=False)
@@ -190,7 +205,7 @@ def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None,
     converted = tuple(_to_cute(t) for t in tensors[:4]) + (_to_cute(lse, 4),) + tuple(
         _to_cute(t, 4) for t in tensors[5:])
     return converted + tuple(kind(x) for kind, x in zip(
-        (Int32, Int32, Float32, Float32, Int32, Int32, Int32, Int32), scalars))
+        (Int32, Int32, Float32, Float32, Int32, Int32, Int32, Int32, Int32), scalars))
 
 
 class Launch:

@@ -31,7 +31,8 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           mUsedQ: Optional[cute.Tensor], mUsedK: Optional[cute.Tensor], mTileCounter: cute.Tensor,
           max_seqlen_q: Int32,
           qhead_per_kvhead: Int32, score_scale: Float32, scale_log2: Float32, window_left: Int32,
-          window_right: Int32, max_ctas: Int32, l2_group: Int32, info: cute.Tensor):
+          window_right: Int32, max_ctas: Int32, l2_group: Int32, l2_small_groups: Int32,
+          info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mO, mLSE):
         for m in cutlass.range_constexpr(cute.rank(t)):
@@ -43,7 +44,8 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
             info[i] = Int64(t.shape[0])
             info[i + 1] = Int64(t[1])
             i += 2
-    for x in (max_seqlen_q, qhead_per_kvhead, window_left, window_right, max_ctas, l2_group):
+    for x in (max_seqlen_q, qhead_per_kvhead, window_left, window_right, max_ctas, l2_group,
+              l2_small_groups):
         info[i] = Int64(x)
         i += 1
     for x in (score_scale, scale_log2):  # to micro-units, to compare as integers
@@ -61,7 +63,7 @@ def expected(tensors, spec):
             out += [t.shape[0], int(t[1])]
     score_scale, scale_log2, left, right = dispatch.kernel_scalars(spec)
     out += [max(spec.seqlen_q, 1), spec.qhead_per_kvhead, left, right, dispatch.max_ctas(spec),
-            dispatch.l2_group(spec)]
+            *dispatch.l2_groups(spec)]
     out += [int(score_scale * 1e6), int(scale_log2 * 1e6)]
     return out
 
@@ -112,7 +114,7 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     counter = torch.tensor([0, 7], dtype=torch.int32)  # [1] is what the probe reads back
     tensors = (q, k, v, o, lse, cu_q, cu_k, *used, counter)
     info = torch.full((80,), -1, dtype=torch.int64)
-    scalars = (Int32(0), Int32(0), Float32(0), Float32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+    scalars = (Int32(0), Int32(0), Float32(0), Float32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
     if tvm_ffi:
         from cutlass.cute.typing import AddressSpace
         fakes = fake_arguments(cfg, memspace=AddressSpace.generic)

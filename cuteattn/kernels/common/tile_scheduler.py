@@ -17,25 +17,34 @@ from cutlass import Int32
 
 @cute.jit
 def fixed_tile_coord(tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
-                     l2_group: Int32, lpt: cutlass.Constexpr):
+                     group_pairs: Int32, small_groups: Int32, unit: Int32,
+                     lpt: cutlass.Constexpr):
     """(m_block, head_idx, batch_idx) of tile `tile` in [0, num_m_blocks * num_heads * batch).
 
     lpt (causal, windowed): tiles differ in cost, so the last query blocks (the most keys) go
     first. Doing that over every (batch, head) at once would run one query block of every head
     together, whose K/V overflow L2 at long sequences (4k tokens, 64 heads: 128 MB), so each
-    block re-reads its keys from HBM. The pairs are instead taken `l2_group` at a time (the host
-    sizes a group to fit L2): within a group the query blocks go from last to first, the pair
-    fastest; groups follow each other. Pairs are numbered batch-major, head fastest, so GQA heads
-    that share K/V sit together.
+    block re-reads its keys from HBM. The pairs are instead taken in groups sized to fit L2
+    (dispatch.balanced_l2_groups: `small_groups` groups of `group_pairs` pairs, then groups of
+    `group_pairs + unit`): within a group the query blocks go from last to first, the pair
+    fastest; groups follow each other. Balanced, because a short last group leaves the end of
+    the launch to a few long tiles while most CTAs idle (4k tokens, d=256: 32 pairs in groups
+    of 6 left 2 pairs, 64 tiles for 132 SMs). Pairs are numbered batch-major, head fastest, so
+    GQA heads that share K/V sit together.
     Otherwise: query block fastest, then head, then batch.
     """
     if cutlass.const_expr(lpt):
-        pairs = num_heads * batch
-        per_group = l2_group * num_m_blocks
-        group = tile // per_group
-        rank = tile - group * per_group
-        first_pair = group * l2_group
-        pairs_here = cutlass.min(l2_group, pairs - first_pair)  # the last group may be short
+        small_tiles = small_groups * group_pairs * num_m_blocks
+        pairs_here = group_pairs
+        first_pair = Int32(0)
+        rank = tile
+        if tile >= small_tiles:
+            pairs_here = group_pairs + unit
+            rank = tile - small_tiles
+            first_pair = small_groups * group_pairs
+        group = rank // (pairs_here * num_m_blocks)
+        rank = rank - group * pairs_here * num_m_blocks
+        first_pair = first_pair + group * pairs_here
         m_block = num_m_blocks - 1 - rank // pairs_here
         pair = first_pair + rank % pairs_here
     else:

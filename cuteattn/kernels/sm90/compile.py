@@ -84,11 +84,11 @@ def fake_arguments(cfg: Sm90FwdConfig, memspace=None):
 def compile_fwd(cfg: Sm90FwdConfig, options: str = "", tvm_ffi: bool = False):
     """Returns the compiled kernel. Call it with (q, k, v, out, lse, cu_q, cu_k, used_q, used_k,
     tile_counter, max_seqlen_q, qhead_per_kvhead, score_scale, softmax_scale_log2, window_left, window_right,
-    max_ctas, l2_group, stream): cute runtime tensors and scalars; or, with `tvm_ffi`, torch tensors and Python
+    max_ctas, l2_group, l2_small_groups, stream): cute runtime tensors and scalars; or, with `tvm_ffi`, torch tensors and Python
     numbers and no stream (TVM-FFI passes the caller's current stream)."""
     kernel = FlashFwdSm90(cfg)
     args = fake_arguments(cfg)
-    scalars = (Int32(1), Int32(1), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1))
+    scalars = (Int32(1), Int32(1), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1), Int32(1), Int32(1))
     if tvm_ffi:
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         options = (options + " --enable-tvm-ffi").strip()

@@ -141,7 +141,8 @@ class FlashFwdSm90:
         window_left: Int32,
         window_right: Int32,
         max_ctas: Int32,           # persistent grid size (SMs); >= the tile count: one tile each
-        l2_group: Int32,           # (batch, head) pairs per L2 group of the causal tile order
+        l2_group: Int32,           # (batch, head) pairs per small L2 group of the causal order
+        l2_small_groups: Int32,    # how many small groups (then groups of l2_group + GQA ratio)
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -210,7 +211,7 @@ class FlashFwdSm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, tma_atom_o, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
-            l2_group, score_scale, softmax_scale_log2, window_left, window_right,
+            l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_qk, tiled_mma_pv, sQ_layout, sK_layout, sVt_layout,
         ).launch(
             grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
@@ -250,7 +251,7 @@ class FlashFwdSm90:
         mTileCounter: cute.Tensor,
         seqlen_q_static: Int32, seqlen_k_static: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
-        l2_group: Int32, score_scale: Float32, softmax_scale_log2: Float32,
+        l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
         tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -295,8 +296,9 @@ class FlashFwdSm90:
         # Producer and consumers walk the same tiles and skip the same ones, so their pipeline
         # states stay in step across tiles.
         tile_info = lambda tile: self.tile_info(
-            tile, num_m_blocks, num_heads, batch, l2_group, seqlen_q_static, seqlen_k_static,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+            tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
+            seqlen_q_static,
+            seqlen_k_static, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
@@ -381,7 +383,7 @@ class FlashFwdSm90:
     # Tile order (the linear tile index a CTA walks): common/tile_scheduler.py.
     @cute.jit
     def tile_info(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
-                  l2_group: Int32,
+                  l2_group: Int32, l2_small_groups: Int32, qhead_per_kvhead: Int32,
                   seqlen_q_static: Int32, seqlen_k_static: Int32,
                   mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
                   mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor]):
@@ -394,7 +396,8 @@ class FlashFwdSm90:
                                                    self.cfg.causal or self.cfg.local)
         else:
             m_block, head_idx, batch_idx = fixed_tile_coord(
-                tile, num_m_blocks, num_heads, batch, l2_group, self.cfg.causal or self.cfg.local)
+                tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
+                self.cfg.causal or self.cfg.local)
         tile_valid = batch_idx < batch  # the packed grid has a few spare tiles past the last block
         batch_idx = cutlass.min(batch_idx, batch - 1)
         seqlen = SeqlenInfo.create(batch_idx, seqlen_q_static, seqlen_k_static,
