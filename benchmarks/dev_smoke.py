@@ -3,7 +3,7 @@ kind on a few odd shapes, errors against a float32 reference, then a quick timin
 line per case; exits non-zero on any failure. Run on the GPU machine:
     PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep] [nocheck] [quick]
         [grid] [dims=64,128,256] [o_path=auto|q_buffer|own_buffer|v_stage]
-        [tiles=128:2x128x2,64:2x128x4] [l2=1,0] [causal_only]
+        [tiles=128:2x128x2,64:2x128x4] [l2=1,0] [causal_only] [noalt]
 `dlpack` and `unpacked` turn off the switches dispatch.USE_TVM_FFI and config.PACKED_CONVERT for
 this run (both on by default), to compare against the older paths in one device call.
 `nocheck` skips the correctness cases, `quick` the host-time and varlen timings, `dims=` picks
@@ -71,6 +71,7 @@ for _arg in sys.argv:
 
 L2_GROUPS = next((tuple(int(x) for x in a[3:].split(",")) for a in sys.argv if a.startswith("l2=")), ())
 CAUSAL_ONLY = "causal_only" in sys.argv
+ALTS = "noalt" not in sys.argv  # `noalt`: no other tile classes or O paths
 
 
 def time_one(d, s, causal, fa4):
@@ -91,7 +92,7 @@ def time_one(d, s, causal, fa4):
         dispatch.PERSISTENT = True
         res["per-tile grid"] = flops / bench(lambda: grid(q, k, v, out, lse)) / 1e9
     from cuteattn.kernels.sm90 import config
-    if config.SHORT_TILES and s <= config.SHORT_SEQLEN and d in config._TILES_SHORT:
+    if ALTS and config.SHORT_TILES and s <= config.SHORT_SEQLEN and d in config._TILES_SHORT:
         config.SHORT_TILES = False  # the long-sequence tile, for comparison
         long_tiles = dispatch.Launch(spec)
         config.SHORT_TILES = True
@@ -113,13 +114,13 @@ def time_one(d, s, causal, fa4):
     saved = config.O_PATH  # the other ways out for O, for comparison, where they apply
     timed = dispatch.sm90_config(spec).o_path
     res = {f"cuteattn[{timed}]": res.pop("cuteattn"), **res}
-    for path in config.O_PATHS:
+    for path in config.O_PATHS if ALTS else ():
         config.O_PATH = path
         if path != timed and dispatch.sm90_config(spec).o_path == path:
             other = dispatch.Launch(spec)
             res[f"O {path}"] = flops / bench(lambda: other(q, k, v, out, lse)) / 1e9
     config.O_PATH = saved
-    if timed == "own_buffer" and not config.TMA_STORE_O:  # O written by TMA stores instead
+    if ALTS and timed == "own_buffer" and not config.TMA_STORE_O:  # O written by TMA stores instead
         config.TMA_STORE_O = True
         tma = dispatch.Launch(spec)
         config.TMA_STORE_O = False
