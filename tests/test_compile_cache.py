@@ -74,6 +74,14 @@ def test_damaged_file_is_compiled_again_and_replaced(fresh):
     check_adds(compile_cache.get_or_compile(key, must_not_compile, persist=True), 2)
 
 
+def test_on_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("CUTEATTN_DISK_CACHE", raising=False)
+    assert compile_cache.disk_cache_enabled()
+    for off in ("0", "false", "off", "no"):
+        monkeypatch.setenv("CUTEATTN_DISK_CACHE", off)
+        assert not compile_cache.disk_cache_enabled()
+
+
 def test_nothing_written_unless_enabled_and_persistable(fresh, monkeypatch):
     compile_cache.get_or_compile(("probe", "no-persist"), build_add_k, persist=False)
     monkeypatch.setenv("CUTEATTN_DISK_CACHE", "0")

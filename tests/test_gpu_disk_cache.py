@@ -1,6 +1,6 @@
 """The disk cache on a GPU (`pytest -m gpu`): a first process compiles a kernel and exports it,
 a second process (fresh memory cache) loads it without compiling and computes the right answer.
-Until this passes on the GPU machine, CUTEATTN_DISK_CACHE stays off by default."""
+It passed on the H200 at 89f8884; since then the disk cache is on by default."""
 import json
 import os
 import subprocess

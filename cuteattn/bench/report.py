@@ -89,7 +89,7 @@ def write_json(path: str, meta: dict, results: list[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     cells = [dict(r["cell"], tflops=r["tflops"], check=r["check"], skipped=r["skipped"],
                   first_call_s=r["first_call_s"], compiles=r.get("compiles"),
-                  kernels=r.get("kernels")) for r in results]
+                  disk_loads=r.get("disk_loads"), kernels=r.get("kernels")) for r in results]
     with open(path, "w") as f:
         json.dump(dict(meta, summary=summary(results), cells=cells), f, indent=1)
         f.write("\n")
