@@ -3,14 +3,16 @@ kind on a few odd shapes, errors against a float32 reference, then a quick timin
 line per case; exits non-zero on any failure. Run on the GPU machine:
     PYTHONPATH=$PWD python3 benchmarks/dev_smoke.py [dlpack] [unpacked] [sweep] [nocheck] [quick]
         [grid] [dims=64,128,256] [o_path=auto|q_buffer|own_buffer|v_stage]
-        [tiles=128:2x128x2,64:2x128x4] [l2=1,0] [causal_only] [noalt]
+        [tiles=128:2x128x2,64:2x128x4] [l2=1,0] [causal_only] [noalt] [split]
 `dlpack` and `unpacked` turn off the switches dispatch.USE_TVM_FFI and config.PACKED_CONVERT for
 this run (both on by default), to compare against the older paths in one device call.
 `nocheck` skips the correctness cases, `quick` the host-time and varlen timings, `dims=` picks
 the head dims timed, `o_path=` config.O_PATH, `tiles=` other tile shapes to time beside the
 configured ones (at every length), `l2=` other group sizes of the causal tile order (0: one
-group), `causal_only` only the causal cells. Every timing also runs the alternatives the
-configuration has switches for (long-sequence tiles at short lengths, the other O paths), and
+group), `causal_only` only the causal cells, `noalt` none of the alternatives below but
+`split` (the split mask loop). Every timing also runs the alternatives the
+configuration has switches for (long-sequence tiles at short lengths, the other O paths, the
+split mask loop), and
 with `grid` the same kernel with one CTA per tile (dispatch.PERSISTENT off).
 """
 import math
@@ -120,6 +122,11 @@ def time_one(d, s, causal, fa4):
             other = dispatch.Launch(spec)
             res[f"O {path}"] = flops / bench(lambda: other(q, k, v, out, lse)) / 1e9
     config.O_PATH = saved
+    if (ALTS or "split" in sys.argv) and not config.SPLIT_MASK_LOOP:  # the loop split around masks
+        config.SPLIT_MASK_LOOP = True
+        split = dispatch.Launch(spec)
+        config.SPLIT_MASK_LOOP = False
+        res["split mask loop"] = flops / bench(lambda: split(q, k, v, out, lse)) / 1e9
     if ALTS and timed == "own_buffer" and not config.TMA_STORE_O:  # O written by TMA stores instead
         config.TMA_STORE_O = True
         tma = dispatch.Launch(spec)

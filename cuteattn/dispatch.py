@@ -78,7 +78,8 @@ def _compiled(spec: AttentionSpec, tvm_ffi: bool, cfg=None):
         from .kernels.sm90.compile import compile_fwd_with_report
         return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi)
     key = ("sm90", "fwd", tvm_ffi) + spec.compile_key() + (
-        cfg.num_wg, cfg.tile_n, cfg.num_stages, cfg.o_path, cfg.tma_store_o)
+        cfg.num_wg, cfg.tile_n, cfg.num_stages, cfg.o_path, cfg.tma_store_o,
+        cfg.split_mask_loop)
     return compile_cache.get_or_compile(key, build, persist=tvm_ffi)
 
 

@@ -16,13 +16,15 @@ from cuteattn.dispatch import _UNBOUNDED, _to_cute  # noqa: E402
 from cuteattn.kernels.common.block_info import BlockInfo  # noqa: E402
 
 MAX_N_BLOCKS = 48
+UNMASKED = 2 + 4 * MAX_N_BLOCKS
 
 
 @cute.jit
 def geometry(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32,
              window_right: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
              causal: cutlass.Constexpr, local: cutlass.Constexpr):
-    """out[m] = (n_min, n_max, needs_mask of (block n, warpgroup w) at 2 + 4 n + w)."""
+    """out[m] = (n_min, n_max, needs_mask of (block n, warpgroup w) at 2 + 4 n + w, then the
+    unmasked block range [lo, hi) of warpgroup w at UNMASKED + 2 w)."""
     info = BlockInfo(tile_m, tile_n, causal, local, window_left, window_right)
     for m in cutlass.range((seqlen_q + tile_m - 1) // tile_m, unroll=1):
         n_min, n_max = info.n_block_range(seqlen_q, seqlen_k, m)
@@ -32,6 +34,10 @@ def geometry(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, window_left: In
             for w in cutlass.range_constexpr(tile_m // 64):
                 out[m, 2 + 4 * n + w] = Int32(
                     info.needs_mask(seqlen_q, seqlen_k, m * tile_m + w * 64, 64, n))
+        for w in cutlass.range_constexpr(tile_m // 64):
+            lo, hi = info.unmasked_blocks(seqlen_q, seqlen_k, m * tile_m + w * 64, 64)
+            out[m, UNMASKED + 2 * w] = lo
+            out[m, UNMASKED + 2 * w + 1] = hi
 
 
 def visible(sq, sk, causal, left, right):
@@ -59,7 +65,7 @@ LENGTHS = [(1, 1), (17, 300), (300, 17), (128, 128), (1000, 1023), (700, 129), (
 @pytest.mark.parametrize("mask,left,right", MASKS, ids=[f"{m}{l},{r}" for m, l, r in MASKS])
 def test_block_range_and_mask_flags(tile_m, tile_n, mask, left, right):
     causal, local = mask == "causal", mask == "local"
-    out = torch.zeros(64, 2 + 4 * MAX_N_BLOCKS, dtype=torch.int32)
+    out = torch.zeros(64, UNMASKED + 8, dtype=torch.int32)
     compiled = cute.compile(geometry, _to_cute(out, 4), Int32(0), Int32(0), Int32(0), Int32(0),
                             tile_m, tile_n, causal, local)
     for sq, sk in LENGTHS:
@@ -85,6 +91,13 @@ def test_block_range_and_mask_flags(tile_m, tile_n, mask, left, right):
                     wg_rows = slice(r0, min(r0 + 64, sq))
                     # a masked element: invisible, or a key column past the sequence end
                     must_mask = (~ok[wg_rows, cols]).any() or (n + 1) * tile_n > sk
+                    flag = out[m, 2 + 4 * n + w].item()
+                    # the split loop (split_mask_loop) runs the blocks in [lo, hi) unmasked
+                    lo, hi = out[m, UNMASKED + 2 * w].item(), out[m, UNMASKED + 2 * w + 1].item()
                     if must_mask:
-                        assert out[m, 2 + 4 * n + w].item() == 1, \
-                            f"{where} warpgroup {w}: masked elements but no element mask"
+                        assert flag == 1, f"{where} warpgroup {w}: masked elements but no element mask"
+                        assert not lo <= n < hi, \
+                            f"{where} warpgroup {w}: masked elements in the unmasked run [{lo}, {hi})"
+                    if flag == 0:  # and the run is exactly the blocks the check passes
+                        assert lo <= n < hi, \
+                            f"{where} warpgroup {w}: unmasked block outside the unmasked run [{lo}, {hi})"

@@ -44,6 +44,13 @@ O_PATH = "auto"
 # (Sm90FwdConfig.tma_store_o) instead of 16-byte stores by every thread; the buffer's next
 # writer waits for the store to have read it. Off until measured on the GPU.
 TMA_STORE_O = False
+
+# The key-block loop split so that the blocks that need no element mask run without its code
+# (Sm90FwdConfig.split_mask_loop). In the single loop, ptxas predicates the mask into every
+# iteration: at d=128 128x128 the loop body has 620 instructions against 455 in FA4's (SASS of
+# both, compiled here), 66 of them selects. Written after the session's device time ran out:
+# off until the GPU suite passes with it and dev_smoke times it.
+SPLIT_MASK_LOOP = False
 SMEM_LIMIT = 227 * 1024
 
 # Short sequences (at most SHORT_SEQLEN queries) favour smaller tiles: fewer rows wasted past
@@ -107,6 +114,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         packed_convert=packed,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
+        split_mask_loop=SPLIT_MASK_LOOP,
     )
     return _with_o_path(cfg, O_PATH)
 

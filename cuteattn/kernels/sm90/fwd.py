@@ -76,6 +76,10 @@ class Sm90FwdConfig:
     # O from its own buffer to global memory by one TMA store per warpgroup (fixed-length only:
     # the descriptor covers one (batch, head) grid, and it clips rows past the sequence end)
     tma_store_o: bool = False
+    # The key-block loop in up to three runs (masked blocks at the top, unmasked middle, masked
+    # left edge) so that the middle carries no mask code, instead of one loop that checks each
+    # block (block_info.unmasked_blocks says why)
+    split_mask_loop: bool = False
     packed_convert: bool = False  # P to 16 bits with one cvt per pair (see common/convert.py)
 
     @property
@@ -161,10 +165,7 @@ class FlashFwdSm90:
             mK = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0]))
             mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
 
-        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, (1, 1, 1), (WG_ROWS, self.tile_n),
-        )
+        tiled_mma_qk = self.make_tiled_mma_qk()
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, (1, 1, 1), (WG_ROWS, self.dv), warpgroup.OperandSource.RMEM,
@@ -218,6 +219,12 @@ class FlashFwdSm90:
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
+        )
+
+    def make_tiled_mma_qk(self):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, (1, 1, 1), (WG_ROWS, self.tile_n),
         )
 
     def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout):
@@ -491,9 +498,9 @@ class FlashFwdSm90:
         tiled_mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         gemm_qk = lambda stage: self.gemm_qk(tiled_mma_qk, acc_S, tSrQ_wg, tSrK, stage)
         gemm_pv = lambda stage: self.gemm_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, stage)
-        scores_to_probs = lambda n_block: self.scores_to_probs(
+        scores_to_probs = lambda n_block, mask=None: self.scores_to_probs(
             acc_S, acc_S_mn, coord_S_mn, softmax, block_info, seqlen, row_start, n_block,
-            score_scale, window_left, window_right)
+            score_scale, window_left, window_right, mask)
 
         # V's state trails K's by one block inside the tile; both end the tile equal.
         k_state = kv_state.clone()
@@ -515,22 +522,38 @@ class FlashFwdSm90:
             # flight while this warpgroup waits for S, then the softmax of the next block runs
             # under the P V GEMM (intra-warpgroup overlap). The turn barriers make the consumer
             # warpgroups issue their GEMMs in turn, so one's softmax hides under the others' GEMMs.
-            for i in cutlass.range(1, n_max - n_min, unroll=1):
-                pipeline_k.consumer_wait(k_state)
-                self.turn_wait(wg)
-                gemm_qk(k_state.index)
-                pipeline_v.consumer_wait(v_state)
-                gemm_pv(v_state.index)
-                self.turn_pass(wg)
-                warpgroup.wait_group(1)
-                pipeline_k.consumer_release(k_state)
-                k_state.advance()
-                scores_to_probs(n_max - 1 - i)
-                warpgroup.wait_group(0)
-                pipeline_v.consumer_release(v_state)
-                v_state.advance()
-                softmax.rescale(acc_O_mn)
-                self.probs_to_operand(acc_S, tOrP, tOrP_as_acc)
+            # Runs of iterations (first, last + 1, mask: True, False, or None to check each
+            # block); iteration i visits block n_max - 1 - i.
+            n_blocks = n_max - n_min
+            runs = [(Int32(1), n_blocks, None)]
+            if const_expr(cfg.split_mask_loop):
+                # the blocks at or above `hi` (masked), the unmasked middle, and with a window
+                # those below `lo` (masked)
+                lo, hi = block_info.unmasked_blocks(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
+                                                    WG_ROWS)
+                end_top = cutlass.max(cutlass.min(n_max - hi, n_blocks), 1)
+                start_left = cutlass.max(cutlass.min(n_max - lo, n_blocks), end_top)
+                runs = [(Int32(1), end_top, True), (end_top, start_left, False)]
+                if const_expr(cfg.local):
+                    runs.append((start_left, n_blocks, True))
+            for run in cutlass.range_constexpr(len(runs)):
+                first, stop, mask = runs[run]
+                for i in cutlass.range(first, stop, unroll=1):
+                    pipeline_k.consumer_wait(k_state)
+                    self.turn_wait(wg)
+                    gemm_qk(k_state.index)
+                    pipeline_v.consumer_wait(v_state)
+                    gemm_pv(v_state.index)
+                    self.turn_pass(wg)
+                    warpgroup.wait_group(1)
+                    pipeline_k.consumer_release(k_state)
+                    k_state.advance()
+                    scores_to_probs(n_max - 1 - i, mask)
+                    warpgroup.wait_group(0)
+                    pipeline_v.consumer_release(v_state)
+                    v_state.advance()
+                    softmax.rescale(acc_O_mn)
+                    self.probs_to_operand(acc_S, tOrP, tOrP_as_acc)
             if const_expr(cfg.o_path != "q_buffer"):
                 # every QK GEMM of this tile is done: the next tile's Q may load now, during
                 # this tile's last P V and its epilogue
@@ -579,6 +602,10 @@ class FlashFwdSm90:
     @cute.jit
     def gemm_qk(self, tiled_mma_qk, acc_S, tSrQ, tSrK, stage):
         """Issues S = Q K^T (K from ring stage `stage`) without waiting for it."""
+        if const_expr(self.cfg.split_mask_loop):
+            # A fresh MMA atom: its accumulate flag, set below, must be defined in the loop that
+            # uses it, not carried from one staged loop into the next (IR dominance)
+            tiled_mma_qk = self.make_tiled_mma_qk()
         warpgroup.fence()
         for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             tiled_mma_qk.set(warpgroup.Field.ACCUMULATE, k != 0)
@@ -596,16 +623,22 @@ class FlashFwdSm90:
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
                         block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
-                        score_scale, window_left, window_right):
-        """softcap, mask and online softmax of one score block (probabilities left in acc_S)."""
+                        score_scale, window_left, window_right, mask: cutlass.Constexpr = None):
+        """softcap, mask and online softmax of one score block (probabilities left in acc_S).
+        mask: True or False when the caller knows whether the block needs the element mask,
+        None to check."""
         cfg = self.cfg
         if const_expr(cfg.has_softcap):
             for j in cutlass.range_constexpr(cute.size(acc_S)):
                 acc_S[j] = cute.math.tanh(acc_S[j] * score_scale, fastmath=True)
-        if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, WG_ROWS, n_block):
-            apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
-                       seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
-                       cfg.causal, cfg.local)
+        apply = lambda: apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
+                                   seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
+                                   cfg.causal, cfg.local)
+        if const_expr(mask is None):
+            if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, WG_ROWS, n_block):
+                apply()
+        elif const_expr(mask):
+            apply()
         softmax.step(acc_S_mn)
 
     def turn_wait(self, wg):
