@@ -7,8 +7,7 @@ mask kind, tile shape, ...); sizes are runtime arguments of the compiled kernel,
 sequence length never recompiles. The lock keeps two threads from compiling the same variant twice.
 
 Disk (on unless CUTEATTN_DISK_CACHE=0; directory CUTEATTN_CACHE_DIR, default ~/.cache/cuteattn):
-kernels
-compiled for TVM-FFI are exported as object files (`export_to_c`) under a directory named by a
+kernels compiled for TVM-FFI are exported as object files (`export_to_c`) under a directory named by a
 fingerprint of everything that shapes the code: cuteattn's kernel sources, the DSL and TVM-FFI
 versions, and the target architecture. A changed source or version lands in a new directory, so a
 stale kernel is never loaded. Files are written to a temporary name and renamed, so a concurrent

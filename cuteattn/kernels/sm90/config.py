@@ -36,20 +36,21 @@ _TILES_PACKED = {
 # The first two free Q's buffer after the tile's last QK GEMM, so the next tile's Q loads during
 # this tile's last P V GEMM and epilogue rather than after them. "auto" picks the first that
 # applies; a name picks that one where it applies and "q_buffer" elsewhere (for comparisons).
-# Written after a session's device time ran out: "q_buffer" everywhere until the GPU suite has
-# run with "auto" (docs/perf-log.md).
+# "auto" is GPU-verified (418 passed at 26d114e) and measured in docs/perf-log.md.
 O_PATHS = ("q_buffer", "own_buffer", "v_stage")
 O_PATH = "auto"
 # With O in its own buffer and fixed lengths, one TMA store per warpgroup writes it out
 # (Sm90FwdConfig.tma_store_o) instead of 16-byte stores by every thread; the buffer's next
-# writer waits for the store to have read it. Off until measured on the GPU.
+# writer waits for the store to have read it. GPU-verified, but no faster than the threads'
+# stores (docs/perf-log.md): off.
 TMA_STORE_O = False
 
 # The key-block loop split so that the blocks that need no element mask run without its code
 # (Sm90FwdConfig.split_mask_loop). In the single loop, ptxas predicates the mask into every
 # iteration: at d=128 128x128 the loop body has 620 instructions against 455 in FA4's (SASS of
-# both, compiled here), 66 of them selects. Written after the session's device time ran out:
-# off until the GPU suite passes with it and dev_smoke times it.
+# both, compiled here), 66 of them selects. The GPU suite passes with it and it gains 1-3% at
+# d=128 (docs/perf-log.md), but with softcap some variants spill: off until those are fixed
+# and a bench has run with it.
 SPLIT_MASK_LOOP = False
 SMEM_LIMIT = 227 * 1024
 

@@ -304,8 +304,7 @@ class FlashFwdSm90:
         # states stay in step across tiles.
         tile_info = lambda tile: self.tile_info(
             tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
-            seqlen_q_static,
-            seqlen_k_static, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+            seqlen_q_static, seqlen_k_static, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
