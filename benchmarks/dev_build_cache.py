@@ -1,10 +1,11 @@
 """Fills the disk cache (compile_cache, CUTEATTN_DISK_CACHE) with every sm90 forward variant the
 GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried to the GPU machine
 (about 90 KB per variant), it turns most of the GPU tests' time, compiling, into loading:
-    CUTEATTN_CACHE_DIR=$PWD/.kcache python benchmarks/dev_build_cache.py [processes] [o_paths=a,b]
+    CUTEATTN_CACHE_DIR=$PWD/.kcache python benchmarks/dev_build_cache.py [processes]
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
-(carry `.kcache`). The cache directory is keyed by a fingerprint of the kernel sources, the DSL
-and TVM-FFI versions and the architecture, so a mismatch only means compiling as before.
+(carry `.kcache`). The cache directory is keyed by a fingerprint of the sm90 forward's sources
+(launch.sources()), the DSL and TVM-FFI versions and the architecture, so a mismatch only means
+compiling as before.
 """
 import itertools
 import os
@@ -37,30 +38,23 @@ def specs():
                 softcap=30.0 if softcap else 0.0)
 
 
-def build(job):
-    from cuteattn import dispatch
-    from cuteattn.kernels.sm90 import config
-    spec, config.O_PATH = job
-    dispatch._compiled(spec, tvm_ffi=True)
+def build(cfg):
+    from cuteattn.kernels.sm90 import launch
+    launch._compiled(cfg, tvm_ffi=True)
     return 1
 
 
 def main():
-    from cuteattn import compile_cache, dispatch
-    from cuteattn.kernels.sm90 import config
+    from cuteattn import compile_cache
+    from cuteattn.kernels.sm90 import launch
     args = sys.argv[1:]
-    o_paths = next((a[8:].split(",") for a in args if a.startswith("o_paths=")), [config.O_PATH])
-    args = [a for a in args if not a.startswith("o_paths=")]
     unique = {}
-    for o_path in o_paths:
-        config.O_PATH = o_path
-        for spec in specs():  # one per compiled variant (the tile class folds lengths together)
-            cfg = dispatch.sm90_config(spec)
-            unique.setdefault((spec.compile_key(), cfg), (spec, o_path))
+    for spec in specs():  # one per compiled variant (the tile class folds lengths together)
+        unique[launch.sm90_config(spec)] = None  # the config is the compile key
     processes = int(args[0]) if args else os.cpu_count()
-    print(f"{len(unique)} variants into {compile_cache.cache_dir()}", flush=True)
+    print(f"{len(unique)} variants into {compile_cache.cache_dir(launch.sources())}", flush=True)
     with Pool(processes) as pool:
-        done = sum(pool.imap_unordered(build, unique.values()))
+        done = sum(pool.imap_unordered(build, unique))
     print(f"built {done}", flush=True)
 
 

@@ -3,7 +3,7 @@ import itertools
 
 import torch
 
-from cuteattn import dispatch
+from cuteattn.kernels.sm90 import launch
 from cuteattn.spec import AttentionSpec
 
 torch.manual_seed(0)
@@ -23,8 +23,8 @@ for vq, vk in itertools.product((False, True), repeat=2):
     out = torch.full_like(qq, float("nan"))
     lse = torch.full((h, b * s) if vq else (b, h, s), float("nan"), device="cuda")
     try:
-        dispatch.forward(spec, qq, kk, vv, out, lse, cu_seqlens_q=cu if vq else None,
-                         cu_seqlens_k=cu if vk else None)
+        launch.forward(spec, qq, kk, vv, out, lse, cu_seqlens_q=cu if vq else None,
+                       cu_seqlens_k=cu if vk else None)
         torch.cuda.synchronize()
     except Exception as e:
         print(vq, vk, "EXC", type(e).__name__, str(e)[:200])

@@ -2,7 +2,8 @@
 
 Everything here reads only shapes, dtypes, devices, strides and Python scalars: no device sync, so it
 is cheap enough for every call. The one exception is `check_varlen_values`, which reads cu_seqlens
-and seqused to the host and runs only when the caller asks (validate=True).
+and seqused to the host and runs only when the caller asks (validate=True) or when the call runs on
+the reference fallback (which reads those values anyway).
 Errors name the argument and the rule: TypeError for a wrong type or dtype, ValueError for a wrong
 value or shape, NotImplementedError for a valid request cuteattn does not support yet.
 """
@@ -208,15 +209,27 @@ def varlen_spec(
     )
 
 
-def check_varlen_values(
+def varlen_values_on_host(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:
+    """The index tensors on the host, read once (one transfer, a device sync when they live on a
+    GPU): a dict cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k of CPU int32 tensors (None stays
+    None). Expects what varlen_spec accepted: int32 1-D tensors on one device."""
+    named = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                 seqused_k=seqused_k)
+    given = {n: t for n, t in named.items() if t is not None}
+    flat = torch.cat(list(given.values())).cpu()  # one copy for all (cheap: batch-sized)
+    parts = dict(zip(given, flat.split([t.shape[0] for t in given.values()])))
+    return {n: parts.get(n) for n in named}
+
+
+def check_varlen_host_values(
     cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
 ) -> None:
-    """The checks that must read cu_seqlens / seqused (a device sync): validate=True only."""
+    """check_varlen_values' rules on CPU tensors (see there)."""
     for side, cu, total, max_len, used in (
         ("q", cu_seqlens_q, total_q, max_seqlen_q, seqused_q),
         ("k", cu_seqlens_k, total_k, max_seqlen_k, seqused_k),
     ):
-        cu = cu.cpu().long()
+        cu = cu.long()  # int64: differences of int32 extremes do not overflow
         if cu[0] != 0:
             raise ValueError(f"cu_seqlens_{side} must start at 0; got {int(cu[0])}")
         lengths = cu[1:] - cu[:-1]
@@ -228,7 +241,7 @@ def check_varlen_values(
                 f"cu_seqlens_{side} must end at the total number of rows ({total}); got {int(cu[-1])}"
             )
         if used is not None:
-            used = used.cpu().long()
+            used = used.long()
             bad = (used < 0) | (used > lengths)
             if bad.any():
                 b = int(bad.nonzero()[0])
@@ -240,6 +253,24 @@ def check_varlen_values(
         longest = int(lengths.max()) if lengths.numel() else 0
         if max_len < longest:
             raise ValueError(f"max_seqlen_{side} ({max_len}) is smaller than a sequence's length ({longest})")
+
+
+def check_varlen_values(
+    cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+) -> dict:
+    """The checks that must read cu_seqlens / seqused (a device sync): run by validate=True, and by
+    the reference fallback, which reads the lengths anyway. Each cu_seqlens starts at 0, never
+    decreases (so no value is negative) and ends at the total row count (total_q / total_k, the
+    packed tensors' first dim); seqused[b] lies in [0, length b]; max_seqlen is at least every used
+    length. Raises ValueError naming the argument and the rule; returns the host copies
+    (varlen_values_on_host) so that the caller need not read the values again.
+    """
+    host = varlen_values_on_host(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    check_varlen_host_values(
+        host["cu_seqlens_q"], host["cu_seqlens_k"], total_q, total_k, max_seqlen_q, max_seqlen_k,
+        host["seqused_q"], host["seqused_k"],
+    )
+    return host
 
 
 def _buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device):

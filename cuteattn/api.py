@@ -29,8 +29,9 @@ def _strict(strict: bool | None) -> bool:
 
 
 def _select_kernel(spec: AttentionSpec, device: torch.device):
-    """(launch, None) when a GPU kernel serves spec on device, else (None, reason); launch is a
-    dispatch.Launch (the compiled kernel, compiled now if this is its first use).
+    """(launch, None) when a GPU kernel serves spec on device, else (None, reason); launch is
+    what the serving kernel family made for spec (for the sm90 forward a kernels.sm90.launch.Launch:
+    the compiled kernel, compiled now if this is its first use).
 
     dispatch is imported lazily so the CPU path never needs the DSL or the kernels.
     """
@@ -41,7 +42,7 @@ def _select_kernel(spec: AttentionSpec, device: torch.device):
     except ImportError as e:
         return None, f"no kernel: cuteattn.dispatch could not be imported ({type(e).__name__}: {e})"
     reason = dispatch.can_implement(spec, device)
-    return (dispatch.Launch(spec), None) if reason is None else (None, reason)
+    return (dispatch.launch(spec, device), None) if reason is None else (None, reason)
 
 
 def _fall_back(reason: str, strict: bool | None) -> None:
@@ -93,15 +94,26 @@ class _AttentionFunction(torch.autograd.Function):
         )
 
 
-def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None):
+def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
+         varlen_host: dict | None = None):
     """Fill (out, lse): empty shortcut, kernel, or reference fallback. Returns (out, lse,
-    launch), launch being the kernel that ran (None for the empty shortcut or the fallback)."""
+    launch), launch being the kernel that ran (None for the empty shortcut or the fallback).
+
+    varlen: the index tensors passed to the kernel; varlen_host: their host copies when
+    validate=True already read and checked them (else the fallback reads and checks them here)."""
     if _is_empty(spec, out):
         launch, reason = None, None
     else:
         launch, reason = _select_kernel(spec, q.device)
         if reason is not None:
             _fall_back(reason, strict)  # decided here, before any work, so strict raises early
+            if varlen is not None and varlen_host is None:
+                # the reference reads the lengths to the host anyway: hold them to validate=True's
+                # rules (ValueError) rather than compute a silently wrong answer from bad metadata
+                varlen_host = _checks.check_varlen_values(
+                    varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], q.shape[0], k.shape[0],
+                    spec.seqlen_q, spec.seqlen_k, varlen["seqused_q"], varlen["seqused_k"],
+                )
 
     def run():
         if launch is not None:
@@ -113,7 +125,7 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None):
             if varlen is None:
                 o, l = attention_ref(q, k, v, **_reference_kwargs(spec))
             else:
-                o, l = attention_varlen_ref(q, k, v, **varlen, **_reference_kwargs(spec))
+                o, l = attention_varlen_ref(q, k, v, **varlen_host, **_reference_kwargs(spec))
             out.copy_(o)
             lse.copy_(l)
         return out, lse
@@ -271,7 +283,10 @@ def flash_attn_varlen_func(
     with packed k (or the reverse) is not supported yet (NotImplementedError).
     validate=True also reads the lengths (a device sync) and checks that each cu_seqlens starts at 0,
     never decreases and ends at the total row count, that seqused[b] lies in [0, length b], and that
-    max_seqlen is at least every used length.
+    max_seqlen is at least every used length (ValueError naming the argument and the rule). The
+    reference fallback reads the lengths anyway, so it always runs these checks. Without
+    validate=True a GPU kernel trusts them: wrong metadata may give wrong values in out / lse, but
+    no access outside q, k, v, out and lse.
 
     Fallback, strict, out / lse: as in flash_attn_func. A batch, total_q or max_seqlen of 0 writes
     out 0 and lse -inf without a launch.
@@ -281,8 +296,9 @@ def flash_attn_varlen_func(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
     )
+    host = None  # the index tensors read to the host (validate=True, or the fallback, reads them)
     if validate:
-        _checks.check_varlen_values(
+        host = _checks.check_varlen_values(
             cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
             spec.seqlen_q, spec.seqlen_k, seqused_q, seqused_k,
         )
@@ -294,5 +310,5 @@ def flash_attn_varlen_func(
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
     )
-    out, lse, _ = _run(q, k, v, spec, out, lse, strict, varlen)
+    out, lse, _ = _run(q, k, v, spec, out, lse, strict, varlen, host)
     return (out, lse) if return_lse else out

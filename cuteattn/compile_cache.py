@@ -2,33 +2,40 @@
 so that the next process loads them instead of compiling.
 
 `cute.compile` never caches and takes seconds, so every kernel variant is compiled once, on first
-use, and looked up by its key afterwards. Keys hold only static configuration (dtype, head dim,
-mask kind, tile shape, ...); sizes are runtime arguments of the compiled kernel, so a new batch or
-sequence length never recompiles. The lock keeps two threads from compiling the same variant twice.
+use, and looked up by its key afterwards. Keys hold only static configuration (for the sm90
+forward: the family and its frozen kernel config); sizes are runtime arguments of the compiled
+kernel, so a new batch or sequence length never recompiles. The lock keeps two threads from
+compiling the same variant twice.
 
 Disk (on unless CUTEATTN_DISK_CACHE=0; directory CUTEATTN_CACHE_DIR, default ~/.cache/cuteattn):
 kernels compiled for TVM-FFI are exported as object files (`export_to_c`) under a directory named by a
-fingerprint of everything that shapes the code: cuteattn's kernel sources, the DSL and TVM-FFI
-versions, and the target architecture. A changed source or version lands in a new directory, so a
-stale kernel is never loaded. Files are written to a temporary name and renamed, so a concurrent
-reader sees a whole file or none; one that fails to load is compiled again and replaced.
+fingerprint of everything that shapes the code besides the key: the sources of the kernel's family
+(`module_sources`: the modules its compile step imports, not every kernel file, so an edit to
+another family's kernel evicts nothing here), the DSL and TVM-FFI versions, and the target
+architecture. A changed source or version lands in a new directory, so a stale kernel is never
+loaded. Within it a file is named by a hash of the key's stable text (`key_text`). Files are
+written to a temporary name and renamed, so a concurrent reader sees a whole file or none; one
+that fails to load is compiled again and replaced.
 """
+import ast
 import ctypes
+import dataclasses
+import enum
 import hashlib
 import json
 import os
-import pickle
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, Hashable
+from typing import Callable, Dict, Hashable, Iterable, Optional, Tuple
 
 _lock = threading.Lock()
 _kernels: Dict[Hashable, object] = {}
 _stats = {"compiles": 0, "hits": 0, "disk_loads": 0, "compile_seconds": {}, "kernel_info": {}}
 
 _EXPORT_NAME = "cuteattn_kernel"
-_KERNEL_SOURCES = Path(__file__).parent / "kernels"
+_PACKAGE = "cuteattn"
+_PACKAGE_ROOT = Path(__file__).parent
 
 
 def disk_cache_enabled() -> bool:
@@ -48,25 +55,112 @@ def _target_arch() -> str:
     return "unknown"
 
 
-def fingerprint() -> str:
-    """A hash of what the compiled code depends on besides the key."""
+def module_sources(module: str, root: Path = _PACKAGE_ROOT) -> Tuple[Path, ...]:
+    """The .py files of `module` (dotted, under cuteattn) and of every cuteattn module it imports,
+    transitively: what a kernel compiled by `module` can depend on.
+
+    Found by reading the import statements of the sources (ast), not from sys.modules after an
+    import: the answer is then the same whatever the process happened to import before (importing
+    any cuteattn module also runs cuteattn/__init__, which pulls in the whole API), it counts
+    imports inside functions, and it needs nothing importable. Imports outside cuteattn (the DSL,
+    the standard library) are covered by the versions in the fingerprint. Parent packages'
+    __init__ files are not followed unless imported by name: they hold no kernel code, and
+    cuteattn/__init__ would make every API edit evict every kernel. `root`: the directory of the
+    cuteattn package (tests pass a copy)."""
+    found: Dict[str, Path] = {}
+    pending = [module]
+    while pending:
+        name = pending.pop()
+        path = _module_file(name, root)
+        if path is None or name in found:
+            continue
+        found[name] = path
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        pending.extend(_imported_modules(path, package, root))
+    return tuple(sorted(found.values()))
+
+
+def _module_file(name: str, root: Path) -> Optional[Path]:
+    """The file of cuteattn module `name` under root, or None (not cuteattn's, or absent)."""
+    if name != _PACKAGE and not name.startswith(_PACKAGE + "."):
+        return None
+    parts = name.split(".")[1:]
+    for path in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported_modules(path: Path, package: str, root: Path):
+    """Dotted names `path` imports; for `from X import a` both X and X.a (a may be a module)."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: up level - 1 packages from this module's package
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            if node.module or node.level:
+                yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def fingerprint(sources: Iterable[Path] = ()) -> str:
+    """A hash of what the compiled code depends on besides the key: the given source files (by
+    name and content), the DSL and TVM-FFI versions, and the target architecture."""
     import cutlass
     h = hashlib.sha256()
-    for path in sorted(_KERNEL_SOURCES.rglob("*.py")):
-        h.update(str(path.relative_to(_KERNEL_SOURCES)).encode())
-        h.update(path.read_bytes())
+    for path in sorted(set(map(Path, sources))):
+        try:
+            name = path.relative_to(_PACKAGE_ROOT).as_posix()
+        except ValueError:  # a file outside the package (a test's copy)
+            name = path.as_posix()
+        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     try:
         import tvm_ffi
         tvm_version = tvm_ffi.__version__
     except ImportError:
         tvm_version = "none"
-    h.update(f"cutlass={cutlass.__version__};tvm_ffi={tvm_version};arch={_target_arch()}".encode())
+    # CUTE_DSL_LINEINFO=1 (the DSL's switch for source lines in the cubin, for compute-sanitizer
+    # and ncu) changes the code object: such kernels get a directory of their own
+    lineinfo = os.environ.get("CUTE_DSL_LINEINFO", "").strip() not in ("", "0")
+    h.update(f"cutlass={cutlass.__version__};tvm_ffi={tvm_version};arch={_target_arch()};"
+             f"lineinfo={lineinfo}".encode())
     return h.hexdigest()[:24]
 
 
-def cache_dir() -> Path:
+def cache_dir(sources: Iterable[Path] = ()) -> Path:
+    """The directory of the kernels whose code depends on `sources` (module_sources)."""
     root = os.environ.get("CUTEATTN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cuteattn")
-    return Path(root) / fingerprint()
+    return Path(root) / fingerprint(sources)
+
+
+def key_text(key) -> str:
+    """A key as stable text, the same in every process and Python version (pickle's bytes are
+    not: they name classes by module path and change with the protocol): tuples joined by "/",
+    frozen dataclasses (kernel configs) as Name(field=value, ...), classes (cutlass dtypes) by
+    name. Also what stats() readers print a key as."""
+    if isinstance(key, tuple):
+        return "/".join(map(_part_text, key))
+    return _part_text(key)
+
+
+def _part_text(x) -> str:
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)
+    if isinstance(x, enum.Enum):
+        return f"{type(x).__name__}.{x.name}"
+    if isinstance(x, type):
+        return x.__name__
+    if dataclasses.is_dataclass(x):
+        fields = ", ".join(f"{f.name}={_part_text(getattr(x, f.name))}" for f in dataclasses.fields(x))
+        return f"{type(x).__name__}({fields})"
+    if isinstance(x, (tuple, list, frozenset)):
+        items = sorted(map(_part_text, x)) if isinstance(x, frozenset) else map(_part_text, x)
+        return "(" + ", ".join(items) + ")"
+    raise TypeError(f"compile_cache: no stable text for a key part of type {type(x).__name__}")
 
 
 _runtime_loaded = False
@@ -85,15 +179,14 @@ def _load_runtime_libraries() -> None:
     _runtime_loaded = True
 
 
-def _paths(key: Hashable):
-    name = hashlib.sha256(pickle.dumps(key)).hexdigest()[:32]
-    folder = cache_dir()
+def _paths(key: Hashable, sources: Iterable[Path]):
+    name = hashlib.sha256(key_text(key).encode()).hexdigest()[:32]
+    folder = cache_dir(sources)
     return folder / f"{name}.o", folder / f"{name}.json"
 
 
-def _load_from_disk(key: Hashable):
+def _load_from_disk(obj: Path, meta: Path):
     """(fn, info) from disk, or None when absent or unloadable."""
-    obj, meta = _paths(key)
     if not obj.exists():
         return None
     try:
@@ -107,8 +200,7 @@ def _load_from_disk(key: Hashable):
         return None
 
 
-def _save_to_disk(key: Hashable, fn, info: dict) -> None:
-    obj, meta = _paths(key)
+def _save_to_disk(obj: Path, meta: Path, fn, info: dict) -> None:
     try:
         obj.parent.mkdir(parents=True, exist_ok=True)
         tmp = obj.with_name(f"{obj.stem}.{os.getpid()}.{threading.get_ident()}.tmp.o")
@@ -119,10 +211,15 @@ def _save_to_disk(key: Hashable, fn, info: dict) -> None:
         pass
 
 
-def get_or_compile(key: Hashable, build: Callable[[], object], persist: bool = False):
+def get_or_compile(key: Hashable, build: Callable[[], object], persist: bool = False,
+                   sources: Optional[Iterable[Path]] = None):
     """`build()` returns the compiled kernel, or (kernel, info) where info is a dict of what the
     compiler reported (registers, spills), kept for stats(). `persist`: the kernel was compiled
-    for TVM-FFI, so it may be kept on disk (when the disk cache is enabled)."""
+    for TVM-FFI, so it may be kept on disk (when the disk cache is enabled); it then needs
+    `sources`, the files its code depends on besides the key (module_sources of the family's
+    compile module), for the fingerprint of its directory. `key` must have a key_text."""
+    if persist and sources is None:
+        raise TypeError("compile_cache.get_or_compile: a persisted kernel needs its sources")
     fn = _kernels.get(key)
     if fn is not None:
         _stats["hits"] += 1
@@ -132,8 +229,8 @@ def get_or_compile(key: Hashable, build: Callable[[], object], persist: bool = F
         if fn is not None:
             _stats["hits"] += 1
             return fn
-        on_disk = persist and disk_cache_enabled()
-        loaded = _load_from_disk(key) if on_disk else None
+        paths = _paths(key, sources) if persist and disk_cache_enabled() else None
+        loaded = _load_from_disk(*paths) if paths else None
         if loaded is not None:
             fn, info = loaded
             _stats["disk_loads"] += 1
@@ -145,8 +242,8 @@ def get_or_compile(key: Hashable, build: Callable[[], object], persist: bool = F
                 fn, info = fn
             _stats["compile_seconds"][key] = time.perf_counter() - start
             _stats["compiles"] += 1
-            if on_disk:
-                _save_to_disk(key, fn, info)
+            if paths:
+                _save_to_disk(*paths, fn, info)
         if info:
             _stats["kernel_info"][key] = dict(info)
         _kernels[key] = fn

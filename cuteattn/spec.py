@@ -1,8 +1,10 @@
 """AttentionSpec: the normalised attention problem.
 
-The API builds one from the user's tensors and arguments; dispatch decides which kernel serves it;
-its static part (`compile_key`) is the key of the compile cache. Sizes (batch, sequence lengths,
-head counts) are deliberately absent from the key: one compiled kernel serves every shape.
+The API builds one from the user's tensors and arguments; dispatch decides which kernel family
+serves it (by device arch and `kind`); `compile_key` is its static part: everything a compiled
+kernel could be specialised on. (The compile cache itself is keyed by the family's kernel config,
+which is derived from these fields.) Sizes (batch, sequence lengths, head counts) are deliberately
+absent from the key: one compiled kernel serves every shape.
 """
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ from dataclasses import dataclass
 import torch
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+# What a spec asks for: the forward now; the backward, decode (a few queries against a long
+# cache) and the combine of split results later. Each kind has its own kernel families.
+KINDS = ("fwd", "bwd", "decode", "combine")
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,7 @@ class AttentionSpec:
     varlen_k: bool                # k/v are packed (total_k, h_k, d) with cu_seqlens_k
     has_seqused_q: bool = False
     has_seqused_k: bool = False
+    kind: str = "fwd"             # one of KINDS: which kernel family serves the spec
     # dynamic: not in the key (one kernel serves every value)
     batch: int = 0
     seqlen_q: int = 0             # max_seqlen_q for varlen
@@ -38,6 +45,10 @@ class AttentionSpec:
     softcap: float = 0.0
     device_index: int = -1        # -1: CPU
 
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"AttentionSpec.kind must be one of {KINDS}; got {self.kind!r}")
+
     @property
     def qhead_per_kvhead(self) -> int:
         return self.nheads // self.nheads_k
@@ -45,6 +56,7 @@ class AttentionSpec:
     def compile_key(self) -> tuple:
         """The static configuration: everything a compiled kernel is specialised on."""
         return (
+            self.kind,
             DTYPE_NAMES[self.dtype],
             self.head_dim,
             self.head_dim_v,

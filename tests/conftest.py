@@ -10,21 +10,6 @@ import pytest
 import torch
 
 from cuteattn import api
-from cuteattn.kernels.sm90 import config as sm90_config
-
-# A staged kernel option can be verified on the GPU machine without editing (and so without
-# changing the disk-cache fingerprint of) the kernel sources:
-#   CUTEATTN_TEST_SM90_O_PATH=auto python3 benchmarks/dev_gpu_tests.py ...
-#   CUTEATTN_TEST_SM90_TMA_STORE_O=1 ...
-#   CUTEATTN_TEST_SM90_SPLIT_MASK_LOOP=1 ...
-if os.environ.get("CUTEATTN_TEST_SM90_O_PATH"):
-    assert os.environ["CUTEATTN_TEST_SM90_O_PATH"] in sm90_config.O_PATHS + ("auto",)
-    sm90_config.O_PATH = os.environ["CUTEATTN_TEST_SM90_O_PATH"]
-if os.environ.get("CUTEATTN_TEST_SM90_TMA_STORE_O"):
-    sm90_config.TMA_STORE_O = os.environ["CUTEATTN_TEST_SM90_TMA_STORE_O"] == "1"
-if os.environ.get("CUTEATTN_TEST_SM90_SPLIT_MASK_LOOP"):
-    sm90_config.SPLIT_MASK_LOOP = os.environ["CUTEATTN_TEST_SM90_SPLIT_MASK_LOOP"] == "1"
-
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):

@@ -12,7 +12,7 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
-from cuteattn.dispatch import _UNBOUNDED, _to_cute  # noqa: E402
+from cuteattn.kernels.sm90.launch import _UNBOUNDED, _to_cute  # noqa: E402
 from cuteattn.kernels.common.block_info import BlockInfo  # noqa: E402
 
 MAX_N_BLOCKS = 48
@@ -92,7 +92,7 @@ def test_block_range_and_mask_flags(tile_m, tile_n, mask, left, right):
                     # a masked element: invisible, or a key column past the sequence end
                     must_mask = (~ok[wg_rows, cols]).any() or (n + 1) * tile_n > sk
                     flag = out[m, 2 + 4 * n + w].item()
-                    # the split loop (split_mask_loop) runs the blocks in [lo, hi) unmasked
+                    # the block iterator (key_block_runs) runs the blocks in [lo, hi) unmasked
                     lo, hi = out[m, UNMASKED + 2 * w].item(), out[m, UNMASKED + 2 * w + 1].item()
                     if must_mask:
                         assert flag == 1, f"{where} warpgroup {w}: masked elements but no element mask"
@@ -101,3 +101,66 @@ def test_block_range_and_mask_flags(tile_m, tile_n, mask, left, right):
                     if flag == 0:  # and the run is exactly the blocks the check passes
                         assert lo <= n < hi, \
                             f"{where} warpgroup {w}: unmasked block outside the unmasked run [{lo}, {hi})"
+
+
+@cute.jit
+def block_runs(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32,
+               window_right: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+               causal: cutlass.Constexpr, local: cutlass.Constexpr):
+    """out[m, w] = the key block each iteration of warpgroup w visits, run by run: for
+    iteration i, 2 * i holds the block and 2 * i + 1 whether its run masks (iteration 0, the
+    caller's, is checked with needs_mask)."""
+    info = BlockInfo(tile_m, tile_n, causal, local, window_left, window_right)
+    for m in cutlass.range((seqlen_q + tile_m - 1) // tile_m, unroll=1):
+        n_min, n_max = info.n_block_range(seqlen_q, seqlen_k, m)
+        for w in cutlass.range_constexpr(tile_m // 64):
+            row_start = m * tile_m + w * 64
+            if n_max > n_min:
+                out[m, w, 0] = n_max - 1
+                out[m, w, 1] = Int32(info.needs_mask(seqlen_q, seqlen_k, row_start, 64, n_max - 1))
+            runs = info.key_block_runs(seqlen_q, seqlen_k, row_start, 64, n_min, n_max)
+            for r in cutlass.range_constexpr(len(runs)):
+                first, stop, masked = runs[r]
+                for i in cutlass.range(first, stop, unroll=1):
+                    out[m, w, 2 * i] = n_max - 1 - i
+                    out[m, w, 2 * i + 1] = Int32(1 if masked else 0)
+
+
+@pytest.mark.parametrize("tile_m,tile_n", TILES[:2], ids=[f"{m}x{n}" for m, n in TILES[:2]])
+@pytest.mark.parametrize("mask,left,right", MASKS, ids=[f"{m}{l},{r}" for m, l, r in MASKS])
+def test_block_iterator_visits_each_block_once_and_masks_where_needed(tile_m, tile_n, mask, left, right):
+    """The mainloop's iterations (the first block, then key_block_runs' runs) visit exactly the
+    blocks [n_min, n_max) from the top down, each once, and every block run without the
+    element mask has no masked element."""
+    causal, local = mask == "causal", mask == "local"
+    out = torch.zeros(64, 2, 2 * MAX_N_BLOCKS, dtype=torch.int32)
+    compiled = cute.compile(block_runs, _to_cute(out, 4), Int32(0), Int32(0), Int32(0), Int32(0),
+                            tile_m, tile_n, causal, local)
+    for sq, sk in LENGTHS:
+        out.fill_(-7)
+        compiled(_to_cute(out, 4), Int32(sq), Int32(sk),
+                 Int32(_UNBOUNDED if left < 0 else left), Int32(_UNBOUNDED if right < 0 else right))
+        ok = visible(sq, sk, causal, left, right)
+        for m in range((sq + tile_m - 1) // tile_m):
+            rows_all = ok[m * tile_m:(m + 1) * tile_m]
+            cols_seen = torch.nonzero(rows_all.any(0)).flatten()
+            for w in range(tile_m // 64):
+                r0 = m * tile_m + w * 64
+                visits = out[m, w, 0::2]
+                masks = out[m, w, 1::2]
+                n_visits = int((visits != -7).sum())
+                blocks = visits[:n_visits].tolist()
+                where = f"sq={sq} sk={sk} m_block={m} warpgroup {w}"
+                assert (visits[n_visits:] == -7).all(), f"{where}: a gap in the iterations"
+                if cols_seen.numel():  # the tile's blocks, from the top down, each once
+                    top = int(cols_seen.max()) // tile_n
+                    assert blocks[0] == top and blocks == list(range(top, top - n_visits, -1)), \
+                        f"{where}: visits {blocks}"
+                    assert int(cols_seen.min()) // tile_n >= blocks[-1], f"{where}: a visible block is never visited"
+                if r0 >= sq:
+                    continue
+                wg_rows = slice(r0, min(r0 + 64, sq))
+                for n, flag in zip(blocks, masks[:n_visits].tolist()):
+                    cols = slice(n * tile_n, min((n + 1) * tile_n, sk))
+                    must_mask = (~ok[wg_rows, cols]).any() or (n + 1) * tile_n > sk
+                    assert flag == 1 or not must_mask, f"{where} block {n}: run without the mask needs it"

@@ -1,7 +1,11 @@
 """The compile cache's disk layer, on the CPU: a host-JIT function compiled for TVM-FFI goes to
 disk and comes back in a "new process" (an emptied memory cache) without compiling, still
 computing the right thing; damaged files are recompiled; a changed kernel source moves the cache
-to a new directory; nothing is written unless asked for."""
+to a new directory, but only for the family whose sources changed; nothing is written unless
+asked for; keys (kernel configs included) have a stable text."""
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,6 +31,10 @@ def build_add_k():
     return fn, {"registers": 42}
 
 
+# this file: the probe's source, what its compiled code depends on
+SOURCES = (Path(__file__),)
+
+
 def must_not_compile():
     raise AssertionError("compiled although the disk cache holds this kernel")
 
@@ -50,28 +58,28 @@ def check_adds(fn, k):
 
 def test_second_process_loads_instead_of_compiling(fresh):
     key = ("probe", "add_k", 1)
-    check_adds(compile_cache.get_or_compile(key, build_add_k, persist=True), 3)
+    check_adds(compile_cache.get_or_compile(key, build_add_k, persist=True, sources=SOURCES), 3)
     assert compile_cache.stats()["compiles"] == 1
     assert len(list(fresh.rglob("*.o"))) == 1
     compile_cache.clear()  # as a new process would start
-    check_adds(compile_cache.get_or_compile(key, must_not_compile, persist=True), 5)
+    check_adds(compile_cache.get_or_compile(key, must_not_compile, persist=True, sources=SOURCES), 5)
     stats = compile_cache.stats()
     assert stats["compiles"] == 1 and stats["disk_loads"] == 1
     assert stats["kernel_info"][key] == {"registers": 42}  # what the compiler reported, kept
-    compile_cache.get_or_compile(key, must_not_compile, persist=True)
+    compile_cache.get_or_compile(key, must_not_compile, persist=True, sources=SOURCES)
     assert compile_cache.stats()["hits"] == 1  # and from then on, memory
 
 
 def test_damaged_file_is_compiled_again_and_replaced(fresh):
     key = ("probe", "add_k", 2)
-    compile_cache.get_or_compile(key, build_add_k, persist=True)
+    compile_cache.get_or_compile(key, build_add_k, persist=True, sources=SOURCES)
     (obj,) = fresh.rglob("*.o")
     obj.write_bytes(b"not an object file")
     compile_cache.clear()
-    check_adds(compile_cache.get_or_compile(key, build_add_k, persist=True), 1)
+    check_adds(compile_cache.get_or_compile(key, build_add_k, persist=True, sources=SOURCES), 1)
     assert compile_cache.stats()["compiles"] == 2
     compile_cache.clear()
-    check_adds(compile_cache.get_or_compile(key, must_not_compile, persist=True), 2)
+    check_adds(compile_cache.get_or_compile(key, must_not_compile, persist=True, sources=SOURCES), 2)
 
 
 def test_on_unless_turned_off(monkeypatch):
@@ -85,15 +93,73 @@ def test_on_unless_turned_off(monkeypatch):
 def test_nothing_written_unless_enabled_and_persistable(fresh, monkeypatch):
     compile_cache.get_or_compile(("probe", "no-persist"), build_add_k, persist=False)
     monkeypatch.setenv("CUTEATTN_DISK_CACHE", "0")
-    compile_cache.get_or_compile(("probe", "disabled"), build_add_k, persist=True)
+    compile_cache.get_or_compile(("probe", "disabled"), build_add_k, persist=True, sources=SOURCES)
     assert not list(fresh.rglob("*.o"))
 
 
-def test_kernel_source_change_moves_the_cache(fresh, monkeypatch, tmp_path_factory):
+def test_persisting_needs_sources(fresh):
+    with pytest.raises(TypeError, match="sources"):
+        compile_cache.get_or_compile(("probe", "no-sources"), build_add_k, persist=True)
+
+
+def test_kernel_source_change_moves_the_cache(fresh, tmp_path_factory):
     sources = tmp_path_factory.mktemp("kernels")
     (sources / "fwd.py").write_text("# version 1\n")
-    monkeypatch.setattr(compile_cache, "_KERNEL_SOURCES", sources)
-    before = compile_cache.cache_dir()
+    before = compile_cache.cache_dir([sources / "fwd.py"])
     (sources / "fwd.py").write_text("# version 2\n")
-    assert compile_cache.cache_dir() != before
-    assert compile_cache.cache_dir().parent == before.parent == fresh
+    after = compile_cache.cache_dir([sources / "fwd.py"])
+    assert after != before
+    assert after.parent == before.parent == fresh
+
+
+SM90_COMPILE = "cuteattn.kernels.sm90.compile"
+
+
+def test_sm90_forward_sources_are_what_its_kernel_imports():
+    from cuteattn.kernels.sm90 import launch
+    root = Path(compile_cache.__file__).parent
+    names = {p.relative_to(root).as_posix() for p in launch.sources()}
+    assert {"kernels/sm90/compile.py", "kernels/sm90/fwd.py", "kernels/sm90/arguments.py",
+            "kernels/common/softmax.py", "kernels/common/tile_scheduler.py"} <= names
+    # the config is in the key, the launch policy is runtime arguments, the API compiles nothing
+    assert not names & {"kernels/sm90/config.py", "kernels/sm90/launch.py", "api.py",
+                        "__init__.py", "dispatch.py"}
+
+
+def test_fingerprint_follows_the_family_sources_only(tmp_path):
+    """On a copy of the package: editing a module the sm90 forward's kernel imports changes its
+    fingerprint; editing another family's kernel, the config or the launch policy does not."""
+    real = Path(compile_cache.__file__).parent
+    root = tmp_path / "cuteattn"
+    shutil.copytree(real / "kernels", root / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "kernels" / "sm80").mkdir()
+    (root / "kernels" / "sm80" / "fwd.py").write_text("from ..common.softmax import OnlineSoftmax\n")
+
+    def fp():
+        return compile_cache.fingerprint(compile_cache.module_sources(SM90_COMPILE, root=root))
+
+    base = fp()
+    for unrelated in ("sm80/fwd.py", "sm90/config.py", "sm90/launch.py"):
+        with open(root / "kernels" / unrelated, "a") as f:
+            f.write("# edited\n")
+        assert fp() == base, unrelated
+    with open(root / "kernels" / "common" / "softmax.py", "a") as f:  # imported by sm90/fwd.py
+        f.write("# edited\n")
+    assert fp() != base
+
+
+def test_key_text_is_stable_and_names_dtypes():
+    import torch
+    from cuteattn.kernels.sm90 import launch
+    from cuteattn.spec import AttentionSpec
+    spec = AttentionSpec(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=True,
+                         local=False, has_softcap=False, varlen_q=False, varlen_k=False,
+                         seqlen_q=4096)
+    cfg = launch.sm90_config(spec)
+    text = compile_cache.key_text(("sm90", "fwd", True, cfg))
+    assert text.startswith("'sm90'/'fwd'/True/Sm90FwdConfig(dtype=BFloat16, head_dim=128, ")
+    assert "dynamic_tiles=True" in text and "<" not in text  # no object reprs (addresses)
+    other = launch.sm90_config(AttentionSpec(**{**spec.__dict__, "dtype": torch.float16}))
+    assert compile_cache.key_text(("sm90", "fwd", True, other)) != text
+    with pytest.raises(TypeError):
+        compile_cache.key_text(("sm90", object()))

@@ -14,7 +14,7 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 
-from cuteattn import dispatch  # noqa: E402
+from cuteattn.kernels.sm90 import launch as sm90_launch  # noqa: E402
 from cuteattn.kernels.sm90.compile import compile_fwd  # noqa: E402
 from cuteattn.kernels.sm90.config import SUPPORTED_HEAD_DIMS  # noqa: E402
 from cuteattn.spec import AttentionSpec  # noqa: E402
@@ -49,13 +49,14 @@ def make_spec(dtype, d, mask, varlen, seqlen_q=4096):
                          ids=[f"{str(c[0])[6:]}-d{c[1]}-{c[2]}{'-varlen' if c[3] else ''}" for c in CASES])
 def test_compile_sm90_fwd(dtype, d, mask, varlen, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
-    cfg = dispatch.sm90_config(make_spec(dtype, d, mask, varlen))
+    cfg = sm90_launch.sm90_config(make_spec(dtype, d, mask, varlen))
     assert cfg.smem_bytes() <= 227 * 1024, f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory"
     compiled = compile_fwd(cfg, options="--keep-ptx remarks{ptx}")
     ptx = compiled.__ptx__
     assert "wgmma.mma_async" in ptx, "the GEMMs must be Hopper wgmma"
     assert "cp.async.bulk.tensor" in ptx, "Q/K/V must be loaded with TMA"
     assert "setmaxnreg" in ptx, "registers must move from the producer to the consumers"
+    assert "cvt.rn.bf16x2.f32" in ptx or "cvt.rn.f16x2.f32" in ptx, "P must be converted in pairs"
     if mask == "softcap":
         assert "tanh.approx" in ptx
     report = capfd.readouterr().err
@@ -69,13 +70,13 @@ def test_compile_key_ignores_sizes():
     b = AttentionSpec(**{**a.__dict__, "batch": 7, "seqlen_q": 2048, "seqlen_k": 17,
                          "nheads": 32, "nheads_k": 8, "softmax_scale": 0.3})
     assert a.compile_key() == b.compile_key()
-    assert dispatch.sm90_config(a) == dispatch.sm90_config(b)
+    assert sm90_launch.sm90_config(a) == sm90_launch.sm90_config(b)
     # past config.SHORT_SEQLEN queries only the tile shape changes (a second variant, not one
     # per length)
     c = AttentionSpec(**{**b.__dict__, "seqlen_q": 2049})
     d = AttentionSpec(**{**b.__dict__, "seqlen_q": 1 << 20})
-    cfg_b, cfg_c = dispatch.sm90_config(b), dispatch.sm90_config(c)
-    assert cfg_c == dispatch.sm90_config(d) and cfg_c != cfg_b
+    cfg_b, cfg_c = sm90_launch.sm90_config(b), sm90_launch.sm90_config(c)
+    assert cfg_c == sm90_launch.sm90_config(d) and cfg_c != cfg_b
     tile = ("num_wg", "tile_n", "num_stages")
     assert {k: v for k, v in cfg_b.__dict__.items() if k not in tile} == \
         {k: v for k, v in cfg_c.__dict__.items() if k not in tile}
@@ -83,12 +84,12 @@ def test_compile_key_ignores_sizes():
 
 def test_kernel_scalars_fold_softcap_and_windows():
     spec = make_spec(torch.bfloat16, 128, "softcap", False)
-    score_scale, scale_log2, left, right = dispatch.kernel_scalars(spec)
+    score_scale, scale_log2, left, right = sm90_launch.kernel_scalars(spec)
     assert score_scale == pytest.approx(spec.softmax_scale / 30.0)
     assert scale_log2 == pytest.approx(30.0 / 0.6931471805599453)
     assert left == right == 1 << 30  # unbounded sides
     local = make_spec(torch.bfloat16, 128, "local", False)
-    assert dispatch.kernel_scalars(local)[2:] == (64, 0)
+    assert sm90_launch.kernel_scalars(local)[2:] == (64, 0)
 
 
 @pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
@@ -96,7 +97,7 @@ def test_register_split_fits_launch(d):
     """The producer/consumer register split must fit what the CTA is launched with, or the
     consumers' setmaxnreg.inc waits forever (a hang on the GPU, invisible to the compiler)."""
     from cuteattn.kernels.sm90.fwd import FlashFwdSm90
-    kernel = FlashFwdSm90(dispatch.sm90_config(make_spec(torch.bfloat16, d, "none", False)))
+    kernel = FlashFwdSm90(sm90_launch.sm90_config(make_spec(torch.bfloat16, d, "none", False)))
     launch = (65536 // kernel.num_threads) // 8 * 8 * kernel.num_threads
     used = 128 * (kernel.producer_regs + kernel.cfg.num_wg * kernel.consumer_regs)
     assert used <= launch
@@ -105,55 +106,35 @@ def test_register_split_fits_launch(d):
 def test_compile_report_reads_registers_and_spills():
     """What the benchmark records per variant: ptxas's register count and spill bytes."""
     from cuteattn.kernels.sm90.compile import compile_fwd_with_report
-    cfg = dispatch.sm90_config(make_spec(torch.bfloat16, 128, "causal", False))
+    cfg = sm90_launch.sm90_config(make_spec(torch.bfloat16, 128, "causal", False))
     compiled, info = compile_fwd_with_report(cfg)
     assert compiled is not None
     assert 128 <= info["registers"] <= 255
     assert info["spill_store_bytes"] == 0 and info["spill_load_bytes"] == 0
 
 
-PACKED_CASES = [(64, "none"), (64, "causal"), (96, "none"), (128, "none"), (128, "causal"),
-                (128, "softcap")]
-
-
-@pytest.mark.parametrize("d,mask", PACKED_CASES, ids=[f"d{d}-{m}" for d, m in PACKED_CASES])
-def test_compile_packed_convert_wide_tiles(d, mask, capfd, tmp_path, monkeypatch):
-    """The staged packed-conversion switch and its wider tiles compile to Hopper code that does
-    not spill (the reason for the switch: the unpacked conversion spills at these tiles)."""
-    from cuteattn.kernels.sm90.config import fwd_config
-    monkeypatch.chdir(tmp_path)
-    spec = make_spec(torch.bfloat16, d, mask, False)
-    cfg = fwd_config(cutlass.BFloat16, d, d, spec.causal, spec.local, spec.has_softcap,
-                     False, False, packed_convert=True)
-    assert cfg.packed_convert and cfg.smem_bytes() <= 227 * 1024
-    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
-    assert ("cvt.rn.bf16x2.f32" in ptx) and "wgmma.mma_async" in ptx
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
-    assert spills and max(spills) == 0, f"{cfg} spills"
-
-
 def test_compile_for_tvm_ffi(tmp_path, monkeypatch):
     """The kernel compiles for the TVM-FFI call path (torch tensors in, the stream from torch)."""
     pytest.importorskip("tvm_ffi")
     monkeypatch.chdir(tmp_path)
-    cfg = dispatch.sm90_config(make_spec(torch.bfloat16, 128, "causal", True))
+    cfg = sm90_launch.sm90_config(make_spec(torch.bfloat16, 128, "causal", True))
     compiled = compile_fwd(cfg, options="--keep-ptx", tvm_ffi=True)
     assert "wgmma.mma_async" in compiled.__ptx__
 
 
-from cuteattn.kernels.sm90.config import SHORT_SEQLEN, _TILES_SHORT  # noqa: E402
+from cuteattn.kernels.sm90.config import SHORT_SEQLEN, SHORT_TILES  # noqa: E402
 
 WORST = [(d, local, varlen, seqlen) for d in SUPPORTED_HEAD_DIMS for local in (False, True)
          for varlen in (False, True)
-         for seqlen in ((4096, SHORT_SEQLEN) if d in _TILES_SHORT else (4096,))]
+         for seqlen in ((4096, SHORT_SEQLEN) if d in SHORT_TILES else (4096,))]
 
 
 @pytest.mark.parametrize("d,local,varlen,seqlen", WORST,
                          ids=[f"d{d}{'-local' if l else '-causal'}{'-varlen' if v else ''}"
                               f"{'-short' if s <= SHORT_SEQLEN else ''}" for d, l, v, s in WORST])
 def test_worst_case_variants_do_not_spill(d, local, varlen, seqlen, capfd, tmp_path, monkeypatch):
-    """The register-hungriest variant of each kind, as dispatch configures it: fp16, softcap,
-    causal (where the mask is not a window), packed or not. config._TILE_N_CAPS must keep all of
+    """The register-hungriest variant of each kind, as the launch configures it: fp16, softcap,
+    causal (where the mask is not a window), packed or not. config.TILE_N_CAPS must keep all of
     them spill-free (found by benchmarks/dev_tile_search.py)."""
     monkeypatch.chdir(tmp_path)
     spec = AttentionSpec(
@@ -161,7 +142,7 @@ def test_worst_case_variants_do_not_spill(d, local, varlen, seqlen, capfd, tmp_p
         has_softcap=True, varlen_q=varlen, varlen_k=varlen, softmax_scale=d ** -0.5,
         seqlen_q=seqlen, seqlen_k=seqlen,
         window_left=64 if local else -1, window_right=16 if local else 0, softcap=20.0)
-    cfg = dispatch.sm90_config(spec)
+    cfg = sm90_launch.sm90_config(spec)
     compile_fwd(cfg, options="remarks{ptx}")
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
@@ -178,13 +159,12 @@ O_PATH_CASES = [("own_buffer", 64, "causal", False, 1024), ("own_buffer", 64, "n
 @pytest.mark.parametrize("path,d,mask,varlen,seqlen", O_PATH_CASES,
                          ids=[f"{p}-d{d}-{m}{'-varlen' if v else ''}-{s}" for p, d, m, v, s in O_PATH_CASES])
 def test_compile_o_paths(path, d, mask, varlen, seqlen, capfd, tmp_path, monkeypatch):
-    """config.O_PATH = "auto" stages O in its own buffer where it fits, else in the last V
-    stage where one holds the O tile, else in Q's buffer; each fits shared memory and compiles
+    """config.with_o_path stages O in its own buffer where it fits, else in the last V stage
+    where one holds the O tile, else in Q's buffer; each fits shared memory and compiles
     without spills."""
     from cuteattn.kernels.sm90 import config
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(config, "O_PATH", "auto")
-    cfg = dispatch.sm90_config(make_spec(torch.float16, d, mask, varlen, seqlen_q=seqlen))
+    cfg = sm90_launch.sm90_config(make_spec(torch.float16, d, mask, varlen, seqlen_q=seqlen))
     assert cfg.o_path == path and cfg.smem_bytes() <= config.SMEM_LIMIT
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "wgmma.mma_async" in ptx and "stmatrix" in ptx and "st.global.v4.b32" in ptx

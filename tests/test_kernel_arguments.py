@@ -1,14 +1,17 @@
-"""The compiled kernel's signature against what dispatch hands it at run time, without a GPU.
+"""The compiled kernel's signature against what the launch hands it at run time, without a GPU.
 
-Kernels are compiled against symbolic fake tensors (kernels/sm90/compile.py) and called with
-runtime tensors built by dispatch._to_cute. If the two disagree on which extents and strides are
-dynamic, the runtime values bind to the wrong symbols and the kernel reads the wrong memory (that
-happened: packed k/v saw their sequence and head strides swapped). Here a host-only probe with the
-kernel's argument list is compiled from the same fakes, called with dispatch.launch_arguments, and
-writes back the shapes, strides and scalars it received, for comparison with what was passed. Both
-call paths are covered: cute runtime tensors (DLPack) and TVM-FFI (torch tensors as they are; the
-probe is compiled for host memory there, since TVM-FFI checks the device of each tensor).
+Kernels are compiled against symbolic fake tensors (kernels/sm90/arguments.py, through compile.py)
+and called with runtime tensors built by kernels/sm90/launch.py. If the two disagree on which
+extents and strides are dynamic, the runtime values bind to the wrong symbols and the kernel reads
+the wrong memory (that happened: packed k/v saw their sequence and head strides swapped). Here a
+host-only probe with the kernel's argument list is compiled from the same fakes, called with
+launch.launch_arguments, and writes back the shapes, strides and scalars it received, for
+comparison with what was passed. Both call paths are covered: cute runtime tensors (DLPack) and
+TVM-FFI (torch tensors as they are; the probe is compiled for host memory there, since TVM-FFI
+checks the device of each tensor). The declaration itself (arguments.ARGUMENTS) is checked against
+the kernel's parameter list, and the probe's parameters against the declaration.
 """
+import inspect
 from typing import Optional
 
 import pytest
@@ -18,20 +21,25 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32, Int64  # noqa: E402
 
-from cuteattn import dispatch  # noqa: E402
-from cuteattn.dispatch import _to_cute  # noqa: E402
 from cuteattn.spec import AttentionSpec  # noqa: E402
+from cuteattn.kernels.sm90 import arguments, launch  # noqa: E402
+from cuteattn.kernels.sm90.arguments import VarlenMetadata  # noqa: E402
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
+from cuteattn.kernels.sm90.fwd import FlashFwdSm90  # noqa: E402
+from cuteattn.kernels.sm90.launch import _to_cute  # noqa: E402
 
 
+# The kernel's parameter list, written out (the DSL compiles from annotations); its names are
+# checked against arguments.ARGUMENTS below, so the probe cannot drift from the declaration.
 @cute.jit
 def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-          mCuQ: Optional[cute.Tensor], mCuK: Optional[cute.Tensor],
-          mUsedQ: Optional[cute.Tensor], mUsedK: Optional[cute.Tensor], mTileCounter: cute.Tensor,
-          max_seqlen_q: Int32,
-          qhead_per_kvhead: Int32, score_scale: Float32, scale_log2: Float32, window_left: Int32,
-          window_right: Int32, max_ctas: Int32, l2_group: Int32, l2_small_groups: Int32,
+          mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+          mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+          mTileCounter: cute.Tensor,
+          qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
+          window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
+          l2_small_groups: Int32,
           info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mO, mLSE):
@@ -39,16 +47,15 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
             info[i] = Int64(t.shape[m])
             info[i + 1] = Int64(t.stride[m])
             i += 2
-    for t in (mCuQ, mCuK, mUsedQ, mUsedK, mTileCounter):
+    for t in (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter):
         if cutlass.const_expr(t is not None):
             info[i] = Int64(t.shape[0])
             info[i + 1] = Int64(t[1])
             i += 2
-    for x in (max_seqlen_q, qhead_per_kvhead, window_left, window_right, max_ctas, l2_group,
-              l2_small_groups):
+    for x in (qhead_per_kvhead, window_left, window_right, max_ctas, l2_group, l2_small_groups):
         info[i] = Int64(x)
         i += 1
-    for x in (score_scale, scale_log2):  # to micro-units, to compare as integers
+    for x in (score_scale, softmax_scale_log2):  # to micro-units, to compare as integers
         info[i] = Int64(x * 1e6)
         i += 1
 
@@ -61,9 +68,8 @@ def expected(tensors, spec):
     for t in tensors[5:]:
         if t is not None:
             out += [t.shape[0], int(t[1])]
-    score_scale, scale_log2, left, right = dispatch.kernel_scalars(spec)
-    out += [max(spec.seqlen_q, 1), spec.qhead_per_kvhead, left, right, dispatch.max_ctas(spec),
-            *dispatch.l2_groups(spec)]
+    score_scale, scale_log2, left, right = launch.kernel_scalars(spec)
+    out += [spec.qhead_per_kvhead, left, right, launch.max_ctas(spec), *launch.l2_groups(spec)]
     out += [int(score_scale * 1e6), int(scale_log2 * 1e6)]
     return out
 
@@ -114,19 +120,89 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     counter = torch.tensor([0, 7], dtype=torch.int32)  # [1] is what the probe reads back
     tensors = (q, k, v, o, lse, cu_q, cu_k, *used, counter)
     info = torch.full((80,), -1, dtype=torch.int64)
-    scalars = (Int32(0), Int32(0), Float32(0), Float32(0), Int32(0), Int32(0), Int32(0), Int32(0), Int32(0))
+    varlen_args = VarlenMetadata(cu_q, cu_k, *used)
     if tvm_ffi:
         from cutlass.cute.typing import AddressSpace
         fakes = fake_arguments(cfg, memspace=AddressSpace.generic)
         fake_info = cute.runtime.make_fake_tensor(Int64, (80,), (1,), assumed_align=8,
                                                   memspace=AddressSpace.generic)
-        compiled = cute.compile(probe, *fakes, *scalars, fake_info, options="--enable-tvm-ffi")
-        compiled(*dispatch.launch_arguments(spec, *tensors[:9], tvm_ffi=True, counter=counter), info)
+        compiled = cute.compile(probe, *fakes, fake_info, options="--enable-tvm-ffi")
+        compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, tvm_ffi=True,
+                                          counter=counter), info)
     else:
-        compiled = cute.compile(probe, *fake_arguments(cfg), *scalars, _to_cute(info, 8))
-        compiled(*dispatch.launch_arguments(spec, *tensors[:9], counter=counter), _to_cute(info, 8))
+        compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
+        compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter),
+                 _to_cute(info, 8))
     want = expected(tensors, spec)
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
     # the two float32 scalars (in micro-units): equal up to float32 rounding
     assert got[-2:] == pytest.approx(want[-2:], rel=1e-6)
+
+
+def parameter_names(fn) -> list:
+    return [p for p in inspect.signature(inspect.unwrap(fn)).parameters if p != "self"]
+
+
+def test_declaration_matches_kernel_signature():
+    """arguments.ARGUMENTS is the kernel's parameter list: same names, same order, then the
+    stream."""
+    assert list(arguments.names()) + [arguments.STREAM] == parameter_names(FlashFwdSm90.__call__)
+
+
+def test_probe_matches_declaration():
+    assert parameter_names(probe) == list(arguments.names()) + ["info"]
+
+
+def test_declaration_drives_fakes_and_launch_arguments():
+    """One fake and one launch argument per declared parameter; optional tensors exactly where
+    the config uses them; scalars in declared order, converted to the declared DSL types."""
+    spec = AttentionSpec(dtype=torch.bfloat16, head_dim=64, head_dim_v=64, causal=True, local=False,
+                         has_softcap=False, varlen_q=True, varlen_k=True, has_seqused_k=True,
+                         batch=2, seqlen_q=10, seqlen_k=10, nheads=4, nheads_k=2,
+                         softmax_scale=0.125)
+    cfg = launch.sm90_config(spec)
+    fakes = fake_arguments(cfg)
+    declared = arguments.flat()
+    assert len(fakes) == len(declared)
+    optional = {a.name: f for a, f in zip(declared, fakes) if a.kind == arguments.OPTIONAL_TENSOR}
+    assert [name for name, f in optional.items() if f is None] == ["mSeqUsedQ"]
+    q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 10, 20], dtype=torch.int32)
+    used = torch.tensor([10, 3], dtype=torch.int32)
+    lse = torch.empty(4, 20)
+    varlen = VarlenMetadata(cu, cu, None, used)
+    counter = torch.zeros(2, dtype=torch.int32)
+    plain = launch.launch_arguments(spec, q, k, k, q, lse, varlen, tvm_ffi=True, counter=counter)
+    names = arguments.names()
+    assert len(plain) == len(names)
+    by_name = dict(zip(names, plain))
+    assert by_name["mQ"] is q and by_name["mLSE"] is lse and by_name["mTileCounter"] is counter
+    assert (by_name["mCuSeqlensQ"], by_name["mSeqUsedQ"], by_name["mSeqUsedK"]) == (cu, None, used)
+    scalars = launch.launch_scalars(spec)
+    assert tuple(scalars) == tuple(a.name for a in arguments.SCALARS)
+    assert [by_name[a.name] for a in arguments.SCALARS] == list(scalars.values())
+    converted = launch.launch_arguments(spec, q, k, k, q, lse, varlen, counter=counter)
+    for a, x in zip(declared, converted):
+        if a.kind in arguments.SCALAR_TYPES:
+            assert type(x) is arguments.SCALAR_TYPES[a.kind], a.name
+        elif by_name[a.name] is None:
+            assert x is None, a.name
+        else:
+            assert not isinstance(x, torch.Tensor), a.name  # a cute runtime tensor
+
+
+def test_binder_lays_out_by_name_in_any_order():
+    """Values given in another order land where the declaration puts them; a missing or unknown
+    name is an error when the binder is made, not a wrong launch."""
+    names = arguments.names()
+    scalars = {a.name: i for i, a in enumerate(arguments.SCALARS)}
+    per_call = tuple(reversed([n for n in names if n not in scalars]))
+    values = tuple(f"value of {n}" for n in per_call)
+    laid_out = arguments.Binder(per_call, scalars)(*values)
+    assert laid_out == tuple(dict(zip(per_call, values), **scalars)[n] for n in names)
+    with pytest.raises(ValueError, match="mTileCounter"):
+        arguments.Binder(per_call[1:], scalars)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        arguments.Binder(per_call, {**scalars, "max_seqlen_q": 1})

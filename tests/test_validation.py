@@ -291,3 +291,106 @@ def test_validate_seqused_range(used):
     args = make("varlen")
     rejects("varlen", args, ValueError, r"seqused_q\[\d\] = -?\d must lie in \[0, \d\]",
             validate=True, seqused_q=torch.tensor(used, dtype=torch.int32))
+
+
+# ---- the reference fallback reads the lengths anyway: it applies validate=True's rules ----
+
+def _i32(values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def packed12(batch=2):
+    """12 packed q and k tokens (the issue's repro, smaller head_dim), valid metadata."""
+    cu = [0, 4, 12] if batch == 2 else [0, 4, 8, 12]
+    return dict(
+        q=torch.randn(12, 4, 64, dtype=BF16),
+        k=torch.randn(12, 4, 64, dtype=BF16),
+        v=torch.randn(12, 4, 64, dtype=BF16),
+        cu_seqlens_q=_i32(cu), cu_seqlens_k=_i32(cu), max_seqlen_q=8, max_seqlen_k=8,
+    )
+
+
+# (changed arguments, batch, the rule the message names)
+BAD_METADATA = [
+    (dict(cu_seqlens_q=[0, 4, 20]), 2, r"cu_seqlens_q must end at the total number of rows \(12\); got 20"),
+    (dict(cu_seqlens_k=[0, 4, 20]), 2, r"cu_seqlens_k must end at the total number of rows \(12\); got 20"),
+    (dict(cu_seqlens_q=[0, 4, 4000]), 2, "cu_seqlens_q must end at .* got 4000"),
+    (dict(cu_seqlens_k=[0, 4, 4000]), 2, "cu_seqlens_k must end at .* got 4000"),
+    (dict(cu_seqlens_q=[-8, 4, 12]), 2, "cu_seqlens_q must start at 0; got -8"),
+    (dict(cu_seqlens_k=[-8, 4, 12]), 2, "cu_seqlens_k must start at 0; got -8"),
+    (dict(cu_seqlens_q=[-2**31 + 1, 0, 12]), 2, f"cu_seqlens_q must start at 0; got {-2**31 + 1}"),
+    (dict(cu_seqlens_q=[0, -4, 12]), 2, "cu_seqlens_q must be non-decreasing"),
+    (dict(cu_seqlens_q=[0, 8, 4, 12]), 3, "cu_seqlens_q must be non-decreasing; it decreases after index 1"),
+    (dict(cu_seqlens_k=[0, 8, 4, 12]), 3, "cu_seqlens_k must be non-decreasing; it decreases after index 1"),
+    (dict(max_seqlen_q=1), 2, r"max_seqlen_q \(1\) is smaller than a sequence's length \(8\)"),
+    (dict(max_seqlen_k=1), 2, r"max_seqlen_k \(1\) is smaller than a sequence's length \(8\)"),
+    (dict(seqused_q=[-1, 8]), 2, r"seqused_q\[0\] = -1 must lie in \[0, 4\]"),
+    (dict(seqused_q=[4, 9]), 2, r"seqused_q\[1\] = 9 must lie in \[0, 8\]"),
+    (dict(seqused_k=[5, 8]), 2, r"seqused_k\[0\] = 5 must lie in \[0, 4\]"),
+    (dict(seqused_k=[0, -2**31]), 2, rf"seqused_k\[1\] = {-2**31} must lie in \[0, 8\]"),
+    (dict(seqused_k=[2**30, 0]), 2, rf"seqused_k\[0\] = {2**30} must lie in \[0, 4\]"),
+]
+
+
+def varlen_args(change, batch):
+    args = packed12(batch)
+    for name, value in change.items():
+        args[name] = _i32(value) if isinstance(value, list) else value
+    return args
+
+
+@pytest.mark.parametrize("change, batch, match", BAD_METADATA,
+                         ids=[";".join(f"{n}={v}" for n, v in c.items()) for c, _, _ in BAD_METADATA])
+def test_fallback_rejects_bad_metadata_like_validate(change, batch, match):
+    args = varlen_args(change, batch)
+    with pytest.raises(ValueError, match=match) as validated:
+        call("varlen", args, validate=True)
+    # without validate=True the fallback checks too, before computing: out stays untouched
+    out = torch.full((12, 4, 64), 1234.0, dtype=BF16)
+    lse = torch.full((4, 12), 1234.0)
+    with pytest.raises(ValueError, match=match) as fallback:
+        call("varlen", args, out=out, lse=lse)
+    assert str(fallback.value) == str(validated.value)
+    assert torch.all(out == 1234.0) and torch.all(lse == 1234.0)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [dict(), dict(seqused_q=[4, 3], seqused_k=[0, 8]), dict(cu_seqlens_q=[0, 12, 12], max_seqlen_q=12),
+     dict(cu_seqlens_q=[0, 0, 4, 12], cu_seqlens_k=[0, 4, 4, 12], max_seqlen_q=9, max_seqlen_k=12)],
+)
+def test_fallback_accepts_good_metadata(change):
+    from cuteattn.reference import attention_varlen_ref
+
+    args = varlen_args(change, len(change.get("cu_seqlens_q", [0, 4, 12])) - 1)
+    out, lse = call("varlen", args, causal=True, return_lse=True)
+    checked = call("varlen", args, causal=True, return_lse=True, validate=True)
+    ref, ref_lse = attention_varlen_ref(
+        args["q"], args["k"], args["v"], args["cu_seqlens_q"], args["cu_seqlens_k"],
+        args.get("seqused_q"), args.get("seqused_k"), causal=True,
+    )
+    assert torch.equal(out, ref.to(BF16)) and torch.equal(lse, ref_lse)
+    assert torch.equal(checked[0], out) and torch.equal(checked[1], lse)
+
+
+def test_fallback_reads_the_lengths_once(monkeypatch):
+    from cuteattn import _checks
+
+    reads = []
+    real = _checks.varlen_values_on_host
+    monkeypatch.setattr(_checks, "varlen_values_on_host", lambda *a: reads.append(1) or real(*a))
+    call("varlen", packed12())
+    assert len(reads) == 1
+    call("varlen", packed12(), validate=True)  # validate=True's copies serve the fallback
+    assert len(reads) == 2
+
+
+def test_kernel_path_does_not_read_the_lengths(monkeypatch):
+    # a kernel trusts the metadata (its launch must not sync): bad values reach it unchecked
+    from cuteattn import _checks, api
+
+    launched = []
+    monkeypatch.setattr(api, "_select_kernel", lambda spec, dev: (lambda *a, **kw: launched.append(kw), None))
+    monkeypatch.setattr(_checks, "varlen_values_on_host", lambda *a: pytest.fail("values read"))
+    call("varlen", varlen_args(dict(cu_seqlens_q=[0, 4, 4000]), 2))
+    assert launched and launched[0]["cu_seqlens_q"].tolist() == [0, 4, 4000]

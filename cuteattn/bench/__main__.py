@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from cuteattn import compile_cache
 from cuteattn.bench import report, shapes
 from cuteattn.bench.peers import check, implementations, make_inputs
 from cuteattn.bench.timing import first_call, median_ms
@@ -33,8 +34,6 @@ def parse_args(argv=None):
 
 def compile_stats():
     try:
-        from cuteattn import compile_cache
-
         return dict(compile_cache.stats())
     except Exception:  # no kernels on this machine: nothing to count
         return None
@@ -61,7 +60,7 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
                 result["disk_loads"] = after["disk_loads"] - before["disk_loads"]
                 # registers and spills of the variants this cell compiled (the issue asks for them)
                 result["kernels"] = {
-                    "/".join(map(str, key)): info for key, info in after["kernel_info"].items()
+                    compile_cache.key_text(key): info for key, info in after["kernel_info"].items()
                     if key not in before["kernel_info"]}
             result["check"][name] = check(cell, x, out)
             del out

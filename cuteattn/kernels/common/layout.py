@@ -30,3 +30,23 @@ def acc_to_a_operand_layout(layout: cute.Layout) -> cute.Layout:
         ((s[0][0], s[0][1], 2), s[1], s[0][2] // 2),
         stride=((d[0][0], d[0][1], d[0][2]), d[1], 2 * d[0][2]),
     )
+
+
+# Global tensors arrive in FlashAttention's layouts; kernels index them sequence-first, so that a
+# tile's modes come first: q/k/o (b, s, h, d) -> (s, d, h, b), packed (total, h, d) -> (total, d, h);
+# V is seen transposed, (d, s, h, b) / (d, total, h), as the MN-major B operand of P V; LSE
+# (b, h, s) -> (s, h, b), packed (h, total) -> (total, h). Views only: no data moves.
+def _select(t: cute.Tensor, modes) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def seq_major(t: cute.Tensor, packed: bool) -> cute.Tensor:
+    return _select(t, [0, 2, 1] if packed else [1, 3, 2, 0])
+
+
+def seq_major_transposed(t: cute.Tensor, packed: bool) -> cute.Tensor:
+    return _select(t, [2, 0, 1] if packed else [3, 1, 2, 0])
+
+
+def lse_seq_major(t: cute.Tensor, packed: bool) -> cute.Tensor:
+    return _select(t, [1, 0] if packed else [2, 1, 0])

@@ -3,6 +3,14 @@
 Built once per tile: fixed-length batches index the batch mode, packed (varlen) batches read
 cu_seqlens (and optionally seqused) and shift the sequence mode. The mainloop only ever asks this
 object for lengths and for a (seqlen, d) view of one head, so variable length stays out of it.
+
+Memory safety lives here: whatever the metadata holds, a sequence's rows are clamped into the
+tensor it indexes. A packed sequence starts in [0, total] and ends in [start, total] (a negative
+or decreasing length is empty); seqused is clamped into [0, rows left after the start]; a
+fixed-length seqused into [0, seqlen]. Every row a kernel reads or writes is below `seqlen_*`,
+so lying metadata can give wrong values inside the outputs but never an access outside q/k/v or
+out/lse. The tile schedulers count blocks with the same function (`sequence_range`), so they and
+the kernel agree on every sequence's length.
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -10,6 +18,21 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+
+def sequence_range(batch_idx: Int32, total: Int32, mCuSeqlens: Optional[cute.Tensor],
+                   mSeqUsed: Optional[cute.Tensor]):
+    """(offset, length) of sequence `batch_idx`, clamped into [0, total) rows: `total` is the
+    packed row count with cu_seqlens, else the fixed sequence length."""
+    offset = Int32(0)
+    length = total
+    if cutlass.const_expr(mCuSeqlens is not None):
+        offset = cutlass.min(cutlass.max(mCuSeqlens[batch_idx], 0), total)
+        end = cutlass.min(cutlass.max(mCuSeqlens[batch_idx + 1], offset), total)
+        length = end - offset
+    if cutlass.const_expr(mSeqUsed is not None):
+        length = cutlass.min(cutlass.max(mSeqUsed[batch_idx], 0), total - offset)
+    return offset, length
 
 
 @dataclass(frozen=True)
@@ -24,30 +47,18 @@ class SeqlenInfo:
     @staticmethod
     def create(
         batch_idx: Int32,
-        seqlen_q_static: Int32,
-        seqlen_k_static: Int32,
+        rows_q: Int32,
+        rows_k: Int32,
         mCuSeqlensQ: Optional[cute.Tensor],
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
     ):
-        varlen_q = mCuSeqlensQ is not None
-        varlen_k = mCuSeqlensK is not None
-        offset_q = Int32(0) if cutlass.const_expr(not varlen_q) else mCuSeqlensQ[batch_idx]
-        offset_k = Int32(0) if cutlass.const_expr(not varlen_k) else mCuSeqlensK[batch_idx]
-        if cutlass.const_expr(mSeqUsedQ is not None):
-            seqlen_q = mSeqUsedQ[batch_idx]
-        elif cutlass.const_expr(varlen_q):
-            seqlen_q = mCuSeqlensQ[batch_idx + 1] - offset_q
-        else:
-            seqlen_q = seqlen_q_static
-        if cutlass.const_expr(mSeqUsedK is not None):
-            seqlen_k = mSeqUsedK[batch_idx]
-        elif cutlass.const_expr(varlen_k):
-            seqlen_k = mCuSeqlensK[batch_idx + 1] - offset_k
-        else:
-            seqlen_k = seqlen_k_static
-        return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k, varlen_q, varlen_k)
+        """rows_q / rows_k: the sequence mode's extent of q / k (total rows when packed)."""
+        offset_q, seqlen_q = sequence_range(batch_idx, rows_q, mCuSeqlensQ, mSeqUsedQ)
+        offset_k, seqlen_k = sequence_range(batch_idx, rows_k, mCuSeqlensK, mSeqUsedK)
+        return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k,
+                          mCuSeqlensQ is not None, mCuSeqlensK is not None)
 
     @staticmethod
     def _head_view(mX: cute.Tensor, varlen: bool, offset, head_idx, batch_idx) -> cute.Tensor:

@@ -1,4 +1,5 @@
-"""Tile orders: which (query block, head, batch) a linear tile index stands for.
+"""Tile orders (which (query block, head, batch) a linear tile index stands for) and the tile
+walk every warp role of a persistent CTA shares (`TileWalk`).
 
 Fixed-length batches (`fixed_tile_coord`): causal and windowed tiles go longest first (LPT), in
 groups of (batch, head) pairs whose K/V fit in L2 together; other tiles keep the query block
@@ -10,9 +11,15 @@ CTA finds its sequence by a prefix sum over the per-sequence block counts, 32 se
 with one warp's shuffles, so a skewed batch costs no idle CTAs beyond that small slack (which exit
 at once) instead of max_seqlen_q x batch tiles.
 """
+from dataclasses import dataclass
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+from . import named_barriers
+from .seqlen_info import sequence_range
 
 
 @cute.jit
@@ -25,7 +32,7 @@ def fixed_tile_coord(tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: 
     first. Doing that over every (batch, head) at once would run one query block of every head
     together, whose K/V overflow L2 at long sequences (4k tokens, 64 heads: 128 MB), so each
     block re-reads its keys from HBM. The pairs are instead taken in groups sized to fit L2
-    (dispatch.balanced_l2_groups: `small_groups` groups of `group_pairs` pairs, then groups of
+    (kernels/sm90/launch.balanced_l2_groups: `small_groups` groups of `group_pairs` pairs, then groups of
     `group_pairs + unit`): within a group the query blocks go from last to first, the pair
     fastest; groups follow each other. Balanced, because a short last group leaves the end of
     the launch to a few long tiles while most CTAs idle (4k tokens, d=256: 32 pairs in groups
@@ -54,7 +61,7 @@ def fixed_tile_coord(tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: 
 
 
 @cute.jit
-def varlen_tile_coord(tile: Int32, mCuSeqlensQ, mSeqUsedQ, batch: Int32,
+def varlen_tile_coord(tile: Int32, mCuSeqlensQ, mSeqUsedQ, batch: Int32, total_q: Int32,
                       tile_m: cutlass.Constexpr, reverse: cutlass.Constexpr):
     """(m_block, batch_idx) of packed tile `tile`; batch_idx == batch when past the last block.
     `reverse` numbers each sequence's blocks from its end (the heavy blocks of a causal mask
@@ -68,11 +75,8 @@ def varlen_tile_coord(tile: Int32, mCuSeqlensQ, mSeqUsedQ, batch: Int32,
         b = chunk * 32 + lane
         n = Int32(0)
         if b < batch:
-            if cutlass.const_expr(mSeqUsedQ is not None):
-                length = mSeqUsedQ[b]
-            else:
-                length = mCuSeqlensQ[b + 1] - mCuSeqlensQ[b]
-            n = (length + tile_m - 1) // tile_m
+            # the kernel's clamped length (seqlen_info.py), so both count the same blocks
+            n = (sequence_range(b, total_q, mCuSeqlensQ, mSeqUsedQ)[1] + tile_m - 1) // tile_m
         incl = n  # inclusive prefix sum of n over the lanes
         for k in cutlass.range_constexpr(5):
             up = cute.arch.shuffle_sync_up(incl, offset=1 << k)
@@ -95,3 +99,82 @@ def varlen_tile_coord(tile: Int32, mCuSeqlensQ, mSeqUsedQ, batch: Int32,
             found_m = cand_m
         tiles_before = tiles_before + cute.arch.shuffle_sync(incl, offset=31)
     return found_m, found_batch
+
+
+@dataclass(frozen=True)
+class TileWalk:
+    """The linear tiles one CTA of a persistent grid visits, the same sequence for every warp
+    role, so that their pipeline states stay in step across tiles.
+
+    Round robin (`counter` None): tiles blockIdx.x, + gridDim.x, ...: no communication, for
+    tiles of equal cost. Dynamic: the first tile is blockIdx.x and each next one is drawn from a
+    global counter by the producer warp as soon as it has issued this tile's loads, then handed
+    to the consumers through one shared-memory slot between two named barriers (`ready`: the
+    slot holds the next tile; `free`: the consumers have read it). A CTA that drew short tiles
+    draws more of them. The last CTA to run out zeroes the counter for the next launch (kernel
+    boundaries order that for the stream).
+    """
+    num_tiles: Int32
+    counter: Optional[cute.Tensor]       # int32 (2,): [next tile - grid, CTAs done]
+    slot: Optional[cute.Tensor]          # shared int32 (1,): the hand-off slot
+    handoff_threads: cutlass.Constexpr[int]  # the producer warp + every consumer thread
+    ready: cutlass.Constexpr[int]        # named barrier ids
+    free: cutlass.Constexpr[int]
+
+    @cute.jit
+    def walk(self, producer: cutlass.Constexpr, tile_info: cutlass.Constexpr,
+             visit: cutlass.Constexpr, q_state, kv_state):
+        """For each of this CTA's tiles, in the role of the producer warp or of a consumer:
+        tile_info(tile) -> (m_block, head_idx, batch_idx, in_range, seqlen), and for a tile in
+        range visit(m_block, head_idx, batch_idx, seqlen, q_state, kv_state) -> (q_state,
+        kv_state). Every role skips the same tiles. Returns the final states."""
+        if cutlass.const_expr(self.counter is not None and not producer):
+            named_barriers.arrive(self.free, self.handoff_threads)  # the slot starts free
+        tile = cute.arch.block_idx()[0]
+        while tile < self.num_tiles:
+            m_block, head_idx, batch_idx, in_range, seqlen = tile_info(tile)
+            if in_range:
+                q_state, kv_state = visit(m_block, head_idx, batch_idx, seqlen, q_state, kv_state)
+            if cutlass.const_expr(self.counter is None):
+                tile = tile + cute.arch.grid_dim()[0]
+            elif cutlass.const_expr(producer):
+                tile = self._draw_and_hand_off()
+            else:
+                tile = self._take()
+        return q_state, kv_state
+
+    @cute.jit
+    def _draw_and_hand_off(self) -> Int32:
+        lane = cute.arch.lane_idx()
+        ctas = cute.arch.grid_dim()[0]
+        drawn = Int32(0)
+        if lane == 0:
+            drawn = cute.arch.atomic_add(self.counter.iterator, Int32(1), sem="relaxed", scope="gpu")
+        nxt = cute.arch.shuffle_sync(drawn, 0) + ctas  # the first tiles were blockIdx.x
+        if nxt >= self.num_tiles:
+            if lane == 0:
+                # this CTA's draws are over; the last CTA to get here resets the counter
+                cute.arch.fence_acq_rel_gpu()
+                done = cute.arch.atomic_add(self.counter.iterator + 1, Int32(1), sem="acq_rel",
+                                            scope="gpu")
+                if done == ctas - 1:
+                    self.counter[0] = Int32(0)
+                    self.counter[1] = Int32(0)
+        # Lanes 1..31 must not reach the aligned barrier while lane 0 is still in the branch
+        # above: their warp's arrival would complete `free`, they would arrive at `ready`
+        # before lane 0 wrote the slot, and the consumers would read a stale tile (racecheck
+        # saw exactly this read on varlen spare tiles, whose consumers wait at `ready` at once).
+        cute.arch.sync_warp()
+        named_barriers.sync(self.free, self.handoff_threads)
+        if lane == 0:
+            self.slot[0] = nxt
+        cute.arch.sync_warp()
+        named_barriers.arrive(self.ready, self.handoff_threads)
+        return nxt
+
+    @cute.jit
+    def _take(self) -> Int32:
+        named_barriers.sync(self.ready, self.handoff_threads)
+        nxt = self.slot[0]
+        named_barriers.arrive(self.free, self.handoff_threads)
+        return nxt

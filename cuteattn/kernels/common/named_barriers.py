@@ -1,0 +1,24 @@
+"""Named barriers (bar.sync / bar.arrive with an id and a thread count).
+
+Barrier 0 is __syncthreads; every other id a kernel uses is a member of that kernel family's
+IntEnum, so no raw number appears in a kernel body. The thread count is always a multiple of 32:
+a warp arrives as a whole. These are *aligned* barriers: every lane of an arriving warp must
+execute the same instruction together. A warp that reaches one while some of its lanes are still
+inside a lane-0 branch can complete the barrier without those lanes (the varlen tile hand-off
+did exactly that, tile_scheduler.TileWalk says how), so callers reconverge a warp (`sync_warp`)
+after lane-divergent code and before a barrier.
+"""
+import cutlass.cute as cute
+
+
+def sync(barrier_id, threads: int) -> None:
+    """Wait until `threads` threads (this one included) have arrived at `barrier_id`."""
+    cute.arch.barrier(barrier_id=int(barrier_id) if isinstance(barrier_id, int) else barrier_id,
+                      number_of_threads=threads)
+
+
+def arrive(barrier_id, threads: int) -> None:
+    """Count this thread's warp at `barrier_id` without waiting (a producer's signal)."""
+    cute.arch.barrier_arrive(
+        barrier_id=int(barrier_id) if isinstance(barrier_id, int) else barrier_id,
+        number_of_threads=threads)

@@ -1,0 +1,74 @@
+"""The forward's epilogue: LSE and O of one consumer warpgroup's 64 rows to global memory.
+
+LSE goes straight from the registers of the threads that own column 0. O goes registers ->
+shared memory (stmatrix, in the MMA's own layout) -> registers -> global memory with 16-byte
+stores, so a row's bytes leave together; only rows inside the sequence are written
+(`seqlen_info` clamps the sequence to the tensor, so no row outside `out` is ever touched).
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common.layout import acc_mn_view
+from ..common.seqlen_info import SeqlenInfo
+
+WG_ROWS = 64
+WG_THREADS = 128
+
+
+@cute.jit
+def store_lse(lse, gLSE: cute.Tensor, thr_mma_pv, head_dim_v: cutlass.Constexpr, row_start,
+              seqlen_q):
+    """lse: this thread's rows' values; gLSE: the (seqlen_q,) LSE of this head."""
+    coord = acc_mn_view(thr_mma_pv.partition_C(cute.make_identity_tensor((WG_ROWS, head_dim_v))))
+    if coord[0, 0][1] == 0:
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = row_start + coord[r, 0][0]
+            if row < seqlen_q:
+                gLSE[row] = lse[r]
+
+
+@cute.jit
+def stage_o(acc_O: cute.Tensor, sO: cute.Tensor, tiled_mma_pv, tidx, dtype: cutlass.Constexpr):
+    """acc_O (float32) -> this warpgroup's (64, d_v) slice of shared memory, in dtype."""
+    rO = cute.make_rmem_tensor_like(acc_O, dtype)
+    rO.store(acc_O.load().to(dtype))
+    store_atom = cute.make_copy_atom(
+        cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    thr_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
+    cute.copy(thr_copy, thr_copy.retile(rO), thr_copy.partition_D(sO))
+
+
+@cute.jit
+def store_o(sO: cute.Tensor, gO: cute.Tensor, row_start, seqlen_q, tidx,
+            dtype: cutlass.Constexpr, head_dim_v: cutlass.Constexpr):
+    """sO (64, d_v) -> gO (the 64-row block of O at row_start), 16 bytes per thread per copy,
+    rows at or past seqlen_q skipped."""
+    vec = 128 // dtype.width
+    # The thread layout must tile (64, d_v) exactly: d_v = 96 has 12 vectors per row, so 4
+    # threads share a row and each stores 3 vectors.
+    threads_per_row = math.gcd(head_dim_v // vec, 32)
+    rows_per_pass = WG_THREADS // threads_per_row
+    copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+    tiled_copy = cute.make_tiled_copy_tv(
+        copy_atom,
+        cute.make_layout((rows_per_pass, threads_per_row), stride=(threads_per_row, 1)),
+        cute.make_layout((1, vec)),
+    )
+    thr_copy = tiled_copy.get_slice(tidx)
+    tOsO = thr_copy.partition_S(sO)
+    tOgO = thr_copy.partition_D(gO)
+    tOcO = thr_copy.partition_S(cute.make_identity_tensor((WG_ROWS, head_dim_v)))
+    tOrO = cute.make_rmem_tensor_like(tOsO, dtype)
+    cute.autovec_copy(tOsO, tOrO)
+    for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+        if row_start + tOcO[0, m, 0][0] < seqlen_q:
+            cute.copy(copy_atom, tOrO[None, m, None], tOgO[None, m, None])
+
+
+def lse_view(mLSE: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
+    """The (seqlen_q,) LSE of one head: mLSE is (s, h, b), or (total, h) when q is packed."""
+    if cutlass.const_expr(seqlen.varlen_q):
+        return cute.domain_offset((seqlen.offset_q,), mLSE[None, head_idx])
+    return mLSE[None, head_idx, batch_idx]

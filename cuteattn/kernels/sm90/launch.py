@@ -1,0 +1,275 @@
+"""The sm90 forward family: which specs it serves, and how a call becomes a launch.
+
+The host side of kernels/sm90 (the one module here that imports torch): the spec becomes the
+kernel's static configuration (config.py), which is the compile key; the compiled kernel comes
+from the compile cache; the launch policy (persistent grid size, the causal tile order's L2 groups,
+the tile counter) and the scalar arguments are worked out once per Launch, so that a repeated
+call only converts its tensors and launches. No host synchronisation, no per-call compilation.
+dispatch.py registers the family (FAMILIES, at the end) when an sm90 device first asks.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import cutlass
+import torch
+
+from ... import compile_cache
+from ...spec import AttentionSpec
+from . import arguments, config
+from .arguments import NO_VARLEN, VarlenMetadata
+
+ARCH, KIND = "sm90", "fwd"
+_UNBOUNDED = 1 << 30  # a window side of -1 (unbounded) as the kernel sees it
+_LOG2E = 1.0 / math.log(2.0)
+
+
+_CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+
+
+def sm90_config(spec: AttentionSpec):
+    """The kernel's static configuration for spec (config.fwd_config: the tiles depend on the
+    sequence length class too, config.SHORT_SEQLEN)."""
+    return config.fwd_config(
+        _CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
+        spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
+        max_seqlen_q=spec.seqlen_q,
+    )
+
+
+# Call the kernels through TVM-FFI: torch tensors and Python numbers go straight in and the
+# stream comes from torch, ~1 us per call instead of ~95 us of DLPack conversion (host-only
+# probe on the CPU). GPU-verified at c5a578c (136 cases correct, docs/perf-log.md).
+# Without apache-tvm-ffi installed, or with this set to False, calls go through DLPack.
+USE_TVM_FFI = True
+
+
+def _use_tvm_ffi() -> bool:
+    if not USE_TVM_FFI:
+        return False
+    try:
+        import tvm_ffi  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# The compiled code depends on compile.py and what it imports (fwd.py, arguments.py, common/):
+# the disk cache's fingerprint covers those. Not config.py (its choices are in the key) nor this
+# file (its choices are runtime arguments).
+COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
+
+
+@functools.lru_cache(maxsize=None)
+def sources() -> tuple:
+    """The files the family's compiled code depends on (compile_cache.module_sources)."""
+    return compile_cache.module_sources(COMPILE_MODULE)
+
+
+def _compiled(cfg, tvm_ffi: bool):
+    """The compiled kernel for cfg. The key is the frozen config itself: every field of it
+    changes the code, and nothing else does (sizes and scales are runtime arguments)."""
+    def build():
+        from .compile import compile_fwd_with_report
+        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi)
+    key = (ARCH, KIND, tvm_ffi, cfg)
+    return compile_cache.get_or_compile(key, build, persist=tvm_ffi, sources=sources())
+
+
+# The kernel's grid is persistent: one CTA per SM walks the tiles (fwd.py says why; one CTA per
+# tile measured 2-11% slower, docs/perf-log.md). Host-only callers (tests) have no SMs to count.
+_ONE_CTA_PER_TILE = (1 << 31) - 1
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def max_ctas(spec: AttentionSpec) -> int:
+    """The persistent grid's size: one CTA per SM (a CTA fills an SM's shared memory)."""
+    if spec.device_index < 0:
+        return _ONE_CTA_PER_TILE
+    return _sm_count(spec.device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_index: int) -> int:
+    if device_index < 0:
+        return 50 << 20  # an H100/H200's, for host-only callers (tests)
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def l2_group(spec: AttentionSpec) -> int:
+    """(batch, head) pairs per group of the causal/windowed tile order (common/tile_scheduler.py):
+    as many as have K/V in half the L2 (the other half for the next group's first tiles, Q and O),
+    in whole GQA groups, at least one."""
+    elem = spec.dtype.itemsize
+    kv_head_bytes = max(spec.seqlen_k, 1) * (spec.head_dim + spec.head_dim_v) * elem
+    kv_heads = max(1, (_l2_bytes(spec.device_index) // 2) // kv_head_bytes)
+    return kv_heads * spec.qhead_per_kvhead
+
+
+def balanced_l2_groups(pairs: int, max_pairs: int, unit: int) -> tuple:
+    """(pairs per small group, number of small groups) of the causal tile order: as few groups
+    as `max_pairs` per group allows, their sizes within one `unit` (the pairs sharing K/V under
+    GQA) of each other; the groups after the small ones have `unit` more pairs."""
+    units = max(pairs // unit, 1)
+    num_groups = -(-units // max(max_pairs // unit, 1))
+    return units // num_groups * unit, num_groups - units % num_groups
+
+
+def l2_groups(spec: AttentionSpec) -> tuple:
+    """(pairs per small group, number of small groups): l2_group's budget, balanced."""
+    return balanced_l2_groups(max(spec.batch * spec.nheads, 1), l2_group(spec),
+                              spec.qhead_per_kvhead)
+
+
+# The counter a dynamically scheduled kernel draws its tiles from (fwd.py: dynamic_tiles). The
+# kernel leaves it at zero when it ends, but two launches running at once must not share one,
+# so there is one per (device, stream). Kernels without dynamic tiles ignore it: one per device.
+_tile_counters: dict = {}
+
+
+def tile_counter(device_index: int, per_stream: bool) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device_index).cuda_stream if (
+        per_stream and device_index >= 0) else None
+    key = (device_index, stream)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        device = torch.device("cuda", device_index) if device_index >= 0 else torch.device("cpu")
+        counter = _tile_counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
+def _to_cute(t: Optional[torch.Tensor], align: int = 16):
+    if t is None:
+        return None
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.ndim - 1)
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA (and the kernel's compiled promise) needs a 16-byte aligned base and strides that are
+    multiples of 16 bytes. Tensors that are not (odd views, storage offsets) are copied."""
+    unit = 16 // t.element_size()
+    if t.data_ptr() % 16 == 0 and all(st % unit == 0 for st in t.stride()[:-1]):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def kernel_scalars(spec: AttentionSpec):
+    """(score_scale, softmax_scale_log2, window_left, window_right) as the kernel takes them."""
+    if spec.has_softcap:
+        # s' = softcap * tanh(s * scale / softcap); exp(s') = exp2(tanh(...) * softcap * log2 e)
+        score_scale = spec.softmax_scale / spec.softcap
+        scale_log2 = spec.softcap * _LOG2E
+    else:
+        score_scale = spec.softmax_scale
+        scale_log2 = spec.softmax_scale * _LOG2E
+    left = _UNBOUNDED if spec.window_left < 0 else spec.window_left
+    right = _UNBOUNDED if spec.window_right < 0 else spec.window_right
+    return score_scale, scale_log2, left, right
+
+
+def launch_scalars(spec: AttentionSpec) -> dict:
+    """The kernel's scalar arguments by name (arguments.SCALARS), as Python numbers."""
+    score_scale, scale_log2, left, right = kernel_scalars(spec)
+    small, num_small = l2_groups(spec)
+    return dict(qhead_per_kvhead=spec.qhead_per_kvhead, score_scale=score_scale,
+                softmax_scale_log2=scale_log2, window_left=left, window_right=right,
+                max_ctas=max_ctas(spec), l2_group=small, l2_small_groups=num_small)
+
+
+def _to_runtime(arg: arguments.Arg, value):
+    """A value as the DLPack call path passes it: a cute runtime tensor or a DSL scalar."""
+    if arg.kind in arguments.SCALAR_TYPES:
+        return arguments.SCALAR_TYPES[arg.kind](value)
+    return _to_cute(value, arg.align)
+
+
+# The kernel's arguments each call passes, in the order a launch passes them (the varlen group
+# as its VarlenMetadata fields); the scalars come from launch_scalars. arguments.Binder puts
+# both in the kernel's order.
+PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *arguments.group_names("varlen"), "mTileCounter")
+
+
+def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
+    return arguments.Binder(PER_CALL, scalars, None if tvm_ffi else _to_runtime)
+
+
+def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, varlen: VarlenMetadata = NO_VARLEN,
+                     tvm_ffi: bool = False, scalars: Optional[dict] = None,
+                     counter: Optional[torch.Tensor] = None) -> tuple:
+    """The compiled kernel's arguments, less the stream, in the order arguments.ARGUMENTS
+    declares: cute runtime tensors and scalars, or for TVM-FFI as they are.
+    `scalars`: launch_scalars(spec), when the caller kept them."""
+    if counter is None:
+        counter = tile_counter(spec.device_index, per_stream=False)
+    bind = _binder(launch_scalars(spec) if scalars is None else scalars, tvm_ffi)
+    return bind(q, k, v, out, lse, *varlen, counter)
+
+
+class Launch:
+    """The compiled kernel for one spec with its scalar arguments worked out: calling it costs
+    only the per-tensor work (alignment check, argument conversion) and the launch itself.
+    The API keeps one per distinct call signature, so a repeated call skips everything else."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.tvm_ffi = _use_tvm_ffi()
+        cfg = sm90_config(spec)
+        self.fn = _compiled(cfg, self.tvm_ffi)
+        self.scalars = launch_scalars(spec)
+        self.bind = _binder(self.scalars, self.tvm_ffi)
+        self.dynamic_tiles = cfg.dynamic_tiles
+
+    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                 seqused_k=None) -> None:
+        q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
+        out_k = _tma_ready(out)
+        counter = tile_counter(self.spec.device_index, per_stream=self.dynamic_tiles)
+        # the varlen values in VarlenMetadata's order, as PER_CALL has them
+        args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                         counter)
+        if self.tvm_ffi:
+            self.fn(*args)
+        else:
+            import cuda.bindings.driver as cuda
+            self.fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+        if out_k is not out:
+            out.copy_(out_k)
+
+
+def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+            seqused_q=None, seqused_k=None) -> None:
+    """Launches the forward kernel on the current stream: writes `out` and `lse` (float32)."""
+    Launch(spec)(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+
+
+class Sm90Forward:
+    """The kernel family of ("sm90", "fwd") (dispatch.KernelFamily)."""
+    arch, kind = ARCH, KIND
+
+    def can_implement(self, spec: AttentionSpec) -> Optional[str]:
+        supported = ", ".join(map(str, config.SUPPORTED_HEAD_DIMS))
+        if spec.dtype not in _CUTLASS_DTYPES:
+            return f"dtype {spec.dtype} is not supported by the sm90 forward (fp16, bf16)"
+        if spec.head_dim not in config.SUPPORTED_HEAD_DIMS:
+            return (f"head_dim {spec.head_dim} is not supported by the sm90 forward "
+                    f"(supported: {supported})")
+        if spec.head_dim_v != spec.head_dim:
+            return (f"head_dim_v {spec.head_dim_v} != head_dim {spec.head_dim} is not supported "
+                    "by the sm90 forward")
+        if spec.varlen_q != spec.varlen_k:
+            return "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"
+        return None
+
+    def launch(self, spec: AttentionSpec) -> Launch:
+        return Launch(spec)
+
+
+FORWARD = Sm90Forward()
+FAMILIES = (FORWARD,)  # what dispatch registers for sm90 (dispatch.FAMILY_MODULES)

@@ -1,0 +1,31 @@
+"""Warp-specialised Hopper kernels: TMA pipelines between one producer warp and the consumer
+warpgroups, and the register split between them."""
+import cutlass.pipeline as pipeline
+
+WG_THREADS = 128
+
+
+def make_tma_pipeline(barrier_storage, num_stages: int, tx_bytes: int, consumer_warps: int):
+    """A ring of `num_stages` shared-memory stages filled by TMA (one producer thread issues,
+    `tx_bytes` land per stage) and released by every consumer warp. The barriers are
+    initialised without a sync (the kernel syncs once after all its pipelines exist)."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barrier_storage.data_ptr(), num_stages=num_stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
+        tx_count=tx_bytes, defer_sync=True)
+
+
+def register_split(num_consumer_wg: int, busy_producer: bool) -> tuple:
+    """(producer, consumer) registers per thread after setmaxnreg. The producer only issues TMA,
+    so registers move to the consumers; ptxas keeps the producer's code within its budget, and
+    a producer with more work per tile (the varlen prefix sum: `busy_producer`) spilled at 24.
+    setmaxnreg can only redistribute what the CTA was launched with (ptxas caps a thread at
+    65536 / threads, rounded down to 8): asking for more makes the consumers' increase wait
+    forever (2 consumer warpgroups with a 32-register producer hung), hence the check."""
+    producer, consumer = {2: (40, 232) if busy_producer else (24, 240), 3: (32, 160)}[num_consumer_wg]
+    threads = WG_THREADS * (1 + num_consumer_wg)
+    launch = (65536 // threads) // 8 * 8
+    assert WG_THREADS * (producer + num_consumer_wg * consumer) <= launch * threads, \
+        "register split exceeds the launch allocation"
+    return producer, consumer

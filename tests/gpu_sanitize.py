@@ -1,0 +1,241 @@
+"""Runs small calls of every kernel family under compute-sanitizer (a script, not a pytest module).
+
+    python3 tests/gpu_sanitize.py [--tool memcheck|racecheck|synccheck|initcheck|all]
+        [--groups fixed,varlen,bad] [--jobs 3] [--out DIR] [--line-info] [--skip-warmup]
+
+Groups of cases (each case a few calls of a few hundred tokens at most, racecheck is slow):
+  fixed   flash_attn_func, d 64/96/128/192/256: no mask, causal, window, softcap; MHA, GQA, MQA
+  varlen  flash_attn_varlen_func, d 64/128/256 causal and not, lengths [0, 1, 63, 0, 129, 700],
+          8 q heads over 2 kv heads; seqused
+  bad     tests/test_gpu_guard.py's bad metadata (validate=False) on its three configs
+The parent first runs every group once without the sanitizer (in parallel), so that each kernel is
+compiled and stored in the disk cache (the compile step makes CUDA API calls the sanitizer would
+report); then, per tool, one `compute-sanitizer --tool X --error-exitcode 1 python3 THIS --child
+CASE...` process per group. It parses "ERROR SUMMARY: N errors" / "RACECHECK SUMMARY: ... (N errors,
+M warnings)", prints a table tool x group, writes each process's log and summary.json to --out
+(default $OUT, else a new temporary directory), and exits 1 if anything failed.
+A device command may run 10 minutes: run the tools in separate commands, the first warming the
+disk cache (`--tool memcheck`), the next ones with `--skip-warmup` (the cache is on the machine).
+
+Children run with CUTEATTN_DISK_CACHE=1 and PYTORCH_NO_CUDA_MEMORY_CACHING=1 (each tensor its own
+cudaMalloc, so memcheck sees an access just past one); under the sanitizer without guard regions
+(test_gpu_guard.GUARDS = False), in the warm-up with them (guards and outputs checked there).
+--line-info passes CUTE_DSL_LINEINFO=1 to every child: the DSL then compiles kernels with line
+information, so that reports name source lines (the disk cache keeps such kernels apart).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+ALL_TOOLS = ("memcheck", "racecheck", "synccheck")
+TOOL_FLAGS = {"racecheck": ["--racecheck-report", "analysis"]}
+
+
+# ---- the cases ----
+
+def cases() -> dict:
+    """name -> callable running that case's calls; every call checks its own result. Building the
+    table imports torch and cuteattn but touches no GPU (the parent only reads the names)."""
+    sys.path[:0] = [str(ROOT), str(HERE)]
+    import torch
+    import test_gpu_guard as g
+
+    bf16, fp16 = torch.bfloat16, torch.float16
+    out = {}
+    fixed_masks = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(64, 32)),
+                   "softcap": dict(softcap=30.0, causal=True)}
+    heads = {"none": (4, 4), "causal": (8, 2), "window": (8, 2), "softcap": (4, 1)}
+    sizes = {"none": (130, 257), "causal": (257, 257), "window": (200, 300), "softcap": (193, 64)}
+    for d in (64, 96, 128, 192, 256):
+        for mask, kw in fixed_masks.items():
+            (h, hk), (sq, sk) = heads[mask], sizes[mask]
+            out[f"fixed_d{d}_{mask}"] = lambda d=d, h=h, hk=hk, sq=sq, sk=sk, kw=kw: g.good_fixed(
+                bf16, d, h, hk, sq, sk, b=1, **kw)
+    out["fixed_fp16_d128_causal"] = lambda: g.good_fixed(fp16, 128, 8, 2, 129, 257, b=1, causal=True)
+    lens_q, lens_k = [0, 1, 63, 0, 129, 700], [5, 0, 63, 129, 1, 700]
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            out[f"varlen_d{d}_{'causal' if causal else 'none'}"] = (
+                lambda d=d, causal=causal: g.good_varlen(d, 8, 2, lens_q=lens_q, lens_k=lens_k,
+                                                         causal=causal))
+    out["varlen_d128_window_seqused"] = lambda: g.good_varlen(
+        128, 8, 2, lens_q=lens_q, lens_k=lens_k, used_q=[0, 1, 10, 0, 129, 300],
+        used_k=[5, 0, 0, 100, 1, 700], window_size=(64, 0))
+    for i, cfg in enumerate(g.BAD_CONFIGS):
+        for name, case in g.BAD_CASES.items():
+            out[f"bad{i}_{name}"] = lambda case=case, cfg=cfg: g.run_bad(case, **cfg)
+    return out
+
+
+def group_of(case: str) -> str:
+    return re.match(r"[a-z]+", case)[0]  # fixed_d64_none -> fixed, bad2_used_huge -> bad
+
+
+def child(names: list, guards: bool) -> int:
+    """Run the named cases in order; a failing case is reported and the rest still run."""
+    all_cases = cases()
+    import test_gpu_guard as g
+    from cuteattn import compile_cache
+
+    g.GUARDS = guards
+    g.HANG_TIMEOUT_S = 3600  # the parent's process timeout is the hang check here
+    failed = []
+    for name in names:
+        start = time.monotonic()
+        try:
+            all_cases[name]()
+            print(f"case {name} ok ({time.monotonic() - start:.1f} s)", flush=True)
+        except Exception:  # an assertion, a CUDA error, pytest.exit (a hang): report, go on
+            failed.append(name)
+            print(f"case {name} FAILED\n{traceback.format_exc()}", flush=True)
+    stats = compile_cache.stats()
+    print("CHILD_RESULT " + json.dumps({"failed": failed, "compiles": stats["compiles"],
+                                        "disk_loads": stats["disk_loads"]}), flush=True)
+    return 1 if failed else 0
+
+
+# ---- the parent ----
+
+def parse(log: str) -> dict:
+    """Sanitizer summary and the child's own result from one process's output."""
+    res = {}
+    m = re.search(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", log)
+    if m:
+        res.update(hazards=int(m[1]), errors=int(m[2]), warnings=int(m[3]))
+    m = re.search(r"ERROR SUMMARY: (\d+) errors?", log)
+    if m and "errors" not in res:
+        res["errors"] = int(m[1])
+    m = re.search(r"^CHILD_RESULT (.*)$", log, re.M)
+    if m:
+        res["child"] = json.loads(m[1])
+    return res
+
+
+def run_one(cmd, env, log_path: Path, timeout: float) -> dict:
+    start = time.monotonic()
+    # own process group: on a timeout the sanitizer's target process is killed with it
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, rc = proc.communicate()[0], "timeout"
+    log_path.write_text(" ".join(cmd) + "\n\n" + log)
+    res = parse(log)
+    res.update(rc=rc, seconds=round(time.monotonic() - start, 1), log=log_path.name)
+    child_res = res.get("child")
+    res["ok"] = (rc == 0 and child_res is not None and not child_res["failed"]
+                 and res.get("errors", 0) == 0)
+    return res
+
+
+def cell(res: dict, sanitized: bool) -> str:
+    if res["rc"] == "timeout":
+        return "TIMEOUT"
+    child_res = res.get("child")
+    if child_res is None:
+        return f"CRASH rc={res['rc']}"
+    if sanitized and "errors" not in res:
+        return f"NO SUMMARY rc={res['rc']}"
+    text = f"{res.get('errors', 0)} err" if sanitized else "ran"
+    if "warnings" in res:
+        text += f", {res['warnings']} warn"
+    if child_res["failed"]:
+        text += f", {len(child_res['failed'])} case(s) failed"
+    if sanitized and child_res["compiles"]:
+        text += f", {child_res['compiles']} compiled under the tool"
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", nargs="+", metavar="CASE", help=argparse.SUPPRESS)
+    ap.add_argument("--no-guards", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tool", choices=TOOLS + ("all",), default="all",
+                    help="all = " + ", ".join(ALL_TOOLS))
+    ap.add_argument("--groups", default="fixed,varlen,bad", help="comma-separated subset")
+    ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
+    ap.add_argument("--jobs", type=int, default=3, help="processes at once (warm-up and sanitizer)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="log directory (default $OUT)")
+    ap.add_argument("--line-info", action="store_true",
+                    help="CUTE_DSL_LINEINFO=1: kernels compiled with source line information")
+    ap.add_argument("--skip-warmup", action="store_true", help="the disk cache is already warm")
+    ap.add_argument("--timeout", type=float, default=480, help="seconds per process")
+    ap.add_argument("--sanitizer", default=shutil.which("compute-sanitizer")
+                    or "/usr/local/cuda/bin/compute-sanitizer")
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, guards=not args.no_guards)
+
+    groups = {}
+    for name in cases():
+        if group_of(name) in args.groups.split(",") and (
+                not args.cases or any(c in name for c in args.cases.split(","))):
+            groups.setdefault(group_of(name), []).append(name)
+    if not groups:
+        ap.error(f"no case matches --groups {args.groups} --cases {args.cases}")
+    tools = list(ALL_TOOLS) if args.tool == "all" else [args.tool]
+    if not (Path(args.sanitizer).is_file() or shutil.which(args.sanitizer)):
+        ap.error(f"no compute-sanitizer at {args.sanitizer} (pass --sanitizer PATH)")
+    out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu_sanitize_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, CUTEATTN_DISK_CACHE="1", PYTORCH_NO_CUDA_MEMORY_CACHING="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if args.line_info:
+        env["CUTE_DSL_LINEINFO"] = "1"
+    me = [sys.executable, str(Path(__file__).resolve())]
+
+    jobs = []  # (tool or "warmup", group, command)
+    if not args.skip_warmup:
+        jobs += [("warmup", grp, me + ["--child", *cs]) for grp, cs in groups.items()]
+    for tool in tools:
+        jobs += [(tool, grp, [args.sanitizer, "--tool", tool, "--error-exitcode", "1",
+                              *TOOL_FLAGS.get(tool, []), *me, "--child", *cs, "--no-guards"])
+                 for grp, cs in groups.items()]
+    results = {}
+    with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+        for stage in ["warmup", *tools]:  # the warm-up finishes before any sanitizer starts
+            stage_jobs = [j for j in jobs if j[0] == stage]
+            futures = {(t, grp): pool.submit(run_one, cmd, env, out_dir / f"{t}-{grp}.log", args.timeout)
+                       for t, grp, cmd in stage_jobs}
+            for key, fut in futures.items():
+                results[key] = fut.result()
+                print(f"{key[0]:>9} {key[1]:<7} {cell(results[key], key[0] != 'warmup'):<40} "
+                      f"{results[key]['seconds']:>7.1f} s", flush=True)
+
+    stages = [s for s in ["warmup", *tools] if any(k[0] == s for k in results)]
+    width = max(24, *(len(cell(r, k[0] != "warmup")) + 2 for k, r in results.items()))
+    lines = ["tool".ljust(10) + "".join(g.ljust(width) for g in groups)]
+    for s in stages:
+        lines.append(s.ljust(10) + "".join(cell(results[(s, g)], s != "warmup").ljust(width)
+                                           for g in groups))
+    table = "\n".join(lines)
+    print("\n" + table)
+    ok = all(r["ok"] for r in results.values())
+    summary = {"ok": ok, "tools": tools, "groups": groups, "line_info": args.line_info,
+               "results": {f"{t}/{g}": r for (t, g), r in results.items()}}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out_dir / "summary.txt").write_text(table + "\n")
+    print(f"\nlogs: {out_dir}\n{'OK' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

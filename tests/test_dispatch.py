@@ -1,0 +1,148 @@
+"""The kernel registry on the CPU: which family serves a spec on a (pretended) device, the reasons
+given when none does (quoted by the API's fallback warning and strict error), and lookups of
+unknown (arch, kind) pairs answering with a reason rather than an exception."""
+import pytest
+import torch
+
+from cuteattn import api, dispatch
+from cuteattn.spec import AttentionSpec
+
+CUDA = torch.device("cuda", 0)
+
+
+def make_spec(**kw):
+    fields = dict(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=False, local=False,
+                  has_softcap=False, varlen_q=False, varlen_k=False, batch=2, seqlen_q=64,
+                  seqlen_k=64, nheads=4, nheads_k=4, softmax_scale=0.1, device_index=0)
+    return AttentionSpec(**{**fields, **kw})
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """Pretends to have a CUDA device; set `gpu.capability` to pick its architecture."""
+    class Device:
+        capability = (9, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: Device.capability)
+    return Device
+
+
+@pytest.fixture
+def registry(monkeypatch):
+    """A registry of its own, so that registering test families leaves the real one alone."""
+    monkeypatch.setattr(dispatch, "_families", dict(dispatch._families))
+    monkeypatch.setattr(dispatch, "_import_errors", {})
+    return dispatch
+
+
+class FakeFamily:
+    def __init__(self, reason=None):
+        self.reason, self.launched = reason, []
+
+    def can_implement(self, spec):
+        return self.reason
+
+    def launch(self, spec):
+        self.launched.append(spec)
+        return lambda *args, **kw: None
+
+
+def test_spec_kind_defaults_to_forward_and_is_in_the_key():
+    spec = make_spec()
+    assert spec.kind == "fwd"
+    assert make_spec(kind="bwd").compile_key() != spec.compile_key()
+    with pytest.raises(ValueError, match="kind"):
+        make_spec(kind="sideways")
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (10, 0), (12, 1)])
+def test_other_architectures_give_a_reason(gpu, capability):
+    gpu.capability = capability
+    reason = dispatch.can_implement(make_spec(), CUDA)
+    assert reason.startswith(f"no kernel for sm_{capability[0]}{capability[1]} (")
+    assert "sm90" in reason
+
+
+def test_non_cuda_devices_give_a_reason():
+    assert "cpu" in dispatch.can_implement(make_spec(), torch.device("cpu"))
+
+
+def test_unknown_arch_or_kind_is_a_reason_not_an_exception(registry):
+    family, reason = dispatch.lookup("sm75", "fwd")
+    assert family is None and reason == "no fwd kernel for sm75"
+    family, reason = dispatch.lookup("sm90", "nonsense")
+    assert family is None and "nonsense" in reason and "sm90" in reason
+
+
+def test_kind_without_a_family_gives_a_reason(gpu, registry):
+    pytest.importorskip("cutlass")
+    assert dispatch.can_implement(make_spec(kind="bwd"), CUDA) == "no bwd kernel for sm90"
+
+
+def test_registered_family_serves_its_kind(gpu, registry):
+    fake = FakeFamily()
+    dispatch.register(arch="sm90", kind="decode", family=fake)
+    spec = make_spec(kind="decode")
+    assert dispatch.can_implement(spec, CUDA) is None
+    assert callable(dispatch.launch(spec, CUDA)) and fake.launched == [spec]
+    dispatch.register(arch="sm90", kind="decode", family=FakeFamily("no decode today"))
+    assert dispatch.can_implement(spec, CUDA) == "no decode today"
+
+
+def test_family_that_cannot_be_imported_gives_a_reason(gpu, registry, monkeypatch):
+    monkeypatch.setattr(dispatch, "_families", {})
+    monkeypatch.setattr(dispatch, "FAMILY_MODULES", {"sm90": "cuteattn.kernels.no_such_arch"})
+    reason = dispatch.can_implement(make_spec(), CUDA)
+    assert reason.startswith("the sm90 kernels could not be imported (ModuleNotFoundError")
+    with pytest.raises(RuntimeError, match="could not be imported"):
+        dispatch.launch(make_spec(), CUDA)
+
+
+# ---- the sm90 forward's reasons ----
+
+SM90_REASONS = [
+    (dict(head_dim=80, head_dim_v=80),
+     "head_dim 80 is not supported by the sm90 forward (supported: 64, 96, 128, 192, 256)"),
+    (dict(head_dim_v=64), "head_dim_v 64 != head_dim 128 is not supported by the sm90 forward"),
+    (dict(varlen_q=True), "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"),
+    (dict(varlen_k=True), "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"),
+    (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm90 forward"),
+]
+
+
+@pytest.mark.parametrize("fields,reason", SM90_REASONS, ids=[r[:24] for _, r in SM90_REASONS])
+def test_sm90_forward_reasons(gpu, fields, reason):
+    pytest.importorskip("cutlass")
+    assert dispatch.can_implement(make_spec(**fields), CUDA).startswith(reason)
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_sm90_forward_serves_supported_problems(gpu, d):
+    pytest.importorskip("cutlass")
+    for fields in (dict(), dict(causal=True), dict(varlen_q=True, varlen_k=True, has_seqused_k=True),
+                   dict(local=True, window_left=8, window_right=0, dtype=torch.float16)):
+        assert dispatch.can_implement(make_spec(head_dim=d, head_dim_v=d, **fields), CUDA) is None
+
+
+def test_api_quotes_the_reason(gpu):
+    """The API falls back (or raises in strict mode) with the family's reason."""
+    pytest.importorskip("cutlass")
+    launch, reason = api._select_kernel(make_spec(head_dim=80, head_dim_v=80), CUDA)
+    assert launch is None and reason.startswith("head_dim 80 is not supported by the sm90 forward")
+    with pytest.raises(RuntimeError, match="head_dim 80 is not supported by the sm90 forward"):
+        api._fall_back(reason, strict=True)
+
+
+def test_kernel_modules_do_not_import_torch():
+    """Kernels take cute tensors: only each arch's launch.py (the host side) imports torch."""
+    import ast
+    from pathlib import Path
+    import cuteattn
+    kernels = Path(cuteattn.__file__).parent / "kernels"
+    for path in kernels.rglob("*.py"):
+        if path.name == "launch.py":
+            continue
+        tree = ast.parse(path.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in imported if m.split(".")[0] == "torch"}, path
