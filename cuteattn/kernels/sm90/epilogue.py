@@ -10,6 +10,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 
+from ..common.convert import convert_fragment
 from ..common.layout import acc_mn_view
 from ..common.seqlen_info import SeqlenInfo
 
@@ -31,9 +32,10 @@ def store_lse(lse, gLSE: cute.Tensor, thr_mma_pv, head_dim_v: cutlass.Constexpr,
 
 @cute.jit
 def stage_o(acc_O: cute.Tensor, sO: cute.Tensor, tiled_mma_pv, tidx, dtype: cutlass.Constexpr):
-    """acc_O (float32) -> this warpgroup's (64, d_v) slice of shared memory, in dtype."""
+    """acc_O (float32) -> this warpgroup's (64, d_v) slice of shared memory, in dtype (one
+    packed cvt per pair: the element-wise conversion left fp16 d=64 causal spilling)."""
     rO = cute.make_rmem_tensor_like(acc_O, dtype)
-    rO.store(acc_O.load().to(dtype))
+    convert_fragment(acc_O, rO)
     store_atom = cute.make_copy_atom(
         cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     thr_copy = cute.make_tiled_copy_C(store_atom, tiled_mma_pv).get_slice(tidx)
