@@ -2,11 +2,9 @@
 
 Barrier 0 is __syncthreads; every other id a kernel uses is a member of that kernel family's
 IntEnum, so no raw number appears in a kernel body. The thread count is always a multiple of 32:
-a warp arrives as a whole. These are *aligned* barriers: every lane of an arriving warp must
-execute the same instruction together. A warp that reaches one while some of its lanes are still
-inside a lane-0 branch can complete the barrier without those lanes (the varlen tile hand-off
-did exactly that, tile_scheduler.TileWalk says how), so callers reconverge a warp (`sync_warp`)
-after lane-divergent code and before a barrier.
+a warp arrives as a whole, and these are *aligned* barriers (every lane of a warp executes the
+same instruction together). For data handed from one role to another while the writer goes on
+(bar.arrive after a write), prefer an mbarrier pipeline: tile_scheduler.TileWalk says why.
 """
 import cutlass.cute as cute
 

@@ -16,9 +16,9 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32
 
-from . import named_barriers
 from .seqlen_info import sequence_range
 
 
@@ -109,17 +109,31 @@ class TileWalk:
     Round robin (`counter` None): tiles blockIdx.x, + gridDim.x, ...: no communication, for
     tiles of equal cost. Dynamic: the first tile is blockIdx.x and each next one is drawn from a
     global counter by the producer warp as soon as it has issued this tile's loads, then handed
-    to the consumers through one shared-memory slot between two named barriers (`ready`: the
-    slot holds the next tile; `free`: the consumers have read it). A CTA that drew short tiles
-    draws more of them. The last CTA to run out zeroes the counter for the next launch (kernel
-    boundaries order that for the stream).
+    to the consumers through a shared-memory slot guarded by an mbarrier pipeline (`handoff`:
+    full = the slot holds the next tile, empty = every consumer thread has read it). A CTA that
+    drew short tiles draws more of them. The last CTA to run out zeroes the counter for the next
+    launch (kernel boundaries order that for the stream).
+    Why mbarriers, not a pair of named barriers (bar.sync / bar.arrive): the writer's own
+    mbarrier arrive releases its slot write to the waiting readers, in the PTX memory model and
+    in compute-sanitizer's racecheck alike; with named barriers racecheck reported the slot's
+    write and read as a race on every varlen call whose consumers wait for the next tile at once
+    (the packed grid's spare tiles), which would hide real races in its reports.
     """
     num_tiles: Int32
-    counter: Optional[cute.Tensor]       # int32 (2,): [next tile - grid, CTAs done]
+    counter: Optional[cute.Tensor]       # int32 (2,): [tiles drawn, CTAs done]
     slot: Optional[cute.Tensor]          # shared int32 (1,): the hand-off slot
-    handoff_threads: cutlass.Constexpr[int]  # the producer warp + every consumer thread
-    ready: cutlass.Constexpr[int]        # named barrier ids
-    free: cutlass.Constexpr[int]
+    handoff: Optional[pipeline.PipelineAsync]  # producer warp -> every consumer thread
+
+    @staticmethod
+    def make_handoff(barrier_storage, consumer_threads: int) -> pipeline.PipelineAsync:
+        """The slot's pipeline: one stage, filled by the producer warp's 32 threads (lane 0
+        writes) and emptied by `consumer_threads` threads. Initialised without a sync (the
+        kernel syncs once after all its pipelines exist)."""
+        return pipeline.PipelineAsync.create(
+            barrier_storage=barrier_storage.data_ptr(), num_stages=1,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_threads),
+            defer_sync=True)
 
     @cute.jit
     def walk(self, producer: cutlass.Constexpr, tile_info: cutlass.Constexpr,
@@ -128,8 +142,8 @@ class TileWalk:
         tile_info(tile) -> (m_block, head_idx, batch_idx, in_range, seqlen), and for a tile in
         range visit(m_block, head_idx, batch_idx, seqlen, q_state, kv_state) -> (q_state,
         kv_state). Every role skips the same tiles. Returns the final states."""
-        if cutlass.const_expr(self.counter is not None and not producer):
-            named_barriers.arrive(self.free, self.handoff_threads)  # the slot starts free
+        role = pipeline.PipelineUserType.Producer if producer else pipeline.PipelineUserType.Consumer
+        slot_state = pipeline.make_pipeline_state(role, 1)
         tile = cute.arch.block_idx()[0]
         while tile < self.num_tiles:
             m_block, head_idx, batch_idx, in_range, seqlen = tile_info(tile)
@@ -138,13 +152,15 @@ class TileWalk:
             if cutlass.const_expr(self.counter is None):
                 tile = tile + cute.arch.grid_dim()[0]
             elif cutlass.const_expr(producer):
-                tile = self._draw_and_hand_off()
+                tile = self._draw_and_hand_off(slot_state)
+                slot_state.advance()
             else:
-                tile = self._take()
+                tile = self._take(slot_state)
+                slot_state.advance()
         return q_state, kv_state
 
     @cute.jit
-    def _draw_and_hand_off(self) -> Int32:
+    def _draw_and_hand_off(self, slot_state) -> Int32:
         lane = cute.arch.lane_idx()
         ctas = cute.arch.grid_dim()[0]
         drawn = Int32(0)
@@ -160,21 +176,16 @@ class TileWalk:
                 if done == ctas - 1:
                     self.counter[0] = Int32(0)
                     self.counter[1] = Int32(0)
-        # Lanes 1..31 must not reach the aligned barrier while lane 0 is still in the branch
-        # above: their warp's arrival would complete `free`, they would arrive at `ready`
-        # before lane 0 wrote the slot, and the consumers would read a stale tile (racecheck
-        # saw exactly this read on varlen spare tiles, whose consumers wait at `ready` at once).
-        cute.arch.sync_warp()
-        named_barriers.sync(self.free, self.handoff_threads)
+        self.handoff.producer_acquire(slot_state)
         if lane == 0:
             self.slot[0] = nxt
-        cute.arch.sync_warp()
-        named_barriers.arrive(self.ready, self.handoff_threads)
+        # each lane arrives; the stage is full once all 32 have, lane 0 after its write
+        self.handoff.producer_commit(slot_state)
         return nxt
 
     @cute.jit
-    def _take(self) -> Int32:
-        named_barriers.sync(self.ready, self.handoff_threads)
+    def _take(self, slot_state) -> Int32:
+        self.handoff.consumer_wait(slot_state)
         nxt = self.slot[0]
-        named_barriers.arrive(self.free, self.handoff_threads)
+        self.handoff.consumer_release(slot_state)
         return nxt

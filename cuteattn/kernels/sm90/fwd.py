@@ -53,9 +53,7 @@ class FwdBarrier(enum.IntEnum):
     """Named barriers of the forward (0 is __syncthreads)."""
     EPILOGUE = 1       # + wg: one consumer warpgroup's O staging (ids 1..3)
     TURN = 4           # + wg: the GEMM turn of consumer warpgroup wg (ids 4..6)
-    TILE_READY = 7     # the tile hand-off slot holds the next tile
-    TILE_FREE = 8      # the consumers have read it
-    ALL_CONSUMERS = 9  # every consumer is past its last GEMM (O into a V stage they all read)
+    ALL_CONSUMERS = 7  # every consumer is past its last GEMM (O into a V stage they all read)
 
 
 @dataclass(frozen=True)
@@ -206,6 +204,7 @@ class FlashFwdSm90:
             "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024],
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, k_elems], 1024],
             "sVt": cute.struct.Align[cute.struct.MemRange[self.dtype, v_elems], 1024],
+            "mbar_tile": cute.struct.MemRange[cutlass.Int64, 2],
             "next_tile": cute.struct.MemRange[Int32, 1],  # the tile hand-off slot (TileWalk)
         }
         if self.cfg.o_path == "own_buffer":
@@ -246,6 +245,9 @@ class FlashFwdSm90:
         pipeline_q = make_tma_pipeline(storage.mbar_q, 1, self.q_bytes, consumer_warps)
         pipeline_k = make_tma_pipeline(storage.mbar_k, cfg.num_stages, self.k_bytes, consumer_warps)
         pipeline_v = make_tma_pipeline(storage.mbar_v, cfg.num_stages, self.v_bytes, consumer_warps)
+        handoff = None
+        if const_expr(cfg.dynamic_tiles):
+            handoff = TileWalk.make_handoff(storage.mbar_tile, WG_THREADS * self.num_wg)
         # Make the barrier initialisation visible to every warp before anyone waits on it.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -267,10 +269,8 @@ class FlashFwdSm90:
 
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
-        walk = TileWalk(
-            num_tiles, mTileCounter if const_expr(cfg.dynamic_tiles) else None,
-            storage.next_tile.get_tensor(cute.make_layout(1)),
-            32 + WG_THREADS * self.num_wg, FwdBarrier.TILE_READY, FwdBarrier.TILE_FREE)
+        walk = TileWalk(num_tiles, mTileCounter if const_expr(cfg.dynamic_tiles) else None,
+                        storage.next_tile.get_tensor(cute.make_layout(1)), handoff)
         tile_info = lambda tile: self.tile_info(
             tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
             rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
