@@ -14,16 +14,18 @@ import cutlass  # noqa: E402
 from cuteattn.kernels.sm90.compile import compile_fwd  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 
-VARIANTS = [  # (head_dim, causal, local, varlen, max_seqlen_q)
-    (128, True, False, False, 4096), (64, True, False, False, 1024), (128, False, False, True, 4096),
-    (64, False, True, False, 4096), (256, False, False, False, 4096),
+VARIANTS = [  # (head_dim, causal, local, varlen, max_seqlen_q, softcap)
+    (128, True, False, False, 4096, False), (64, True, False, False, 1024, False),
+    (128, False, False, True, 4096, False), (64, False, True, False, 4096, False),
+    (256, False, False, False, 4096, False), (128, True, False, True, 700, True),
+    (96, False, True, False, 4096, True),
 ]
 
-for d, causal, local, varlen, seqlen in VARIANTS:
-    cfg = fwd_config(cutlass.BFloat16, d, d, causal, local, False, varlen, varlen, max_seqlen_q=seqlen)
+for d, causal, local, varlen, seqlen, softcap in VARIANTS:
+    cfg = fwd_config(cutlass.BFloat16, d, d, causal, local, softcap, varlen, varlen, max_seqlen_q=seqlen)
     ptx = compile_fwd(cfg, options="--keep-ptx", tvm_ffi=True).__ptx__
     body = ptx[ptx.index(".entry"):]
     body = re.sub(r"\.entry \S+", ".entry K", body)
     body = re.sub(r"\w*cutlass\w*", "N", body)
-    print(f"d={d} causal={causal:d} local={local:d} varlen={varlen:d} seqlen={seqlen}: "
+    print(f"d={d} causal={causal:d} local={local:d} varlen={varlen:d} seqlen={seqlen} softcap={softcap:d}: "
           f"{hashlib.sha1(body.encode()).hexdigest()[:12]} ({len(body)} chars)", flush=True)
