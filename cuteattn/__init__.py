@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from cuteattn.api import flash_attn_func, flash_attn_varlen_func
+from cuteattn.api import FallbackWarning, flash_attn_func, flash_attn_varlen_func
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "__version__"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "FallbackWarning", "__version__"]

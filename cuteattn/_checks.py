@@ -65,12 +65,13 @@ def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
             raise TypeError(f"softmax_scale must be a Python number or None; got {type(softmax_scale)}")
         scale = float(softmax_scale)
-        if not (math.isfinite(scale) and scale > 0):
+        # comparisons, not math.isfinite: they also work on torch.compile's symbolic floats
+        if not (0 < scale < math.inf):  # False for NaN and inf
             raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale}")
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a Python number; got {type(softcap)}")
     softcap = float(softcap)
-    if not (math.isfinite(softcap) and softcap >= 0):
+    if not (0 <= softcap < math.inf):
         raise ValueError(f"softcap must be finite and >= 0 (0 = off); got {softcap}")
     return scale, softcap
 

@@ -6,6 +6,7 @@ PyTorch reference with a warning (or a RuntimeError in strict mode). Never a sil
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -58,8 +59,20 @@ def _fall_back(reason: str, strict: bool | None) -> None:
             f"cuteattn: {reason}; computing with the PyTorch reference instead (slow, materialises "
             "the score matrix). Pass strict=True or set CUTEATTN_STRICT=1 to raise instead.",
             FallbackWarning,
-            stacklevel=4,  # _fall_back <- _run <- flash_attn_*func <- the caller
+            stacklevel=_user_stacklevel(),
         )
+
+
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__))
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside cuteattn and torch, so a warning names the
+    user's line whichever path (direct, custom op, autograd, torch.compile) led to it."""
+    frame, level = sys._getframe(2), 2  # the frame that calls warnings.warn is level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _reference_kwargs(spec: AttentionSpec) -> dict:
@@ -75,23 +88,6 @@ def _reference_kwargs(spec: AttentionSpec) -> dict:
 def _is_empty(spec: AttentionSpec, out: torch.Tensor) -> bool:
     """True when there is nothing to launch: no rows, or no keys for any row (host ints only)."""
     return spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0 or out.numel() == 0
-
-
-class _AttentionFunction(torch.autograd.Function):
-    """Carries the forward through autograd; the backward is not written yet."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, run):
-        out, lse = run()
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        raise NotImplementedError(
-            "cuteattn: backward is not implemented yet (forward only); compute gradients with "
-            "another implementation or call under torch.no_grad()"
-        )
 
 
 def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
@@ -130,14 +126,12 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
             lse.copy_(l)
         return out, lse
 
-    # only build a graph node when a gradient can be asked for: outputs of plain calls stay leaves
-    if _needs_grad(q, k, v):
-        return (*_AttentionFunction.apply(q, k, v, run), launch)
     return (*run(), launch)
 
 
 def _needs_grad(q, k, v) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # getattr: a non-tensor argument reaches the checks, which name it
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
 
 
 # Repeated calls with one signature (shapes, strides, dtypes and devices of q, k, v, and the
@@ -210,13 +204,17 @@ def flash_attn_func(
     A seqlen_q or batch of 0 returns empty results; seqlen_k 0 returns out 0 and lse -inf; neither
     launches a kernel.
     """
+    _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    if _through_op(q, k, v, out, lse):
+        from cuteattn import ops
+        out, lse = ops.attention(q, k, v, softmax_scale, causal, window_size, softcap, strict)
+        return (out, lse) if return_lse else out
     sig = None
-    if (out is None and lse is None and alibi_slopes is None and return_attn_probs is False
-            and type(window_size) is tuple):
+    if out is None and lse is None and type(window_size) is tuple:
         try:
-            sig = _signature(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                             *map(type, window_size), softcap)
-            hit = _launches.get(sig) if sig is not None and not _needs_grad(q, k, v) else None
+            sig = _signature(q, k, v, softmax_scale, causal, window_size, *map(type, window_size),
+                             softcap)
+            hit = _launches.get(sig) if sig is not None else None
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             sig = hit = None
         if hit is not None:
@@ -226,7 +224,28 @@ def flash_attn_func(
                               device=q.device)
             launch(q, k, v, out, lse)
             return (out, lse) if return_lse else out
-    _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    out, lse, spec, launch = forward(q, k, v, softmax_scale, causal, window_size, softcap, strict,
+                                     out, lse)
+    _remember(sig, spec, launch)
+    return (out, lse) if return_lse else out
+
+
+def _through_op(q, k, v, out, lse) -> bool:
+    """Calls that record a gradient, and calls traced by torch.compile, go through the
+    torch.library custom ops (ops.py: fake shapes, autograd); plain eager calls skip the op
+    dispatcher's host time. out= / lse= buffers are an eager, inference-only extra."""
+    if not (torch.compiler.is_compiling() or _needs_grad(q, k, v)):
+        return False
+    if out is not None or lse is not None:
+        raise ValueError(
+            "out= / lse= buffers are for calls without gradients outside torch.compile: drop them "
+            "when q, k or v require grad (or wrap the call in torch.no_grad())")
+    return True
+
+
+def forward(q, k, v, softmax_scale, causal, window_size, softcap, strict, out=None, lse=None):
+    """The fixed-length forward without autograd: checks, spec, kernel or fallback. Returns
+    (out, lse, spec, launch); ops.py's custom op runs this."""
     spec = _checks.fixed_spec(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap
     )
@@ -236,9 +255,7 @@ def flash_attn_func(
         lse_shape=(spec.batch, spec.nheads, spec.seqlen_q),
     )
     out, lse, launch = _run(q, k, v, spec, out, lse, strict)
-    if not _needs_grad(q, k, v):
-        _remember(sig, spec, launch)
-    return (out, lse) if return_lse else out
+    return out, lse, spec, launch
 
 
 def flash_attn_varlen_func(
@@ -292,6 +309,22 @@ def flash_attn_varlen_func(
     out 0 and lse -inf without a launch.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    if _through_op(q, k, v, out, lse):
+        from cuteattn import ops
+        out, lse = ops.attention_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, window_size, softcap, seqused_q, seqused_k, validate, strict)
+        return (out, lse) if return_lse else out
+    out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              softmax_scale, causal, window_size, softcap, seqused_q, seqused_k,
+                              validate, strict, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
+                   strict, out=None, lse=None):
+    """The varlen forward without autograd (ops.py's custom op runs this). Returns (out, lse)."""
     spec = _checks.varlen_spec(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
@@ -311,4 +344,4 @@ def flash_attn_varlen_func(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
     )
     out, lse, _ = _run(q, k, v, spec, out, lse, strict, varlen, host)
-    return (out, lse) if return_lse else out
+    return out, lse

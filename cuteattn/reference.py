@@ -129,3 +129,88 @@ def attention_varlen_ref(
         out[q0 : q0 + len_q] = o[0]
         lse[:, q0 : q0 + len_q] = l[0]
     return out, lse
+
+
+def attention_ref_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of `attention_ref`'s output against dout, in float32, written out (no autograd:
+    it also runs where autograd is off, inside a custom op). The steps a backward kernel takes:
+    P from the recomputed scores, dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), through
+    the softcap's derivative (1 - tanh^2) and the scale, then dQ = dS K and dK = dS^T Q; GQA sums
+    dK and dV over the query heads of each kv head. Rows that see no key have P = 0: gradient 0."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    q, k, v, do = q.float(), k.float(), v.float(), dout.float()
+    group = h // hk
+    kr = k.repeat_interleave(group, dim=2) if group > 1 else k
+    vr = v.repeat_interleave(group, dim=2) if group > 1 else v
+
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
+    if softcap > 0:
+        t = torch.tanh(scores / softcap)
+        scores = softcap * t
+    left, right = window_size
+    if causal:
+        right = 0
+    mask = visible_mask(sq, sk, left, right, device=q.device)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    probs = torch.where(mask.any(dim=-1).view(1, 1, sq, 1), probs, torch.zeros((), device=q.device))
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vr)
+
+    dvr = torch.einsum("bhqk,bqhd->bkhd", probs, do)
+    dp = torch.einsum("bqhd,bkhd->bhqk", do, vr)
+    delta = (do * out).sum(-1).permute(0, 2, 1).unsqueeze(-1)  # (b, h, sq, 1)
+    ds = probs * (dp - delta)
+    if softcap > 0:
+        ds = ds * (1 - t * t)
+    ds = ds * scale
+    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kr)
+    dkr = torch.einsum("bhqk,bqhd->bkhd", ds, q)
+    if group > 1:
+        dkr = dkr.reshape(b, sk, hk, group, d).sum(3)
+        dvr = dvr.reshape(b, sk, hk, group, v.shape[-1]).sum(3)
+    return dq, dkr, dvr
+
+
+def attention_varlen_ref_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`attention_ref_backward` per packed sequence (as `attention_varlen_ref` lays them out);
+    rows outside every sequence get gradient 0. float32. Reads the lengths to the host."""
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = seqused_q.tolist() if seqused_q is not None else None
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    for b in range(len(starts_q) - 1):
+        q0, k0 = starts_q[b], starts_k[b]
+        len_q = used_q[b] if used_q is not None else starts_q[b + 1] - q0
+        len_k = used_k[b] if used_k is not None else starts_k[b + 1] - k0
+        if len_q == 0:
+            continue
+        grads = attention_ref_backward(
+            dout[q0:q0 + len_q].unsqueeze(0), q[q0:q0 + len_q].unsqueeze(0),
+            k[k0:k0 + len_k].unsqueeze(0), v[k0:k0 + len_k].unsqueeze(0), **kwargs)
+        dq[q0:q0 + len_q] += grads[0][0]
+        dk[k0:k0 + len_k] += grads[1][0]
+        dv[k0:k0 + len_k] += grads[2][0]
+    return dq, dk, dv

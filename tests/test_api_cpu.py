@@ -41,7 +41,8 @@ def quiet(fn, *args, **kw):
 
 
 def test_public_names():
-    assert set(cuteattn.__all__) == {"flash_attn_func", "flash_attn_varlen_func", "__version__"}
+    assert set(cuteattn.__all__) == {"flash_attn_func", "flash_attn_varlen_func", "FallbackWarning",
+                                     "__version__"}
     assert isinstance(cuteattn.__version__, str)
 
 
@@ -159,22 +160,52 @@ def test_no_grad_inputs_give_plain_outputs(seed):
     assert not out.requires_grad and not lse.requires_grad and out.grad_fn is None
 
 
-def test_backward_raises_only_when_asked(seed):
+def test_gradients_are_the_reference_gradients(seed):
+    """No backward kernel yet: the gradient of the float32 reference, announced by a warning."""
     q, k, v = (t.requires_grad_() for t in qkv())
-    out, lse = quiet(flash_attn_func, q, k, v, return_lse=True)
+    out, lse = quiet(flash_attn_func, q, k, v, causal=True, window_size=(3, -1), softcap=5.0,
+                     return_lse=True)
     assert out.requires_grad and not lse.requires_grad
-    with pytest.raises(NotImplementedError, match="cuteattn: backward is not implemented yet"):
-        out.float().sum().backward()
+    g = torch.randn_like(out)
+    with pytest.warns(api.FallbackWarning, match="no backward kernel yet"):
+        out.backward(g)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_ref(*leaves, causal=True, window_size=(3, -1), softcap=5.0)
+    ref.backward(g.float())
+    for got, want in zip((q.grad, k.grad, v.grad), leaves):
+        assert got.dtype == want.dtype and torch.allclose(got, want.grad, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         assert not quiet(flash_attn_func, q, k, v).requires_grad
 
 
-def test_varlen_backward_raises(seed):
-    (q, k, v), args = packed()
-    k.requires_grad_()
-    out = quiet(flash_attn_varlen_func, q, k, v, **args)
-    with pytest.raises(NotImplementedError, match="backward is not implemented"):
+def test_strict_backward_raises(seed, monkeypatch):
+    """Strict mode forbids the reference backward as it forbids the reference forward (strict=None
+    in the call: the environment decides when the backward runs)."""
+    q, k, v = (t.requires_grad_() for t in qkv())
+    out = quiet(flash_attn_func, q, k, v)
+    monkeypatch.setenv("CUTEATTN_STRICT", "1")
+    with pytest.raises(RuntimeError, match="no backward kernel yet"):
         out.sum().backward()
+
+
+def test_varlen_gradients_are_the_reference_gradients(seed):
+    (q, k, v), args = packed()
+    for t in (q, k, v):
+        t.requires_grad_()
+    out = quiet(flash_attn_varlen_func, q, k, v, **args)
+    g = torch.randn_like(out)
+    quiet(out.backward, g)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref, _ = attention_varlen_ref(*leaves, args["cu_seqlens_q"], args["cu_seqlens_k"])
+    ref.backward(g.float())
+    for got, want in zip((q.grad, k.grad, v.grad), leaves):
+        assert torch.allclose(got, want.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_out_buffers_refused_with_gradients(seed):
+    q, k, v = (t.requires_grad_() for t in qkv())
+    with pytest.raises(ValueError, match="out= / lse= buffers"):
+        flash_attn_func(q, k, v, out=torch.empty_like(q))
 
 
 # ---- mask normalisation and the spec ----

@@ -1,0 +1,135 @@
+"""cuteattn under torch.compile and autograd, on the CPU (the calls run on the reference path;
+the custom ops, fake shapes and autograd formulas are the same ones a GPU call uses).
+
+A small transformer block is compiled with fullgraph=True (a graph break raises), run forward
+and backward, and compared with eager; with dynamic shapes a new sequence length recompiles
+nothing.
+"""
+import warnings
+
+import pytest
+import torch
+
+from cuteattn import FallbackWarning, flash_attn_func, flash_attn_varlen_func
+
+
+class Block(torch.nn.Module):
+    """Pre-norm attention block with GQA and a causal mask, the shape of a Llama layer."""
+
+    def __init__(self, dim=256, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.d = heads, kv_heads, dim // heads
+        self.norm = torch.nn.LayerNorm(dim)
+        self.q = torch.nn.Linear(dim, heads * self.d, bias=False)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.d, bias=False)
+        self.o = torch.nn.Linear(heads * self.d, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q = self.q(h).view(b, s, self.heads, self.d)
+        k, v = self.kv(h).view(b, s, 2, self.kv_heads, self.d).unbind(2)
+        a = flash_attn_func(q, k, v, causal=True, softmax_scale=self.d ** -0.5)
+        return x + self.o(a.reshape(b, s, -1))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        yield
+    torch._dynamo.reset()
+
+
+def counting_backend():
+    """aot_eager (dynamo + AOTAutograd tracing, forward and backward graphs, no codegen) that
+    counts how many graphs were compiled."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    counts = {"fw": 0}
+
+    def compiler(gm, example_inputs):
+        counts["fw"] += 1
+        return make_boxed_func(gm.forward)
+    return aot_autograd(fw_compiler=compiler, bw_compiler=lambda gm, _: make_boxed_func(gm.forward)), counts
+
+
+def test_block_compiles_fullgraph_forward_and_backward():
+    torch.manual_seed(0)
+    block = Block().to(torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 37, 256, dtype=torch.bfloat16, requires_grad=True)
+    y_eager = block(x)
+    y_eager.square().mean().backward()
+    grads_eager = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+    block.zero_grad()
+    x.grad = None
+    y = compiled(x)
+    assert torch.equal(y, y_eager)  # the same ops on the same inputs: bitwise
+    y.square().mean().backward()
+    for got, want in zip([p.grad for p in block.parameters()] + [x.grad], grads_eager):
+        assert torch.equal(got, want)
+
+
+def test_new_sequence_lengths_do_not_recompile():
+    torch.manual_seed(0)
+    block = Block().to(torch.bfloat16)
+    backend, counts = counting_backend()
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=backend)
+    with torch.no_grad():
+        for s in (17, 40, 113, 64):
+            x = torch.randn(3, s, 256, dtype=torch.bfloat16)
+            assert torch.equal(compiled(x), block(x))
+    assert counts["fw"] == 1, f"{counts['fw']} graphs compiled for 4 sequence lengths"
+
+
+def test_varlen_under_compile():
+    torch.manual_seed(0)
+    q = torch.randn(20, 4, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(20, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(20, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
+
+    def f(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu, cu, 13, 13, causal=True, softcap=4.0)
+
+    eager = f(q, k, v)
+    eager.sum().backward()
+    want = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(got, eager)
+    got.sum().backward()
+    for t, w in zip((q, k, v), want):
+        assert torch.equal(t.grad, w)
+
+
+def test_bad_arguments_raise_at_the_call_under_compile():
+    q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    f = torch.compile(lambda q: flash_attn_func(q, q, q, window_size=(-2, 0)), backend="aot_eager")
+    with pytest.raises(Exception, match="window_size left must be >= -1"):
+        f(q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_block_compiles_on_the_gpu_kernel():
+    """On the GPU the compiled graph calls the kernel (strict: no reference forward), equal to
+    eager bitwise; the backward (reference, no kernel yet) matches eager's."""
+    torch.manual_seed(0)
+    block = Block(dim=512, heads=4, kv_heads=2).to("cuda", torch.bfloat16)   # d = 128
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        for s in (300, 1023):
+            x = torch.randn(2, s, 512, device="cuda", dtype=torch.bfloat16)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", FallbackWarning)  # the forward must be the kernel's
+                assert torch.equal(compiled(x), block(x))
+    x = torch.randn(2, 129, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    block(x).float().square().mean().backward()
+    want = x.grad.clone()
+    x.grad = None
+    compiled(x).float().square().mean().backward()
+    assert torch.equal(x.grad, want)
