@@ -192,7 +192,9 @@ def flash_attn_func(
     Checked on every call without a device sync: types, dtypes, devices, ranks, shapes, head_dim in
     (64, 96, 128, 192, 256), v's head_dim equal to q's, nheads % nheads_k, unit stride in head_dim
     (no hidden copy), window >= -1, softcap >= 0, softmax_scale finite > 0.
-    Not supported (NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs, backward.
+    Not supported (NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs.
+    Gradients (q, k or v requiring grad) come from the float32 reference backward for now (a
+    FallbackWarning says so once; strict mode raises); out= / lse= cannot be combined with them.
     deterministic is accepted; the forward is deterministic.
 
     Without a GPU kernel for the problem (CPU tensors, an unsupported GPU or feature) the PyTorch
