@@ -50,8 +50,7 @@ def attention_ref(
     dtype otherwise (every step in the input dtype, as plain PyTorch would do it); lse (b, h, sq) is
     always returned as float32. The caller casts out to the dtype it needs.
     """
-    b, sq, h, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
+    h, d, hk = q.shape[2], q.shape[3], k.shape[2]
     if h % hk != 0:
         raise ValueError(f"nheads ({h}) must be a multiple of nheads_k ({hk})")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
@@ -61,22 +60,31 @@ def attention_ref(
         k = k.repeat_interleave(h // hk, dim=2)
         v = v.repeat_interleave(h // hk, dim=2)
 
+    scores, probs, _ = _scores_and_probs(q, k, scale, causal, window_size, softcap)
+    lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees no key (also when sk == 0)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
+    return out, lse.float()
+
+
+def _scores_and_probs(q, k, scale, causal, window_size, softcap):
+    """The forward's masked scores (b, h, sq, sk) and probabilities, in q's dtype, for k with
+    q's head count; and the softcap's tanh values (None without softcap), which the backward's
+    derivative needs. A row that sees no key gets probabilities 0 (softmax would give NaN)."""
+    sq, sk = q.shape[1], k.shape[1]
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    t = None
     if softcap > 0:
-        scores = softcap * torch.tanh(scores / softcap)
+        t = torch.tanh(scores / softcap)
+        scores = softcap * t
     left, right = window_size
     if causal:
         right = 0
     mask = visible_mask(sq, sk, left, right, device=q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
-
-    lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees no key (also when sk == 0)
     probs = torch.softmax(scores, dim=-1)
-    # softmax of an all -inf row is NaN; such rows attend nothing and their output is 0
     row_sees_a_key = mask.any(dim=-1).view(1, 1, sq, 1)
-    probs = torch.where(row_sees_a_key, probs, torch.zeros((), dtype=dtype, device=q.device))
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
-    return out, lse.float()
+    probs = torch.where(row_sees_a_key, probs, torch.zeros((), dtype=q.dtype, device=q.device))
+    return scores, probs, t
 
 
 def attention_varlen_ref(
@@ -107,15 +115,7 @@ def attention_varlen_ref(
     dtype = torch.float32 if upcast else q.dtype
     out = torch.zeros(total_q, h, dv, dtype=dtype, device=q.device)
     lse = torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=q.device)
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    used_q = seqused_q.tolist() if seqused_q is not None else None
-    used_k = seqused_k.tolist() if seqused_k is not None else None
-    for b in range(len(starts_q) - 1):
-        q0, k0 = starts_q[b], starts_k[b]
-        len_q = used_q[b] if used_q is not None else starts_q[b + 1] - q0
-        len_k = used_k[b] if used_k is not None else starts_k[b + 1] - k0
-        if len_q == 0:
-            continue
+    for q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         o, l = attention_ref(
             q[q0 : q0 + len_q].unsqueeze(0),
             k[k0 : k0 + len_k].unsqueeze(0),
@@ -155,23 +155,14 @@ def attention_ref_backward(
     kr = k.repeat_interleave(group, dim=2) if group > 1 else k
     vr = v.repeat_interleave(group, dim=2) if group > 1 else v
 
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) * scale
-    if softcap > 0:
-        t = torch.tanh(scores / softcap)
-        scores = softcap * t
-    left, right = window_size
-    if causal:
-        right = 0
-    mask = visible_mask(sq, sk, left, right, device=q.device)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
-    probs = torch.where(mask.any(dim=-1).view(1, 1, sq, 1), probs, torch.zeros((), device=q.device))
+    _, probs, t = _scores_and_probs(q, kr, scale, causal, window_size, softcap)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vr)
 
     dvr = torch.einsum("bhqk,bqhd->bkhd", probs, do)
     dp = torch.einsum("bqhd,bkhd->bhqk", do, vr)
     delta = (do * out).sum(-1).permute(0, 2, 1).unsqueeze(-1)  # (b, h, sq, 1)
     ds = probs * (dp - delta)
-    if softcap > 0:
+    if t is not None:
         ds = ds * (1 - t * t)
     ds = ds * scale
     dq = torch.einsum("bhqk,bkhd->bqhd", ds, kr)
@@ -198,15 +189,7 @@ def attention_varlen_ref_backward(
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    used_q = seqused_q.tolist() if seqused_q is not None else None
-    used_k = seqused_k.tolist() if seqused_k is not None else None
-    for b in range(len(starts_q) - 1):
-        q0, k0 = starts_q[b], starts_k[b]
-        len_q = used_q[b] if used_q is not None else starts_q[b + 1] - q0
-        len_k = used_k[b] if used_k is not None else starts_k[b + 1] - k0
-        if len_q == 0:
-            continue
+    for q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         grads = attention_ref_backward(
             dout[q0:q0 + len_q].unsqueeze(0), q[q0:q0 + len_q].unsqueeze(0),
             k[k0:k0 + len_k].unsqueeze(0), v[k0:k0 + len_k].unsqueeze(0), **kwargs)
@@ -214,3 +197,17 @@ def attention_varlen_ref_backward(
         dk[k0:k0 + len_k] += grads[1][0]
         dv[k0:k0 + len_k] += grads[2][0]
     return dq, dk, dv
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    """(q start, q rows, k start, k rows) of each packed sequence with query rows, as the varlen
+    references lay them out (seqused, when given, sets the rows). Reads the lengths to the host."""
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    used_q = seqused_q.tolist() if seqused_q is not None else None
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    for b in range(len(starts_q) - 1):
+        q0, k0 = starts_q[b], starts_k[b]
+        len_q = used_q[b] if used_q is not None else starts_q[b + 1] - q0
+        len_k = used_k[b] if used_k is not None else starts_k[b + 1] - k0
+        if len_q > 0:
+            yield q0, len_q, k0, len_k

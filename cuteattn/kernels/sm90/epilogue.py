@@ -13,9 +13,8 @@ import cutlass.cute as cute
 from ..common.convert import convert_fragment
 from ..common.layout import acc_mn_view
 from ..common.seqlen_info import SeqlenInfo
+from .pipelines import WG_ROWS, WG_THREADS
 
-WG_ROWS = 64
-WG_THREADS = 128
 
 
 @cute.jit

@@ -43,10 +43,8 @@ from ..common.softmax import OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from . import epilogue
 from .gemm import PingPong, gemm_async
-from .pipelines import make_tma_pipeline, register_split
+from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
-WG_ROWS = 64  # rows of one consumer warpgroup's wgmma tile
-WG_THREADS = 128
 
 
 class FwdBarrier(enum.IntEnum):

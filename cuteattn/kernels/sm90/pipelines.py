@@ -2,7 +2,8 @@
 warpgroups, and the register split between them."""
 import cutlass.pipeline as pipeline
 
-WG_THREADS = 128
+WG_THREADS = 128  # threads of a warpgroup
+WG_ROWS = 64  # rows of one consumer warpgroup's wgmma tile
 
 
 def make_tma_pipeline(barrier_storage, num_stages: int, tx_bytes: int, consumer_warps: int):
