@@ -5,6 +5,7 @@ PyTorch reference with a warning (or a RuntimeError in strict mode). Never a sil
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import warnings
@@ -12,7 +13,8 @@ import warnings
 import torch
 
 from cuteattn import _checks
-from cuteattn.reference import attention_ref, attention_varlen_ref
+from cuteattn.reference import (attention_ref, attention_ref_backward, attention_varlen_ref,
+                                attention_varlen_ref_backward)
 from cuteattn.spec import AttentionSpec
 
 
@@ -209,7 +211,8 @@ def flash_attn_func(
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     if _through_op(q, k, v, out, lse):
         from cuteattn import ops
-        out, lse = ops.attention(q, k, v, softmax_scale, causal, window_size, softcap, strict)
+        out, lse = ops.attention(q, k, v, softmax_scale, causal, window_size, softcap,
+                                 deterministic, strict)
         return (out, lse) if return_lse else out
     sig = None
     if out is None and lse is None and type(window_size) is tuple:
@@ -315,7 +318,7 @@ def flash_attn_varlen_func(
         from cuteattn import ops
         out, lse = ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, window_size, softcap, seqused_q, seqused_k, validate, strict)
+            causal, window_size, softcap, seqused_q, seqused_k, validate, deterministic, strict)
         return (out, lse) if return_lse else out
     out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, causal, window_size, softcap, seqused_q, seqused_k,
@@ -347,3 +350,45 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     )
     out, lse, _ = _run(q, k, v, spec, out, lse, strict, varlen, host)
     return out, lse
+
+
+# ---- gradients ----
+
+def _run_backward(spec, dout, q, k, v, out, lse, strict, varlen: dict | None = None):
+    """(dq, dk, dv): nothing to do for an empty problem, else the backward kernel, or the
+    reference's backward with the usual warning (strict mode raises)."""
+    spec = dataclasses.replace(spec, kind="bwd")
+    if _is_empty(spec, out):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    launch, reason = _select_kernel(spec, q.device)
+    if reason is None:
+        return launch(dout, q, k, v, out, lse, **(varlen or {}))
+    _fall_back(f"backward: {reason}", strict)  # its own warning: the forward may have a kernel
+    if varlen is None:
+        return attention_ref_backward(dout, q, k, v, **_reference_kwargs(spec))
+    return attention_varlen_ref_backward(dout, q, k, v, varlen["cu_seqlens_q"],
+                                         varlen["cu_seqlens_k"], varlen["seqused_q"],
+                                         varlen["seqused_k"], **_reference_kwargs(spec))
+
+
+def backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, deterministic,
+             strict):
+    """Gradients (dq, dk, dv) of the fixed-length forward that returned (out, lse); ops.py's
+    autograd formula runs this. deterministic: bitwise-reproducible gradients."""
+    spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                              window_size=window_size, softcap=softcap)
+    spec = dataclasses.replace(spec, deterministic=bool(deterministic))
+    return _run_backward(spec, dout, q, k, v, out, lse, strict)
+
+
+def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                    max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                    deterministic, strict):
+    """Gradients (dq, dk, dv) of the varlen forward (the metadata was checked by it)."""
+    spec = _checks.varlen_spec(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
+    spec = dataclasses.replace(spec, deterministic=bool(deterministic))
+    varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+                  seqused_k=seqused_k)
+    return _run_backward(spec, dout, q, k, v, out, lse, strict, varlen)

@@ -3,10 +3,10 @@
 `cuteattn::fwd` and `cuteattn::fwd_varlen` run the forward (api.forward / api.forward_varlen:
 checks, kernel or reference fallback) as opaque operators with fake (meta) implementations that
 give the output shapes, so `torch.compile(..., fullgraph=True)` traces a model that calls cuteattn
-without a graph break and without specialising on sequence lengths. Their autograd formulas call
-`cuteattn::bwd_ref` / `cuteattn::bwd_varlen_ref`: the float32 reference backward
-(reference.attention_ref_backward, written out: autograd is off inside a custom op), as no
-backward kernel exists yet; announced once by a FallbackWarning, refused in strict mode.
+without a graph break and without specialising on sequence lengths. The forward saves q, k, v,
+out and lse; their autograd formulas call `cuteattn::bwd` / `cuteattn::bwd_varlen` (api.backward
+/ api.backward_varlen: the backward kernel, or the float32 reference backward, written out since
+autograd is off inside a custom op, with the usual FallbackWarning or strict-mode error).
 
 Plain eager calls without gradients do not come here (api._through_op): the op dispatcher costs
 host time that the direct path does not pay.
@@ -19,9 +19,6 @@ import torch
 from torch import Tensor
 
 from cuteattn import _checks, api
-from cuteattn.reference import attention_ref_backward, attention_varlen_ref_backward
-
-_BACKWARD_REASON = "no backward kernel yet: the gradient is computed with the PyTorch reference"
 
 
 def _strict_code(strict) -> int:
@@ -46,54 +43,55 @@ def _normalised(q, softmax_scale, causal, window_size, softcap):
 
 @torch.library.custom_op("cuteattn::fwd", mutates_args=())
 def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
-         window_right: int, softcap: float, strict: int) -> tuple[Tensor, Tensor]:
+         window_right: int, softcap: float, deterministic: bool,
+         strict: int) -> tuple[Tensor, Tensor]:
     out, lse, _, _ = api.forward(q, k, v, softmax_scale, causal, (window_left, window_right),
                                  softcap, _strict(strict))
     return out, lse
 
 
 @_fwd.register_fake
-def _fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap, strict):
+def _fwd_fake(q, k, v, *args):
     b, sq, h, _ = q.shape
     return (q.new_empty((b, sq, h, v.shape[-1])),
             q.new_empty((b, h, sq), dtype=torch.float32))
 
 
-@torch.library.custom_op("cuteattn::bwd_ref", mutates_args=())
-def _bwd_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-             window_left: int, window_right: int, softcap: float,
-             strict: int) -> tuple[Tensor, Tensor, Tensor]:
-    api._fall_back(_BACKWARD_REASON, _strict(strict))
-    grads = attention_ref_backward(dout, q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                   window_size=(window_left, window_right), softcap=softcap)
+@torch.library.custom_op("cuteattn::bwd", mutates_args=())
+def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+         softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+         deterministic: bool, strict: int) -> tuple[Tensor, Tensor, Tensor]:
+    grads = api.backward(dout, q, k, v, out, lse, softmax_scale, causal,
+                         (window_left, window_right), softcap, deterministic, _strict(strict))
     return _as_inputs(grads, (q, k, v))
 
 
-@_bwd_ref.register_fake
-def _bwd_ref_fake(dout, q, k, v, *args):
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, *args):
     return _contiguous_like(q, k, v)
 
 
 def _fwd_setup(ctx, inputs, output):
     q, k, v, *scalars = inputs
-    ctx.save_for_backward(q, k, v)
+    ctx.save_for_backward(q, k, v, *output)  # out, lse: all the backward needs besides q, k, v
     ctx.scalars = scalars
     ctx.mark_non_differentiable(output[1])  # lse
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v = ctx.saved_tensors
-    dq, dk, dv = _bwd_ref(dout.contiguous(), q, k, v, *ctx.scalars)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd(dout.contiguous(), q, k, v, out, lse, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * 7
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 
-def attention(q, k, v, softmax_scale, causal, window_size, softcap, strict):
+def attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, strict):
     """flash_attn_func through the custom op: returns (out, lse)."""
     scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
-    return _fwd(q, k, v, scale, causal, left, right, softcap, _strict_code(strict))
+    return _fwd(q, k, v, scale, causal, left, right, softcap, bool(deterministic),
+                _strict_code(strict))
 
 
 # ---- packed (varlen) ----
@@ -102,7 +100,7 @@ def attention(q, k, v, softmax_scale, causal, window_size, softcap, strict):
 def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], max_seqlen_q: int,
                 max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-                window_right: int, softcap: float, validate: bool,
+                window_right: int, softcap: float, validate: bool, deterministic: bool,
                 strict: int) -> tuple[Tensor, Tensor]:
     return api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, causal, (window_left, window_right), softcap,
@@ -116,36 +114,38 @@ def _fwd_varlen_fake(q, k, v, *args):
             q.new_empty((h, total_q), dtype=torch.float32))
 
 
-@torch.library.custom_op("cuteattn::bwd_varlen_ref", mutates_args=())
-def _bwd_varlen_ref(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
-                    cu_seqlens_k: Tensor, seqused_q: Optional[Tensor], seqused_k: Optional[Tensor],
-                    softmax_scale: float, causal: bool, window_left: int, window_right: int,
-                    softcap: float, strict: int) -> tuple[Tensor, Tensor, Tensor]:
-    api._fall_back(_BACKWARD_REASON, _strict(strict))
-    grads = attention_varlen_ref_backward(
-        dout, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap)
+@torch.library.custom_op("cuteattn::bwd_varlen", mutates_args=())
+def _bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
+                seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                softcap: float, deterministic: bool, strict: int) -> tuple[Tensor, Tensor, Tensor]:
+    grads = api.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                                seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                (window_left, window_right), softcap, deterministic,
+                                _strict(strict))
     return _as_inputs(grads, (q, k, v))
 
 
-@_bwd_varlen_ref.register_fake
-def _bwd_varlen_ref_fake(dout, q, k, v, *args):
+@_bwd_varlen.register_fake
+def _bwd_varlen_fake(dout, q, k, v, *args):
     return _contiguous_like(q, k, v)
 
 
 def _fwd_varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, used_q, used_k, _max_q, _max_k, *scalars = inputs
-    ctx.save_for_backward(q, k, v, cu_q, cu_k, used_q, used_k)
-    ctx.scalars = scalars[:-2] + scalars[-1:]  # drop `validate`: the forward checked already
+    q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, *scalars = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, used_q, used_k)
+    # (scale, causal, left, right, softcap, deterministic, strict): `validate` dropped, the
+    # forward checked already
+    ctx.scalars = (max_q, max_k, *scalars[:5], *scalars[6:])
     ctx.mark_non_differentiable(output[1])
 
 
 def _fwd_varlen_backward(ctx, dout, dlse):
-    q, k, v, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-    dq, dk, dv = _bwd_varlen_ref(dout.contiguous(), q, k, v, cu_q, cu_k, used_q, used_k,
-                                 *ctx.scalars)
-    return (dq, dk, dv) + (None,) * 13
+    q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+    dq, dk, dv = _bwd_varlen(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, used_q, used_k,
+                             *ctx.scalars)
+    return (dq, dk, dv) + (None,) * 14
 
 
 _fwd_varlen.register_autograd(_fwd_varlen_backward, setup_context=_fwd_varlen_setup)
@@ -153,12 +153,12 @@ _fwd_varlen.register_autograd(_fwd_varlen_backward, setup_context=_fwd_varlen_se
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
-                     strict):
+                     deterministic, strict):
     """flash_attn_varlen_func through the custom op: returns (out, lse)."""
     scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
     return _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                        max_seqlen_k, scale, causal, left, right, softcap, bool(validate),
-                       _strict_code(strict))
+                       bool(deterministic), _strict_code(strict))
 
 
 def _as_inputs(grads, inputs):

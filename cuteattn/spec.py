@@ -33,6 +33,7 @@ class AttentionSpec:
     has_seqused_q: bool = False
     has_seqused_k: bool = False
     kind: str = "fwd"             # one of KINDS: which kernel family serves the spec
+    deterministic: bool = False   # bwd: bitwise-reproducible gradients (ordered dQ additions)
     # dynamic: not in the key (one kernel serves every value)
     batch: int = 0
     seqlen_q: int = 0             # max_seqlen_q for varlen
@@ -67,4 +68,5 @@ class AttentionSpec:
             self.varlen_k,
             self.has_seqused_q,
             self.has_seqused_k,
+            self.deterministic,
         )

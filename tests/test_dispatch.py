@@ -76,7 +76,12 @@ def test_unknown_arch_or_kind_is_a_reason_not_an_exception(registry):
 
 def test_kind_without_a_family_gives_a_reason(gpu, registry):
     pytest.importorskip("cutlass")
-    assert dispatch.can_implement(make_spec(kind="bwd"), CUDA) == "no bwd kernel for sm90"
+    assert dispatch.can_implement(make_spec(kind="decode"), CUDA) == "no decode kernel for sm90"
+
+
+def test_sm90_serves_the_backward(gpu, registry):
+    pytest.importorskip("cutlass")
+    assert dispatch.can_implement(make_spec(kind="bwd"), CUDA) is None
 
 
 def test_registered_family_serves_its_kind(gpu, registry):
@@ -134,13 +139,14 @@ def test_api_quotes_the_reason(gpu):
 
 
 def test_kernel_modules_do_not_import_torch():
-    """Kernels take cute tensors: only each arch's launch.py (the host side) imports torch."""
+    """Kernels take cute tensors: only each arch's launch modules (the host side: launch.py,
+    launch_bwd.py) import torch."""
     import ast
     from pathlib import Path
     import cuteattn
     kernels = Path(cuteattn.__file__).parent / "kernels"
     for path in kernels.rglob("*.py"):
-        if path.name == "launch.py":
+        if path.name.startswith("launch"):
             continue
         tree = ast.parse(path.read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -91,3 +91,46 @@ class BlockInfo:
         if cutlass.const_expr(self.local):
             runs.append((start_left, n_blocks, True))
         return runs
+
+    # ---- the backward's view: the query blocks that see a key block ----
+
+    def m_block_range(self, seqlen_q: Int32, seqlen_k: Int32, n_block: Int32):
+        """[m_min, m_max) query blocks whose rows see some key of block n_block (by the same
+        visibility rule as n_block_range; empty when none does). Both ends are monotonic in
+        n_block, so the key blocks that visit one query block are consecutive
+        (`first_key_block` is the first)."""
+        m_max = (seqlen_q + self.tile_m - 1) // self.tile_m
+        m_min = Int32(0)
+        if cutlass.const_expr(self.causal or self.local):
+            off = seqlen_k - seqlen_q
+            # query i sees key j only if j <= i + off + right: i >= n * tile_n - off - right
+            m_min = cutlass.max(n_block * self.tile_n - off - self.right(), 0) // self.tile_m
+            if cutlass.const_expr(self.local):
+                # and only if j >= i + off - left: i <= (n + 1) * tile_n - 1 - off + left
+                rows = (n_block + 1) * self.tile_n - off + self.window_left  # last row + 1
+                m_max = cutlass.min(m_max, (cutlass.max(rows, 0) + self.tile_m - 1) // self.tile_m)
+        return m_min, m_max
+
+    def first_key_block(self, seqlen_q: Int32, seqlen_k: Int32, m_block: Int32):
+        """The first key block whose m_block_range holds m_block (the key blocks that do are
+        consecutive from here): 0 unless a left window ends the range early."""
+        first = Int32(0)
+        if cutlass.const_expr(self.local):
+            # m_block < m_max(n)  <=>  (n + 1) * tile_n >= m_block * tile_m + 1 + off - left
+            need = m_block * self.tile_m + 1 + (seqlen_k - seqlen_q) - self.window_left
+            first = cutlass.max((cutlass.max(need, 0) + self.tile_n - 1) // self.tile_n - 1, 0)
+        return first
+
+    def needs_mask_transposed(self, seqlen_q: Int32, seqlen_k: Int32, key_start: Int32,
+                              keys: int, q_start: Int32):
+        """Whether keys [key_start, key_start + keys) against query block q_start (tile_m rows)
+        have any masked element: either sequence end, the causal/right diagonal, the left edge."""
+        key_last = key_start + keys - 1
+        q_last = q_start + self.tile_m - 1
+        masked = (key_last >= seqlen_k) | (q_last >= seqlen_q)
+        if cutlass.const_expr(self.causal or self.local):
+            off = seqlen_k - seqlen_q
+            masked = masked | (key_last > q_start + off + self.right())
+            if cutlass.const_expr(self.local):
+                masked = masked | (key_start < q_last + off - self.window_left)
+        return masked

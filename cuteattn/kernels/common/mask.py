@@ -27,3 +27,24 @@ def apply_mask(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32, col
             for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                 if coord_mn[0, c][1] >= col_hi:
                     acc_mn[r, c] = -Float32.inf
+
+
+@cute.jit
+def apply_mask_transposed(acc_mn: cute.Tensor, coord_mn: cute.Tensor, key_start: Int32,
+                          q_start: Int32, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32,
+                          window_right: Int32, causal: cutlass.Constexpr, local: cutlass.Constexpr):
+    """apply_mask for a transposed score tile (keys as rows, queries as columns: the backward's
+    S^T). Also masks queries past seqlen_q: the backward sums over them (into dK and dV), where
+    the forward only left them unwritten."""
+    off = seqlen_k - seqlen_q
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        key = key_start + coord_mn[r, 0][0]
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            q = q_start + coord_mn[0, c][1]
+            masked = (key >= seqlen_k) | (q >= seqlen_q)
+            if cutlass.const_expr(causal):
+                masked = masked | (key > q + off)
+            if cutlass.const_expr(local):
+                masked = masked | (key > q + off + window_right) | (key < q + off - window_left)
+            if masked:
+                acc_mn[r, c] = -Float32.inf

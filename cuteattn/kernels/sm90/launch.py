@@ -272,4 +272,11 @@ class Sm90Forward:
 
 
 FORWARD = Sm90Forward()
-FAMILIES = (FORWARD,)  # what dispatch registers for sm90 (dispatch.FAMILY_MODULES)
+
+
+def _families():
+    from .launch_bwd import BACKWARD
+    return (FORWARD, BACKWARD)
+
+
+FAMILIES = _families()  # what dispatch registers for sm90 (dispatch.FAMILY_MODULES)

@@ -1,0 +1,552 @@
+"""Hopper (sm_90a) attention backward: dQ, dK, dV from Q, K, V, dO, the forward's LSE and
+D = rowsum(dO * O) (the preprocess, launch_bwd.py).
+
+A CTA owns one block of `tile_n` keys of one (batch, query head) and walks the query blocks that
+see it (`tile_m` rows each), so dK and dV stay in registers for the whole walk and are written
+once; dQ gets a share from every key block and is accumulated in float32 in global memory.
+In each CTA:
+  - warpgroup 0 is the producer: one warp loads K and V once, then Q and dO of each query block
+    into a `num_stages`-deep ring (TMA, mbarrier pipelines);
+  - warpgroups 1 and 2 are consumers, each owning 64 of the keys. Per query block, each
+    recomputes its scores transposed, S^T = K Q^T (keys as the wgmma M mode, FA3's "swapAB"), so
+    that P^T and dS^T land in registers already shaped as the A operand of dV += P^T dO and
+    dK += dS^T Q (register-A wgmma: P and dS never go through shared memory for these two):
+        S^T = K Q^T,  P^T = exp2(S^T * scale_log2 - lse_log2),  dP^T = V dO^T,
+        dS^T = P^T * (dP^T - D),  dV += P^T dO,  dK += dS^T Q,  dQ = dS K.
+    dQ needs dS with the queries as rows, so dS^T is also written to shared memory (a double
+    buffer, so one barrier per block suffices) and both warpgroups compute half of dQ's columns
+    (or warpgroup 0 all of them: `dq_single_wg`) from it and K, then add their float32 share to
+    the dQ accumulator with vector reductions (red.global.add.v2.f32).
+Deterministic mode orders those additions: the key blocks of a (batch, head) add into a query
+block one after the other, in key-block order, through a semaphore per query block (the CTAs
+of lower key blocks are launched first, so waiting on them cannot deadlock).
+
+softmax_scale is applied once at the end (dK) and per block to the dQ share; softcap multiplies
+dS by its derivative (common/score_mod.softcap_grad). Masks are FlashAttention's (bottom-right
+causal, sliding window), applied element-wise only on blocks that cross an edge.
+"""
+import enum
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common import named_barriers
+from ..common.block_info import BlockInfo
+from ..common.convert import convert_fragment
+from ..common.global_atomics import ld_acquire, red_add_f32x2, red_release
+from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
+from ..common.mask import apply_mask_transposed
+from ..common.score_mod import apply_softcap_slopes, softcap_scores, softcap_slopes
+from ..common.seqlen_info import SeqlenInfo
+from ..common.tile_scheduler import varlen_tile_coord
+from . import epilogue
+from .gemm import gemm_async
+from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline
+
+NUM_CONSUMER_WG = 2
+# A deterministic wait gives up after this many polls (seconds of spinning): metadata that lies
+# (overlapping packed sequences) can make two key blocks share a semaphore, and a wrong order of
+# additions is better than a hang.
+SPIN_LIMIT = 1 << 22
+
+
+class BwdBarrier(enum.IntEnum):
+    """Named barriers of the backward (0 is __syncthreads)."""
+    DS_READY = 1   # both consumer warpgroups wrote their dS^T rows (dQ GEMM may read them)
+    KV_FREE = 2    # both are past their last dQ GEMM (K's buffer may stage dK)
+    DQ_ORDER = 3   # deterministic: the turn of this key block to add into a query block
+    DQ_DONE = 4    # deterministic: every consumer's additions are issued and fenced
+
+
+@dataclass(frozen=True)
+class Sm90BwdConfig:
+    """The static configuration of one compiled backward kernel (the compile key)."""
+    dtype: type                  # cutlass.BFloat16 or cutlass.Float16
+    head_dim: int
+    tile_m: int = 64             # query rows per step
+    tile_n: int = 128            # keys per CTA, 64 per consumer warpgroup
+    num_stages: int = 2          # depth of the Q/dO ring
+    causal: bool = False
+    local: bool = False
+    has_softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    has_seqused_q: bool = False
+    has_seqused_k: bool = False
+    deterministic: bool = False
+    dq_single_wg: bool = False   # warpgroup 0 computes all of dQ (d=96: halves would be 48 wide)
+
+    @property
+    def dq_cols(self) -> int:
+        """dQ columns per warpgroup that computes them."""
+        return self.head_dim if self.dq_single_wg else self.head_dim // NUM_CONSUMER_WG
+
+    def smem_bytes(self) -> int:
+        elem = self.dtype.width // 8
+        qdo = 2 * self.num_stages * self.tile_m * self.head_dim
+        kv = 2 * self.tile_n * self.head_dim
+        ds = 2 * self.tile_m * self.tile_n
+        return (qdo + kv + ds) * elem + 1024
+
+
+def _k_major_layout(dtype, rows: int, cols: int, stages: int, major: int):
+    """A swizzled (rows, cols[, stages]) shared-memory layout with cols contiguous, whose
+    swizzle atom is at most `major` columns wide: a buffer read both as a K-major operand and,
+    transposed, as an MN-major one sliced into `major`-wide pieces needs atoms that fit a piece."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype)
+    shape = (rows, cols) if stages is None else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+
+def _transposed(storage_field, layout):
+    """The buffer with its first two modes swapped (a view: same bytes, same swizzle)."""
+    modes = [1, 0] + list(range(2, cute.rank(layout.outer)))
+    return storage_field.get_tensor(cute.select(layout.outer, mode=modes), swizzle=layout.inner)
+
+
+class FlashBwdSm90:
+    def __init__(self, cfg: Sm90BwdConfig):
+        assert cfg.tile_n == NUM_CONSUMER_WG * WG_ROWS
+        assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        self.num_threads = WG_THREADS * (1 + NUM_CONSUMER_WG)
+        self.consumer_threads = WG_THREADS * NUM_CONSUMER_WG
+        # producer 24, consumers 240: 24 + 2 * 240 = 504 of the 512 a 384-thread CTA holds
+        self.producer_regs, self.consumer_regs = (40, 232) if os.environ.get("BWREG") else (24, 240)
+
+    # ------------------------------------------------------------------------------------------
+    # Host side
+    # ------------------------------------------------------------------------------------------
+    def tiled_mmas(self):
+        dt, K, MN = self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        # S^T = K Q^T and dP^T = V dO^T: M = keys (one warpgroup per 64), N = queries.
+        sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (NUM_CONSUMER_WG, 1, 1),
+                                                (WG_ROWS, self.tile_m))
+        # dV += P^T dO, dK += dS^T Q: M = keys, N = d, K = queries; A from registers.
+        dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (NUM_CONSUMER_WG, 1, 1),
+                                                (WG_ROWS, self.d), warpgroup.OperandSource.RMEM)
+        # dQ = dS K: M = queries, N = d (split between the warpgroups, or all in warpgroup 0).
+        dq_wgs = 1 if self.cfg.dq_single_wg else NUM_CONSUMER_WG
+        dq = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, dq_wgs, 1),
+                                               (self.tile_m, self.cfg.dq_cols))
+        return sdp, dkv, dq
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,      # (b, s_q, h, d) or (total_q, h, d) when varlen_q
+        mK: cute.Tensor,      # (b, s_k, h_k, d) or (total_k, h_k, d) when varlen_k
+        mV: cute.Tensor,      # like mK
+        mdO: cute.Tensor,     # like mQ
+        mLSE2: cute.Tensor,   # (b, h, s_q) or (h, total_q) float32: LSE * log2(e), +inf if empty
+                              # (TMA-loaded: the row mode padded to a multiple of 4)
+        mD: cute.Tensor,      # like mLSE2: rowsum(dO * O)
+        mdQacc: cute.Tensor,  # like mQ, float32, zeroed: dQ accumulates here (scaled)
+        mdK: cute.Tensor,     # like mK but with h heads (per query head; summed for GQA)
+        mdV: cute.Tensor,     # like mdK
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        mSemaphore: cute.Tensor,   # int32 (h, slots), zeroed (deterministic only)
+        qhead_per_kvhead: Int32,
+        softmax_scale: Float32,
+        score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
+        softmax_scale_log2: Float32,  # log2(e) * (softmax_scale, or softcap)
+        window_left: Int32,
+        window_right: Int32,
+        num_n_blocks: Int32,       # grid x: key blocks (per sequence, or packed bound)
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        mQ, mdO, mdQacc = (seq_major(t, cfg.varlen_q) for t in (mQ, mdO, mdQacc))
+        mK, mV, mdK, mdV = (seq_major(t, cfg.varlen_k) for t in (mK, mV, mdK, mdV))
+        mLSE2, mD = lse_seq_major(mLSE2, cfg.varlen_q), lse_seq_major(mD, cfg.varlen_q)
+
+        sdp, dkv, dq = self.tiled_mmas()
+        dt = self.dtype
+        sQ_layout = _k_major_layout(dt, self.tile_m, self.d, cfg.num_stages, self.d)
+        sK_layout = _k_major_layout(dt, self.tile_n, self.d, None, cfg.dq_cols)
+        sV_layout = _k_major_layout(dt, self.tile_n, self.d, None, self.d)
+        sdS_layout = _k_major_layout(dt, self.tile_m, self.tile_n, 2, WG_ROWS)
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        stage = lambda layout: cute.slice_(layout, (None, None, 0))
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(tma_load, mQ, stage(sQ_layout), (self.tile_m, self.d))
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(tma_load, mdO, stage(sQ_layout), (self.tile_m, self.d))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, sK_layout, (self.tile_n, self.d))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(tma_load, mV, sV_layout, (self.tile_n, self.d))
+        # LSE and D of a query block travel with its Q and dO (1-D TMA tiles of tile_m rows)
+        sRow_layout = cute.make_layout((self.tile_m, cfg.num_stages))
+        row_stage = cute.slice_(sRow_layout, (None, 0))
+        tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(tma_load, mLSE2, row_stage, (self.tile_m,))
+        tma_atom_dsum, tma_dsum = cpasync.make_tiled_tma_atom(tma_load, mD, row_stage, (self.tile_m,))
+        self.q_bytes = cute.size_in_bytes(dt, stage(sQ_layout)) + self.tile_m * 4
+        self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
+        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sV_layout, sdS_layout,
+                                                       sRow_layout)
+
+        num_heads = mQ.shape[2]
+        if const_expr(cfg.varlen_q):
+            batch = mCuSeqlensQ.shape[0] - 1
+        else:
+            batch = mQ.shape[3]
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+            tma_atom_lse, tma_lse, tma_atom_dsum, tma_dsum, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mSemaphore, mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
+            softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
+            sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
+        ).launch(
+            grid=[num_n_blocks, num_heads, 1 if const_expr(cfg.varlen_k) else batch],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    def shared_storage_type(self, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout):
+        stages = self.cfg.num_stages
+        q_elems, k_elems, ds_elems = (cute.cosize(x) for x in (sQ_layout, sK_layout, sdS_layout))
+        fields = {
+            "mbar_q": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            "mbar_do": cute.struct.MemRange[cutlass.Int64, 2 * stages],
+            "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
+            "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024],
+            "sdO": cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024],
+            "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, k_elems], 1024],
+            "sV": cute.struct.Align[cute.struct.MemRange[self.dtype, k_elems], 1024],
+            "sdS": cute.struct.Align[cute.struct.MemRange[self.dtype, ds_elems], 1024],
+            "sLSE2": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128],
+            "sD": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128],
+        }
+        return cute.struct(type("BwdSharedStorage", (), {"__annotations__": fields}))
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom, mQ: cute.Tensor,
+        tma_atom_do: cute.CopyAtom, mdO: cute.Tensor,
+        tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom, mV: cute.Tensor,
+        tma_atom_lse: cute.CopyAtom, mLSE2: cute.Tensor,
+        tma_atom_dsum: cute.CopyAtom, mD: cute.Tensor, mdQacc: cute.Tensor,
+        mdK: cute.Tensor, mdV: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        mSemaphore: cute.Tensor,
+        rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32, batch: Int32,
+        softmax_scale: Float32, score_scale: Float32, softmax_scale_log2: Float32,
+        window_left: Int32, window_right: Int32,
+        sdp: cute.TiledMma, dkv: cute.TiledMma, dq: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse, tma_atom_dsum):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        consumer_warps = 4 * NUM_CONSUMER_WG
+        pipeline_q = make_tma_pipeline(storage.mbar_q, cfg.num_stages, self.q_bytes, consumer_warps)
+        pipeline_do = make_tma_pipeline(storage.mbar_do, cfg.num_stages, self.q_bytes, consumer_warps)
+        pipeline_kv = make_tma_pipeline(storage.mbar_kv, 1, self.kv_bytes, consumer_warps)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        sLSE2, sD = storage.sLSE2.get_tensor(sRow_layout), storage.sD.get_tensor(sRow_layout)
+        views = (sQ, sdO, sK, sV, sdS, _transposed(storage.sQ, sQ_layout),
+                 _transposed(storage.sdO, sQ_layout), _transposed(storage.sK, sK_layout),
+                 _transposed(storage.sdS, sdS_layout))
+
+        # Which key block, head and batch this CTA owns.
+        n_block, head_idx, batch_idx = cute.arch.block_idx()
+        in_range = True
+        if const_expr(cfg.varlen_k):
+            n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch, rows_k,
+                                                   self.tile_n, False)
+            in_range = batch_idx < batch
+            batch_idx = cutlass.min(batch_idx, batch - 1)
+        seqlen = SeqlenInfo.create(batch_idx, rows_q, rows_k,
+                                   mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        in_range = in_range & (n_block * self.tile_n < seqlen.seqlen_k)
+        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
+                               window_left, window_right)
+        m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
+
+        if in_range:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(self.producer_regs)
+                if warp_idx == 0:
+                    self.load(tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
+                              tma_atom_lse, mLSE2, tma_atom_dsum, mD,
+                              sQ, sdO, sK, sV, sLSE2, sD, pipeline_q, pipeline_do, pipeline_kv, seqlen,
+                              n_block, head_idx, head_idx // qhead_per_kvhead, batch_idx,
+                              m_min, m_max)
+            else:
+                cute.arch.setmaxregister_increase(self.consumer_regs)
+                self.consume(sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,
+                             pipeline_q, pipeline_do, pipeline_kv, seqlen, block_info,
+                             softmax_scale, score_scale, softmax_scale_log2,
+                             window_left, window_right, n_block, head_idx, batch_idx,
+                             m_min, m_max, rows_q, tidx - WG_THREADS)
+
+    @cute.jit
+    def load(self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
+             tma_atom_lse, mLSE2, tma_atom_dsum, mD, sQ, sdO, sK, sV, sLSE2, sD, pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo,
+             n_block, head_idx, head_idx_kv, batch_idx, m_min, m_max):
+        """Producer warp: K and V of this CTA's key block, then Q and dO of each query block."""
+        one = cute.make_layout(1)
+        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
+        gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
+        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
+        gdO = cute.local_tile(seqlen.q_view(mdO, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_do, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
+        gLSE2 = cute.local_tile(epilogue.lse_view(mLSE2, seqlen, head_idx, batch_idx), (self.tile_m,), (None,))
+        gD = cute.local_tile(epilogue.lse_view(mD, seqlen, head_idx, batch_idx), (self.tile_m,), (None,))
+        tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, one, sLSE2, gLSE2)
+        tDsD, tDgD = cpasync.tma_partition(tma_atom_dsum, 0, one, sD, gD)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_kv.producer_acquire(kv_state)
+        cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            pipeline_q.producer_acquire(state)
+            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+            cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+            pipeline_do.producer_acquire(state)
+            cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, state.index],
+                      tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+            cute.copy(tma_atom_dsum, tDgD[None, m_block], tDsD[None, state.index],
+                      tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def consume(self, sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,
+                pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo, block_info: BlockInfo,
+                softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
+                n_block, head_idx, batch_idx, m_min, m_max, rows_q, tidx):
+        """Both consumer warpgroups (tidx in [0, 256)): the walk over the query blocks, then dK
+        and dV out."""
+        cfg = self.cfg
+        sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt = views
+        wg = tidx // WG_THREADS
+        wg_slice = wg * WG_THREADS
+        wg_sdp, wg_dkv, wg_dq = (sdp.get_slice(wg_slice), dkv.get_slice(wg_slice),
+                                   dq.get_slice(0 if const_expr(cfg.dq_single_wg) else wg_slice))
+        thr_sdp, thr_dkv = sdp.get_slice(tidx), dkv.get_slice(tidx)
+        # operands
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
+        tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+        # accumulators: S^T / dP^T per block, dK / dV over the walk
+        shape_st = (self.tile_n, self.tile_m)
+        acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C(shape_st))
+        acc_dP = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C(shape_st))
+        acc_dV = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.d)))
+        acc_dK = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((self.tile_n, self.d)))
+        acc_dV.fill(0.0)
+        acc_dK.fill(0.0)
+        tVrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
+        tKrdS = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
+        acc_S_mn, acc_dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        # (key, query) of each accumulator element, in the CTA's (tile_n, tile_m) block
+        coord_st = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor(shape_st)))
+        # where this thread's dS^T elements go in the (query, key) buffer, seen transposed
+        tSsdSt = thr_sdp.partition_C(sdSt)
+        softcap_slope = None  # d(capped score)/d(raw score * scale) = 1 - tanh^2, in fp16
+        if const_expr(cfg.has_softcap):
+            softcap_slope = cute.make_rmem_tensor_like(acc_S, cutlass.Float16)
+
+        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        num_cols = cute.size(acc_S_mn, mode=[1])
+        key_start = n_block * self.tile_n + wg * WG_ROWS  # this warpgroup's first key
+
+        # deterministic mode: (semaphore, this key block's turn) of a query block
+        order = lambda m_block: (
+            mSemaphore[head_idx, None].iterator
+            + self.semaphore_slot(mSemaphore, seqlen, m_block, batch_idx, rows_q),
+            n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k, m_block))
+
+        dkv.set(warpgroup.Field.ACCUMULATE, True)
+        make_sdp = lambda: sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, (NUM_CONSUMER_WG, 1, 1), (WG_ROWS, self.tile_m))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_kv.consumer_wait(kv_state)  # always: K's buffer stages dK at the end
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            q_start = m_block * self.tile_m
+            ds_stage = (m_block - m_min) % 2
+            # this block's LSE and D by the query column c of the thread's fragment (rows past
+            # the sequence read what TMA filled in: masked to P = 0 anyway)
+            lse2_of = lambda c: sLSE2[coord_st[0, c][1], state.index]
+            dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
+            pipeline_q.consumer_wait(state)
+            gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, state.index], True)
+            pipeline_do.consumer_wait(state)
+            gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, state.index], True)
+            warpgroup.wait_group(1)
+            # P^T = exp2(S^T * scale_log2 - lse_log2), masked entries 0
+            if const_expr(cfg.has_softcap):
+                softcap_scores(acc_S, score_scale)
+                softcap_slopes(acc_S, softcap_slope)
+            if block_info.needs_mask_transposed(seqlen.seqlen_q, seqlen.seqlen_k, key_start,
+                                                WG_ROWS, q_start):
+                apply_mask_transposed(acc_S_mn, coord_st, n_block * self.tile_n, q_start,
+                                      seqlen.seqlen_q, seqlen.seqlen_k, window_left,
+                                      window_right, cfg.causal, cfg.local)
+            for c in cutlass.range_constexpr(num_cols):
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    acc_S_mn[r, c] = cute.math.exp2(
+                        acc_S_mn[r, c] * softmax_scale_log2 - lse2_of(c), fastmath=True)
+            convert_fragment(acc_S, tVrP)
+            # dS^T = P^T * (dP^T - D) (times the softcap derivative)
+            warpgroup.wait_group(0)
+            for c in cutlass.range_constexpr(num_cols):
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum_of(c))
+            if const_expr(cfg.has_softcap):
+                apply_softcap_slopes(acc_dP, softcap_slope)
+            convert_fragment(acc_dP, tKrdS)
+            # dS^T rows into the dQ GEMM's buffer (this stage was last read two blocks ago,
+            # before every consumer passed the previous block's DS_READY)
+            rdS = cute.make_tensor(tKrdS.iterator, acc_dP.layout)
+            cute.autovec_copy(rdS, tSsdSt[None, None, None, ds_stage])
+            # dV += P^T dO, dK += dS^T Q
+            gemm_async(dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False)
+            gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
+            cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
+            named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
+            if const_expr(cfg.dq_single_wg):
+                if wg == 0:
+                    self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
+                                 softmax_scale, m_block, tidx)
+                else:
+                    warpgroup.wait_group(0)
+                    self.dq_order(order, m_block, tidx, None)
+            else:
+                self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
+                             softmax_scale, m_block, tidx)
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
+            state.advance()
+
+        # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
+        # past its last dQ GEMM (they read all of K)
+        for i in cutlass.range_constexpr(cute.size(acc_dK)):
+            acc_dK[i] = acc_dK[i] * softmax_scale
+        named_barriers.sync(BwdBarrier.KV_FREE, self.consumer_threads)
+        one_wg = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (WG_ROWS, self.d), warpgroup.OperandSource.RMEM)
+        row_start = n_block * self.tile_n + wg * WG_ROWS
+        for acc, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
+            s_wg = cute.local_tile(s_buf, (WG_ROWS, self.d), (wg, 0))
+            epilogue.stage_o(acc, s_wg, one_wg, tidx % WG_THREADS, self.dtype)
+            named_barriers.sync(BwdBarrier.KV_FREE, self.consumer_threads)
+            g_wg = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (WG_ROWS, self.d),
+                                   (row_start // WG_ROWS, 0))
+            epilogue.store_o(s_wg, g_wg, row_start, seqlen.seqlen_k, tidx % WG_THREADS,
+                             self.dtype, self.d)
+
+    @cute.jit
+    def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale, m_block,
+                tidx):
+        """dQ's share of this key block for query block m_block: dS K, scaled, added to the
+        float32 accumulator (rows inside the sequence only)."""
+        thr_dq = dq.get_slice(tidx)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
+        fresh = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1 if self.cfg.dq_single_wg else NUM_CONSUMER_WG, 1),
+            (self.tile_m, self.cfg.dq_cols))
+        gemm_async(fresh, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
+        warpgroup.wait_group(0)
+        coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+        acc_mn = acc_mn_view(acc_dQ)
+        self.dq_order(order, m_block, tidx,
+                      lambda: self.add_dq(acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale))
+
+    @cute.jit
+    def add_dq(self, acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale):
+        q_start = m_block * self.tile_m
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row = q_start + coord[r, 0][0]
+            if row < seqlen_q:
+                for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+                    col = coord[r, c][1]
+                    ptr = gdQ.iterator + cute.crd2idx((row, col), gdQ.layout)
+                    red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
+                                  acc_mn[r, c + 1] * softmax_scale)
+
+    @cute.jit
+    def dq_order(self, order, m_block, tidx, add):
+        """Runs `add` (this thread's dQ additions; None for a warpgroup without any); in
+        deterministic mode only on this key block's turn for query block m_block
+        (`order(m_block)`: the semaphore and the turn), counting the turn done once every
+        consumer's additions are visible."""
+        if const_expr(not self.cfg.deterministic):
+            if const_expr(add is not None):
+                add()
+        else:
+            ptr, turn = order(m_block)
+            if tidx == 0:
+                seen = ld_acquire(ptr)
+                polls = Int32(0)
+                while (seen != turn) & (polls < SPIN_LIMIT):
+                    seen = ld_acquire(ptr)
+                    polls = polls + 1
+            named_barriers.sync(BwdBarrier.DQ_ORDER, self.consumer_threads)
+            if const_expr(add is not None):
+                add()
+            cute.arch.fence_acq_rel_gpu()
+            named_barriers.sync(BwdBarrier.DQ_DONE, self.consumer_threads)
+            if tidx == 0:
+                red_release(ptr, Int32(1))
+
+    @cute.jit
+    def semaphore_slot(self, mSemaphore, seqlen: SeqlenInfo, m_block, batch_idx, rows_q):
+        """The semaphore of query block m_block of this sequence: batch-major blocks for fixed
+        lengths (rows_q: the fixed length); for packed ones offset_q // tile_m + batch_idx +
+        m_block, distinct across sequences whose rows do not overlap. Clamped into the tensor."""
+        slot = batch_idx * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
+        if const_expr(self.cfg.varlen_q):
+            slot = seqlen.offset_q // self.tile_m + batch_idx + m_block
+        return cutlass.min(slot, mSemaphore.shape[1] - 1)

@@ -1,0 +1,149 @@
+"""The sm90 backward family: which specs it serves, and how a call becomes a launch.
+
+A backward call is three steps on the current stream, no host synchronisation:
+  1. preprocess (PyTorch): D = rowsum(dO * O) in float32 and the LSE in log2 units (rows that saw
+     no key get +inf, so their probabilities are 0), both laid out (batch, heads, rows) with the
+     rows padded to a multiple of 4 (the kernel loads them with TMA: 16-byte strides);
+  2. the kernel (bwd.py): dK and dV (per query head when GQA), dQ accumulated in float32;
+  3. postprocess (PyTorch): dQ to the input dtype; under GQA, dK and dV summed over the query
+     heads that share a kv head.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import cutlass
+import torch
+
+from ... import compile_cache
+from ...spec import AttentionSpec
+from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
+from .launch import _CUTLASS_DTYPES, _tma_ready, _to_cute, _use_tvm_ffi, kernel_scalars
+
+ARCH, KIND = "sm90", "bwd"
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+_LOG2E = 1.0 / math.log(2.0)
+COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
+
+
+def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
+    return Sm90BwdConfig(
+        dtype=_CUTLASS_DTYPES[spec.dtype], head_dim=spec.head_dim, causal=spec.causal,
+        local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
+        varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
+        has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
+        # halves of 48 columns would need a 32-byte swizzle on K: one warpgroup takes all of dQ
+        dq_single_wg=spec.head_dim % (NUM_CONSUMER_WG * 64) != 0 and spec.head_dim != 64,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def sources() -> tuple:
+    return compile_cache.module_sources(COMPILE_MODULE)
+
+
+def _compiled(cfg: Sm90BwdConfig, tvm_ffi: bool):
+    def build():
+        from .compile import compile_bwd
+        return compile_bwd(cfg, tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile((ARCH, KIND, tvm_ffi, cfg), build, persist=tvm_ffi,
+                                        sources=sources())
+
+
+def _rows_padded(rows: int) -> int:
+    return (rows + 3) // 4 * 4
+
+
+def preprocess(dout, out, lse, packed: bool):
+    """(lse_log2, dsum): float32 (b, h, s_pad), or (h, total_pad) when packed, pad rows 0."""
+    lead = lse.shape[:-1]
+    rows = lse.shape[-1]
+    shape = (*lead, _rows_padded(rows))
+    lse2 = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+    dsum = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+    torch.mul(lse, _LOG2E, out=lse2[..., :rows])
+    lse2[..., :rows].masked_fill_(lse == float("-inf"), float("inf"))
+    d = (dout.float() * out.float()).sum(-1)  # (b, s, h) or (total, h)
+    dsum[..., :rows].copy_(d.transpose(-1, -2))
+    return lse2, dsum
+
+
+class BwdLaunch:
+    """The compiled backward for one spec; calling it runs the three steps."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.cfg = bwd_config(spec)
+        self.tvm_ffi = _use_tvm_ffi()
+        self.fn = _compiled(self.cfg, self.tvm_ffi)
+        score_scale, scale_log2, left, right = kernel_scalars(spec)
+        self.scalars = (spec.qhead_per_kvhead, spec.softmax_scale, score_scale, scale_log2,
+                        left, right)
+
+    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None):
+        spec, cfg = self.spec, self.cfg
+        packed = cu_seqlens_q is not None
+        q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))
+        lse2, dsum = preprocess(dout, out, lse, packed)
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        h, ratio = spec.nheads, spec.qhead_per_kvhead
+        # per query head; rows no key block writes (outside every sequence, past seqused) are 0
+        dkv_shape = (*k.shape[:-2], h, k.shape[-1])
+        alloc = torch.zeros if (packed or spec.has_seqused_k) else torch.empty
+        dk = alloc(dkv_shape, dtype=q.dtype, device=q.device)
+        dv = alloc(dkv_shape, dtype=q.dtype, device=q.device)
+        if packed:
+            batch = cu_seqlens_q.shape[0] - 1
+            n_blocks = k.shape[0] // cfg.tile_n + batch  # bounds sum_b ceil(len_b / tile_n)
+            slots = q.shape[0] // cfg.tile_m + 2 * batch + 1
+        else:
+            batch = q.shape[0]
+            n_blocks = -(-k.shape[1] // cfg.tile_n)
+            slots = batch * -(-q.shape[1] // cfg.tile_m)
+        semaphore = torch.zeros((h, slots if cfg.deterministic else 1), dtype=torch.int32,
+                                device=q.device)
+        tensors = (q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                   seqused_q, seqused_k, semaphore)
+        scalars = (*self.scalars, n_blocks)
+        if n_blocks > 0:
+            if self.tvm_ffi:
+                self.fn(*tensors, *scalars)
+            else:
+                import cuda.bindings.driver as cuda
+                from cutlass import Float32, Int32
+                aligns = (16,) * 4 + (4, 4, 16, 16, 16) + (4,) * 5
+                args = [_to_cute(t, a) for t, a in zip(tensors, aligns)]
+                kinds = (Int32, Float32, Float32, Float32, Int32, Int32, Int32)
+                args += [kind(x) for kind, x in zip(kinds, scalars)]
+                self.fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+        dq = dq_acc.to(q.dtype)
+        if ratio > 1:
+            group = (*k.shape[:-2], k.shape[-2], ratio, k.shape[-1])
+            dk = dk.view(group).sum(-2)
+            dv = dv.view(group).sum(-2)
+        return dq, dk, dv
+
+
+class Sm90Backward:
+    """The kernel family of ("sm90", "bwd") (dispatch.KernelFamily)."""
+    arch, kind = ARCH, KIND
+
+    def can_implement(self, spec: AttentionSpec) -> Optional[str]:
+        if spec.dtype not in _CUTLASS_DTYPES:
+            return f"dtype {spec.dtype} is not supported by the sm90 backward (fp16, bf16)"
+        if spec.head_dim not in SUPPORTED_HEAD_DIMS or spec.head_dim_v != spec.head_dim:
+            supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+            return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no sm90 "
+                    f"backward kernel yet (supported: {supported})")
+        if spec.varlen_q != spec.varlen_k:
+            return "the sm90 backward needs q and k both packed (cu_seqlens) or both batched"
+        return None
+
+    def launch(self, spec: AttentionSpec) -> BwdLaunch:
+        return BwdLaunch(spec)
+
+
+BACKWARD = Sm90Backward()

@@ -1,0 +1,209 @@
+"""GPU backward (dq, dk, dv through torch autograd) against the float32 reference's autograd,
+FlashAttention's rule: each gradient's max error is at most twice that of the same computation
+in plain low-precision PyTorch, plus a floor.
+
+strict=True everywhere: a case the backward kernel does not serve fails instead of passing on the
+reference. The caching allocator is filled with NaN before each backward, so a gradient element
+the kernels fail to write shows up as NaN.
+"""
+import itertools
+
+import pytest
+import torch
+
+from cuteattn import flash_attn_func, flash_attn_varlen_func
+from cuteattn.reference import attention_ref, attention_varlen_ref
+from cuteattn.testing import assert_close_fa
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 96, 128]
+HEADS = [(4, 4), (8, 2), (4, 1)]  # MHA, GQA, MQA
+MASKS = {
+    "none": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(64, 32)),
+    "left": dict(window_size=(100, -1)),
+    "right": dict(window_size=(-1, 17)),
+    "softcap": dict(softcap=30.0),
+    "softcap_causal": dict(softcap=5.0, causal=True),
+}
+SEQLENS = [(1, 1), (63, 63), (65, 129), (129, 65), (700, 700), (1, 64), (64, 1), (256, 512),
+           (1031, 1031)]
+
+
+def cases():
+    """Every (head_dim, mask, seqlens) triple; dtype and head layout cycle over them."""
+    out = []
+    for (i_d, d), (i_m, mask), (i_s, sl) in itertools.product(
+            enumerate(HEAD_DIMS), enumerate(MASKS), enumerate(SEQLENS)):
+        out.append((DTYPES[(i_d + i_m + i_s) % 2], d, HEADS[(i_d + i_m + 2 * i_s) % 3], mask, sl))
+    return out
+
+
+CASES = cases()
+
+
+def case_id(case):
+    dtype, d, (h, hk), mask, (sq, sk) = case
+    return f"{str(dtype)[6:]}-d{d}-h{h}:{hk}-{mask}-{sq}x{sk}"
+
+
+def poison_allocator():
+    """Fill the allocator's free memory with NaN: the gradients' buffers are carved from it."""
+    free, _ = torch.cuda.mem_get_info()
+    junk = torch.full((min(free // 8, 1 << 28),), float("nan"), device="cuda")
+    del junk
+
+
+def reference_grads(fn, inputs, dout, **kw):
+    """(float32 reference grads, low-precision grads) of fn(*inputs, **kw)[0] against dout."""
+    leaves32 = [t.detach().float().requires_grad_() for t in inputs]
+    out, _ = fn(*leaves32, **kw)
+    out.backward(dout.float())
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out_low, _ = fn(*leaves, upcast=False, **kw)
+    out_low.backward(dout)
+    return [t.grad for t in leaves32], [t.grad for t in leaves]
+
+
+def check_grads(got, ref, low, names=("dq", "dk", "dv"), rows=None):
+    for g, r, lo, name in zip(got, ref, low, names):
+        assert g.dtype == lo.dtype and g.shape == r.shape, name
+        if rows is not None:
+            g, r, lo = g[rows], r[rows], lo[rows]
+        assert_close_fa(g, r, lo, name=name)
+
+
+def run_fixed(dtype, d, h, hk, sq, sk, deterministic=False, **kw):
+    b = 2
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    out = flash_attn_func(q, k, v, deterministic=deterministic, strict=True, **kw)
+    dout = torch.randn_like(out)
+    poison_allocator()
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    return (q, k, v), dout, got
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_bwd(seed, case):
+    dtype, d, (h, hk), mask, (sq, sk) = case
+    kw = MASKS[mask]
+    inputs, dout, got = run_fixed(dtype, d, h, hk, sq, sk, **kw)
+    ref, low = reference_grads(attention_ref, inputs, dout, **kw)
+    check_grads(got, ref, low)
+
+
+def test_bwd_strided_qkv(seed):
+    """q, k, v as views of one packed qkv tensor (FlashAttention's qkvpacked layout)."""
+    b, s, h, d = 2, 300, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    q, k, v = qkv.unbind(2)
+    out = flash_attn_func(q, k, v, causal=True, softmax_scale=0.07, strict=True)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, (qkv,), dout)
+    ref, low = reference_grads(attention_ref, (q, k, v), dout, causal=True, softmax_scale=0.07)
+    check_grads(dqkv.unbind(2), ref, low)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_bwd_deterministic_is_bitwise_reproducible(seed, mask):
+    """deterministic=True: five backward passes give bitwise-identical gradients (and right)."""
+    kw = MASKS[mask]
+    inputs, dout, first = run_fixed(torch.bfloat16, 128, 8, 2, 1031, 1031, deterministic=True,
+                                    **kw)
+    q, k, v = inputs
+    for _ in range(4):
+        out = flash_attn_func(q, k, v, deterministic=True, strict=True, **kw)
+        again = torch.autograd.grad(out, (q, k, v), dout)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    ref, low = reference_grads(attention_ref, inputs, dout, **kw)
+    check_grads(first, ref, low)
+
+
+def test_rows_without_keys_get_zero_gradient(seed):
+    """A window that leaves some query rows without any key: their dq is 0, never NaN."""
+    kw = dict(window_size=(0, 0))  # query i sees key i + (sk - sq) only: rows i < sq - sk see none
+    inputs, dout, got = run_fixed(torch.bfloat16, 64, 4, 4, 300, 100, **kw)
+    assert torch.equal(got[0][:, :200], torch.zeros_like(got[0][:, :200]))
+    ref, low = reference_grads(attention_ref, inputs, dout, **kw)
+    check_grads(got, ref, low)
+
+
+# ---- packed (varlen) ----
+
+LENS_Q = [1, 0, 63, 64, 65, 128, 129, 700]
+LENS_K = [129, 65, 0, 700, 1, 64, 128, 63]  # sequence 2: queries and no key; 1: keys, no query
+
+
+def cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+
+
+def run_varlen(lens_q, lens_k, h, hk, d, dtype, seqused_q=None, seqused_k=None,
+               deterministic=False, **kw):
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                 seqused_q=seqused_q, seqused_k=seqused_k, strict=True,
+                                 deterministic=deterministic, **kw)
+    dout = torch.randn_like(out)
+    poison_allocator()
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu_q, cu_k, seqused_q,
+                                                          seqused_k, **a)
+    ref, low = reference_grads(ref_fn, (q, k, v), dout, **kw)
+    return got, ref, low
+
+
+VARLEN_MASKS = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(128, 0)),
+                "softcap": dict(softcap=20.0)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("h, hk", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("mask", list(VARLEN_MASKS))
+def test_bwd_varlen(seed, dtype, d, h, hk, mask):
+    got, ref, low = run_varlen(LENS_Q, LENS_K, h, hk, d, dtype, **VARLEN_MASKS[mask])
+    check_grads(got, ref, low)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_bwd_varlen_seqused(seed, mask):
+    """Rows past seqused get gradient 0 (they take no part in the forward)."""
+    used_q = torch.tensor([1, 0, 20, 64, 0, 100, 129, 650], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([100, 65, 0, 1, 1, 30, 128, 63], dtype=torch.int32, device="cuda")
+    got, ref, low = run_varlen(LENS_Q, LENS_K, 8, 2, 128, torch.bfloat16, seqused_q=used_q,
+                               seqused_k=used_k, **VARLEN_MASKS[mask])
+    check_grads(got, ref, low)
+
+
+def test_bwd_varlen_deterministic(seed):
+    """Packed sequences, deterministic=True: repeated backward passes agree bitwise."""
+    lens = [300, 0, 1031, 65]
+    q = torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(lens), 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu_q = cu(lens)
+    grads = []
+    for _ in range(5):
+        out = flash_attn_varlen_func(q, k, v, cu_q, cu_q, max(lens), max(lens), causal=True,
+                                     deterministic=True, strict=True)
+        if not grads:
+            dout = torch.randn_like(out)
+        grads.append(torch.autograd.grad(out, (q, k, v), dout))
+    for again in grads[1:]:
+        for a, b in zip(grads[0], again):
+            assert torch.equal(a, b)
+    ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu_q, cu_q, **a)
+    ref, low = reference_grads(ref_fn, (q, k, v), dout, causal=True)
+    check_grads(grads[0], ref, low)
