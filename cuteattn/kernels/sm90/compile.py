@@ -84,7 +84,8 @@ def fake_bwd_arguments(cfg) -> tuple:
     q_shape = (sym["total_q"], sym["h"], d) if cfg.varlen_q else (sym["b"], sym["sq"], sym["h"], d)
     k_shape = (sym["total_k"], sym["hk"], d) if cfg.varlen_k else (sym["bk"], sym["sk"], sym["hk"], d)
     dk_shape = (sym["total_k"], sym["h"], d) if cfg.varlen_k else (sym["bk"], sym["sk"], sym["h"], d)
-    row_shape = (sym["h"], sym["total_q"]) if cfg.varlen_q else (sym["b"], sym["h"], sym["sq"])
+    # rows padded to a multiple of 4 (launch_bwd.preprocess): extents of their own
+    row_shape = (sym["h"], sym["rows_pad"]) if cfg.varlen_q else (sym["b"], sym["h"], sym["rows_pad"])
     vector = lambda used: fake(Int32, (cute.sym_int(),), 4) if used else None
     return (
         fake(cfg.dtype, q_shape), fake(cfg.dtype, k_shape), fake(cfg.dtype, k_shape),
