@@ -22,6 +22,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="a few d=128 cells instead of the full grid")
     p.add_argument("--varlen", action="store_true",
                    help="also run the varlen cells (16 heads, d=128, 16384 tokens: 8x2048 and skewed)")
+    p.add_argument("--bwd", action="store_true",
+                   help="the backward alone (the forward grid's shapes; with --quick, d=128 only), "
+                        "instead of the forward grid")
     p.add_argument("--json", metavar="PATH",
                    help="where to write the JSON (default on a GPU: "
                         "benchmarks/results/<date>-<shortcommit>-<device>.json; on CPU: none)")
@@ -62,7 +65,7 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
                 result["kernels"] = {
                     compile_cache.key_text(key): info for key, info in after["kernel_info"].items()
                     if key not in before["kernel_info"]}
-            result["check"][name] = check(cell, x, out)
+            result["check"][name] = check(cell, x, out, getattr(fn, "state", {}).get("dout"))
             del out
             ms = median_ms(fn, device, iters=iters)
         except Exception as e:  # one failing implementation must not end the run
@@ -81,7 +84,10 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         device = torch.device("cuda")
-        grid = shapes.quick_grid() if args.quick else shapes.default_grid()
+        if args.bwd:
+            grid = shapes.bwd_grid(quick=args.quick)
+        else:
+            grid = shapes.quick_grid() if args.quick else shapes.default_grid()
         if args.varlen:
             grid += shapes.varlen_grid()
         device_name = torch.cuda.get_device_name(device)

@@ -13,7 +13,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def make_inputs(cell: Cell, device: torch.device) -> dict:
     dtype = DTYPES[cell.dtype]
-    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
+    grad = cell.kind == "bwd"
+    rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
     if cell.lens is None:
         return dict(
             q=rand(cell.batch, cell.seqlen_q, cell.nheads, cell.d),
@@ -33,11 +34,12 @@ def make_inputs(cell: Cell, device: torch.device) -> dict:
     )
 
 
-def _cuteattn(cell, x, strict):
+def _cuteattn(cell, x, strict, deterministic=False):
     from cuteattn import flash_attn_func, flash_attn_varlen_func
 
     if cell.lens is None:
-        return lambda: flash_attn_func(x["q"], x["k"], x["v"], causal=cell.causal, strict=strict)
+        return lambda: flash_attn_func(x["q"], x["k"], x["v"], causal=cell.causal, strict=strict,
+                                       deterministic=deterministic)
     return lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=strict)
 
 
@@ -76,21 +78,44 @@ def _fa4(cell, x):
 
 
 def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
-    """name -> callable or reason string. cuteattn is strict on a GPU: a fallback is not a timing."""
+    """name -> callable or reason string. cuteattn is strict on a GPU: a fallback is not a timing.
+    For a "bwd" cell each callable runs the backward alone (the forward ran once, here)."""
     if device.type != "cuda":
         return {"cuteattn (reference)": _cuteattn(cell, x, strict=False)}
-    return {
+    forwards = {
         "cuteattn": _cuteattn(cell, x, strict=True),
         "sdpa-flash": _sdpa(cell, x, "FLASH_ATTENTION"),
         "sdpa-cudnn": _sdpa(cell, x, "CUDNN_ATTENTION"),
         "fa4": _fa4(cell, x),
     }
+    if cell.kind != "bwd":
+        return forwards
+    forwards["cuteattn-deterministic"] = _cuteattn(cell, x, strict=True, deterministic=True)
+    return {name: fn if isinstance(fn, str) else _backward_of(fn, x) for name, fn in forwards.items()}
 
 
-def check(cell: Cell, x: dict, out: torch.Tensor) -> dict:
+def _backward_of(forward, x):
+    """A callable running the backward of one forward call (its graph kept for repeats), giving
+    (dq, dk, dv). The forward runs here, once: a failing one fails when called, as a timing does."""
+    state = {}
+
+    def run():
+        if not state:
+            out = forward()
+            state.update(out=out, dout=torch.randn_like(out))
+        return torch.autograd.grad(state["out"], (x["q"], x["k"], x["v"]), state["dout"],
+                                   retain_graph=True)
+    run.state = state
+    return run
+
+
+def check(cell: Cell, x: dict, out, dout=None) -> dict:
     """FA rule on a slice (first sequence, first group of query heads sharing kv head 0), so the
-    float32 reference stays small even for 16k tokens."""
+    float32 reference stays small even for 16k tokens. For a "bwd" cell `out` is (dq, dk, dv)
+    of the backward against `dout`: the worst of the three gradients' checks."""
     r = cell.nheads // cell.nheads_k
+    if cell.kind == "bwd":
+        return _check_grads(cell, x, out, dout, r)
     if cell.lens is None:
         q, k, v, o = x["q"][:1, :, :r], x["k"][:1, :, :1], x["v"][:1, :, :1], out[:1, :, :r]
     else:
@@ -101,3 +126,24 @@ def check(cell: Cell, x: dict, out: torch.Tensor) -> dict:
     err, base = fa_error(o, ref, lowprec)
     bound = 2 * base + FA_FLOOR
     return dict(ok=bool(err <= bound), err=err, bound=bound)
+
+
+def _check_grads(cell, x, grads, dout, r):
+    """The gradients of batch 0 and kv head 0's query heads against the float32 reference's."""
+    sl = lambda t, heads: t.detach()[:1, :, :heads]
+    inputs = (sl(x["q"], r), sl(x["k"], 1), sl(x["v"], 1))
+    g = sl(dout, r)
+    got = (sl(grads[0], r), sl(grads[1], 1), sl(grads[2], 1))
+    results = []
+    for upcast in (True, False):
+        leaves = [(t.float() if upcast else t.clone()).requires_grad_() for t in inputs]
+        o, _ = attention_ref(*leaves, causal=cell.causal, upcast=upcast)
+        o.backward(g.float() if upcast else g)
+        results.append([t.grad for t in leaves])
+    worst = dict(ok=True, err=0.0, bound=0.0)
+    for mine, ref, low in zip(got, *results):
+        err, base = fa_error(mine, ref, low)
+        bound = 2 * base + FA_FLOOR
+        if not err <= bound or err / bound > worst["err"] / max(worst["bound"], 1e-30):
+            worst = dict(ok=bool(err <= bound) and worst["ok"], err=err, bound=bound)
+    return worst

@@ -7,7 +7,7 @@ import os
 import re
 import subprocess
 
-OURS = ("cuteattn", "cuteattn (reference)")
+OURS = ("cuteattn", "cuteattn (reference)", "cuteattn-deterministic")  # never peers; the first present is "ours"
 
 
 def ratio_to_best_peer(tflops: dict) -> float | None:

@@ -26,7 +26,8 @@ def attended_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) 
 
 @dataclass(frozen=True)
 class Cell:
-    kind: str                 # "fwd" (flash_attn_func) or "varlen" (flash_attn_varlen_func)
+    kind: str                 # "fwd" (flash_attn_func), "varlen" (flash_attn_varlen_func) or
+                              # "bwd" (flash_attn_func's backward alone)
     d: int
     batch: int
     nheads: int
@@ -38,12 +39,13 @@ class Cell:
     lens: tuple[int, ...] | None = None   # varlen: per-sequence lengths (q and k alike)
 
     def flops(self) -> float:
-        """Forward FLOPs: 4 * heads * d per attended (query, key) pair (two GEMMs, 2 flops a MAC)."""
+        """Forward FLOPs: 4 * heads * d per attended (query, key) pair (two GEMMs, 2 flops a MAC);
+        the backward's are 2.5 times that (five GEMMs against two)."""
         if self.lens is None:
             pairs = self.batch * attended_pairs(self.seqlen_q, self.seqlen_k, self.causal)
         else:
             pairs = sum(attended_pairs(n, n, self.causal) for n in self.lens)
-        return 4.0 * self.nheads * self.d * pairs
+        return (2.5 if self.kind == "bwd" else 1.0) * 4.0 * self.nheads * self.d * pairs
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -51,7 +53,8 @@ class Cell:
             shape = "x".join(map(str, self.lens)) if len(set(self.lens)) > 1 else f"{len(self.lens)}x{self.lens[0]}"
             return f"varlen d{self.d} h{self.nheads} [{shape}] {mask}"
         gqa = f"/{self.nheads_k}" if self.nheads_k != self.nheads else ""
-        return f"d{self.d} b{self.batch} h{self.nheads}{gqa} {self.seqlen_q}x{self.seqlen_k} {mask}"
+        kind = "bwd " if self.kind == "bwd" else ""
+        return f"{kind}d{self.d} b{self.batch} h{self.nheads}{gqa} {self.seqlen_q}x{self.seqlen_k} {mask}"
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -69,6 +72,14 @@ def fwd_cell(d: int, seqlen: int, causal: bool) -> Cell:
 
 def default_grid() -> list[Cell]:
     return [fwd_cell(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
+
+
+def bwd_grid(quick: bool = False) -> list[Cell]:
+    """The backward alone, on the forward grid's shapes."""
+    if quick:
+        return [Cell("bwd", 128, TOKENS // s, 16, 16, s, s, c) for s in (1024, 4096) for c in (False, True)]
+    return [Cell("bwd", d, TOKENS // s, HIDDEN // d, HIDDEN // d, s, s, c)
+            for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
 
 
 def quick_grid() -> list[Cell]:

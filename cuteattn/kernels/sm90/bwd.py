@@ -26,7 +26,6 @@ dS by its derivative (common/score_mod.softcap_grad). Masks are FlashAttention's
 causal, sliding window), applied element-wise only on blocks that cross an edge.
 """
 import enum
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,7 +50,7 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import varlen_tile_coord
 from . import epilogue
 from .gemm import gemm_async
-from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline
+from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
 NUM_CONSUMER_WG = 2
 # A deterministic wait gives up after this many polls (seconds of spinning): metadata that lies
@@ -124,8 +123,11 @@ class FlashBwdSm90:
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.num_threads = WG_THREADS * (1 + NUM_CONSUMER_WG)
         self.consumer_threads = WG_THREADS * NUM_CONSUMER_WG
-        # producer 24, consumers 240: 24 + 2 * 240 = 504 of the 512 a 384-thread CTA holds
-        self.producer_regs, self.consumer_regs = (40, 232) if os.environ.get("BWREG") else (24, 240)
+        # producer 24, consumers 240 (24 + 2 * 240 = 504, what a 384-thread CTA holds); the
+        # packed-sequence search keeps more live in the producer, which spills at 24 (as the
+        # forward's, pipelines.register_split)
+        self.producer_regs, self.consumer_regs = register_split(
+            NUM_CONSUMER_WG, busy_producer=cfg.varlen_q or cfg.varlen_k)
 
     # ------------------------------------------------------------------------------------------
     # Host side
