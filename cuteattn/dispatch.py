@@ -26,7 +26,7 @@ ARCH_BY_MAJOR = {9: "sm90"}
 
 # arch -> the module whose FAMILIES serve that arch, imported on the first spec for a device of
 # that arch (so the DSL is imported only where a kernel can run).
-FAMILY_MODULES = {"sm90": "cuteattn.kernels.sm90.launch"}
+FAMILY_MODULES = {"sm90": "cuteattn.kernels.sm90.families"}
 
 
 class KernelFamily(Protocol):

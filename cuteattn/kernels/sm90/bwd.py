@@ -331,8 +331,8 @@ class FlashBwdSm90:
         tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tOsO, tOgO = cpasync.tma_partition(tma_atom_do, 0, one, cute.group_modes(sdO, 0, 2), cute.group_modes(gdO, 0, 2))
-        gLSE2 = cute.local_tile(epilogue.lse_view(mLSE2, seqlen, head_idx, batch_idx), (self.tile_m,), (None,))
-        gD = cute.local_tile(epilogue.lse_view(mD, seqlen, head_idx, batch_idx), (self.tile_m,), (None,))
+        gLSE2 = cute.local_tile(self.row_view(mLSE2, seqlen, head_idx, batch_idx), (self.tile_m,), (None,))
+        gD = cute.local_tile(self.row_view(mD, seqlen, head_idx, batch_idx), (self.tile_m,), (None,))
         tLsL, tLgL = cpasync.tma_partition(tma_atom_lse, 0, one, sLSE2, gLSE2)
         tDsD, tDgD = cpasync.tma_partition(tma_atom_dsum, 0, one, sD, gD)
 
@@ -353,6 +353,16 @@ class FlashBwdSm90:
             cute.copy(tma_atom_dsum, tDgD[None, m_block], tDsD[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
             state.advance()
+
+    def row_view(self, mX: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
+        """The (rows,) LSE or D of one head. Packed sequences are laid out padded
+        (launch_bwd.preprocess): sequence b starts at (offset_q // tile_m + b) * tile_m, a
+        multiple of tile_m, because a TMA tile of float32 rows must start 16-byte aligned (rows
+        starting at odd offsets raised an illegal instruction)."""
+        if const_expr(self.cfg.varlen_q):
+            start = (seqlen.offset_q // self.tile_m + batch_idx) * self.tile_m
+            return cute.domain_offset((start,), mX[None, head_idx])
+        return mX[None, head_idx, batch_idx]
 
     @cute.jit
     def consume(self, sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,

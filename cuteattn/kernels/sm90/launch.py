@@ -5,7 +5,7 @@ kernel's static configuration (config.py), which is the compile key; the compile
 from the compile cache; the launch policy (persistent grid size, the causal tile order's L2 groups,
 the tile counter) and the scalar arguments are worked out once per Launch, so that a repeated
 call only converts its tensors and launches. No host synchronisation, no per-call compilation.
-dispatch.py registers the family (FAMILIES, at the end) when an sm90 device first asks.
+dispatch.py registers the family (families.py lists it) when an sm90 device first asks.
 """
 from __future__ import annotations
 
@@ -272,11 +272,3 @@ class Sm90Forward:
 
 
 FORWARD = Sm90Forward()
-
-
-def _families():
-    from .launch_bwd import BACKWARD
-    return (FORWARD, BACKWARD)
-
-
-FAMILIES = _families()  # what dispatch registers for sm90 (dispatch.FAMILY_MODULES)

@@ -56,18 +56,35 @@ def _rows_padded(rows: int) -> int:
     return (rows + 3) // 4 * 4
 
 
-def preprocess(dout, out, lse, packed: bool):
-    """(lse_log2, dsum): float32 (b, h, s_pad), or (h, total_pad) when packed, pad rows 0."""
-    lead = lse.shape[:-1]
-    rows = lse.shape[-1]
-    shape = (*lead, _rows_padded(rows))
-    lse2 = torch.zeros(shape, dtype=torch.float32, device=lse.device)
-    dsum = torch.zeros(shape, dtype=torch.float32, device=lse.device)
-    torch.mul(lse, _LOG2E, out=lse2[..., :rows])
-    lse2[..., :rows].masked_fill_(lse == float("-inf"), float("inf"))
-    d = (dout.float() * out.float()).sum(-1)  # (b, s, h) or (total, h)
-    dsum[..., :rows].copy_(d.transpose(-1, -2))
-    return lse2, dsum
+def preprocess(dout, out, lse, cu_seqlens_q=None, tile_m: int = 64):
+    """(lse_log2, dsum), float32 (b, h, s_pad) with s_pad = s rounded up to a multiple of 4, pad
+    rows 0. Packed (cu_seqlens_q given): (h, rows) with sequence b's rows starting at row
+    (cu_seqlens_q[b] // tile_m + b) * tile_m (bwd.FlashBwdSm90.row_view: TMA tiles of these rows
+    must start 16-byte aligned), computed on the device (no sync)."""
+    lse2 = torch.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    d = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # (b, h, s) or (h, total)
+    if cu_seqlens_q is None:
+        rows = lse.shape[-1]
+        shape = (*lse.shape[:-1], _rows_padded(rows))
+        lse2_p = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+        dsum_p = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+        lse2_p[..., :rows] = lse2
+        dsum_p[..., :rows] = d
+        return lse2_p, dsum_p
+    h, total = lse.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    dump = _rows_padded(total + tile_m * (batch + 1))  # past every sequence's slot
+    row = torch.arange(total, device=lse.device)
+    b = torch.searchsorted(cu_seqlens_q, row.to(torch.int32), right=True) - 1
+    inside = (b >= 0) & (b < batch)
+    b = b.clamp(0, max(batch - 1, 0))
+    start = cu_seqlens_q.long()[b]
+    target = torch.where(inside, (start // tile_m + b) * tile_m + (row - start), dump)
+    lse2_p = torch.zeros((h, dump + 4), dtype=torch.float32, device=lse.device)
+    dsum_p = torch.zeros((h, dump + 4), dtype=torch.float32, device=lse.device)
+    lse2_p[:, target] = lse2
+    dsum_p[:, target] = d
+    return lse2_p, dsum_p
 
 
 class BwdLaunch:
@@ -87,7 +104,7 @@ class BwdLaunch:
         spec, cfg = self.spec, self.cfg
         packed = cu_seqlens_q is not None
         q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))
-        lse2, dsum = preprocess(dout, out, lse, packed)
+        lse2, dsum = preprocess(dout, out, lse, cu_seqlens_q, cfg.tile_m)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         h, ratio = spec.nheads, spec.qhead_per_kvhead
         # per query head; rows no key block writes (outside every sequence, past seqused) are 0
