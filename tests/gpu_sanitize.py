@@ -1,12 +1,14 @@
 """Runs small calls of every kernel family under compute-sanitizer (a script, not a pytest module).
 
     python3 tests/gpu_sanitize.py [--tool memcheck|racecheck|synccheck|initcheck|all]
-        [--groups fixed,varlen,bad] [--jobs 3] [--out DIR] [--line-info] [--skip-warmup]
+        [--groups fixed,varlen,bwd,bad] [--jobs 3] [--out DIR] [--line-info] [--skip-warmup]
 
 Groups of cases (each case a few calls of a few hundred tokens at most, racecheck is slow):
   fixed   flash_attn_func, d 64/96/128/192/256: no mask, causal, window, softcap; MHA, GQA, MQA
   varlen  flash_attn_varlen_func, d 64/128/256 causal and not, lengths [0, 1, 63, 0, 129, 700],
           8 q heads over 2 kv heads; seqused
+  bwd     the backward (dq, dk, dv through autograd), d 64/96/128 with the fixed group's masks,
+          deterministic, varlen with seqused
   bad     tests/test_gpu_guard.py's bad metadata (validate=False) on its three configs
 The parent first runs every group once without the sanitizer (in parallel), so that each kernel is
 compiled and stored in the disk cache (the compile step makes CUDA API calls the sanitizer would
@@ -76,10 +78,46 @@ def cases() -> dict:
     out["varlen_d128_window_seqused"] = lambda: g.good_varlen(
         128, 8, 2, lens_q=lens_q, lens_k=lens_k, used_q=[0, 1, 10, 0, 129, 300],
         used_k=[5, 0, 0, 100, 1, 700], window_size=(64, 0))
+    # the backward (dq, dk, dv through autograd, checked against the reference's gradients)
+    import test_gpu_bwd as tb
+    for d in (64, 96, 128):
+        for mask, kw in fixed_masks.items():
+            (h, hk), (sq, sk) = heads[mask], sizes[mask]
+            out[f"bwd_d{d}_{mask}"] = lambda d=d, h=h, hk=hk, sq=sq, sk=sk, kw=kw: _bwd_fixed(
+                tb, bf16, d, h, hk, sq, sk, **kw)
+    out["bwd_d128_causal_deterministic"] = lambda: _bwd_fixed(
+        tb, bf16, 128, 8, 2, 257, 257, deterministic=True, causal=True)
+    out["bwd_varlen_d128_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, causal=True)
+    out["bwd_varlen_d64_window_seqused_deterministic"] = lambda: _bwd_varlen(
+        tb, lens_q, lens_k, d=64, deterministic=True, window_size=(64, 0),
+        seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),
+        seqused_k=torch.tensor([5, 0, 0, 100, 1, 700], dtype=torch.int32, device="cuda"))
     for i, cfg in enumerate(g.BAD_CONFIGS):
         for name, case in g.BAD_CASES.items():
             out[f"bad{i}_{name}"] = lambda case=case, cfg=cfg: g.run_bad(case, **cfg)
     return out
+
+
+def _bwd_fixed(tb, dtype, d, h, hk, sq, sk, **kw):
+    import torch
+    b = 1
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    from cuteattn import flash_attn_func
+    out = flash_attn_func(q, k, v, strict=True, **kw)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    kw.pop("deterministic", None)
+    tb.check_grads(got, *tb.reference_grads(tb.attention_ref, (q, k, v), dout, **kw))
+
+
+def _bwd_varlen(tb, lens_q, lens_k, d=128, **kw):
+    import torch
+    torch.cuda.synchronize()
+    tb.poison_allocator = lambda: None  # each tensor is its own allocation here
+    got, ref, low = tb.run_varlen(lens_q, lens_k, 8, 2, d, torch.bfloat16, **kw)
+    tb.check_grads(got, ref, low)
 
 
 def group_of(case: str) -> str:
@@ -170,7 +208,7 @@ def main() -> int:
     ap.add_argument("--no-guards", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tool", choices=TOOLS + ("all",), default="all",
                     help="all = " + ", ".join(ALL_TOOLS))
-    ap.add_argument("--groups", default="fixed,varlen,bad", help="comma-separated subset")
+    ap.add_argument("--groups", default="fixed,varlen,bwd,bad", help="comma-separated subset")
     ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
     ap.add_argument("--jobs", type=int, default=3, help="processes at once (warm-up and sanitizer)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="log directory (default $OUT)")
