@@ -11,8 +11,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from .convert import pack_f32x2
-
 
 @cute.jit
 def softcap_scores(acc: cute.Tensor, score_scale: Float32):
@@ -29,25 +27,3 @@ def softcap_grad(dS: cute.Tensor, tanh_scores: cute.Tensor, softmax_scale: Float
         t = tanh_scores[i]
         dS[i] = dS[i] * softmax_scale * (Float32(1.0) - t * t)
 
-
-# The backward keeps the derivative (1 - t^2) of each score between the softmax and dS, where
-# registers are scarcest (two 64x64 float32 tiles live beside dK and dV): packed in fp16, whose
-# relative precision (2^-11) is finer than the 16-bit dS it scales, half the registers of float32.
-
-@cute.jit
-def softcap_slopes(tanh_scores: cute.Tensor, slopes: cute.Tensor):
-    """slopes (fp16, the same register order) = 1 - t^2 of `softcap_scores`' output t."""
-    n: cutlass.Constexpr = cute.size(tanh_scores)
-    pairs = cute.recast_tensor(cute.make_tensor(slopes.iterator, cute.make_layout(n)), cutlass.Int32)
-    for i in cutlass.range_constexpr(n // 2):
-        t0, t1 = tanh_scores[2 * i], tanh_scores[2 * i + 1]
-        pairs[i] = pack_f32x2(Float32(1.0) - t0 * t0, Float32(1.0) - t1 * t1, cutlass.Float16)
-
-
-@cute.jit
-def apply_softcap_slopes(dS: cute.Tensor, slopes: cute.Tensor):
-    """In place: dS (by the capped score / softmax_scale) becomes the gradient by the raw score
-    times softmax_scale: dS * (1 - t^2). softcap_grad's rule, with the scale applied later."""
-    flat = cute.make_tensor(slopes.iterator, cute.make_layout(cute.size(dS)))
-    for i in cutlass.range_constexpr(cute.size(dS)):
-        dS[i] = dS[i] * Float32(flat[i])

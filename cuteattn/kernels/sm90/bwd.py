@@ -22,7 +22,7 @@ block one after the other, in key-block order, through a semaphore per query blo
 of lower key blocks are launched first, so waiting on them cannot deadlock).
 
 softmax_scale is applied once at the end (dK) and per block to the dQ share; softcap multiplies
-dS by its derivative (common/score_mod.softcap_grad). Masks are FlashAttention's (bottom-right
+dS by its derivative (common/score_mod.softcap_grad's rule, the scale applied later). Masks are FlashAttention's (bottom-right
 causal, sliding window), applied element-wise only on blocks that cross an edge.
 """
 import enum
@@ -45,7 +45,7 @@ from ..common.convert import convert_fragment
 from ..common.global_atomics import ld_acquire, red_add_f32x2, red_release
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
 from ..common.mask import apply_mask_transposed
-from ..common.score_mod import apply_softcap_slopes, softcap_scores, softcap_slopes
+from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import varlen_tile_coord
 from . import epilogue
@@ -402,9 +402,6 @@ class FlashBwdSm90:
         coord_st = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor(shape_st)))
         # where this thread's dS^T elements go in the (query, key) buffer, seen transposed
         tSsdSt = thr_sdp.partition_C(sdSt)
-        softcap_slope = None  # d(capped score)/d(raw score * scale) = 1 - tanh^2, in fp16
-        if const_expr(cfg.has_softcap):
-            softcap_slope = cute.make_rmem_tensor_like(acc_S, cutlass.Float16)
 
         gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
         num_cols = cute.size(acc_S_mn, mode=[1])
@@ -426,36 +423,50 @@ class FlashBwdSm90:
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             q_start = m_block * self.tile_m
             ds_stage = (m_block - m_min) % 2
-            # this block's LSE and D by the query column c of the thread's fragment (rows past
-            # the sequence read what TMA filled in: masked to P = 0 anyway)
-            lse2_of = lambda c: sLSE2[coord_st[0, c][1], state.index]
-            dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
+            # this block's LSE and D by the query column c of the thread's fragment
+            lse2_of = lambda c: self.row_stat(sLSE2, coord_st[0, c][1], state.index, q_start,
+                                              seqlen.seqlen_q, Float32.inf)
+            dsum_of = lambda c: self.row_stat(sD, coord_st[0, c][1], state.index, q_start,
+                                              seqlen.seqlen_q, Float32(0.0))
             pipeline_q.consumer_wait(state)
             gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, state.index], True)
             pipeline_do.consumer_wait(state)
             gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, state.index], True)
-            warpgroup.wait_group(1)
-            # P^T = exp2(S^T * scale_log2 - lse_log2), masked entries 0
+            # P^T = exp2(S^T * scale_log2 - lse_log2), masked entries 0; then
+            # dS^T = P^T * (dP^T - D). With softcap both wait for dP, so that one pass has the
+            # tanh t of each score for its derivative 1 - t^2 (kept over the wait, 32 more live
+            # registers spilled); clamped at 0, which is exact for real t and zeroes masked ones.
+            rows_per_col = cute.size(acc_S_mn, mode=[0])
+            warpgroup.wait_group(0 if const_expr(cfg.has_softcap) else 1)
             if const_expr(cfg.has_softcap):
                 softcap_scores(acc_S, score_scale)
-                softcap_slopes(acc_S, softcap_slope)
             if block_info.needs_mask_transposed(seqlen.seqlen_q, seqlen.seqlen_k, key_start,
                                                 WG_ROWS, q_start):
                 apply_mask_transposed(acc_S_mn, coord_st, n_block * self.tile_n, q_start,
                                       seqlen.seqlen_q, seqlen.seqlen_k, window_left,
                                       window_right, cfg.causal, cfg.local)
-            for c in cutlass.range_constexpr(num_cols):
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    acc_S_mn[r, c] = cute.math.exp2(
-                        acc_S_mn[r, c] * softmax_scale_log2 - lse2_of(c), fastmath=True)
-            convert_fragment(acc_S, tVrP)
-            # dS^T = P^T * (dP^T - D) (times the softcap derivative)
-            warpgroup.wait_group(0)
-            for c in cutlass.range_constexpr(num_cols):
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum_of(c))
             if const_expr(cfg.has_softcap):
-                apply_softcap_slopes(acc_dP, softcap_slope)
+                for c in cutlass.range_constexpr(num_cols):
+                    lse2, dsum = lse2_of(c), dsum_of(c)
+                    for r in cutlass.range_constexpr(rows_per_col):
+                        t = acc_S_mn[r, c]
+                        p = cute.math.exp2(t * softmax_scale_log2 - lse2, fastmath=True)
+                        slope = cutlass.max(Float32(1.0) - t * t, Float32(0.0))
+                        acc_S_mn[r, c] = p
+                        acc_dP_mn[r, c] = p * ((acc_dP_mn[r, c] - dsum) * slope)
+                convert_fragment(acc_S, tVrP)
+            else:
+                for c in cutlass.range_constexpr(num_cols):
+                    lse2 = lse2_of(c)
+                    for r in cutlass.range_constexpr(rows_per_col):
+                        acc_S_mn[r, c] = cute.math.exp2(
+                            acc_S_mn[r, c] * softmax_scale_log2 - lse2, fastmath=True)
+                convert_fragment(acc_S, tVrP)
+                warpgroup.wait_group(0)
+                for c in cutlass.range_constexpr(num_cols):
+                    dsum = dsum_of(c)
+                    for r in cutlass.range_constexpr(rows_per_col):
+                        acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum)
             convert_fragment(acc_dP, tKrdS)
             # dS^T rows into the dQ GEMM's buffer (this stage was last read two blocks ago,
             # before every consumer passed the previous block's DS_READY)
@@ -497,6 +508,16 @@ class FlashBwdSm90:
                                    (row_start // WG_ROWS, 0))
             epilogue.store_o(s_wg, g_wg, row_start, seqlen.seqlen_k, tidx % WG_THREADS,
                              self.dtype, self.d)
+
+    @cute.jit
+    def row_stat(self, sX, row, stage, q_start, seqlen_q, outside):
+        """LSE or D of tile row `row`; `outside` for rows past the sequence, whose values
+        TMA took from other sequences or from rows the forward never wrote (past seqused_q: any
+        bits, NaN included), so that their P and dS are exactly 0 (exp2(-inf - inf), 0 * dP)."""
+        value = sX[row, stage]
+        if q_start + row >= seqlen_q:
+            value = outside
+        return value
 
     @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale, m_block,
