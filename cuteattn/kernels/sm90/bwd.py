@@ -424,10 +424,10 @@ class FlashBwdSm90:
             q_start = m_block * self.tile_m
             ds_stage = (m_block - m_min) % 2
             # this block's LSE and D by the query column c of the thread's fragment
-            lse2_of = lambda c: self.row_stat(sLSE2, coord_st[0, c][1], state.index, q_start,
-                                              seqlen.seqlen_q, Float32.inf)
-            dsum_of = lambda c: self.row_stat(sD, coord_st[0, c][1], state.index, q_start,
-                                              seqlen.seqlen_q, Float32(0.0))
+            # (rows past the sequence hold +inf and 0, or another sequence's values, never
+            # NaN: launch_bwd.preprocess; their P is 0 by the mask)
+            lse2_of = lambda c: sLSE2[coord_st[0, c][1], state.index]
+            dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
             pipeline_q.consumer_wait(state)
             gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, state.index], True)
             pipeline_do.consumer_wait(state)
@@ -508,16 +508,6 @@ class FlashBwdSm90:
                                    (row_start // WG_ROWS, 0))
             epilogue.store_o(s_wg, g_wg, row_start, seqlen.seqlen_k, tidx % WG_THREADS,
                              self.dtype, self.d)
-
-    @cute.jit
-    def row_stat(self, sX, row, stage, q_start, seqlen_q, outside):
-        """LSE or D of tile row `row`; `outside` for rows past the sequence, whose values
-        TMA took from other sequences or from rows the forward never wrote (past seqused_q: any
-        bits, NaN included), so that their P and dS are exactly 0 (exp2(-inf - inf), 0 * dP)."""
-        value = sX[row, stage]
-        if q_start + row >= seqlen_q:
-            value = outside
-        return value
 
     @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale, m_block,

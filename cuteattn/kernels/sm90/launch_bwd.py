@@ -56,13 +56,25 @@ def _rows_padded(rows: int) -> int:
     return (rows + 3) // 4 * 4
 
 
-def preprocess(dout, out, lse, cu_seqlens_q=None, tile_m: int = 64):
+def preprocess(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 64):
     """(lse_log2, dsum), float32 (b, h, s_pad) with s_pad = s rounded up to a multiple of 4, pad
     rows 0. Packed (cu_seqlens_q given): (h, rows) with sequence b's rows starting at row
     (cu_seqlens_q[b] // tile_m + b) * tile_m (bwd.FlashBwdSm90.row_view: TMA tiles of these rows
-    must start 16-byte aligned), computed on the device (no sync)."""
+    must start 16-byte aligned), computed on the device (no sync).
+    Rows past seqused_q get LSE +inf and D 0: the forward never wrote their out and lse (any bits,
+    NaN included), and the kernel, which masks them (P = 0), must not multiply a NaN by that 0."""
     lse2 = torch.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
     d = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # (b, h, s) or (h, total)
+    if seqused_q is not None:
+        if cu_seqlens_q is None:  # (b, h, s): row i of batch b is used if i < seqused_q[b]
+            unused = torch.arange(lse.shape[-1], device=lse.device) >= seqused_q[:, None, None]
+        else:  # (h, total): row r of sequence b is used if r - cu_seqlens_q[b] < seqused_q[b]
+            row = torch.arange(lse.shape[-1], device=lse.device)
+            b = (torch.searchsorted(cu_seqlens_q, row.to(torch.int32), right=True) - 1).clamp(
+                0, max(seqused_q.shape[0] - 1, 0))
+            unused = (row - cu_seqlens_q.long()[b]) >= seqused_q.long()[b]
+        lse2 = lse2.masked_fill(unused, float("inf"))
+        d = d.masked_fill(unused, 0.0)
     if cu_seqlens_q is None:
         rows = lse.shape[-1]
         shape = (*lse.shape[:-1], _rows_padded(rows))
@@ -104,7 +116,7 @@ class BwdLaunch:
         spec, cfg = self.spec, self.cfg
         packed = cu_seqlens_q is not None
         q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))
-        lse2, dsum = preprocess(dout, out, lse, cu_seqlens_q, cfg.tile_m)
+        lse2, dsum = preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         h, ratio = spec.nheads, spec.qhead_per_kvhead
         # per query head; rows no key block writes (outside every sequence, past seqused) are 0
