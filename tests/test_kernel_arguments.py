@@ -206,3 +206,115 @@ def test_binder_lays_out_by_name_in_any_order():
         arguments.Binder(per_call[1:], scalars)
     with pytest.raises(ValueError, match="max_seqlen_q"):
         arguments.Binder(per_call, {**scalars, "max_seqlen_q": 1})
+
+
+# ---- the backward ----
+
+from cuteattn.kernels.sm90 import launch_bwd  # noqa: E402
+from cuteattn.kernels.sm90.bwd import FlashBwdSm90  # noqa: E402
+from cuteattn.kernels.sm90.compile import fake_bwd_arguments  # noqa: E402
+
+
+@cute.jit
+def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+              mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+              mdV: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor],
+              mCuSeqlensK: Optional[cute.Tensor], mSeqUsedQ: Optional[cute.Tensor],
+              mSeqUsedK: Optional[cute.Tensor], mSemaphore: cute.Tensor,
+              qhead_per_kvhead: Int32, softmax_scale: Float32, score_scale: Float32,
+              softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
+              num_n_blocks: Int32, info: cute.Tensor):
+    i = 0
+    for t in (mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore):
+        for m in cutlass.range_constexpr(cute.rank(t)):
+            info[i] = Int64(t.shape[m])
+            info[i + 1] = Int64(t.stride[m])
+            i += 2
+    for t in (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK):
+        if cutlass.const_expr(t is not None):
+            info[i] = Int64(t.shape[0])
+            info[i + 1] = Int64(t[1])
+            i += 2
+    for x in (qhead_per_kvhead, window_left, window_right, num_n_blocks):
+        info[i] = Int64(x)
+        i += 1
+    for x in (softmax_scale, score_scale, softmax_scale_log2):
+        info[i] = Int64(x * 1e6)
+        i += 1
+
+
+def test_bwd_declaration_matches_kernel_and_probe():
+    names = list(arguments.names(arguments.BWD_ARGUMENTS))
+    assert names + [arguments.STREAM] == parameter_names(FlashBwdSm90.__call__)
+    assert parameter_names(probe_bwd) == names + ["info"]
+    assert list(launch_bwd.PER_CALL) == [n for n in names if n in launch_bwd.PER_CALL]
+
+
+@pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
+@pytest.mark.parametrize("layout", ["fixed-gqa", "qkv-views", "varlen-seqused"])
+def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeypatch):
+    """A BwdLaunch call (its preprocess, buffers and binding) against the backward's fakes: the
+    probe, compiled from them, reads back every extent, stride and scalar it was handed."""
+    if tvm_ffi:
+        pytest.importorskip("tvm_ffi")
+    varlen = layout.startswith("varlen")
+    if layout == "fixed-gqa":
+        q = torch.randn(2, 33, 8, 64, dtype=torch.bfloat16)
+        k, v = (torch.randn(2, 71, 2, 64, dtype=torch.bfloat16) for _ in range(2))
+    elif layout == "qkv-views":
+        q, k, v = (t[..., :64] for t in qkv_views(3, 40, 4, 64))
+    else:
+        q, k, v = packed(300, 4, 64), packed(500, 2, 64), packed(500, 2, 64)
+    spec = AttentionSpec(dtype=q.dtype, head_dim=64, head_dim_v=64, causal=False, local=True,
+                         has_softcap=True, varlen_q=varlen, varlen_k=varlen, has_seqused_q=varlen,
+                         has_seqused_k=varlen, nheads=q.shape[-2], nheads_k=k.shape[-2],
+                         softmax_scale=0.125, window_left=17, window_right=-1, softcap=30.0,
+                         kind="bwd", deterministic=True)
+    cfg = launch_bwd.bwd_config(spec)
+    info = torch.full((120,), -1, dtype=torch.int64)
+    if tvm_ffi:
+        from cutlass.cute.typing import AddressSpace
+        fakes = arguments.fakes(cfg, AddressSpace.generic, arguments.BWD_ARGUMENTS)
+        fake_info = cute.runtime.make_fake_tensor(Int64, (120,), (1,), assumed_align=8,
+                                                  memspace=AddressSpace.generic)
+        compiled = cute.compile(probe_bwd, *fakes, fake_info, options="--enable-tvm-ffi")
+        run = lambda *args: compiled(*args, info)
+    else:
+        compiled = cute.compile(probe_bwd, *fake_bwd_arguments(cfg), _to_cute(info, 8))
+        run = lambda *args: compiled(*args[:-1], _to_cute(info, 8))  # the stream: not a param
+    monkeypatch.setattr(launch_bwd, "_use_tvm_ffi", lambda: tvm_ffi)
+    monkeypatch.setattr(launch_bwd, "_compiled", lambda cfg, tvm: run)
+    bl = launch_bwd.BwdLaunch(spec)
+    seen = {}
+    bind = bl.bind
+    bl.bind = lambda *values: seen.setdefault("values", values) and bind(*values)
+    if not tvm_ffi:  # the DLPack path passes the stream of a CUDA device: not here
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type(
+            "S", (), {"cuda_stream": 0})())
+    o = torch.randn(q.shape, dtype=q.dtype)
+    dout = torch.randn(q.shape, dtype=q.dtype)
+    if varlen:
+        lse = torch.randn(q.shape[1], q.shape[0])
+        cu_q = torch.tensor([0, 100, 300], dtype=torch.int32)
+        cu_k = torch.tensor([0, 250, 500], dtype=torch.int32)
+        used_q, used_k = torch.tensor([90, 7], dtype=torch.int32), torch.tensor([250, 3], dtype=torch.int32)
+        bl(dout, q, k, v, o, lse, cu_q, cu_k, used_q, used_k)
+    else:
+        lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
+        bl(dout, q, k, v, o, lse)
+    values = seen["values"]
+    tensors, (cu_q, cu_k, used_q, used_k), semaphore, n_blocks = values[:9], values[9:13], values[13], values[14]
+    want = []
+    for t in (*tensors, semaphore):
+        for n, st in zip(t.shape, t.stride()):
+            want += [n, st]
+    for t in (cu_q, cu_k, used_q, used_k):
+        if t is not None:
+            want += [t.shape[0], int(t[1])]
+    score_scale, scale_log2, left, right = launch.kernel_scalars(spec)
+    want += [spec.qhead_per_kvhead, left, right, n_blocks]
+    want += [int(spec.softmax_scale * 1e6), int(score_scale * 1e6), int(scale_log2 * 1e6)]
+    got = info[: len(want)].tolist()
+    assert got[:-3] == want[:-3]
+    assert got[-3:] == pytest.approx(want[-3:], rel=1e-6)
+    assert tensors[7].shape[-2] == spec.nheads  # dk per query head, summed afterwards

@@ -1,6 +1,8 @@
-"""The sm90 forward's runtime arguments, declared once.
+"""The sm90 kernels' runtime arguments, declared once: the forward's (ARGUMENTS) and the
+backward's (BWD_ARGUMENTS).
 
-`FlashFwdSm90.__call__` takes these, in this order, then the stream. Everything that has to agree
+`FlashFwdSm90.__call__` takes ARGUMENTS, in this order, then the stream (`FlashBwdSm90.__call__`
+BWD_ARGUMENTS). Everything that has to agree
 with that parameter list derives from `ARGUMENTS`: the symbolic fakes the kernel is compiled
 against (compile.py), the argument tuple a launch passes (launch.py: its DLPack path converts each
 value by the kind declared here) and the signature test (tests/test_kernel_arguments.py). A
@@ -129,18 +131,21 @@ def _int32_vector(used_when=None):
 
 # ---- the declaration ----
 
+# the packed-sequence tensors, in both kernels' parameter lists
+VARLEN = Group("varlen", VarlenMetadata, (
+    Arg("mCuSeqlensQ", OPTIONAL_TENSOR, _int32_vector("varlen_q"), align=4),
+    Arg("mCuSeqlensK", OPTIONAL_TENSOR, _int32_vector("varlen_k"), align=4),
+    Arg("mSeqUsedQ", OPTIONAL_TENSOR, _int32_vector("has_seqused_q"), align=4),
+    Arg("mSeqUsedK", OPTIONAL_TENSOR, _int32_vector("has_seqused_k"), align=4),
+))
+
 ARGUMENTS = (
     Arg("mQ", TENSOR, _query_side("head_dim")),
     Arg("mK", TENSOR, _key_side("head_dim")),
     Arg("mV", TENSOR, _key_side("head_dim_v")),
     Arg("mO", TENSOR, _query_side("head_dim_v")),
     Arg("mLSE", TENSOR, _lse, align=4),
-    Group("varlen", VarlenMetadata, (
-        Arg("mCuSeqlensQ", OPTIONAL_TENSOR, _int32_vector("varlen_q"), align=4),
-        Arg("mCuSeqlensK", OPTIONAL_TENSOR, _int32_vector("varlen_k"), align=4),
-        Arg("mSeqUsedQ", OPTIONAL_TENSOR, _int32_vector("has_seqused_q"), align=4),
-        Arg("mSeqUsedK", OPTIONAL_TENSOR, _int32_vector("has_seqused_k"), align=4),
-    )),
+    VARLEN,
     # int32 (2,), zero between launches: the dynamic tile scheduler's counter (fwd.py)
     Arg("mTileCounter", TENSOR, _int32_vector(), align=4),
     Arg("qhead_per_kvhead", INT32),
@@ -153,7 +158,57 @@ ARGUMENTS = (
     Arg("l2_small_groups", INT32),        # how many small groups
 )
 # a group's members pair with its NamedTuple's fields by position
-assert all(len(e.members) == len(e.type._fields) for e in ARGUMENTS if isinstance(e, Group))
+assert len(VARLEN.members) == len(VARLEN.type._fields)
+
+
+# ---- the backward's ----
+
+def _key_side_per_query_head(cfg, sym, align, memspace):
+    """dk and dv: like k, with the query heads (launch_bwd sums them per kv head under GQA)."""
+    shape = ((sym["total_k"], sym["h"], cfg.head_dim) if cfg.varlen_k
+             else (sym["bk"], sym["sk"], sym["h"], cfg.head_dim))
+    return _fake(cfg.dtype, shape, align, memspace)
+
+
+def _rows_padded(cfg, sym, align, memspace):
+    """LSE (log2 units) and D, float32: like lse, with the rows padded (launch_bwd.preprocess),
+    an extent of their own."""
+    shape = (sym["h"], sym["rows_pad"]) if cfg.varlen_q else (sym["b"], sym["h"], sym["rows_pad"])
+    return _fake(Float32, shape, align, memspace)
+
+
+def _dq_accumulator(cfg, sym, align, memspace):
+    """float32, shaped like q."""
+    shape = ((sym["total_q"], sym["h"], cfg.head_dim) if cfg.varlen_q
+             else (sym["b"], sym["sq"], sym["h"], cfg.head_dim))
+    return _fake(Float32, shape, align, memspace)
+
+
+def _semaphores(cfg, sym, align, memspace):
+    """int32 (h, slots): one per query block (deterministic mode; a (h, 1) stand-in otherwise)."""
+    return _fake(Int32, (sym["h"], cute.sym_int()), align, memspace)
+
+
+BWD_ARGUMENTS = (
+    Arg("mQ", TENSOR, _query_side("head_dim")),
+    Arg("mK", TENSOR, _key_side("head_dim")),
+    Arg("mV", TENSOR, _key_side("head_dim")),
+    Arg("mdO", TENSOR, _query_side("head_dim")),
+    Arg("mLSE2", TENSOR, _rows_padded, align=4),
+    Arg("mD", TENSOR, _rows_padded, align=4),
+    Arg("mdQacc", TENSOR, _dq_accumulator),
+    Arg("mdK", TENSOR, _key_side_per_query_head),
+    Arg("mdV", TENSOR, _key_side_per_query_head),
+    VARLEN,
+    Arg("mSemaphore", TENSOR, _semaphores, align=4),
+    Arg("qhead_per_kvhead", INT32),
+    Arg("softmax_scale", FLOAT32),
+    Arg("score_scale", FLOAT32),          # softmax_scale, or softmax_scale / softcap
+    Arg("softmax_scale_log2", FLOAT32),   # log2(e) * (softmax_scale, or softcap)
+    Arg("window_left", INT32),            # 1 << 30: unbounded
+    Arg("window_right", INT32),
+    Arg("num_n_blocks", INT32),           # grid x: key blocks (per sequence, or a packed bound)
+)
 
 
 def flat(entries=ARGUMENTS) -> tuple:
@@ -161,26 +216,26 @@ def flat(entries=ARGUMENTS) -> tuple:
     return tuple(a for e in entries for a in (e.members if isinstance(e, Group) else (e,)))
 
 
-def names() -> tuple:
+def names(entries=ARGUMENTS) -> tuple:
     """The kernel's parameter names, less self and the stream."""
-    return tuple(a.name for a in flat())
+    return tuple(a.name for a in flat(entries))
 
 
 SCALARS = tuple(a for a in flat() if a.kind in SCALAR_TYPES)
 
 
-def fakes(cfg, memspace=None) -> tuple:
+def fakes(cfg, memspace=None, entries=ARGUMENTS) -> tuple:
     """Compile-time stand-ins for every argument but the stream, in order: symbolic tensors (None
     for the optional ones the config does not use) and placeholder scalars (their values are not
     compiled in). A `memspace` other than global memory only serves host-side tests."""
     sym = _Symbols()
     return tuple(SCALAR_TYPES[a.kind](0) if a.kind in SCALAR_TYPES
-                 else a.fake(cfg, sym, a.align, memspace) for a in flat())
+                 else a.fake(cfg, sym, a.align, memspace) for a in flat(entries))
 
 
-def group_names(group: str) -> tuple:
+def group_names(group: str, entries=ARGUMENTS) -> tuple:
     """The parameter names of a group's members, in the order of its NamedTuple's fields."""
-    (entry,) = (e for e in ARGUMENTS if isinstance(e, Group) and e.name == group)
+    (entry,) = (e for e in entries if isinstance(e, Group) and e.name == group)
     return tuple(a.name for a in entry.members)
 
 
@@ -193,8 +248,9 @@ class Binder:
     given, turns values into what the call path needs (launch.py's DLPack path: cute tensors,
     Int32, Float32); the fixed ones are converted here, once."""
 
-    def __init__(self, per_call: tuple, fixed: dict, convert: Optional[Callable] = None):
-        by_name = {a.name: a for a in flat()}
+    def __init__(self, per_call: tuple, fixed: dict, convert: Optional[Callable] = None,
+                 entries=ARGUMENTS):
+        by_name = {a.name: a for a in flat(entries)}
         given = tuple(per_call) + tuple(fixed)
         if sorted(given) != sorted(by_name):
             raise ValueError(f"values for {given}; the kernel takes {tuple(by_name)}")

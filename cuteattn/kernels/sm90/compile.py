@@ -75,26 +75,8 @@ def compile_fwd_with_report(cfg: Sm90FwdConfig, tvm_ffi: bool = False):
 # ---- the backward ----
 
 def fake_bwd_arguments(cfg) -> tuple:
-    """Symbolic stand-ins for FlashBwdSm90's arguments but the stream, in its parameter order
-    (launch_bwd.BWD_ARGUMENTS names them)."""
-    from cutlass import Float32, Int32
-    sym = arguments._Symbols()
-    fake = lambda dtype, shape, align=16: arguments._fake(dtype, shape, align, None)
-    d = cfg.head_dim
-    q_shape = (sym["total_q"], sym["h"], d) if cfg.varlen_q else (sym["b"], sym["sq"], sym["h"], d)
-    k_shape = (sym["total_k"], sym["hk"], d) if cfg.varlen_k else (sym["bk"], sym["sk"], sym["hk"], d)
-    dk_shape = (sym["total_k"], sym["h"], d) if cfg.varlen_k else (sym["bk"], sym["sk"], sym["h"], d)
-    # rows padded to a multiple of 4 (launch_bwd.preprocess): extents of their own
-    row_shape = (sym["h"], sym["rows_pad"]) if cfg.varlen_q else (sym["b"], sym["h"], sym["rows_pad"])
-    vector = lambda used: fake(Int32, (cute.sym_int(),), 4) if used else None
-    return (
-        fake(cfg.dtype, q_shape), fake(cfg.dtype, k_shape), fake(cfg.dtype, k_shape),
-        fake(cfg.dtype, q_shape), fake(Float32, row_shape, 4), fake(Float32, row_shape, 4),
-        fake(Float32, q_shape), fake(cfg.dtype, dk_shape), fake(cfg.dtype, dk_shape),
-        vector(cfg.varlen_q), vector(cfg.varlen_k), vector(cfg.has_seqused_q),
-        vector(cfg.has_seqused_k), fake(Int32, (sym["h"], cute.sym_int()), 4),
-        Int32(1), Float32(1.0), Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(1),
-    )
+    """Symbolic stand-ins for FlashBwdSm90's arguments but the stream (arguments.BWD_ARGUMENTS)."""
+    return arguments.fakes(cfg, entries=arguments.BWD_ARGUMENTS)
 
 
 def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False):

@@ -19,8 +19,9 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
+from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
-from .launch import _CUTLASS_DTYPES, _tma_ready, _to_cute, _use_tvm_ffi, kernel_scalars
+from .launch import _CUTLASS_DTYPES, _tma_ready, _to_runtime, _use_tvm_ffi, kernel_scalars
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -99,6 +100,12 @@ def preprocess(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 
     return lse2_p, dsum_p
 
 
+# What each call passes (in this order); the scalars fixed per spec come from BwdLaunch.
+PER_CALL = ("mQ", "mK", "mV", "mdO", "mLSE2", "mD", "mdQacc", "mdK", "mdV",
+            *arguments.group_names("varlen", arguments.BWD_ARGUMENTS), "mSemaphore",
+            "num_n_blocks")
+
+
 class BwdLaunch:
     """The compiled backward for one spec; calling it runs the three steps."""
 
@@ -108,8 +115,11 @@ class BwdLaunch:
         self.tvm_ffi = _use_tvm_ffi()
         self.fn = _compiled(self.cfg, self.tvm_ffi)
         score_scale, scale_log2, left, right = kernel_scalars(spec)
-        self.scalars = (spec.qhead_per_kvhead, spec.softmax_scale, score_scale, scale_log2,
-                        left, right)
+        fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
+                     score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
+                     window_right=right)
+        self.bind = arguments.Binder(PER_CALL, fixed, None if self.tvm_ffi else _to_runtime,
+                                     entries=arguments.BWD_ARGUMENTS)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None):
@@ -134,19 +144,13 @@ class BwdLaunch:
             slots = batch * -(-q.shape[1] // cfg.tile_m)
         semaphore = torch.zeros((h, slots if cfg.deterministic else 1), dtype=torch.int32,
                                 device=q.device)
-        tensors = (q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                   seqused_q, seqused_k, semaphore)
-        scalars = (*self.scalars, n_blocks)
         if n_blocks > 0:
+            args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
+                             cu_seqlens_k, seqused_q, seqused_k, semaphore, n_blocks)
             if self.tvm_ffi:
-                self.fn(*tensors, *scalars)
+                self.fn(*args)
             else:
                 import cuda.bindings.driver as cuda
-                from cutlass import Float32, Int32
-                aligns = (16,) * 4 + (4, 4, 16, 16, 16) + (4,) * 5
-                args = [_to_cute(t, a) for t, a in zip(tensors, aligns)]
-                kinds = (Int32, Float32, Float32, Float32, Int32, Int32, Int32)
-                args += [kind(x) for kind, x in zip(kinds, scalars)]
                 self.fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
         dq = dq_acc.to(q.dtype)
         if ratio > 1:
