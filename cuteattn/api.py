@@ -195,9 +195,10 @@ def flash_attn_func(
     (64, 96, 128, 192, 256), v's head_dim equal to q's, nheads % nheads_k, unit stride in head_dim
     (no hidden copy), window >= -1, softcap >= 0, softmax_scale finite > 0.
     Not supported (NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs.
-    Gradients (q, k or v requiring grad) come from the float32 reference backward for now (a
-    FallbackWarning says so once; strict mode raises); out= / lse= cannot be combined with them.
-    deterministic is accepted; the forward is deterministic.
+    Gradients (q, k or v requiring grad) flow through torch autograd: the backward kernel where
+    one serves the problem (sm_90a, head_dim 64/96/128), else the float32 reference backward
+    (a FallbackWarning says so once; strict mode raises); out= / lse= cannot be combined with
+    them. deterministic=True makes the backward bitwise reproducible (the forward always is).
 
     Without a GPU kernel for the problem (CPU tensors, an unsupported GPU or feature) the PyTorch
     reference computes the result and a FallbackWarning names the reason once; strict=True (or
