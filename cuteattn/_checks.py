@@ -28,7 +28,8 @@ def check_unsupported(dropout_p, alibi_slopes, return_attn_probs) -> None:
         raise NotImplementedError("alibi_slopes: ALiBi is not supported (pass None)")
     if return_attn_probs:
         raise NotImplementedError(
-            "return_attn_probs=True: returning the attention probabilities is not supported"
+            "return_attn_probs=True: returning the attention probabilities is not supported; "
+            "for the log-sum-exp of each row (FlashAttention's softmax_lse) pass return_lse=True"
         )
 
 

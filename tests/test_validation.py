@@ -176,6 +176,7 @@ def test_alibi(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_return_attn_probs(kind):
     rejects(kind, make(kind), NotImplementedError, "return_attn_probs", return_attn_probs=True)
+    rejects(kind, make(kind), NotImplementedError, "pass return_lse=True", return_attn_probs=True)
 
 
 # ---- out / lse buffers ----
