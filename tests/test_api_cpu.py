@@ -41,8 +41,10 @@ def quiet(fn, *args, **kw):
 
 
 def test_public_names():
-    assert set(cuteattn.__all__) == {"flash_attn_func", "flash_attn_varlen_func", "FallbackWarning",
-                                     "__version__"}
+    assert set(cuteattn.__all__) == {
+        "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
+        "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+        "flash_attn_varlen_kvpacked_func", "FallbackWarning", "__version__"}
     assert isinstance(cuteattn.__version__, str)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 cutlass = pytest.importorskip("cutlass")
+pytestmark = pytest.mark.compile  # deselected by a plain `pytest -q`; .ci/run runs them
 
 from cuteattn.kernels.sm90 import launch as sm90_launch  # noqa: E402
 from cuteattn.kernels.sm90.compile import compile_fwd  # noqa: E402

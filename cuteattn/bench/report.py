@@ -44,7 +44,7 @@ def print_table(results: list[dict], impls: list[str]) -> None:
 
 def summary(results: list[dict]) -> dict:
     """Per cell kind ("fwd", "varlen"): how many cells have a ratio to the best peer, its range,
-    its geometric mean and how many reach 1.00x (what issue 3's target is stated in)."""
+    its geometric mean and how many reach 1.00x (what the speed targets are stated in)."""
     by_kind: dict = {}
     for r in results:
         ratio = ratio_to_best_peer(r["tflops"])
