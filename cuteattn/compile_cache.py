@@ -15,7 +15,8 @@ another family's kernel evicts nothing here), the DSL and TVM-FFI versions, and 
 architecture. A changed source or version lands in a new directory, so a stale kernel is never
 loaded. Within it a file is named by a hash of the key's stable text (`key_text`). Files are
 written to a temporary name and renamed, so a concurrent reader sees a whole file or none; one
-that fails to load is compiled again and replaced.
+that fails to load is compiled again and replaced, with a CacheWarning; a directory that cannot
+be written (read-only, full, not a directory) leaves kernels in memory only, with one CacheWarning.
 """
 import ast
 import ctypes
@@ -26,6 +27,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Dict, Hashable, Iterable, Optional, Tuple
 
@@ -34,6 +36,11 @@ _kernels: Dict[Hashable, object] = {}
 _stats = {"compiles": 0, "hits": 0, "disk_loads": 0, "compile_seconds": {}, "kernel_info": {}}
 
 _EXPORT_NAME = "cuteattn_kernel"
+_unwritable_warned = False
+
+
+class CacheWarning(UserWarning):
+    """The disk cache could not be read or written; kernels are compiled (again) instead."""
 _PACKAGE = "cuteattn"
 _PACKAGE_ROOT = Path(__file__).parent
 
@@ -186,7 +193,7 @@ def _paths(key: Hashable, sources: Iterable[Path]):
 
 
 def _load_from_disk(obj: Path, meta: Path):
-    """(fn, info) from disk, or None when absent or unloadable."""
+    """(fn, info) from disk, or None when absent or unloadable (a CacheWarning then)."""
     if not obj.exists():
         return None
     try:
@@ -196,19 +203,37 @@ def _load_from_disk(obj: Path, meta: Path):
         fn = getattr(module, _EXPORT_NAME)
         info = json.loads(meta.read_text()) if meta.exists() else {}
         return fn, info
-    except Exception:  # a damaged or foreign file: compile again, and overwrite it
+    except Exception as e:  # a damaged or foreign file: compile again, and overwrite it
+        warnings.warn(f"cuteattn: the cached kernel {obj} could not be loaded ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200] if str(e) else ''}); compiling it again",
+                      CacheWarning, stacklevel=3)
         return None
 
 
 def _save_to_disk(obj: Path, meta: Path, fn, info: dict) -> None:
+    """Both files written under temporary names and renamed into place, so that a concurrent
+    reader (another process compiling the same kernel) sees a whole file or none."""
+    global _unwritable_warned
+    suffix = f"{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp_obj, tmp_meta = obj.with_name(f"{obj.stem}.{suffix}.o"), meta.with_name(f"{meta.stem}.{suffix}")
     try:
         obj.parent.mkdir(parents=True, exist_ok=True)
-        tmp = obj.with_name(f"{obj.stem}.{os.getpid()}.{threading.get_ident()}.tmp.o")
-        fn.export_to_c(object_file_path=str(tmp), function_name=_EXPORT_NAME)
-        meta.write_text(json.dumps(info))
-        os.replace(tmp, obj)
-    except Exception:  # a read-only or full disk, or a failed export, only costs a compile later
-        pass
+        fn.export_to_c(object_file_path=str(tmp_obj), function_name=_EXPORT_NAME)
+        tmp_meta.write_text(json.dumps(info))
+        os.replace(tmp_meta, meta)
+        os.replace(tmp_obj, obj)
+    except Exception as e:  # read-only, full or not a directory: memory only, said once
+        for tmp in (tmp_obj, tmp_meta):
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+        if not _unwritable_warned:
+            _unwritable_warned = True
+            warnings.warn(f"cuteattn: cannot write the kernel cache under {obj.parent} "
+                          f"({type(e).__name__}: {e}); compiled kernels stay in memory only "
+                          "(set CUTEATTN_CACHE_DIR to a writable directory, or "
+                          "CUTEATTN_DISK_CACHE=0 to silence this)", CacheWarning, stacklevel=3)
 
 
 def get_or_compile(key: Hashable, build: Callable[[], object], persist: bool = False,

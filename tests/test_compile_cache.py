@@ -70,16 +70,69 @@ def test_second_process_loads_instead_of_compiling(fresh):
     assert compile_cache.stats()["hits"] == 1  # and from then on, memory
 
 
-def test_damaged_file_is_compiled_again_and_replaced(fresh):
-    key = ("probe", "add_k", 2)
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_damaged_file_is_compiled_again_and_replaced(fresh, damage):
+    key = ("probe", "add_k", 2, damage)
     compile_cache.get_or_compile(key, build_add_k, persist=True, sources=SOURCES)
     (obj,) = fresh.rglob("*.o")
-    obj.write_bytes(b"not an object file")
+    data = obj.read_bytes()
+    obj.write_bytes(b"not an object file" if damage == "garbage" else data[: len(data) // 2])
     compile_cache.clear()
-    check_adds(compile_cache.get_or_compile(key, build_add_k, persist=True, sources=SOURCES), 1)
+    with pytest.warns(compile_cache.CacheWarning, match="could not be loaded"):
+        fn = compile_cache.get_or_compile(key, build_add_k, persist=True, sources=SOURCES)
+    check_adds(fn, 1)
     assert compile_cache.stats()["compiles"] == 2
     compile_cache.clear()
     check_adds(compile_cache.get_or_compile(key, must_not_compile, persist=True, sources=SOURCES), 2)
+
+
+def test_unwritable_directory_keeps_kernels_in_memory_with_one_warning(fresh, monkeypatch):
+    """A cache directory that cannot be created (a file stands in its way; as root, permission
+    bits would not stop the write): one CacheWarning, the kernels still work."""
+    blocker = fresh / "blocker"
+    blocker.write_text("")
+    monkeypatch.setenv("CUTEATTN_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(compile_cache, "_unwritable_warned", False)
+    with pytest.warns(compile_cache.CacheWarning, match="stay in memory only"):
+        check_adds(compile_cache.get_or_compile(("probe", "ro", 1), build_add_k, persist=True,
+                                                sources=SOURCES), 4)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", compile_cache.CacheWarning)  # said once, not per kernel
+        check_adds(compile_cache.get_or_compile(("probe", "ro", 2), build_add_k, persist=True,
+                                                sources=SOURCES), 5)
+    assert compile_cache.stats()["compiles"] == 2
+
+
+_CONCURRENT = """
+import sys
+sys.path.insert(0, {tests!r})
+import test_compile_cache as t
+from cuteattn import compile_cache
+fn = compile_cache.get_or_compile(("probe", "concurrent"), t.build_add_k, persist=True,
+                                  sources=t.SOURCES)
+t.check_adds(fn, 7)
+print("STATS", compile_cache.stats()["compiles"], compile_cache.stats()["disk_loads"])
+"""
+
+
+@pytest.mark.compile
+def test_two_processes_compiling_at_once(fresh):
+    """Two processes compile the same kernel into one cache directory at the same time: both
+    work, and a third process loads the file they left instead of compiling."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, CUTEATTN_DISK_CACHE="1", CUTEATTN_CACHE_DIR=str(fresh))
+    code = _CONCURRENT.format(tests=str(Path(__file__).parent))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len(list(fresh.rglob("*.o"))) == 1 and not list(fresh.rglob("*.tmp*"))
+    third = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert third.returncode == 0 and "STATS 0 1" in third.stdout, third.stdout + third.stderr
 
 
 def test_on_unless_turned_off(monkeypatch):
