@@ -1,0 +1,114 @@
+"""`python -m cuteattn.precompile`: compile the kernel variants a model needs into the disk cache
+before the first step, so that no process stalls compiling (3-7 s a variant) when it starts.
+
+    python -m cuteattn.precompile --head-dim 128 --dtype bf16 --mask causal --varlen --backward
+
+Works on a machine without a GPU: the kernels are compiled for the target architecture
+(`--arch`, default sm_90a there; the GPU's own where there is one), and the cache directory
+(CUTEATTN_CACHE_DIR, default ~/.cache/cuteattn) can then be copied to the GPU machines of the same
+architecture and package versions. The variants: every combination of the given head dims,
+dtypes and masks, batched and (with --varlen) packed, each forward tile class (short and long
+sequences), and with --backward the backward (deterministic too with --deterministic); sizes,
+head counts and GQA ratios never need a variant of their own.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+MASKS = ("none", "causal", "local", "softcap")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cuteattn.precompile",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--head-dim", type=int, action="append", required=True,
+                   help="head dim of q/k/v (repeat for several)")
+    p.add_argument("--dtype", action="append", choices=("bf16", "fp16"),
+                   help="repeat for several (default: bf16)")
+    p.add_argument("--mask", action="append", choices=MASKS,
+                   help="repeat for several (default: none and causal); local is any sliding "
+                        "window, softcap any softcap > 0")
+    p.add_argument("--varlen", action="store_true", help="also packed (flash_attn_varlen_func)")
+    p.add_argument("--seqused", action="store_true", help="packed calls pass seqused_q/seqused_k")
+    p.add_argument("--backward", action="store_true", help="also the backward (training)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the backward with deterministic=True too")
+    p.add_argument("--arch", help="target when there is no GPU (default sm_90a)")
+    return p.parse_args(argv)
+
+
+def variants(args) -> list:
+    """(label, spec) for every kernel the options ask for."""
+    import torch
+    from cuteattn.spec import AttentionSpec
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    out = []
+    layouts = [(False, False)] + ([(True, args.seqused)] if args.varlen else [])
+    for d in args.head_dim:
+        for dt in args.dtype or ["bf16"]:
+            for mask in args.mask or ["none", "causal"]:
+                for varlen, seqused in layouts:
+                    base = dict(
+                        dtype=dtypes[dt], head_dim=d, head_dim_v=d, causal=mask == "causal",
+                        local=mask == "local", has_softcap=mask == "softcap", varlen_q=varlen,
+                        varlen_k=varlen, has_seqused_q=seqused, has_seqused_k=seqused, batch=1,
+                        nheads=1, nheads_k=1, softmax_scale=d ** -0.5,
+                        window_left=128 if mask == "local" else -1,
+                        window_right=0 if mask == "local" else -1,
+                        softcap=30.0 if mask == "softcap" else 0.0)
+                    name = f"d{d} {dt} {mask}{' varlen' if varlen else ''}{' seqused' if seqused else ''}"
+                    for seqlen in (1024, 1 << 20):  # the short and the long tile class
+                        out.append((f"fwd {name} {'short' if seqlen == 1024 else 'long'}",
+                                    AttentionSpec(**base, seqlen_q=seqlen, seqlen_k=seqlen)))
+                    if args.backward:
+                        for det in (False, True) if args.deterministic else (False,):
+                            out.append((f"bwd {name}{' deterministic' if det else ''}",
+                                        AttentionSpec(**base, kind="bwd", deterministic=det)))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        os.environ.setdefault("CUTE_DSL_ARCH", args.arch or "sm_90a")  # before cutlass loads
+    from cuteattn import compile_cache, dispatch
+    if not compile_cache.disk_cache_enabled():
+        print("the disk cache is off (CUTEATTN_DISK_CACHE=0): nothing to fill", file=sys.stderr)
+        return 2
+    from cuteattn.kernels.sm90.launch import _use_tvm_ffi
+    if not _use_tvm_ffi():
+        print("only kernels compiled for TVM-FFI are kept on disk: pip install apache-tvm-ffi "
+              "(the tvm-ffi extra)", file=sys.stderr)
+        return 2
+    arch = "sm90"  # the one architecture with kernels today (dispatch.ARCH_BY_MAJOR)
+    todo = variants(args)
+    done = {}
+    start = time.perf_counter()
+    for i, (label, spec) in enumerate(todo, 1):
+        family, reason = dispatch.lookup(arch, spec.kind)
+        reason = reason or family.can_implement(spec)
+        if reason is None:
+            before = compile_cache.stats()
+            t0 = time.perf_counter()
+            family.launch(spec)  # compiles, or loads what the cache holds, and stores it
+            after = compile_cache.stats()
+            how = ("compiled" if after["compiles"] > before["compiles"] else
+                   "on disk already" if after["disk_loads"] > before["disk_loads"] else "shared")
+            status = f"{how} ({time.perf_counter() - t0:.1f} s)"
+        else:
+            status = f"skipped: {reason}"
+        done[label] = status
+        bar = "#" * (30 * i // len(todo))
+        print(f"\r[{bar:<30}] {i}/{len(todo)} {label}: {status}", flush=True)
+    stats = compile_cache.stats()
+    print(f"{stats['compiles']} compiled, {stats['disk_loads']} already on disk, in "
+          f"{time.perf_counter() - start:.0f} s, under {compile_cache.cache_dir(()).parent}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
