@@ -1,0 +1,1 @@
+"""Integrations with frameworks that call attention for the user (optional dependencies)."""
