@@ -321,9 +321,30 @@ def flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             causal, window_size, softcap, seqused_q, seqused_k, validate, deterministic, strict)
         return (out, lse) if return_lse else out
-    out, lse = forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              softmax_scale, causal, window_size, softcap, seqused_q, seqused_k,
-                              validate, strict, out, lse)
+    sig = None
+    if out is None and lse is None and not validate and type(window_size) is tuple:
+        # as flash_attn_func's shortcut; the index tensors by shape, stride, dtype and device
+        # (their values are never checked without validate=True, so they cannot fail anew)
+        index = tuple((t.shape, t.stride(), t.dtype, t.device) if type(t) is torch.Tensor
+                      else (type(t), t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
+        try:
+            sig = _signature(q, k, v, softmax_scale, causal, window_size,
+                             *map(type, window_size), softcap, max_seqlen_q, max_seqlen_k,
+                             type(max_seqlen_q), type(max_seqlen_k), index)
+            hit = _launches.get(sig) if sig is not None else None
+        except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+            sig = hit = None
+        if hit is not None:
+            spec, launch = hit
+            out = torch.empty((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device)
+            lse = torch.empty((spec.nheads, q.shape[0]), dtype=torch.float32, device=q.device)
+            launch(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                   seqused_q=seqused_q, seqused_k=seqused_k)
+            return (out, lse) if return_lse else out
+    out, lse, spec, launch = _forward_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        window_size, softcap, seqused_q, seqused_k, validate, strict, out, lse)
+    _remember(sig, spec, launch)
     return (out, lse) if return_lse else out
 
 
@@ -331,6 +352,15 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
                    strict, out=None, lse=None):
     """The varlen forward without autograd (ops.py's custom op runs this). Returns (out, lse)."""
+    return _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale, causal, window_size, softcap, seqused_q, seqused_k,
+                           validate, strict, out, lse)[:2]
+
+
+def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
+                    strict, out=None, lse=None):
+    """forward_varlen, also returning the spec and the launch that ran (None if none did)."""
     spec = _checks.varlen_spec(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
@@ -349,8 +379,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
     )
-    out, lse, _ = _run(q, k, v, spec, out, lse, strict, varlen, host)
-    return out, lse
+    out, lse, launch = _run(q, k, v, spec, out, lse, strict, varlen, host)
+    return out, lse, spec, launch
 
 
 # ---- gradients ----

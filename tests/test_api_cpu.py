@@ -403,6 +403,46 @@ def test_shortcut_not_taken_for_buffers_grads_or_lists(fake_dispatch):
     assert fake_dispatch.selections == 5 and not api._launches
 
 
+def test_varlen_repeated_call_skips_checks_and_selection(fake_dispatch):
+    (q, k, v), args = packed()
+    first = flash_attn_varlen_func(q, k, v, **args, causal=True, return_lse=True)
+    cu_q = args["cu_seqlens_q"].clone()  # new index tensors of the same kind: still a hit
+    second = flash_attn_varlen_func(q, k, v, **{**args, "cu_seqlens_q": cu_q}, causal=True,
+                                    return_lse=True)
+    assert fake_dispatch.selections == 1 and len(fake_dispatch.calls) == 2
+    call = fake_dispatch.calls[1]
+    assert call["spec"] is fake_dispatch.calls[0]["spec"] and call["cu_seqlens_q"] is cu_q
+    assert second[0].shape == first[0].shape and second[1].shape == first[1].shape
+    assert second[0] is not first[0] and torch.all(second[0] == 1) and torch.all(second[1] == 2)
+
+
+@pytest.mark.parametrize("change", ["cu_dtype", "cu_length", "seqused", "max_seqlen", "validate",
+                                    "max_seqlen_type"])
+def test_varlen_shortcut_misses_or_checks_on_any_change(fake_dispatch, change):
+    """A changed index tensor, max length or validate takes the full path (its checks run)."""
+    (q, k, v), args = packed()
+    flash_attn_varlen_func(q, k, v, **args)
+    if change == "cu_dtype":
+        with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+            flash_attn_varlen_func(q, k, v, **{**args, "cu_seqlens_q": args["cu_seqlens_q"].long()})
+        return
+    if change == "cu_length":
+        with pytest.raises(ValueError, match="cu_seqlens_k"):
+            flash_attn_varlen_func(q, k, v, **{**args, "cu_seqlens_k": args["cu_seqlens_k"][:-1]})
+        return
+    if change == "max_seqlen_type":
+        with pytest.raises(TypeError, match="max_seqlen_q"):
+            flash_attn_varlen_func(q, k, v, **{**args, "max_seqlen_q": float(args["max_seqlen_q"])})
+        return
+    if change == "seqused":
+        flash_attn_varlen_func(q, k, v, **args, seqused_k=torch.zeros(3, dtype=torch.int32))
+    elif change == "max_seqlen":
+        flash_attn_varlen_func(q, k, v, **{**args, "max_seqlen_q": 9})
+    else:
+        flash_attn_varlen_func(q, k, v, **args, validate=True)
+    assert fake_dispatch.selections == 2
+
+
 def test_cpu_never_asks_dispatch(monkeypatch):
     """CPU tensors fall back without importing cuteattn.dispatch (which needs the DSL and a GPU)."""
     import builtins
