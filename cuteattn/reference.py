@@ -211,3 +211,86 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         len_k = used_k[b] if used_k is not None else starts_k[b + 1] - k0
         if len_q > 0:
             yield q0, len_q, k0, len_k
+
+
+# ---- KV cache (flash_attn_with_kvcache) ----
+
+def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of x (..., seqlen, heads, d) by cos/sin (seqlen, rotary_dim / 2), on the
+    first rotary_dim features, in float32, returned in x's dtype. interleaved (GPT-J): features
+    (0, 1), (2, 3), ... rotate as pairs; otherwise (GPT-NeoX) feature i pairs with i + rotary_dim/2."""
+    rd = 2 * cos.shape[-1]
+    xf = x.float()
+    c, s = cos.float()[:, None, :], sin.float()[:, None, :]  # broadcast over heads
+    head, tail = xf[..., :rd], xf[..., rd:]
+    if interleaved:
+        x1, x2 = head[..., 0::2], head[..., 1::2]
+        rotated = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:
+        x1, x2 = head[..., : rd // 2], head[..., rd // 2:]
+        rotated = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.cat((rotated, tail), dim=-1).to(x.dtype)
+
+
+def _cache_rows(k_cache, block_table, row: int, positions: torch.Tensor):
+    """Where positions (absolute, in one sequence) live in the cache: (pages/rows, offsets)."""
+    if block_table is None:
+        return torch.full_like(positions, row), positions
+    page = k_cache.shape[1]
+    return block_table[row][positions // page].long(), positions % page
+
+
+def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                          cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+                          block_table=None, *, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                          upcast=True):
+    """flash_attn_with_kvcache's semantics, written out per batch entry (reads lengths to the
+    host). Appends k, v (rotated when rotary_cos/sin are given) into the caches in place at
+    positions [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of cache row cache_batch_idx[b]
+    (or b; with block_table, of sequence b's pages), then attends q (rotated at positions
+    cache_seqlens[b] + i when causal or local, at cache_seqlens[b] otherwise) over keys
+    [cache_leftpad[b], cache_seqlens[b] + seqlen_new), bottom-right aligned. cache_seqlens None
+    means the whole cache (its length; pages per sequence x page size) holds keys.
+    Returns (out (b, sq, h, d), lse (b, h, sq)), dtypes as attention_ref's."""
+    b, sq = q.shape[:2]
+    s_new = 0 if k is None else k.shape[1]
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    seqlens = _per_batch(cache_seqlens, b, capacity)
+    rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(b))
+    starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * b
+    local = window_size[0] >= 0 or window_size[1] >= 0
+    outs, lses = [], []
+    for i in range(b):
+        old, row = seqlens[i], rows[i]
+        qi = q[i:i + 1]
+        if rotary_cos is not None:
+            pos = torch.arange(old, old + sq) if (causal or local) else torch.full((sq,), old)
+            qi = apply_rotary_ref(qi, rotary_cos[pos], rotary_sin[pos], rotary_interleaved)
+        if s_new:
+            ki = k[i:i + 1]
+            if rotary_cos is not None:
+                new = torch.arange(old, old + s_new)
+                ki = apply_rotary_ref(ki, rotary_cos[new], rotary_sin[new], rotary_interleaved)
+            where = _cache_rows(k_cache, block_table, row, torch.arange(old, old + s_new, device=q.device))
+            k_cache[where] = ki[0].to(k_cache.dtype)
+            v_cache[where] = v[i].to(v_cache.dtype)
+        keys = torch.arange(starts[i], old + s_new, device=q.device)
+        where = _cache_rows(k_cache, block_table, row, keys)
+        o, l = attention_ref(qi, k_cache[where][None], v_cache[where][None],
+                             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                             softcap=softcap, upcast=upcast)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _per_batch(value, batch: int, capacity: int) -> list:
+    """cache_seqlens as a list of ints: an int for every entry, a tensor's values, or (None) the
+    cache's whole capacity (its length, or pages per sequence x page size)."""
+    if value is None:
+        return [capacity] * batch
+    if isinstance(value, int):
+        return [value] * batch
+    return value.tolist()

@@ -44,7 +44,8 @@ def test_public_names():
     assert set(cuteattn.__all__) == {
         "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func",
         "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
-        "flash_attn_varlen_kvpacked_func", "FallbackWarning", "__version__"}
+        "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache", "FallbackWarning",
+        "__version__"}
     assert isinstance(cuteattn.__version__, str)
 
 

@@ -1,0 +1,211 @@
+"""flash_attn_with_kvcache: attention of a few new query rows against a KV cache (decoding,
+speculative decoding, chunked prefill), with FlashAttention's signature and semantics.
+
+The argument checks here read no device value (no sync) unless validate=True. No decode kernel
+exists yet: calls run on the PyTorch reference (reference.attention_kvcache_ref) with the usual
+FallbackWarning (strict mode raises), appending k/v into the caches in place as the kernel will.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from cuteattn import _checks, api
+from cuteattn.reference import attention_kvcache_ref
+from cuteattn.spec import AttentionSpec
+
+PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
+
+
+def _index_vector(name: str, t, batch: int, device) -> None:
+    if t is None:
+        return
+    _checks._check_index_tensor(name, t, batch, device)
+
+
+def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
+                 rotary_cos, rotary_sin, cache_seqlens, num_splits):
+    """The shape/dtype/device rules; returns (batch, seqlen_new, capacity per sequence)."""
+    _checks.check_qkv(q, k_cache, v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, head_dim) "
+                      "or paged (num_blocks, page_size, nheads_k, head_dim)")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape (batch, seqlen, nheads, head_dim); got {tuple(q.shape)}")
+    batch, device = q.shape[0], q.device
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor):
+            raise TypeError(f"block_table must be a torch.Tensor; got {type(block_table)}")
+        if block_table.dtype != torch.int32:
+            raise TypeError(f"block_table must be int32; got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (batch={batch}, max_pages); got "
+                             f"{tuple(block_table.shape)}")
+        if block_table.device != device:
+            raise ValueError(f"block_table must be on q's device ({device}); got {block_table.device}")
+        page = k_cache.shape[1]
+        if page % PAGE_MULTIPLE != 0:
+            raise ValueError(f"the page size (k_cache.shape[1] = {page}) must be a multiple of "
+                             f"{PAGE_MULTIPLE} for a paged cache")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (the block "
+                             "table already says where each sequence's pages are)")
+        if cache_leftpad is not None:
+            raise ValueError("cache_leftpad cannot be combined with block_table")
+        capacity = block_table.shape[1] * page
+    else:
+        capacity = k_cache.shape[1]
+        if cache_batch_idx is None and k_cache.shape[0] < batch:
+            raise ValueError(f"k_cache has {k_cache.shape[0]} sequences for a batch of {batch} "
+                             "(pass cache_batch_idx to pick cache rows)")
+    _index_vector("cache_batch_idx", cache_batch_idx, batch, device)
+    _index_vector("cache_leftpad", cache_leftpad, batch, device)
+    s_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v (the new tokens) must be given together")
+    if k is not None:
+        hk, d, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
+        for name, t, last in (("k", k, d), ("v", v, dv)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor; got {type(t)}")
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[2] != hk or t.shape[3] != last:
+                raise ValueError(f"{name} must have shape (batch={batch}, seqlen_new, nheads_k={hk}, "
+                                 f"{last}); got {tuple(t.shape)}")
+            if t.dtype != q.dtype or t.device != device:
+                raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {device}); "
+                                 f"got {t.dtype}, {t.device}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"k and v must have the same seqlen_new; got {k.shape[1]} and {v.shape[1]}")
+        s_new = k.shape[1]
+        if s_new > capacity:
+            raise ValueError(f"{s_new} new tokens do not fit a cache of {capacity} per sequence")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape != rotary_cos.shape:
+                raise ValueError(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2), both "
+                                 f"the same shape; got {getattr(t, 'shape', type(t))}")
+            if t.device != device or not t.is_floating_point():
+                raise ValueError(f"{name} must be a floating tensor on q's device ({device})")
+        rd = 2 * rotary_cos.shape[1]
+        if rd > q.shape[-1] or rd % 16 != 0:
+            raise ValueError(f"rotary_dim (2 x rotary_cos.shape[1] = {rd}) must be a multiple of 16 "
+                             f"and at most head_dim ({q.shape[-1]})")
+        if rotary_cos.shape[0] < capacity:
+            raise ValueError(f"rotary_cos/sin must cover every cache position: {rotary_cos.shape[0]} "
+                             f"rows for a capacity of {capacity}")
+    if isinstance(cache_seqlens, bool) or not (
+            cache_seqlens is None or isinstance(cache_seqlens, (numbers.Integral, torch.Tensor))):
+        raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor; got {type(cache_seqlens)}")
+    if isinstance(cache_seqlens, numbers.Integral) and not 0 <= cache_seqlens <= capacity - s_new:
+        raise ValueError(f"cache_seqlens ({cache_seqlens}) must lie in [0, capacity - seqlen_new] = "
+                         f"[0, {capacity - s_new}]")
+    if isinstance(cache_seqlens, torch.Tensor):
+        _index_vector("cache_seqlens", cache_seqlens, batch, device)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = automatic); got {num_splits!r}")
+    return batch, s_new, capacity
+
+
+def _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, s_new,
+                  capacity, batch) -> None:
+    """validate=True: the index values (a device sync)."""
+    seqlens = ([cache_seqlens] * batch if not isinstance(cache_seqlens, torch.Tensor)
+               else cache_seqlens.tolist()) if cache_seqlens is not None else [capacity - s_new] * batch
+    for b, n in enumerate(seqlens):
+        if not 0 <= n <= capacity - s_new:
+            raise ValueError(f"cache_seqlens[{b}] = {n}: must lie in [0, capacity - seqlen_new] = "
+                             f"[0, {capacity - s_new}]")
+    if cache_leftpad is not None:
+        for b, (pad, n) in enumerate(zip(cache_leftpad.tolist(), seqlens)):
+            if not 0 <= pad <= n:
+                raise ValueError(f"cache_leftpad[{b}] = {pad}: must lie in [0, cache_seqlens[{b}] = {n}]")
+    if cache_batch_idx is not None:
+        rows = cache_batch_idx.tolist()
+        bad = [r for r in rows if not 0 <= r < k_cache.shape[0]]
+        if bad:
+            raise ValueError(f"cache_batch_idx {bad[0]} is outside the cache's {k_cache.shape[0]} rows")
+        if len(set(rows)) != len(rows):
+            raise ValueError("cache_batch_idx must not repeat a cache row (two sequences would "
+                             "append into it)")
+    if block_table is not None:
+        page, table = k_cache.shape[1], block_table.tolist()
+        for b, n in enumerate(seqlens):
+            used = table[b][: (n + s_new + page - 1) // page]
+            bad = [p for p in used if not 0 <= p < k_cache.shape[0]]
+            if bad:
+                raise ValueError(f"block_table[{b}] holds page {bad[0]}, outside the cache's "
+                                 f"{k_cache.shape[0]} pages")
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    validate=False,
+    strict=None,
+):
+    """Attention of q (batch, seqlen_q, nheads, head_dim) against a KV cache, FlashAttention's
+    `flash_attn_with_kvcache`.
+
+    k_cache / v_cache: (batch_cache, seqlen_cache, nheads_k, head_dim), or with block_table
+    (batch, max_pages) int32, paged: (num_blocks, page_size, nheads_k, head_dim), page_size a
+    multiple of 16, pages in any order and shared between sequences. cache_seqlens (int, or
+    (batch,) int32): the cache's current length per sequence (None: the whole capacity).
+    k / v (batch, seqlen_new, nheads_k, head_dim): new tokens, written into the caches in place
+    at cache_seqlens before attending, rotated first when rotary_cos / rotary_sin
+    (seqlen_ro, rotary_dim / 2) are given (q too: at positions cache_seqlens + i when causal or
+    windowed, else at cache_seqlens), interleaved (GPT-J) or not (GPT-NeoX). cache_batch_idx
+    (batch,) int32: the cache row of each sequence; cache_leftpad (batch,) int32: where each
+    sequence's keys start. Masks are bottom-right aligned against the keys
+    [cache_leftpad, cache_seqlens + seqlen_new). num_splits is accepted (0 = automatic).
+
+    Returns out (batch, seqlen_q, nheads, head_dim), and lse (batch, nheads, seqlen_q) float32
+    with return_softmax_lse. No gradients (inference). validate=True also checks the index
+    values (a sync): lengths within the capacity, leftpad within the length, rows and pages in
+    range, rows not repeated. Without it they are trusted.
+    """
+    _checks.check_unsupported(0.0, alibi_slopes, False)
+    batch, s_new, capacity = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx,
+                                          cache_leftpad, rotary_cos, rotary_sin, cache_seqlens,
+                                          num_splits)
+    causal, local, left, right = _checks.normalize_mask(causal, window_size)
+    scale, softcap = _checks.check_scalars(softmax_scale, softcap, q.shape[-1])
+    if validate:
+        _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, s_new,
+                      capacity, batch)
+    spec = AttentionSpec(
+        dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v_cache.shape[-1], causal=causal,
+        local=local, has_softcap=softcap > 0, varlen_q=False, varlen_k=True, kind="decode",
+        batch=batch, seqlen_q=q.shape[1], seqlen_k=capacity, nheads=q.shape[2],
+        nheads_k=k_cache.shape[2], softmax_scale=scale, window_left=left, window_right=right,
+        softcap=softcap, device_index=q.device.index if q.device.type == "cuda" else -1)
+    launch, reason = api._select_kernel(spec, q.device)
+    if launch is not None:  # no decode family registers yet: a kernel here is a bug
+        raise AssertionError("a decode kernel was selected but flash_attn_with_kvcache has no "
+                             "launch path for it yet")
+    api._fall_back(reason, strict)
+    with torch.no_grad():
+        out, lse = attention_kvcache_ref(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale=scale, causal=causal,
+            window_size=(left, right), softcap=softcap, rotary_interleaved=rotary_interleaved)
+    out = out.to(q.dtype)
+    return (out, lse) if return_softmax_lse else out

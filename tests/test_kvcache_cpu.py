@@ -1,0 +1,219 @@
+"""flash_attn_with_kvcache on the CPU (the reference path): FlashAttention's semantics checked
+against an independent construction (the sequence's keys assembled by hand, rotary by complex
+multiplication), the in-place append (exactly the new positions change), paged caches with
+shuffled and shared pages, and every argument rule."""
+import warnings
+
+import pytest
+import torch
+
+import cuteattn
+from cuteattn import flash_attn_with_kvcache
+from cuteattn.reference import attention_ref
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cuteattn.FallbackWarning)
+        yield
+
+
+def rotary_tables(n, rd, base=10000.0):
+    inv = 1.0 / base ** (torch.arange(0, rd, 2).float() / rd)
+    ang = torch.arange(n).float()[:, None] * inv[None]
+    return ang.cos(), ang.sin()
+
+
+def rotate_complex(x, cos, sin, interleaved):
+    """Rotary as a complex multiplication (independent of reference.apply_rotary_ref)."""
+    rd = 2 * cos.shape[-1]
+    xf = x.float()
+    head = xf[..., :rd]
+    if interleaved:
+        z = torch.view_as_complex(head.reshape(*head.shape[:-1], rd // 2, 2).contiguous())
+    else:
+        z = torch.complex(head[..., : rd // 2], head[..., rd // 2:])
+    z = z * torch.complex(cos, sin)[:, None, :]
+    if interleaved:
+        out = torch.view_as_real(z).flatten(-2)
+    else:
+        out = torch.cat((z.real, z.imag), dim=-1)
+    return torch.cat((out, xf[..., rd:]), dim=-1).to(x.dtype)
+
+
+def by_hand(q, cache_k, cache_v, lens, k_new, v_new, starts=None, rot=None, causal=False,
+            window=(-1, -1), interleaved=True):
+    """Per sequence: rotate, concatenate the cache's keys with the new ones, attend."""
+    outs = []
+    for b in range(q.shape[0]):
+        n, s0 = lens[b], 0 if starts is None else starts[b]
+        qb, kb, vb = q[b], cache_k[b][s0:n], cache_v[b][s0:n]
+        if k_new is not None:
+            kn = k_new[b]
+            if rot is not None:
+                kn = rotate_complex(kn, rot[0][n:n + kn.shape[0]], rot[1][n:n + kn.shape[0]], interleaved)
+            kb, vb = torch.cat([kb, kn]), torch.cat([vb, v_new[b]])
+        if rot is not None:
+            local = window[0] >= 0 or window[1] >= 0
+            pos = torch.arange(n, n + qb.shape[0]) if causal or local else torch.full((qb.shape[0],), n)
+            qb = rotate_complex(qb, rot[0][pos], rot[1][pos], interleaved)
+        o, _ = attention_ref(qb[None], kb[None], vb[None], causal=causal, window_size=window)
+        outs.append(o[0])
+    return torch.stack(outs)
+
+
+def close(a, b):
+    assert (a.float() - b.float()).abs().max() <= 1e-2, (a.float() - b.float()).abs().max()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_contiguous_cache_without_new_tokens(seed, causal):
+    q = torch.randn(3, 4, 8, 64, dtype=BF16)
+    kc, vc = torch.randn(3, 40, 2, 64, dtype=BF16), torch.randn(3, 40, 2, 64, dtype=BF16)
+    lens = torch.tensor([0, 1, 37], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=causal,
+                                       return_softmax_lse=True)
+    close(out, by_hand(q, kc, vc, lens.tolist(), None, None, causal=causal))
+    assert torch.all(out[0] == 0) and torch.isneginf(lse[0]).all()  # an empty cache: no key
+    assert lse.shape == (3, 8, 4) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+def test_append_with_rotary_writes_exactly_the_new_positions(seed, interleaved, causal):
+    b, s_new, cap = 2, 3, 24
+    q = torch.randn(b, s_new, 4, 64, dtype=BF16)
+    kc, vc = torch.randn(b, cap, 4, 64, dtype=BF16), torch.randn(b, cap, 4, 64, dtype=BF16)
+    k, v = torch.randn(b, s_new, 4, 64, dtype=BF16), torch.randn(b, s_new, 4, 64, dtype=BF16)
+    cos, sin = rotary_tables(cap, 32)
+    lens = [5, 21]
+    before_k, before_v = kc.clone(), vc.clone()
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, cos, sin, torch.tensor(lens, dtype=torch.int32),
+                                  causal=causal, rotary_interleaved=interleaved)
+    want = by_hand(q, before_k, before_v, lens, k, v, rot=(cos, sin), causal=causal,
+                   interleaved=interleaved)
+    close(out, want)
+    for i, n in enumerate(lens):
+        new = slice(n, n + s_new)
+        assert torch.equal(vc[i, new], v[i])
+        close(kc[i, new], rotate_complex(k[i], cos[new], sin[new], interleaved))
+        keep = torch.ones(cap, dtype=torch.bool)
+        keep[new] = False
+        assert torch.equal(kc[i, keep], before_k[i, keep]) and torch.equal(vc[i, keep], before_v[i, keep])
+
+
+def test_paged_cache_shuffled_and_shared_pages_equal_contiguous(seed):
+    """Two sequences share their first page (a common prefix); pages in shuffled order."""
+    page, b, s_new = 16, 2, 2
+    lens = [20, 33]
+    contiguous_k = torch.randn(b, 64, 2, 64, dtype=BF16)
+    contiguous_v = torch.randn(b, 64, 2, 64, dtype=BF16)
+    contiguous_k[1, :page], contiguous_v[1, :page] = contiguous_k[0, :page], contiguous_v[0, :page]
+    table = torch.tensor([[5, 2, 7, 0], [5, 6, 1, 3]], dtype=torch.int32)  # page 5 shared
+    kp, vp = torch.zeros(8, page, 2, 64, dtype=BF16), torch.zeros(8, page, 2, 64, dtype=BF16)
+    for i in range(b):
+        for j, p in enumerate(table[i].tolist()):
+            kp[p], vp[p] = contiguous_k[i, j * page:(j + 1) * page], contiguous_v[i, j * page:(j + 1) * page]
+    q = torch.randn(b, s_new, 4, 64, dtype=BF16)
+    k, v = torch.randn(b, s_new, 2, 64, dtype=BF16), torch.randn(b, s_new, 2, 64, dtype=BF16)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    paged = flash_attn_with_kvcache(q, kp, vp, k, v, cache_seqlens=seqlens, block_table=table,
+                                    causal=True, validate=True)
+    flat = flash_attn_with_kvcache(q, contiguous_k, contiguous_v, k, v, cache_seqlens=seqlens,
+                                   causal=True)
+    assert torch.equal(paged, flat)
+    assert torch.equal(kp[2, 4:6], k[0]) and torch.equal(kp[1, 1:3], k[1])  # appended by page
+
+
+def test_cache_batch_idx_and_leftpad(seed):
+    q = torch.randn(2, 1, 4, 64, dtype=BF16)
+    kc, vc = torch.randn(5, 30, 4, 64, dtype=BF16), torch.randn(5, 30, 4, 64, dtype=BF16)
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+    pad = torch.tensor([4, 0], dtype=torch.int32)
+    lens = torch.tensor([17, 9], dtype=torch.int32)
+    out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_batch_idx=idx,
+                                  cache_leftpad=pad, causal=True, validate=True)
+    close(out, by_hand(q, kc[idx.long()], vc[idx.long()], lens.tolist(), None, None,
+                       starts=pad.tolist(), causal=True))
+
+
+def test_speculative_rows_are_bottom_right_causal(seed):
+    """Four query rows over a cache of 10 plus 4 new keys: row i sees keys [0, 10 + i]."""
+    q = torch.randn(1, 4, 2, 64, dtype=BF16)
+    kc, vc = torch.randn(1, 16, 2, 64, dtype=BF16), torch.randn(1, 16, 2, 64, dtype=BF16)
+    k, v = torch.randn(1, 4, 2, 64, dtype=BF16), torch.randn(1, 4, 2, 64, dtype=BF16)
+    before_k, before_v = kc.clone(), vc.clone()
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=10, causal=True,
+                                  window_size=(6, -1))
+    close(out, by_hand(q, before_k, before_v, [10], k, v, causal=True, window=(6, 0)))
+
+
+def test_whole_cache_when_cache_seqlens_is_none(seed):
+    q = torch.randn(2, 1, 2, 64, dtype=BF16)
+    kc, vc = torch.randn(2, 12, 2, 64, dtype=BF16), torch.randn(2, 12, 2, 64, dtype=BF16)
+    close(flash_attn_with_kvcache(q, kc, vc), by_hand(q, kc, vc, [12, 12], None, None))
+
+
+def test_strict_and_the_fallback_warning():
+    q = torch.randn(1, 1, 2, 64, dtype=BF16)
+    kc = torch.randn(1, 8, 2, 64, dtype=BF16)
+    with pytest.raises(RuntimeError, match="strict"):
+        flash_attn_with_kvcache(q, kc, kc, strict=True)
+
+
+def args(**over):
+    a = dict(q=torch.randn(2, 1, 4, 64, dtype=BF16), k_cache=torch.randn(2, 32, 2, 64, dtype=BF16),
+             v_cache=torch.randn(2, 32, 2, 64, dtype=BF16))
+    a.update(over)
+    return a
+
+
+PAGED = dict(k_cache=torch.randn(4, 16, 2, 64, dtype=BF16), v_cache=torch.randn(4, 16, 2, 64, dtype=BF16))
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(k_cache=torch.randn(4, 24, 2, 64, dtype=BF16), v_cache=torch.randn(4, 24, 2, 64, dtype=BF16),
+          block_table=torch.zeros(2, 2, dtype=torch.int32)), ValueError, "multiple of 16"),
+    (dict(**PAGED, block_table=torch.zeros(2, 2, dtype=torch.int64)), TypeError, "block_table must be int32"),
+    (dict(**PAGED, block_table=torch.zeros(3, 2, dtype=torch.int32)), ValueError, r"block_table must have shape \(batch=2"),
+    (dict(**PAGED, block_table=torch.zeros(2, 2, dtype=torch.int32),
+          cache_leftpad=torch.zeros(2, dtype=torch.int32)), ValueError, "cache_leftpad cannot"),
+    (dict(cache_seqlens=40), ValueError, r"cache_seqlens \(40\) must lie in"),
+    (dict(cache_seqlens=torch.zeros(2, dtype=torch.int64)), TypeError, "cache_seqlens must be int32"),
+    (dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, "cache_seqlens"),
+    (dict(cache_seqlens=1.5), TypeError, "cache_seqlens must be None, an int"),
+    (dict(k_cache=torch.randn(2, 32, 3, 64, dtype=BF16), v_cache=torch.randn(2, 32, 3, 64, dtype=BF16)),
+     ValueError, "multiple of nheads_k"),
+    (dict(k_cache=torch.randn(2, 32, 2, 64, dtype=torch.float16),
+          v_cache=torch.randn(2, 32, 2, 64, dtype=torch.float16)), (TypeError, ValueError), "dtype"),
+    (dict(k=torch.randn(2, 1, 2, 64, dtype=BF16)), ValueError, "k and v"),
+    (dict(k=torch.randn(2, 1, 3, 64, dtype=BF16), v=torch.randn(2, 1, 3, 64, dtype=BF16)), ValueError, "nheads_k=2"),
+    (dict(rotary_cos=torch.ones(32, 16)), ValueError, "rotary_cos and rotary_sin"),
+    (dict(rotary_cos=torch.ones(32, 12), rotary_sin=torch.ones(32, 12)), ValueError, "multiple of 16"),
+    (dict(rotary_cos=torch.ones(8, 16), rotary_sin=torch.ones(8, 16)), ValueError, "cover every cache position"),
+    (dict(k_cache=torch.randn(1, 32, 2, 64, dtype=BF16), v_cache=torch.randn(1, 32, 2, 64, dtype=BF16)),
+     ValueError, "cache_batch_idx"),
+    (dict(num_splits=-1), ValueError, "num_splits"),
+    (dict(alibi_slopes=torch.ones(4)), NotImplementedError, "ALiBi"),
+    (dict(window_size=(-3, 0)), ValueError, "window_size"),
+])
+def test_bad_arguments_raise_before_any_work(over, exc, match):
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**args(**over))
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(cache_seqlens=torch.tensor([3, 33], dtype=torch.int32)), r"cache_seqlens\[1\] = 33"),
+    (dict(cache_seqlens=torch.tensor([3, 5], dtype=torch.int32),
+          cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)), r"cache_leftpad\[0\] = 4"),
+    (dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)), "outside the cache's 2 rows"),
+    (dict(cache_batch_idx=torch.tensor([1, 1], dtype=torch.int32)), "must not repeat"),
+    (dict(**PAGED, block_table=torch.tensor([[0, 9], [1, 2]], dtype=torch.int32),
+          cache_seqlens=torch.tensor([20, 3], dtype=torch.int32)), r"block_table\[0\] holds page 9"),
+])
+def test_validate_checks_the_index_values(over, match):
+    with pytest.raises(ValueError, match=match):
+        flash_attn_with_kvcache(**args(**over), validate=True)
