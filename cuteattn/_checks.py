@@ -16,7 +16,8 @@ import torch
 
 from cuteattn.spec import AttentionSpec
 
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 8, 256  # every head dim FlashAttention accepts
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # the ones a kernel serves (others: the reference)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -101,10 +102,13 @@ def check_qkv(q, k, v, rank: int, layout: str) -> None:
     d, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
     if d_k != d:
         raise ValueError(f"k's head_dim ({d_k}) must equal q's ({d})")
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise NotImplementedError(f"head_dim {d} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
-    if d_v != d:
-        raise NotImplementedError(f"head_dim_v {d_v} (v's last dim) must equal head_dim {d} for now")
+    # FlashAttention's range: any multiple of 8 up to 256, for q/k and for v. The kernels serve
+    # KERNEL_HEAD_DIMS with head_dim_v == head_dim; the rest runs on the reference (a
+    # FallbackWarning names the reason, from the kernel family's can_implement).
+    for name, x in (("head_dim", d), ("head_dim_v (v's last dim)", d_v)):
+        if not (x % HEAD_DIM_MULTIPLE == 0 and 0 < x <= MAX_HEAD_DIM):
+            raise NotImplementedError(f"{name} {x} is not supported: it must be a multiple of "
+                                      f"{HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MULTIPLE}, {MAX_HEAD_DIM}]")
     nheads, nheads_k = q.shape[-2], k.shape[-2]
     if nheads < 1 or nheads_k < 1:
         raise ValueError(f"nheads ({nheads}) and nheads_k ({nheads_k}) must be >= 1")
