@@ -14,6 +14,7 @@ import numbers
 
 import torch
 
+from cuteattn.reference import window_bounds
 from cuteattn.spec import AttentionSpec
 
 HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 8, 256  # every head dim FlashAttention accepts
@@ -34,28 +35,27 @@ def check_unsupported(dropout_p, alibi_slopes, return_attn_probs) -> None:
         )
 
 
-def normalize_mask(causal: bool, window_size) -> tuple[bool, bool, int, int]:
-    """FlashAttention's mask semantics -> (causal, local, window_left, window_right).
-
-    -1 (or None) means unbounded on that side. causal=True sets right = 0; a window of (-1, 0) is
-    causal whether or not causal=True was passed; any other bounded side makes the mask local.
-    Causal is returned as (-1, 0), no mask as (-1, -1).
+def normalize_mask(causal: bool, window_size) -> tuple:
+    """FlashAttention's mask semantics -> (causal, local, window_left, window_right), each side an
+    int bound or None (unbounded): reference.window_bounds' rules (-1 unbounded where neither
+    side is None; None unbounded; negative values are edges past the diagonal). causal=True sets
+    right = 0; a window of (unbounded, 0) is causal whether or not causal=True was passed; any
+    other bound makes the mask local. Causal is returned as (None, 0), no mask as (None, None).
+    Two bounded sides must leave keys to see: left + right >= 0.
     """
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right); got {window_size!r}")
-    sides = []
     for name, w in zip(("left", "right"), window_size):
-        w = -1 if w is None else w
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral):
-            raise TypeError(f"window_size {name} must be an int (-1 = unbounded); got {w!r}")
-        if w < -1:
-            raise ValueError(f"window_size {name} must be >= -1 (-1 = unbounded); got {w}")
-        sides.append(int(w))
-    left, right = sides
+        if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral)):
+            raise TypeError(f"window_size {name} must be an int or None (unbounded); got {w!r}")
+    left, right = (None if w is None else int(w) for w in window_bounds(tuple(window_size)))
     if causal:
         right = 0
-    causal = left == -1 and right == 0
-    local = not causal and (left >= 0 or right >= 0)
+    if left is not None and right is not None and left + right < 0:
+        raise ValueError(f"window_size ({left}, {right}) leaves no key to any query: left + right "
+                         "must be >= 0")
+    causal = left is None and right == 0
+    local = not causal and (left is not None or right is not None)
     return causal, local, left, right
 
 

@@ -184,16 +184,20 @@ def flash_attn_func(
     """Attention of q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d),
     v (batch, seqlen_k, nheads_k, d), fp16 or bf16, with FlashAttention's semantics.
 
-    causal / window_size=(left, right) masks are bottom-right aligned (-1 = unbounded side;
-    causal=True means right = 0); softcap > 0 maps scores s to softcap * tanh(s / softcap);
+    causal / window_size=(left, right) masks are bottom-right aligned (-1 or None = unbounded
+    side; FlashAttention-4's negative edges: values below -1, or -1 beside a None side, keep only
+    keys that far past the diagonal; causal=True means right = 0); softcap > 0 maps scores s to
+    softcap * tanh(s / softcap);
     softmax_scale defaults to 1/sqrt(d); nheads must be a multiple of nheads_k (GQA/MQA).
 
     Returns out (batch, seqlen_q, nheads, d), or (out, lse) with return_lse, lse float32
     (batch, nheads, seqlen_q), natural log; rows that see no key get out 0 and lse -inf.
 
-    Checked on every call without a device sync: types, dtypes, devices, ranks, shapes, head_dim in
-    (64, 96, 128, 192, 256), v's head_dim equal to q's, nheads % nheads_k, unit stride in head_dim
-    (no hidden copy), window >= -1, softcap >= 0, softmax_scale finite > 0.
+    Checked on every call without a device sync: types, dtypes, devices, ranks, shapes, head dims
+    (q/k and v) multiples of 8 up to 256 (kernels: 64, 96, 128, 192, 256 with v's equal to q's;
+    others run on the reference), nheads % nheads_k, unit stride in head_dim (no hidden copy),
+    a window that leaves keys (left + right >= 0 when both are bounded), softcap >= 0,
+    softmax_scale finite > 0.
     Not supported (NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs.
     Gradients (q, k or v requiring grad) flow through torch autograd: the backward kernel where
     one serves the problem (sm_90a, head_dim 64/96/128), else the float32 reference backward

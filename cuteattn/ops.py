@@ -42,8 +42,8 @@ def _normalised(q, softmax_scale, causal, window_size, softcap):
 # ---- fixed length ----
 
 @torch.library.custom_op("cuteattn::fwd", mutates_args=())
-def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool, window_left: int,
-         window_right: int, softcap: float, deterministic: bool,
+def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+         window_left: Optional[int], window_right: Optional[int], softcap: float, deterministic: bool,
          strict: int) -> tuple[Tensor, Tensor]:
     out, lse, _, _ = api.forward(q, k, v, softmax_scale, causal, (window_left, window_right),
                                  softcap, _strict(strict))
@@ -59,8 +59,9 @@ def _fwd_fake(q, k, v, *args):
 
 @torch.library.custom_op("cuteattn::bwd", mutates_args=())
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-         softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-         deterministic: bool, strict: int) -> tuple[Tensor, Tensor, Tensor]:
+         softmax_scale: float, causal: bool, window_left: Optional[int],
+         window_right: Optional[int], softcap: float, deterministic: bool,
+         strict: int) -> tuple[Tensor, Tensor, Tensor]:
     grads = api.backward(dout, q, k, v, out, lse, softmax_scale, causal,
                          (window_left, window_right), softcap, deterministic, _strict(strict))
     return _as_inputs(grads, (q, k, v))
@@ -99,8 +100,8 @@ def attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministi
 @torch.library.custom_op("cuteattn::fwd_varlen", mutates_args=())
 def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
                 seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], max_seqlen_q: int,
-                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
-                window_right: int, softcap: float, validate: bool, deterministic: bool,
+                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: Optional[int],
+                window_right: Optional[int], softcap: float, validate: bool, deterministic: bool,
                 strict: int) -> tuple[Tensor, Tensor]:
     return api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, causal, (window_left, window_right), softcap,
@@ -118,8 +119,9 @@ def _fwd_varlen_fake(q, k, v, *args):
 def _bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                 cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
                 seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                softmax_scale: float, causal: bool, window_left: int, window_right: int,
-                softcap: float, deterministic: bool, strict: int) -> tuple[Tensor, Tensor, Tensor]:
+                softmax_scale: float, causal: bool, window_left: Optional[int],
+                window_right: Optional[int], softcap: float, deterministic: bool,
+                strict: int) -> tuple[Tensor, Tensor, Tensor]:
     grads = api.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                                 seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                                 (window_left, window_right), softcap, deterministic,

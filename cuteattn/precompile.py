@@ -56,8 +56,8 @@ def variants(args) -> list:
                         local=mask == "local", has_softcap=mask == "softcap", varlen_q=varlen,
                         varlen_k=varlen, has_seqused_q=seqused, has_seqused_k=seqused, batch=1,
                         nheads=1, nheads_k=1, softmax_scale=d ** -0.5,
-                        window_left=128 if mask == "local" else -1,
-                        window_right=0 if mask == "local" else -1,
+                        window_left=128 if mask == "local" else None,
+                        window_right=0 if mask == "local" else None,
                         softcap=30.0 if mask == "softcap" else 0.0)
                     name = f"d{d} {dt} {mask}{' varlen' if varlen else ''}{' seqused' if seqused else ''}"
                     for seqlen in (1024, 1 << 20):  # the short and the long tile class

@@ -7,8 +7,9 @@ serves a problem. It favours obviousness over speed: it materialises the full sc
 Semantics (FlashAttention's):
 - scores s = softmax_scale * q.k; with softcap c > 0, s = c * tanh(s / c).
 - masks are bottom-right aligned: with lengths sq, sk, query i sees key j iff
-  j <= i + sk - sq + right (when right >= 0) and j >= i + sk - sq - left (when left >= 0).
-  causal means right = 0 (left from window_size, usually -1 = unbounded).
+  j <= i + sk - sq + right and j >= i + sk - sq - left, for the bounded sides (window_bounds:
+  -1 or None unbounded; negative edges as FlashAttention-4 defines them). causal means right = 0
+  (left from window_size, usually unbounded).
 - GQA/MQA: query head h uses key/value head h // (nheads // nheads_k).
 - lse is the natural-log logsumexp of the (masked) scores, float32.
 - a query row that sees no key gets output 0 and lse -inf (never NaN).
@@ -20,15 +21,31 @@ import math
 import torch
 
 
-def visible_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, device=None) -> torch.Tensor:
-    """(seqlen_q, seqlen_k) bool: True where query i may attend key j (bottom-right aligned)."""
+def window_bounds(window_size) -> tuple:
+    """FlashAttention's window_size -> (left, right), each an int bound or None (unbounded).
+
+    FlashAttention-2's ints: -1 is an unbounded side, values >= 0 bound it. FlashAttention-4's
+    additions: None is an unbounded side, and negative values are edges past the diagonal:
+    (None, -w) keeps only keys at least w before the query's diagonal, (-w, None) only keys at
+    least w after it. Where neither side is None, -1 keeps its FlashAttention-2 meaning and only
+    values below -1 are negative edges; where one side is None, the other's -1 is an edge.
+    (No type checks here: _checks.normalize_mask makes them for the API.)"""
+    left, right = window_size
+    if left is None or right is None:
+        return left, right
+    return (None if left == -1 else left), (None if right == -1 else right)
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, left, right, device=None) -> torch.Tensor:
+    """(seqlen_q, seqlen_k) bool: True where query i may attend key j (bottom-right aligned):
+    diag - left <= j <= diag + right, diag = i + seqlen_k - seqlen_q; a None side is unbounded."""
     i = torch.arange(seqlen_q, device=device).unsqueeze(1)
     j = torch.arange(seqlen_k, device=device).unsqueeze(0)
     diag = i + (seqlen_k - seqlen_q)  # the key aligned with query i
     mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
-    if right >= 0:
+    if right is not None:
         mask &= j <= diag + right
-    if left >= 0:
+    if left is not None:
         mask &= j >= diag - left
     return mask
 
@@ -76,7 +93,7 @@ def _scores_and_probs(q, k, scale, causal, window_size, softcap):
     if softcap > 0:
         t = torch.tanh(scores / softcap)
         scores = softcap * t
-    left, right = window_size
+    left, right = window_bounds(window_size)
     if causal:
         right = 0
     mask = visible_mask(sq, sk, left, right, device=q.device)
@@ -260,7 +277,7 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
     seqlens = _per_batch(cache_seqlens, b, capacity)
     rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(b))
     starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * b
-    local = window_size[0] >= 0 or window_size[1] >= 0
+    local = any(side is not None for side in window_bounds(window_size))
     outs, lses = [], []
     for i in range(b):
         old, row = seqlens[i], rows[i]

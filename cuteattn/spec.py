@@ -9,6 +9,7 @@ absent from the key: one compiled kernel serves every shape.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -41,8 +42,8 @@ class AttentionSpec:
     nheads: int = 0
     nheads_k: int = 0
     softmax_scale: float = 1.0
-    window_left: int = -1         # -1: unbounded
-    window_right: int = -1        # -1: unbounded
+    window_left: Optional[int] = None   # None: unbounded; negative: an edge past the diagonal
+    window_right: Optional[int] = None
     softcap: float = 0.0
     device_index: int = -1        # -1: CPU
 

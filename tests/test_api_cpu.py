@@ -217,17 +217,25 @@ def test_out_buffers_refused_with_gradients(seed):
 @pytest.mark.parametrize(
     "causal, window, expected",
     [
-        (False, (-1, -1), (False, False, -1, -1)),
-        (True, (-1, -1), (True, False, -1, 0)),
-        (False, (-1, 0), (True, False, -1, 0)),
-        (True, (-1, 7), (True, False, -1, 0)),
+        (False, (-1, -1), (False, False, None, None)),
+        (True, (-1, -1), (True, False, None, 0)),
+        (False, (-1, 0), (True, False, None, 0)),
+        (True, (-1, 7), (True, False, None, 0)),
         (True, (5, -1), (False, True, 5, 0)),
         (True, (5, 3), (False, True, 5, 0)),
-        (False, (5, -1), (False, True, 5, -1)),
-        (False, (-1, 3), (False, True, -1, 3)),
+        (False, (5, -1), (False, True, 5, None)),
+        (False, (-1, 3), (False, True, None, 3)),
         (False, (0, 0), (False, True, 0, 0)),
-        (False, (None, None), (False, False, -1, -1)),
-        (False, (None, 0), (True, False, -1, 0)),
+        (False, (None, None), (False, False, None, None)),
+        (False, (None, 0), (True, False, None, 0)),
+        # FlashAttention-4's negative edges: below -1, or -1 beside a None side
+        (False, (None, -1), (False, True, None, -1)),
+        (False, (None, -5), (False, True, None, -5)),
+        (False, (-3, None), (False, True, -3, None)),
+        (False, (-1, None), (False, True, -1, None)),
+        (False, (7, -4), (False, True, 7, -4)),
+        (False, (-2, 2), (False, True, -2, 2)),
+        (True, (2, None), (False, True, 2, 0)),
     ],
 )
 def test_normalize_mask(causal, window, expected):

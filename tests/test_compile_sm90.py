@@ -41,8 +41,8 @@ def make_spec(dtype, d, mask, varlen, seqlen_q=4096):
         dtype=dtype, head_dim=d, head_dim_v=d, causal=mask == "causal", local=mask == "local",
         seqlen_q=seqlen_q, seqlen_k=seqlen_q,
         has_softcap=mask == "softcap", varlen_q=varlen, varlen_k=varlen,
-        softmax_scale=d ** -0.5, window_left=64 if mask == "local" else -1,
-        window_right=0 if mask == "local" else -1, softcap=30.0 if mask == "softcap" else 0.0,
+        softmax_scale=d ** -0.5, window_left=64 if mask == "local" else None,
+        window_right=0 if mask == "local" else None, softcap=30.0 if mask == "softcap" else 0.0,
     )
 
 
@@ -142,7 +142,7 @@ def test_worst_case_variants_do_not_spill(d, local, varlen, seqlen, capfd, tmp_p
         dtype=torch.float16, head_dim=d, head_dim_v=d, causal=not local, local=local,
         has_softcap=True, varlen_q=varlen, varlen_k=varlen, softmax_scale=d ** -0.5,
         seqlen_q=seqlen, seqlen_k=seqlen,
-        window_left=64 if local else -1, window_right=16 if local else 0, softcap=20.0)
+        window_left=64 if local else None, window_right=16 if local else 0, softcap=20.0)
     cfg = sm90_launch.sm90_config(spec)
     compile_fwd(cfg, options="remarks{ptx}")
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]

@@ -27,7 +27,7 @@ def make_spec(dtype, d, mask, varlen=False, seqused=False, deterministic=False):
         dtype=dtype, head_dim=d, head_dim_v=d, causal=mask == "causal", local=mask == "local",
         has_softcap=mask == "softcap", varlen_q=varlen, varlen_k=varlen, has_seqused_q=seqused,
         has_seqused_k=seqused, kind="bwd", deterministic=deterministic, softmax_scale=d ** -0.5,
-        window_left=64 if mask == "local" else -1, window_right=0 if mask == "local" else -1,
+        window_left=64 if mask == "local" else None, window_right=0 if mask == "local" else None,
         softcap=30.0 if mask == "softcap" else 0.0)
 
 

@@ -82,6 +82,9 @@ def test_kind_without_a_family_gives_a_reason(gpu, registry):
 def test_sm90_serves_the_backward(gpu, registry):
     pytest.importorskip("cutlass")
     assert dispatch.can_implement(make_spec(kind="bwd"), CUDA) is None
+    for fields, reason in ((dict(head_dim=192, head_dim_v=192), "head_dim 192"),
+                           (dict(local=True, window_left=None, window_right=-2), "negative edge")):
+        assert reason in dispatch.can_implement(make_spec(kind="bwd", **fields), CUDA)
 
 
 def test_registered_family_serves_its_kind(gpu, registry):
@@ -112,6 +115,8 @@ SM90_REASONS = [
     (dict(varlen_q=True), "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"),
     (dict(varlen_k=True), "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"),
     (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm90 forward"),
+    (dict(local=True, window_left=None, window_right=-1), "window_size (None, -1) has a negative edge"),
+    (dict(local=True, window_left=-4, window_right=9), "window_size (-4, 9) has a negative edge"),
 ]
 
 

@@ -116,7 +116,7 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     spec = AttentionSpec(dtype=q.dtype, head_dim=128, head_dim_v=128, causal=False, local=True,
                          has_softcap=True, varlen_q=varlen, varlen_k=varlen, seqlen_q=200,
                          nheads=q.shape[-2], nheads_k=k.shape[-2], softmax_scale=0.125,
-                         window_left=17, window_right=-1, softcap=30.0)
+                         window_left=17, window_right=None, softcap=30.0)
     counter = torch.tensor([0, 7], dtype=torch.int32)  # [1] is what the probe reads back
     tensors = (q, k, v, o, lse, cu_q, cu_k, *used, counter)
     info = torch.full((80,), -1, dtype=torch.int64)
@@ -268,7 +268,7 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
     spec = AttentionSpec(dtype=q.dtype, head_dim=64, head_dim_v=64, causal=False, local=True,
                          has_softcap=True, varlen_q=varlen, varlen_k=varlen, has_seqused_q=varlen,
                          has_seqused_k=varlen, nheads=q.shape[-2], nheads_k=k.shape[-2],
-                         softmax_scale=0.125, window_left=17, window_right=-1, softcap=30.0,
+                         softmax_scale=0.125, window_left=17, window_right=None, softcap=30.0,
                          kind="bwd", deterministic=True)
     cfg = launch_bwd.bwd_config(spec)
     info = torch.full((120,), -1, dtype=torch.int64)

@@ -7,13 +7,17 @@ import torch
 from cuteattn.reference import attention_ref, attention_varlen_ref
 
 
-def naive_attention(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0):
-    """Row-by-row float64 attention with the mask written directly from its definition."""
+def naive_attention(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0, bounds=None):
+    """Row-by-row float64 attention with the mask written directly from its definition.
+    `bounds` (left, right), each an int or None (unbounded), overrides window's FA2 ints."""
     q, k, v = q.double(), k.double(), v.double()
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
-    left, right = window
+    if bounds is not None:
+        left, right = bounds
+    else:  # FlashAttention-2's ints: negative means no bound
+        left, right = (None if x < 0 else x for x in window)
     if causal:
         right = 0
     out = torch.zeros(b, sq, h, v.shape[-1], dtype=torch.float64)
@@ -24,7 +28,8 @@ def naive_attention(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=
             for i in range(sq):
                 keys = [
                     j for j in range(sk)
-                    if (right < 0 or j <= i + sk - sq + right) and (left < 0 or j >= i + sk - sq - left)
+                    if (right is None or j <= i + sk - sq + right)
+                    and (left is None or j >= i + sk - sq - left)
                 ]
                 if not keys:
                     continue
@@ -67,6 +72,25 @@ def test_causal_and_plain(seed, sq, sk, causal):
 @pytest.mark.parametrize("sq, sk", [(6, 6), (4, 9), (9, 4)])
 def test_window(seed, window, sq, sk):
     check(rand(1, sq, 2, 8), rand(1, sk, 2, 8), rand(1, sk, 2, 8), window_size=window)
+
+
+# FlashAttention-4's window edges past the diagonal, with the bounds they mean written by hand
+NEGATIVE_EDGES = [((None, -1), (None, -1)), ((None, -3), (None, -3)), ((-2, None), (-2, None)),
+                  ((-1, None), (-1, None)), ((4, -2), (4, -2)), ((-2, 5), (-2, 5)),
+                  ((None, 2), (None, 2)), ((-1, -1), (None, None))]
+
+
+@pytest.mark.parametrize("window,bounds", NEGATIVE_EDGES, ids=[str(w) for w, _ in NEGATIVE_EDGES])
+@pytest.mark.parametrize("sq, sk", [(6, 6), (4, 9), (9, 4)])
+def test_negative_window_edges(seed, window, bounds, sq, sk):
+    """Rows whose window holds no key (the first rows under (None, -1)) get 0 and -inf."""
+    q, k, v = rand(1, sq, 2, 8), rand(1, sk, 2, 8), rand(1, sk, 2, 8)
+    out, lse = attention_ref(q, k, v, window_size=window)
+    out_n, lse_n = naive_attention(q, k, v, bounds=bounds)
+    torch.testing.assert_close(out.double(), out_n, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_n))
+    if window == (None, -1) and sq == sk:
+        assert torch.isneginf(lse[:, :, 0]).all() and torch.all(out[:, 0] == 0)
 
 
 def test_causal_with_window_keeps_left(seed):

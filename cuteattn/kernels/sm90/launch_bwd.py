@@ -21,7 +21,8 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
-from .launch import _CUTLASS_DTYPES, _tma_ready, _to_runtime, _use_tvm_ffi, kernel_scalars
+from .launch import (_CUTLASS_DTYPES, _tma_ready, _to_runtime, _use_tvm_ffi, kernel_scalars,
+                     negative_window_edge)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -173,7 +174,7 @@ class Sm90Backward:
                     f"backward kernel yet (supported: {supported})")
         if spec.varlen_q != spec.varlen_k:
             return "the sm90 backward needs q and k both packed (cu_seqlens) or both batched"
-        return None
+        return negative_window_edge(spec)
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
         return BwdLaunch(spec)
