@@ -78,16 +78,17 @@ def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
     return scale, softcap
 
 
-def check_qkv(q, k, v, rank: int, layout: str) -> None:
-    """Types, ranks, dtypes, devices, head dims, head counts and strides shared by both entry points.
-
-    layout names the expected shapes for messages, e.g. "(batch, seqlen, nheads, head_dim)".
-    """
-    for name, t in (("q", q), ("k", k), ("v", v)):
+def check_qkv(q, k, v, rank: int, layout: str, rank_k: int | None = None,
+              layout_k: str | None = None) -> None:
+    """Types, ranks, dtypes, devices, head dims, head counts and strides shared by the entry
+    points. layout names the expected shapes for messages, e.g. "(batch, seqlen, nheads,
+    head_dim)"; rank_k / layout_k: k's and v's, where they differ from q's."""
+    rank_k, layout_k = (rank if rank_k is None else rank_k), (layout if layout_k is None else layout_k)
+    for name, t, r, lay in (("q", q, rank, layout), ("k", k, rank_k, layout_k), ("v", v, rank_k, layout_k)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t)}")
-        if t.dim() != rank:
-            raise ValueError(f"{name} must be {rank}-D {layout}; got shape {tuple(t.shape)}")
+        if t.dim() != r:
+            raise ValueError(f"{name} must be {r}-D {lay}; got shape {tuple(t.shape)}")
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"q dtype must be float16 or bfloat16; got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
@@ -182,37 +183,54 @@ def varlen_spec(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
     *, softmax_scale, causal, window_size, softcap,
 ) -> AttentionSpec:
-    """Validate flash_attn_varlen_func's arguments (no sync) and build the spec."""
-    if cu_seqlens_q is None or cu_seqlens_k is None:
-        missing = "cu_seqlens_q" if cu_seqlens_q is None else "cu_seqlens_k"
-        raise NotImplementedError(
-            f"{missing} is None: mixing fixed-length and packed q/k is not supported; pass both "
-            "cu_seqlens_q and cu_seqlens_k with packed (total, nheads, head_dim) tensors, or use "
-            "flash_attn_func when neither side is packed"
-        )
-    check_qkv(q, k, v, 3, "(total, nheads, head_dim)")
-    _check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, q.device)
-    if cu_seqlens_q.shape[0] < 1:
-        raise ValueError("cu_seqlens_q must have length batch + 1 >= 1; got length 0")
-    batch = cu_seqlens_q.shape[0] - 1
-    _check_index_tensor("cu_seqlens_k", cu_seqlens_k, None, q.device)
-    if cu_seqlens_k.shape[0] != batch + 1:
-        raise ValueError(
-            f"cu_seqlens_k has length {cu_seqlens_k.shape[0]} but cu_seqlens_q has {batch + 1}: "
-            "both must have length batch + 1"
-        )
+    """Validate flash_attn_varlen_func's arguments (no sync) and build the spec.
+
+    Each side is packed (total, nheads, head_dim) with its cu_seqlens, or batched (batch, seqlen,
+    nheads, head_dim) without (FlashAttention-4's forms: seqused only, or one side packed); a
+    batched side's length is its seqlen (its max_seqlen is checked but not used)."""
+    packed_q, packed_k = cu_seqlens_q is not None, cu_seqlens_k is not None
+    layout = lambda packed: ("(total, nheads, head_dim) with cu_seqlens" if packed else
+                             "(batch, seqlen, nheads, head_dim) without cu_seqlens")
+    check_qkv(q, k, v, 3 if packed_q else 4, layout(packed_q), rank_k=3 if packed_k else 4,
+              layout_k=layout(packed_k))
+    batch = {}
+    for side, cu, x in (("q", cu_seqlens_q, q), ("k", cu_seqlens_k, k)):
+        if cu is None:
+            batch[side] = x.shape[0]
+            continue
+        _check_index_tensor(f"cu_seqlens_{side}", cu, None, q.device)
+        if cu.shape[0] < 1:
+            raise ValueError(f"cu_seqlens_{side} must have length batch + 1 >= 1; got length 0")
+        batch[side] = cu.shape[0] - 1
+    if batch["q"] != batch["k"]:
+        name = lambda side, cu: (f"cu_seqlens_{side} (length {batch[side] + 1})" if cu is not None
+                                 else f"{side}'s batch ({batch[side]})")
+        raise ValueError(f"{name('k', cu_seqlens_k)} does not match {name('q', cu_seqlens_q)}: "
+                         "both sides must hold the same number of sequences")
+    b = batch["q"]
     if seqused_q is not None:
-        _check_index_tensor("seqused_q", seqused_q, batch, q.device)
+        _check_index_tensor("seqused_q", seqused_q, b, q.device)
     if seqused_k is not None:
-        _check_index_tensor("seqused_k", seqused_k, batch, q.device)
+        _check_index_tensor("seqused_k", seqused_k, b, q.device)
     max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
     return _spec(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-        softcap=softcap, varlen_q=True, varlen_k=True,
+        softcap=softcap, varlen_q=packed_q, varlen_k=packed_k,
         has_seqused_q=seqused_q is not None, has_seqused_k=seqused_k is not None,
-        batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
+        batch=b, seqlen_q=max_seqlen_q if packed_q else q.shape[1],
+        seqlen_k=max_seqlen_k if packed_k else k.shape[1],
     )
+
+
+def batched_as_packed(x, cu):
+    """A batched side (batch, seqlen, ...) seen as packed rows, with the cu_seqlens that say so
+    (on x's device); a packed side as it is. What the varlen reference and value checks take."""
+    if cu is not None:
+        return x, cu
+    b, s = x.shape[:2]
+    rows = torch.arange(b + 1, dtype=torch.int32, device=x.device) * s
+    return x.reshape(b * s, *x.shape[2:]), rows
 
 
 def varlen_values_on_host(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k) -> dict:

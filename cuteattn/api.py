@@ -108,10 +108,7 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
             if varlen is not None and varlen_host is None:
                 # the reference reads the lengths to the host anyway: hold them to validate=True's
                 # rules (ValueError) rather than compute a silently wrong answer from bad metadata
-                varlen_host = _checks.check_varlen_values(
-                    varlen["cu_seqlens_q"], varlen["cu_seqlens_k"], q.shape[0], k.shape[0],
-                    spec.seqlen_q, spec.seqlen_k, varlen["seqused_q"], varlen["seqused_k"],
-                )
+                varlen_host = _varlen_host_values(q, k, spec, varlen)
 
     def run():
         if launch is not None:
@@ -123,12 +120,25 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
             if varlen is None:
                 o, l = attention_ref(q, k, v, **_reference_kwargs(spec))
             else:
-                o, l = attention_varlen_ref(q, k, v, **varlen_host, **_reference_kwargs(spec))
-            out.copy_(o)
+                packed = [_checks.batched_as_packed(x, varlen[cu])[0] for x, cu in
+                          ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"))]
+                o, l = attention_varlen_ref(*packed, **varlen_host, **_reference_kwargs(spec))
+                if not spec.varlen_q:  # batched q: lse (h, b * sq) -> (b, h, sq)
+                    l = l.view(spec.nheads, q.shape[0], q.shape[1]).permute(1, 0, 2)
+            out.copy_(o.view(out.shape))
             lse.copy_(l)
         return out, lse
 
     return (*run(), launch)
+
+
+def _varlen_host_values(q, k, spec, varlen) -> dict:
+    """check_varlen_values on the metadata (a sync), a batched side (no cu_seqlens) seen as its
+    packed rows: returns the host copies, cu_seqlens included for every side."""
+    (qp, cu_q), (kp, cu_k) = (_checks.batched_as_packed(x, varlen[cu]) for x, cu in
+                              ((q, "cu_seqlens_q"), (k, "cu_seqlens_k")))
+    return _checks.check_varlen_values(cu_q, cu_k, qp.shape[0], kp.shape[0], spec.seqlen_q,
+                                       spec.seqlen_k, varlen["seqused_q"], varlen["seqused_k"])
 
 
 def _needs_grad(q, k, v) -> bool:
@@ -340,8 +350,8 @@ def flash_attn_varlen_func(
             sig = hit = None
         if hit is not None:
             spec, launch = hit
-            out = torch.empty((*q.shape[:2], v.shape[-1]), dtype=q.dtype, device=q.device)
-            lse = torch.empty((spec.nheads, q.shape[0]), dtype=torch.float32, device=q.device)
+            out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+            lse = torch.empty(_varlen_lse_shape(q, spec), dtype=torch.float32, device=q.device)
             launch(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    seqused_q=seqused_q, seqused_k=seqused_k)
             return (out, lse) if return_lse else out
@@ -361,6 +371,11 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                            validate, strict, out, lse)[:2]
 
 
+def _varlen_lse_shape(q, spec) -> tuple:
+    """(nheads, total_q) for packed q, (batch, nheads, seqlen_q) for batched q."""
+    return (spec.nheads, q.shape[0]) if spec.varlen_q else (q.shape[0], spec.nheads, q.shape[1])
+
+
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
                     strict, out=None, lse=None):
@@ -369,20 +384,14 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
     )
-    host = None  # the index tensors read to the host (validate=True, or the fallback, reads them)
-    if validate:
-        host = _checks.check_varlen_values(
-            cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
-            spec.seqlen_q, spec.seqlen_k, seqused_q, seqused_k,
-        )
-    out, lse = _checks.output_buffers(
-        q, out, lse,
-        out_shape=(*q.shape[:2], v.shape[-1]),
-        lse_shape=(spec.nheads, q.shape[0]),
-    )
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
     )
+    host = None  # the index tensors read to the host (validate=True, or the fallback, reads them)
+    if validate:
+        host = _varlen_host_values(q, k, spec, varlen)
+    out, lse = _checks.output_buffers(
+        q, out, lse, out_shape=(*q.shape[:-1], v.shape[-1]), lse_shape=_varlen_lse_shape(q, spec))
     out, lse, launch = _run(q, k, v, spec, out, lse, strict, varlen, host)
     return out, lse, spec, launch
 
@@ -401,9 +410,12 @@ def _run_backward(spec, dout, q, k, v, out, lse, strict, varlen: dict | None = N
     _fall_back(f"backward: {reason}", strict)  # its own warning: the forward may have a kernel
     if varlen is None:
         return attention_ref_backward(dout, q, k, v, **_reference_kwargs(spec))
-    return attention_varlen_ref_backward(dout, q, k, v, varlen["cu_seqlens_q"],
-                                         varlen["cu_seqlens_k"], varlen["seqused_q"],
-                                         varlen["seqused_k"], **_reference_kwargs(spec))
+    (qp, cu_q), (kp, cu_k), (vp, _), (dp, _) = (
+        _checks.batched_as_packed(x, varlen[cu]) for x, cu in
+        ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"), (dout, "cu_seqlens_q")))
+    grads = attention_varlen_ref_backward(dp, qp, kp, vp, cu_q, cu_k, varlen["seqused_q"],
+                                          varlen["seqused_k"], **_reference_kwargs(spec))
+    return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
 
 
 def backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, deterministic,

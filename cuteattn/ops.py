@@ -98,7 +98,8 @@ def attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministi
 # ---- packed (varlen) ----
 
 @torch.library.custom_op("cuteattn::fwd_varlen", mutates_args=())
-def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
+                cu_seqlens_k: Optional[Tensor],
                 seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], max_seqlen_q: int,
                 max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: Optional[int],
                 window_right: Optional[int], softcap: float, validate: bool, deterministic: bool,
@@ -109,15 +110,18 @@ def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlen
 
 
 @_fwd_varlen.register_fake
-def _fwd_varlen_fake(q, k, v, *args):
-    total_q, h, _ = q.shape
-    return (q.new_empty((total_q, h, v.shape[-1])),
-            q.new_empty((h, total_q), dtype=torch.float32))
+def _fwd_varlen_fake(q, k, v, cu_seqlens_q, *args):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    if cu_seqlens_q is not None:  # packed q: (total_q, h, d), lse (h, total_q)
+        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    b, sq, h, _ = q.shape  # batched q (FlashAttention-4's seqused-only form)
+    return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("cuteattn::bwd_varlen", mutates_args=())
 def _bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, seqused_q: Optional[Tensor],
+                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                seqused_q: Optional[Tensor],
                 seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                 softmax_scale: float, causal: bool, window_left: Optional[int],
                 window_right: Optional[int], softcap: float, deterministic: bool,

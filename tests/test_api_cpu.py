@@ -474,3 +474,80 @@ def test_deterministic_accepted(seed):
     q, k, v = qkv()
     a = quiet(flash_attn_func, q, k, v, deterministic=True)
     assert torch.equal(a, quiet(flash_attn_func, q, k, v))
+
+
+# ---- FlashAttention-4's varlen forms: seqused only (batched q/k), one side packed ----
+
+def per_sequence(q_rows, k_rows, v_rows, **kw):
+    """attention_ref of one sequence (rows given as (len, h, d) tensors)."""
+    o, l = attention_ref(q_rows[None], k_rows[None], v_rows[None], **kw)
+    return o[0], l[0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_seqused_only_on_batched_tensors(seed, causal):
+    b, sq, sk = 3, 7, 9
+    q, k, v = (torch.randn(b, s, h, 64, dtype=BF16) for s, h in ((sq, 4), (sk, 2), (sk, 2)))
+    used_q = torch.tensor([7, 0, 3], dtype=torch.int32)
+    used_k = torch.tensor([9, 4, 1], dtype=torch.int32)
+    out, lse = quiet(flash_attn_varlen_func, q, k, v, None, None, sq, sk, seqused_q=used_q,
+                     seqused_k=used_k, causal=causal, return_lse=True, validate=True)
+    assert out.shape == q.shape and lse.shape == (b, 4, sq)
+    for i in range(b):
+        nq, nk = int(used_q[i]), int(used_k[i])
+        if nq:
+            o, l = per_sequence(q[i, :nq], k[i, :nk], v[i, :nk], causal=causal)
+            assert torch.allclose(out[i, :nq].float(), o, atol=2e-2) and torch.allclose(lse[i, :, :nq], l, atol=1e-4)
+        assert torch.all(out[i, nq:] == 0) and torch.isneginf(lse[i, :, nq:]).all()
+
+
+@pytest.mark.parametrize("packed_side", ["q", "k"])
+def test_varlen_one_side_packed(seed, packed_side):
+    lens = [5, 0, 8]
+    cu = torch.tensor([0, 5, 5, 13], dtype=torch.int32)
+    if packed_side == "q":
+        q = torch.randn(13, 4, 64, dtype=BF16)
+        k, v = torch.randn(3, 6, 2, 64, dtype=BF16), torch.randn(3, 6, 2, 64, dtype=BF16)
+        args = (q, k, v, cu, None, 8, 6)
+        rows = lambda i: (q[int(cu[i]):int(cu[i + 1])], k[i], v[i])
+    else:
+        q = torch.randn(3, 4, 4, 64, dtype=BF16)
+        k, v = torch.randn(13, 2, 64, dtype=BF16), torch.randn(13, 2, 64, dtype=BF16)
+        args = (q, k, v, None, cu, 4, 8)
+        rows = lambda i: (q[i], k[int(cu[i]):int(cu[i + 1])], v[int(cu[i]):int(cu[i + 1])])
+    out, lse = quiet(flash_attn_varlen_func, *args, causal=True, return_lse=True)
+    assert out.shape == q.shape
+    for i in range(3):
+        qi, ki, vi = rows(i)
+        if qi.shape[0] == 0:
+            continue
+        o, l = per_sequence(qi, ki, vi, causal=True)
+        got_o = out[int(cu[i]):int(cu[i + 1])] if packed_side == "q" else out[i]
+        got_l = lse[:, int(cu[i]):int(cu[i + 1])] if packed_side == "q" else lse[i]
+        assert torch.allclose(got_o.float(), o, atol=2e-2) and torch.allclose(got_l, l, atol=1e-4)
+
+
+def test_varlen_batched_form_gradients(seed):
+    """Autograd through the seqused-only form: gradients shaped like the batched inputs, equal
+    to the per-sequence reference's; rows past seqused get 0."""
+    b, s = 2, 6
+    q, k, v = (torch.randn(b, s, 2, 64, dtype=BF16, requires_grad=True) for _ in range(3))
+    used = torch.tensor([6, 3], dtype=torch.int32)
+    out = quiet(flash_attn_varlen_func, q, k, v, None, None, s, s, seqused_q=used, seqused_k=used,
+                causal=True)
+    g = torch.randn_like(out)
+    grads = quiet(torch.autograd.grad, out, (q, k, v), g)
+    for i, n in enumerate(used.tolist()):
+        leaves = [t[i, :n].detach().float().requires_grad_() for t in (q, k, v)]
+        o, _ = attention_ref(*(t[None] for t in leaves), causal=True)
+        o.backward(g[i, :n][None].float())
+        for got, leaf in zip(grads, leaves):
+            assert torch.allclose(got[i, :n].float(), leaf.grad, atol=3e-2)
+            assert torch.all(got[i, n:] == 0)
+
+
+def test_varlen_batched_form_validate():
+    q = torch.randn(2, 5, 2, 64, dtype=BF16)
+    used = torch.tensor([5, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"seqused_k\[1\] = 6 must lie in \[0, 5\]"):
+        flash_attn_varlen_func(q, q, q, None, None, 5, 5, seqused_k=used, validate=True)

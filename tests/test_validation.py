@@ -225,7 +225,8 @@ def test_cu_seqlens_rank():
 def test_cu_seqlens_length_mismatch():
     args = make("varlen")
     args["cu_seqlens_k"] = torch.tensor([0, 6, 10, 14], dtype=torch.int32)
-    rejects("varlen", args, ValueError, "cu_seqlens_k has length 4 but cu_seqlens_q has 3")
+    rejects("varlen", args, ValueError,
+            r"cu_seqlens_k \(length 4\) does not match cu_seqlens_q \(length 3\)")
 
 
 def test_cu_seqlens_empty():
@@ -235,10 +236,21 @@ def test_cu_seqlens_empty():
 
 
 @pytest.mark.parametrize("name", ["cu_seqlens_q", "cu_seqlens_k"])
-def test_cu_seqlens_none_rejected(name):
+def test_cu_seqlens_none_means_a_batched_side(name):
+    """Without its cu_seqlens a side must be batched (batch, seqlen, nheads, head_dim)."""
     args = make("varlen")
     args[name] = None
-    rejects("varlen", args, NotImplementedError, f"{name} is None: mixing fixed-length and packed")
+    side = "q" if name.endswith("q") else "k"
+    rejects("varlen", args, ValueError, rf"{side} must be 4-D \(batch, seqlen, nheads, head_dim\) "
+            "without cu_seqlens")
+
+
+def test_one_sided_batch_mismatch():
+    args = make("varlen")
+    args["cu_seqlens_k"] = None
+    args["k"] = torch.randn(3, 5, 4, 64, dtype=BF16)
+    args["v"] = torch.randn(3, 5, 4, 64, dtype=BF16)
+    rejects("varlen", args, ValueError, r"k's batch \(3\) does not match cu_seqlens_q \(length 3\)")
 
 
 @pytest.mark.parametrize("name", ["seqused_q", "seqused_k"])

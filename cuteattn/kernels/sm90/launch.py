@@ -274,6 +274,9 @@ class Sm90Forward:
                     "by the sm90 forward")
         if spec.varlen_q != spec.varlen_k:
             return "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"
+        if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
+            return ("seqused with batched (not packed) q and k: no GPU-tested sm90 forward for "
+                    "that form yet")
         return negative_window_edge(spec)
 
     def launch(self, spec: AttentionSpec) -> Launch:

@@ -174,6 +174,9 @@ class Sm90Backward:
                     f"backward kernel yet (supported: {supported})")
         if spec.varlen_q != spec.varlen_k:
             return "the sm90 backward needs q and k both packed (cu_seqlens) or both batched"
+        if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
+            return ("seqused with batched (not packed) q and k: no GPU-tested sm90 backward for "
+                    "that form yet")
         return negative_window_edge(spec)
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
