@@ -316,8 +316,10 @@ def flash_attn_varlen_func(
 
     Checked on every call without a device sync: everything flash_attn_func checks, plus
     cu_seqlens_q/k and seqused_q/k being int32 1-D tensors on q's device with lengths batch + 1 and
-    batch, and max_seqlen_q/k being Python ints >= 0. Both cu_seqlens must be given: fixed-length q
-    with packed k (or the reverse) is not supported yet (NotImplementedError).
+    batch, and max_seqlen_q/k being Python ints >= 0. A side given without its cu_seqlens is
+    batched (batch, seqlen, nheads, head_dim), as FlashAttention-4 allows (one side packed, or
+    batched q/k with seqused only); out and lse then follow q's layout ((batch, seqlen_q, nheads,
+    d) and (batch, nheads, seqlen_q) for batched q). These forms run on the reference for now.
     validate=True also reads the lengths (a device sync) and checks that each cu_seqlens starts at 0,
     never decreases and ends at the total row count, that seqused[b] lies in [0, length b], and that
     max_seqlen is at least every used length (ValueError naming the argument and the rule). The
