@@ -25,12 +25,17 @@ ARCH, KIND = "sm90", "fwd"
 _UNBOUNDED = 1 << 30  # an unbounded window side as the kernel sees it
 
 
-def negative_window_edge(spec: AttentionSpec) -> Optional[str]:
-    """The reason the sm90 kernels do not take a window edge past the diagonal yet (their mask
-    and block ranges are written for any sign, but no GPU test has run them), or None."""
+def unserved_form(spec: AttentionSpec, who: str) -> Optional[str]:
+    """The reason the sm90 `who` ("forward", "backward") does not take spec's form, or None:
+    one side packed and the other batched; seqused on batched q/k; a window edge past the
+    diagonal. (Their kernel code is written for every case, but no GPU test has run these.)"""
+    if spec.varlen_q != spec.varlen_k:
+        return f"the sm90 {who} needs q and k both packed (cu_seqlens) or both batched"
+    if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
+        return f"seqused with batched (not packed) q and k: no GPU-tested sm90 {who} for that form yet"
     if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
         return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
-                "sm90 kernel serves it yet")
+                f"sm90 {who} serves it yet")
     return None
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -272,12 +277,7 @@ class Sm90Forward:
         if spec.head_dim_v != spec.head_dim:
             return (f"head_dim_v {spec.head_dim_v} != head_dim {spec.head_dim} is not supported "
                     "by the sm90 forward")
-        if spec.varlen_q != spec.varlen_k:
-            return "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"
-        if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
-            return ("seqused with batched (not packed) q and k: no GPU-tested sm90 forward for "
-                    "that form yet")
-        return negative_window_edge(spec)
+        return unserved_form(spec, "forward")
 
     def launch(self, spec: AttentionSpec) -> Launch:
         return Launch(spec)

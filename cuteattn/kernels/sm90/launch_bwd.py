@@ -22,7 +22,7 @@ from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
 from .launch import (_CUTLASS_DTYPES, _tma_ready, _to_runtime, _use_tvm_ffi, kernel_scalars,
-                     negative_window_edge)
+                     unserved_form)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -172,12 +172,7 @@ class Sm90Backward:
             supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
             return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no sm90 "
                     f"backward kernel yet (supported: {supported})")
-        if spec.varlen_q != spec.varlen_k:
-            return "the sm90 backward needs q and k both packed (cu_seqlens) or both batched"
-        if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
-            return ("seqused with batched (not packed) q and k: no GPU-tested sm90 backward for "
-                    "that form yet")
-        return negative_window_edge(spec)
+        return unserved_form(spec, "backward")
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
         return BwdLaunch(spec)
