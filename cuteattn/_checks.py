@@ -9,6 +9,7 @@ value or shape, NotImplementedError for a valid request cuteattn does not suppor
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -221,6 +222,20 @@ def varlen_spec(
         batch=b, seqlen_q=max_seqlen_q if packed_q else q.shape[1],
         seqlen_k=max_seqlen_k if packed_k else k.shape[1],
     )
+
+
+def with_sink(spec: AttentionSpec, sink, q) -> AttentionSpec:
+    """Checks a learnable sink (float32 (nheads,) on q's device, or None) and marks the spec."""
+    if sink is None:
+        return spec
+    if not isinstance(sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor or None; got {type(sink)}")
+    if sink.dtype != torch.float32 or sink.dim() != 1 or sink.shape[0] != spec.nheads:
+        raise ValueError(f"learnable_sink must be float32 of shape (nheads={spec.nheads},); got "
+                         f"{sink.dtype} {tuple(sink.shape)}")
+    if sink.device != q.device:
+        raise ValueError(f"learnable_sink is on {sink.device} but q is on {q.device}")
+    return dataclasses.replace(spec, has_sink=True)
 
 
 def batched_as_packed(x, cu):

@@ -77,13 +77,14 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _reference_kwargs(spec: AttentionSpec) -> dict:
+def _reference_kwargs(spec: AttentionSpec, sink=None) -> dict:
     # the normalised spec, not the user's arguments: the fallback then exercises the normalisation
     return dict(
         softmax_scale=spec.softmax_scale,
         causal=spec.causal,
         window_size=(spec.window_left, spec.window_right),
         softcap=spec.softcap,
+        learnable_sink=sink,
     )
 
 
@@ -93,12 +94,13 @@ def _is_empty(spec: AttentionSpec, out: torch.Tensor) -> bool:
 
 
 def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
-         varlen_host: dict | None = None):
+         varlen_host: dict | None = None, sink=None):
     """Fill (out, lse): empty shortcut, kernel, or reference fallback. Returns (out, lse,
     launch), launch being the kernel that ran (None for the empty shortcut or the fallback).
 
     varlen: the index tensors passed to the kernel; varlen_host: their host copies when
-    validate=True already read and checked them (else the fallback reads and checks them here)."""
+    validate=True already read and checked them (else the fallback reads and checks them here).
+    sink: the learnable sink (no kernel takes one yet: spec.has_sink makes them decline)."""
     if _is_empty(spec, out):
         launch, reason = None, None
     else:
@@ -115,14 +117,18 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
             launch(q, k, v, out, lse, **(varlen or {}))
         elif reason is None:  # empty: every query row (if any) sees no key
             out.zero_()
-            lse.fill_(float("-inf"))
+            if sink is None:
+                lse.fill_(float("-inf"))
+            else:  # only the sink's logit in each row's denominator
+                heads = 0 if spec.varlen_q else 1
+                lse.copy_(sink.view([-1 if i == heads else 1 for i in range(lse.dim())]).expand_as(lse))
         else:
             if varlen is None:
-                o, l = attention_ref(q, k, v, **_reference_kwargs(spec))
+                o, l = attention_ref(q, k, v, **_reference_kwargs(spec, sink))
             else:
                 packed = [_checks.batched_as_packed(x, varlen[cu])[0] for x, cu in
                           ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"))]
-                o, l = attention_varlen_ref(*packed, **varlen_host, **_reference_kwargs(spec))
+                o, l = attention_varlen_ref(*packed, **varlen_host, **_reference_kwargs(spec, sink))
                 if not spec.varlen_q:  # batched q: lse (h, b * sq) -> (b, h, sq)
                     l = l.view(spec.nheads, q.shape[0], q.shape[1]).permute(1, 0, 2)
             out.copy_(o.view(out.shape))
@@ -190,6 +196,7 @@ def flash_attn_func(
     *,
     out=None,
     lse=None,
+    learnable_sink=None,
 ):
     """Attention of q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d),
     v (batch, seqlen_k, nheads_k, d), fp16 or bf16, with FlashAttention's semantics.
@@ -224,13 +231,13 @@ def flash_attn_func(
     launches a kernel.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
-    if _through_op(q, k, v, out, lse):
+    if _through_op(q, k, v, out, lse, learnable_sink):
         from cuteattn import ops
         out, lse = ops.attention(q, k, v, softmax_scale, causal, window_size, softcap,
-                                 deterministic, strict)
+                                 deterministic, strict, learnable_sink)
         return (out, lse) if return_lse else out
     sig = None
-    if out is None and lse is None and type(window_size) is tuple:
+    if out is None and lse is None and learnable_sink is None and type(window_size) is tuple:
         try:
             sig = _signature(q, k, v, softmax_scale, causal, window_size, *map(type, window_size),
                              softcap)
@@ -245,16 +252,18 @@ def flash_attn_func(
             launch(q, k, v, out, lse)
             return (out, lse) if return_lse else out
     out, lse, spec, launch = forward(q, k, v, softmax_scale, causal, window_size, softcap, strict,
-                                     out, lse)
+                                     out, lse, learnable_sink)
     _remember(sig, spec, launch)
     return (out, lse) if return_lse else out
 
 
-def _through_op(q, k, v, out, lse) -> bool:
+def _through_op(q, k, v, out, lse, sink=None) -> bool:
     """Calls that record a gradient, and calls traced by torch.compile, go through the
     torch.library custom ops (ops.py: fake shapes, autograd); plain eager calls skip the op
     dispatcher's host time. out= / lse= buffers are an eager, inference-only extra."""
-    if not (torch.compiler.is_compiling() or _needs_grad(q, k, v)):
+    needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled()
+                                          and getattr(sink, "requires_grad", False))
+    if not (torch.compiler.is_compiling() or needs_grad):
         return False
     if out is not None or lse is not None:
         raise ValueError(
@@ -263,18 +272,20 @@ def _through_op(q, k, v, out, lse) -> bool:
     return True
 
 
-def forward(q, k, v, softmax_scale, causal, window_size, softcap, strict, out=None, lse=None):
+def forward(q, k, v, softmax_scale, causal, window_size, softcap, strict, out=None, lse=None,
+            learnable_sink=None):
     """The fixed-length forward without autograd: checks, spec, kernel or fallback. Returns
     (out, lse, spec, launch); ops.py's custom op runs this."""
     spec = _checks.fixed_spec(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap
     )
+    spec = _checks.with_sink(spec, learnable_sink, q)
     out, lse = _checks.output_buffers(
         q, out, lse,
         out_shape=(*q.shape[:3], v.shape[-1]),
         lse_shape=(spec.batch, spec.nheads, spec.seqlen_q),
     )
-    out, lse, launch = _run(q, k, v, spec, out, lse, strict)
+    out, lse, launch = _run(q, k, v, spec, out, lse, strict, sink=learnable_sink)
     return out, lse, spec, launch
 
 
@@ -302,6 +313,7 @@ def flash_attn_varlen_func(
     *,
     out=None,
     lse=None,
+    learnable_sink=None,
 ):
     """Attention over packed sequences: q (total_q, nheads, d), k/v (total_k, nheads_k, d).
 
@@ -331,14 +343,16 @@ def flash_attn_varlen_func(
     out 0 and lse -inf without a launch.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
-    if _through_op(q, k, v, out, lse):
+    if _through_op(q, k, v, out, lse, learnable_sink):
         from cuteattn import ops
         out, lse = ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-            causal, window_size, softcap, seqused_q, seqused_k, validate, deterministic, strict)
+            causal, window_size, softcap, seqused_q, seqused_k, validate, deterministic, strict,
+            learnable_sink)
         return (out, lse) if return_lse else out
     sig = None
-    if out is None and lse is None and not validate and type(window_size) is tuple:
+    if (out is None and lse is None and learnable_sink is None and not validate
+            and type(window_size) is tuple):
         # as flash_attn_func's shortcut; the index tensors by shape, stride, dtype and device
         # (their values are never checked without validate=True, so they cannot fail anew)
         index = tuple((t.shape, t.stride(), t.dtype, t.device) if type(t) is torch.Tensor
@@ -359,18 +373,18 @@ def flash_attn_varlen_func(
             return (out, lse) if return_lse else out
     out, lse, spec, launch = _forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        window_size, softcap, seqused_q, seqused_k, validate, strict, out, lse)
+        window_size, softcap, seqused_q, seqused_k, validate, strict, out, lse, learnable_sink)
     _remember(sig, spec, launch)
     return (out, lse) if return_lse else out
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
-                   strict, out=None, lse=None):
+                   strict, out=None, lse=None, learnable_sink=None):
     """The varlen forward without autograd (ops.py's custom op runs this). Returns (out, lse)."""
     return _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size, softcap, seqused_q, seqused_k,
-                           validate, strict, out, lse)[:2]
+                           validate, strict, out, lse, learnable_sink)[:2]
 
 
 def _varlen_lse_shape(q, spec) -> tuple:
@@ -380,12 +394,13 @@ def _varlen_lse_shape(q, spec) -> tuple:
 
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
-                    strict, out=None, lse=None):
+                    strict, out=None, lse=None, learnable_sink=None):
     """forward_varlen, also returning the spec and the launch that ran (None if none did)."""
     spec = _checks.varlen_spec(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
     )
+    spec = _checks.with_sink(spec, learnable_sink, q)
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
     )
@@ -394,50 +409,57 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         host = _varlen_host_values(q, k, spec, varlen)
     out, lse = _checks.output_buffers(
         q, out, lse, out_shape=(*q.shape[:-1], v.shape[-1]), lse_shape=_varlen_lse_shape(q, spec))
-    out, lse, launch = _run(q, k, v, spec, out, lse, strict, varlen, host)
+    out, lse, launch = _run(q, k, v, spec, out, lse, strict, varlen, host, learnable_sink)
     return out, lse, spec, launch
 
 
 # ---- gradients ----
 
-def _run_backward(spec, dout, q, k, v, out, lse, strict, varlen: dict | None = None):
-    """(dq, dk, dv): nothing to do for an empty problem, else the backward kernel, or the
-    reference's backward with the usual warning (strict mode raises)."""
+def _run_backward(spec, dout, q, k, v, out, lse, strict, varlen: dict | None = None, sink=None):
+    """(dq, dk, dv, dsink): nothing to do for an empty problem, else the backward kernel, or the
+    reference's backward with the usual warning (strict mode raises). dsink is None without a
+    learnable sink."""
     spec = dataclasses.replace(spec, kind="bwd")
     if _is_empty(spec, out):
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        zero_sink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float32,
+                                                          device=sink.device)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), zero_sink
     launch, reason = _select_kernel(spec, q.device)
     if reason is None:
-        return launch(dout, q, k, v, out, lse, **(varlen or {}))
+        return (*launch(dout, q, k, v, out, lse, **(varlen or {})), None)
     _fall_back(f"backward: {reason}", strict)  # its own warning: the forward may have a kernel
     if varlen is None:
-        return attention_ref_backward(dout, q, k, v, **_reference_kwargs(spec))
-    (qp, cu_q), (kp, cu_k), (vp, _), (dp, _) = (
-        _checks.batched_as_packed(x, varlen[cu]) for x, cu in
-        ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"), (dout, "cu_seqlens_q")))
-    grads = attention_varlen_ref_backward(dp, qp, kp, vp, cu_q, cu_k, varlen["seqused_q"],
-                                          varlen["seqused_k"], **_reference_kwargs(spec))
-    return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
+        grads = attention_ref_backward(dout, q, k, v, **_reference_kwargs(spec, sink))
+    else:
+        (qp, cu_q), (kp, cu_k), (vp, _), (dp, _) = (
+            _checks.batched_as_packed(x, varlen[cu]) for x, cu in
+            ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"), (dout, "cu_seqlens_q")))
+        grads = attention_varlen_ref_backward(dp, qp, kp, vp, cu_q, cu_k, varlen["seqused_q"],
+                                              varlen["seqused_k"], **_reference_kwargs(spec, sink))
+    dsink = grads[3] if sink is not None else None
+    return (*(g.view(x.shape) for g, x in zip(grads[:3], (q, k, v))), dsink)
 
 
 def backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, deterministic,
-             strict):
-    """Gradients (dq, dk, dv) of the fixed-length forward that returned (out, lse); ops.py's
-    autograd formula runs this. deterministic: bitwise-reproducible gradients."""
+             strict, learnable_sink=None):
+    """Gradients (dq, dk, dv, dsink) of the fixed-length forward that returned (out, lse);
+    ops.py's autograd formula runs this. deterministic: bitwise-reproducible gradients."""
     spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap)
-    spec = dataclasses.replace(spec, deterministic=bool(deterministic))
-    return _run_backward(spec, dout, q, k, v, out, lse, strict)
+    spec = dataclasses.replace(_checks.with_sink(spec, learnable_sink, q),
+                               deterministic=bool(deterministic))
+    return _run_backward(spec, dout, q, k, v, out, lse, strict, sink=learnable_sink)
 
 
 def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                     max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
-                    deterministic, strict):
-    """Gradients (dq, dk, dv) of the varlen forward (the metadata was checked by it)."""
+                    deterministic, strict, learnable_sink=None):
+    """Gradients (dq, dk, dv, dsink) of the varlen forward (the metadata was checked by it)."""
     spec = _checks.varlen_spec(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
-    spec = dataclasses.replace(spec, deterministic=bool(deterministic))
+    spec = dataclasses.replace(_checks.with_sink(spec, learnable_sink, q),
+                               deterministic=bool(deterministic))
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                   seqused_k=seqused_k)
-    return _run_backward(spec, dout, q, k, v, out, lse, strict, varlen)
+    return _run_backward(spec, dout, q, k, v, out, lse, strict, varlen, learnable_sink)

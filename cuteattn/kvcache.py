@@ -159,6 +159,7 @@ def flash_attn_with_kvcache(
     num_splits=0,
     return_softmax_lse=False,
     *,
+    learnable_sink=None,
     validate=False,
     strict=None,
 ):
@@ -176,6 +177,9 @@ def flash_attn_with_kvcache(
     (batch,) int32: the cache row of each sequence; cache_leftpad (batch,) int32: where each
     sequence's keys start. Masks are bottom-right aligned against the keys
     [cache_leftpad, cache_seqlens + seqlen_new). num_splits is accepted (0 = automatic).
+
+    learnable_sink (nheads,) float32: one logit per query head joining every row's softmax
+    denominator (gpt-oss), counted once.
 
     Returns out (batch, seqlen_q, nheads, head_dim), and lse (batch, nheads, seqlen_q) float32
     with return_softmax_lse. No gradients (inference). validate=True also checks the index
@@ -197,6 +201,7 @@ def flash_attn_with_kvcache(
         batch=batch, seqlen_q=q.shape[1], seqlen_k=capacity, nheads=q.shape[2],
         nheads_k=k_cache.shape[2], softmax_scale=scale, window_left=left, window_right=right,
         softcap=softcap, device_index=q.device.index if q.device.type == "cuda" else -1)
+    spec = _checks.with_sink(spec, learnable_sink, q)
     launch, reason = api._select_kernel(spec, q.device)
     if launch is not None:  # no decode family registers yet: a kernel here is a bug
         raise AssertionError("a decode kernel was selected but flash_attn_with_kvcache has no "
@@ -206,6 +211,7 @@ def flash_attn_with_kvcache(
         out, lse = attention_kvcache_ref(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale=scale, causal=causal,
-            window_size=(left, right), softcap=softcap, rotary_interleaved=rotary_interleaved)
+            window_size=(left, right), softcap=softcap, rotary_interleaved=rotary_interleaved,
+            learnable_sink=learnable_sink)
     out = out.to(q.dtype)
     return (out, lse) if return_softmax_lse else out

@@ -42,11 +42,11 @@ def _normalised(q, softmax_scale, causal, window_size, softcap):
 # ---- fixed length ----
 
 @torch.library.custom_op("cuteattn::fwd", mutates_args=())
-def _fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-         window_left: Optional[int], window_right: Optional[int], softcap: float, deterministic: bool,
-         strict: int) -> tuple[Tensor, Tensor]:
+def _fwd(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor], softmax_scale: float,
+         causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float,
+         deterministic: bool, strict: int) -> tuple[Tensor, Tensor]:
     out, lse, _, _ = api.forward(q, k, v, softmax_scale, causal, (window_left, window_right),
-                                 softcap, _strict(strict))
+                                 softcap, _strict(strict), learnable_sink=learnable_sink)
     return out, lse
 
 
@@ -59,58 +59,61 @@ def _fwd_fake(q, k, v, *args):
 
 @torch.library.custom_op("cuteattn::bwd", mutates_args=())
 def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-         softmax_scale: float, causal: bool, window_left: Optional[int],
-         window_right: Optional[int], softcap: float, deterministic: bool,
-         strict: int) -> tuple[Tensor, Tensor, Tensor]:
-    grads = api.backward(dout, q, k, v, out, lse, softmax_scale, causal,
-                         (window_left, window_right), softcap, deterministic, _strict(strict))
-    return _as_inputs(grads, (q, k, v))
+         learnable_sink: Optional[Tensor], softmax_scale: float, causal: bool,
+         window_left: Optional[int], window_right: Optional[int], softcap: float,
+         deterministic: bool, strict: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    *grads, dsink = api.backward(dout, q, k, v, out, lse, softmax_scale, causal,
+                                 (window_left, window_right), softcap, deterministic,
+                                 _strict(strict), learnable_sink)
+    return (*_as_inputs(grads, (q, k, v)), _sink_grad(dsink, learnable_sink, q))
 
 
 @_bwd.register_fake
-def _bwd_fake(dout, q, k, v, *args):
-    return _contiguous_like(q, k, v)
+def _bwd_fake(dout, q, k, v, out, lse, learnable_sink, *args):
+    return (*_contiguous_like(q, k, v), _sink_grad_fake(learnable_sink, q))
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, *scalars = inputs
-    ctx.save_for_backward(q, k, v, *output)  # out, lse: all the backward needs besides q, k, v
+    q, k, v, sink, *scalars = inputs
+    ctx.save_for_backward(q, k, v, *output, sink)  # out, lse: what the backward needs besides
     ctx.scalars = scalars
     ctx.mark_non_differentiable(output[1])  # lse
 
 
 def _fwd_backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd(dout.contiguous(), q, k, v, out, lse, *ctx.scalars)
-    return (dq, dk, dv) + (None,) * 7
+    q, k, v, out, lse, sink = ctx.saved_tensors
+    dq, dk, dv, dsink = _bwd(dout.contiguous(), q, k, v, out, lse, sink, *ctx.scalars)
+    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 7
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 
-def attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, strict):
+def attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, strict,
+              learnable_sink=None):
     """flash_attn_func through the custom op: returns (out, lse)."""
     scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
-    return _fwd(q, k, v, scale, causal, left, right, softcap, bool(deterministic),
+    return _fwd(q, k, v, learnable_sink, scale, causal, left, right, softcap, bool(deterministic),
                 _strict_code(strict))
 
 
 # ---- packed (varlen) ----
 
 @torch.library.custom_op("cuteattn::fwd_varlen", mutates_args=())
-def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor],
-                cu_seqlens_k: Optional[Tensor],
+def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor],
+                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
                 seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], max_seqlen_q: int,
                 max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: Optional[int],
                 window_right: Optional[int], softcap: float, validate: bool, deterministic: bool,
                 strict: int) -> tuple[Tensor, Tensor]:
     return api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, causal, (window_left, window_right), softcap,
-                              seqused_q, seqused_k, validate, _strict(strict))
+                              seqused_q, seqused_k, validate, _strict(strict),
+                              learnable_sink=learnable_sink)
 
 
 @_fwd_varlen.register_fake
-def _fwd_varlen_fake(q, k, v, cu_seqlens_q, *args):
+def _fwd_varlen_fake(q, k, v, learnable_sink, cu_seqlens_q, *args):
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     if cu_seqlens_q is not None:  # packed q: (total_q, h, d), lse (h, total_q)
         return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -120,27 +123,27 @@ def _fwd_varlen_fake(q, k, v, cu_seqlens_q, *args):
 
 @torch.library.custom_op("cuteattn::bwd_varlen", mutates_args=())
 def _bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-                seqused_q: Optional[Tensor],
+                learnable_sink: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor],
                 seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
                 softmax_scale: float, causal: bool, window_left: Optional[int],
                 window_right: Optional[int], softcap: float, deterministic: bool,
-                strict: int) -> tuple[Tensor, Tensor, Tensor]:
-    grads = api.backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-                                seqused_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                                (window_left, window_right), softcap, deterministic,
-                                _strict(strict))
-    return _as_inputs(grads, (q, k, v))
+                strict: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    *grads, dsink = api.backward_varlen(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+        max_seqlen_k, softmax_scale, causal, (window_left, window_right), softcap, deterministic,
+        _strict(strict), learnable_sink)
+    return (*_as_inputs(grads, (q, k, v)), _sink_grad(dsink, learnable_sink, q))
 
 
 @_bwd_varlen.register_fake
-def _bwd_varlen_fake(dout, q, k, v, *args):
-    return _contiguous_like(q, k, v)
+def _bwd_varlen_fake(dout, q, k, v, out, lse, learnable_sink, *args):
+    return (*_contiguous_like(q, k, v), _sink_grad_fake(learnable_sink, q))
 
 
 def _fwd_varlen_setup(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, *scalars = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, used_q, used_k)
+    q, k, v, sink, cu_q, cu_k, used_q, used_k, max_q, max_k, *scalars = inputs
+    ctx.save_for_backward(q, k, v, *output, sink, cu_q, cu_k, used_q, used_k)
     # (scale, causal, left, right, softcap, deterministic, strict): `validate` dropped, the
     # forward checked already
     ctx.scalars = (max_q, max_k, *scalars[:5], *scalars[6:])
@@ -148,10 +151,10 @@ def _fwd_varlen_setup(ctx, inputs, output):
 
 
 def _fwd_varlen_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-    dq, dk, dv = _bwd_varlen(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, used_q, used_k,
-                             *ctx.scalars)
-    return (dq, dk, dv) + (None,) * 14
+    q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
+    dq, dk, dv, dsink = _bwd_varlen(dout.contiguous(), q, k, v, out, lse, sink, cu_q, cu_k,
+                                    used_q, used_k, *ctx.scalars)
+    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 14
 
 
 _fwd_varlen.register_autograd(_fwd_varlen_backward, setup_context=_fwd_varlen_setup)
@@ -159,12 +162,24 @@ _fwd_varlen.register_autograd(_fwd_varlen_backward, setup_context=_fwd_varlen_se
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
-                     deterministic, strict):
+                     deterministic, strict, learnable_sink=None):
     """flash_attn_varlen_func through the custom op: returns (out, lse)."""
     scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
-    return _fwd_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                       max_seqlen_k, scale, causal, left, right, softcap, bool(validate),
-                       bool(deterministic), _strict_code(strict))
+    return _fwd_varlen(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                       max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap,
+                       bool(validate), bool(deterministic), _strict_code(strict))
+
+
+def _sink_grad(dsink, sink, q):
+    """The sink's gradient as the op returns it: float32 like the sink, or an empty tensor when
+    there is no sink (an op output cannot be None)."""
+    if sink is None:
+        return q.new_empty((0,), dtype=torch.float32)
+    return dsink.to(torch.float32).contiguous()
+
+
+def _sink_grad_fake(sink, q):
+    return q.new_empty((0,) if sink is None else tuple(sink.shape), dtype=torch.float32)
 
 
 def _as_inputs(grads, inputs):

@@ -59,9 +59,12 @@ def attention_ref(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of batched q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv).
+    learnable_sink (h,): one logit per query head joining every row's softmax denominator (as
+    in gpt-oss) without a value: rows keep probability mass exp(sink - lse) for it.
 
     Returns (out, lse): out (b, sq, h, dv) is float32 when `upcast` (the ground truth) and in q's
     dtype otherwise (every step in the input dtype, as plain PyTorch would do it); lse (b, h, sq) is
@@ -77,16 +80,17 @@ def attention_ref(
         k = k.repeat_interleave(h // hk, dim=2)
         v = v.repeat_interleave(h // hk, dim=2)
 
-    scores, probs, _ = _scores_and_probs(q, k, scale, causal, window_size, softcap)
-    lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees no key (also when sk == 0)
+    scores, probs, _, lse = _scores_and_probs(q, k, scale, causal, window_size, softcap,
+                                              learnable_sink)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse.float()
 
 
-def _scores_and_probs(q, k, scale, causal, window_size, softcap):
+def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None):
     """The forward's masked scores (b, h, sq, sk) and probabilities, in q's dtype, for k with
-    q's head count; and the softcap's tanh values (None without softcap), which the backward's
-    derivative needs. A row that sees no key gets probabilities 0 (softmax would give NaN)."""
+    q's head count; the softcap's tanh values (None without softcap), which the backward's
+    derivative needs; and the rows' logsumexp (b, h, sq), the sink included. A row that sees no
+    key gets probabilities 0 (softmax would give NaN) and lse -inf, or the sink's logit."""
     sq, sk = q.shape[1], k.shape[1]
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     t = None
@@ -98,10 +102,16 @@ def _scores_and_probs(q, k, scale, causal, window_size, softcap):
         right = 0
     mask = visible_mask(sq, sk, left, right, device=q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    row_sees_a_key = mask.any(dim=-1).view(1, 1, sq, 1)
-    probs = torch.where(row_sees_a_key, probs, torch.zeros((), dtype=q.dtype, device=q.device))
-    return scores, probs, t
+    if sink is None:
+        lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees no key (also when sk == 0)
+        probs = torch.softmax(scores, dim=-1)
+        row_sees_a_key = mask.any(dim=-1).view(1, 1, sq, 1)
+        probs = torch.where(row_sees_a_key, probs, torch.zeros((), dtype=q.dtype, device=q.device))
+    else:  # the sink: one more column of the softmax, per head, that carries no value
+        column = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1)
+        probs = torch.exp(scores - lse.unsqueeze(-1))
+    return scores, probs, t, lse
 
 
 def attention_varlen_ref(
@@ -117,6 +127,7 @@ def attention_varlen_ref(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    learnable_sink: torch.Tensor | None = None,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention: q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv).
@@ -141,6 +152,7 @@ def attention_varlen_ref(
             causal=causal,
             window_size=window_size,
             softcap=softcap,
+            learnable_sink=learnable_sink,
             upcast=upcast,
         )
         out[q0 : q0 + len_q] = o[0]
@@ -158,12 +170,15 @@ def attention_ref_backward(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    learnable_sink: torch.Tensor | None = None,
+) -> tuple:
     """(dq, dk, dv) of `attention_ref`'s output against dout, in float32, written out (no autograd:
     it also runs where autograd is off, inside a custom op). The steps a backward kernel takes:
     P from the recomputed scores, dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), through
     the softcap's derivative (1 - tanh^2) and the scale, then dQ = dS K and dK = dS^T Q; GQA sums
-    dK and dV over the query heads of each kv head. Rows that see no key have P = 0: gradient 0."""
+    dK and dV over the query heads of each kv head. Rows that see no key have P = 0: gradient 0.
+    With learnable_sink, also dsink (h,): the sink is a softmax column with dP = 0, so its
+    gradient is -sum over batch and rows of P_sink * rowsum(dO * O): (dq, dk, dv, dsink)."""
     b, sq, h, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
@@ -172,7 +187,8 @@ def attention_ref_backward(
     kr = k.repeat_interleave(group, dim=2) if group > 1 else k
     vr = v.repeat_interleave(group, dim=2) if group > 1 else v
 
-    _, probs, t = _scores_and_probs(q, kr, scale, causal, window_size, softcap)
+    _, probs, t, lse = _scores_and_probs(q, kr, scale, causal, window_size, softcap,
+                                         learnable_sink)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vr)
 
     dvr = torch.einsum("bhqk,bqhd->bkhd", probs, do)
@@ -187,7 +203,11 @@ def attention_ref_backward(
     if group > 1:
         dkr = dkr.reshape(b, sk, hk, group, d).sum(3)
         dvr = dvr.reshape(b, sk, hk, group, v.shape[-1]).sum(3)
-    return dq, dkr, dvr
+    if learnable_sink is None:
+        return dq, dkr, dvr
+    p_sink = torch.exp(learnable_sink.float().view(1, -1, 1) - lse)  # (b, h, sq)
+    dsink = -(p_sink * delta.squeeze(-1)).sum(dim=(0, 2))
+    return dq, dkr, dvr, dsink
 
 
 def attention_varlen_ref_backward(
@@ -200,12 +220,15 @@ def attention_varlen_ref_backward(
     seqused_q: torch.Tensor | None = None,
     seqused_k: torch.Tensor | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple:
     """`attention_ref_backward` per packed sequence (as `attention_varlen_ref` lays them out);
-    rows outside every sequence get gradient 0. float32. Reads the lengths to the host."""
+    rows outside every sequence get gradient 0; with a learnable_sink its gradient summed over
+    the sequences comes fourth. float32. Reads the lengths to the host."""
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    sink = kwargs.get("learnable_sink")
+    dsink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float32, device=q.device)
     for q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         grads = attention_ref_backward(
             dout[q0:q0 + len_q].unsqueeze(0), q[q0:q0 + len_q].unsqueeze(0),
@@ -213,7 +236,9 @@ def attention_varlen_ref_backward(
         dq[q0:q0 + len_q] += grads[0][0]
         dk[k0:k0 + len_k] += grads[1][0]
         dv[k0:k0 + len_k] += grads[2][0]
-    return dq, dk, dv
+        if dsink is not None:
+            dsink += grads[3]
+    return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
@@ -262,7 +287,7 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
                           cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                           block_table=None, *, softmax_scale=None, causal=False,
                           window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                          upcast=True):
+                          learnable_sink=None, upcast=True):
     """flash_attn_with_kvcache's semantics, written out per batch entry (reads lengths to the
     host). Appends k, v (rotated when rotary_cos/sin are given) into the caches in place at
     positions [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of cache row cache_batch_idx[b]
@@ -297,7 +322,7 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
         where = _cache_rows(k_cache, block_table, row, keys)
         o, l = attention_ref(qi, k_cache[where][None], v_cache[where][None],
                              softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                             softcap=softcap, upcast=upcast)
+                             softcap=softcap, learnable_sink=learnable_sink, upcast=upcast)
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)

@@ -35,6 +35,7 @@ class AttentionSpec:
     has_seqused_k: bool = False
     kind: str = "fwd"             # one of KINDS: which kernel family serves the spec
     deterministic: bool = False   # bwd: bitwise-reproducible gradients (ordered dQ additions)
+    has_sink: bool = False        # a learnable sink logit per query head (gpt-oss)
     # dynamic: not in the key (one kernel serves every value)
     batch: int = 0
     seqlen_q: int = 0             # max_seqlen_q for varlen
@@ -70,4 +71,5 @@ class AttentionSpec:
             self.has_seqused_q,
             self.has_seqused_k,
             self.deterministic,
+            self.has_sink,
         )

@@ -551,3 +551,59 @@ def test_varlen_batched_form_validate():
     used = torch.tensor([5, 6], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"seqused_k\[1\] = 6 must lie in \[0, 5\]"):
         flash_attn_varlen_func(q, q, q, None, None, 5, 5, seqused_k=used, validate=True)
+
+
+# ---- learnable sinks ----
+
+def test_sink_forward_fixed_and_varlen(seed):
+    q, k, v = qkv(b=2, sq=5, sk=7, h=4, hk=2)
+    sink = torch.randn(4)
+    out, lse = quiet(flash_attn_func, q, k, v, causal=True, learnable_sink=sink, return_lse=True)
+    ref, ref_lse = attention_ref(q, k, v, causal=True, learnable_sink=sink)
+    assert torch.allclose(out.float(), ref, atol=2e-2) and torch.allclose(lse, ref_lse, atol=1e-5)
+    plain = quiet(flash_attn_func, q, k, v, causal=True)
+    assert not torch.allclose(out, plain)  # the sink takes probability mass
+    (qp, kp, vp), args = packed(h=4, hk=2)
+    out, lse = quiet(flash_attn_varlen_func, qp, kp, vp, **args, learnable_sink=sink, return_lse=True)
+    ref, ref_lse = attention_varlen_ref(qp, kp, vp, args["cu_seqlens_q"], args["cu_seqlens_k"],
+                                        learnable_sink=sink)
+    assert torch.allclose(out.float(), ref, atol=2e-2) and torch.allclose(lse, ref_lse, atol=1e-5)
+
+
+def test_sink_gradient_flows(seed):
+    q, k, v = (t.requires_grad_() for t in qkv(b=2, sq=6, sk=6, h=4, hk=2))
+    sink = torch.randn(4, requires_grad=True)
+    out = quiet(flash_attn_func, q, k, v, causal=True, learnable_sink=sink)
+    g = torch.randn_like(out)
+    grads = quiet(torch.autograd.grad, out, (q, k, v, sink), g)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)] + [sink.detach().clone().requires_grad_()]
+    ref, _ = attention_ref(*leaves[:3], causal=True, learnable_sink=leaves[3])
+    ref.backward(g.float())
+    for got, leaf in zip(grads, leaves):
+        assert got.shape == leaf.shape and torch.allclose(got.float(), leaf.grad, atol=3e-2)
+    assert grads[3].dtype == torch.float32 and grads[3].abs().sum() > 0
+
+
+def test_sink_only_gradient_and_empty_keys(seed):
+    """A sink that alone requires grad routes through autograd; with no keys the rows' lse is
+    the sink (output 0)."""
+    q, k, v = qkv(b=1, sq=3, sk=4, h=2, hk=2)
+    sink = torch.zeros(2, requires_grad=True)
+    out = quiet(flash_attn_func, q, k, v, learnable_sink=sink)
+    (dsink,) = quiet(torch.autograd.grad, out.float().sum(), (sink,))
+    assert dsink.shape == (2,) and torch.isfinite(dsink).all()
+    q, k, v = qkv(b=1, sq=3, sk=0, h=2, hk=2)
+    out, lse = quiet(flash_attn_func, q, k, v, learnable_sink=torch.tensor([0.5, -1.0]),
+                     return_lse=True)
+    assert torch.all(out == 0) and torch.equal(lse, torch.tensor([0.5, -1.0]).view(1, 2, 1).expand(1, 2, 3))
+
+
+@pytest.mark.parametrize("sink,exc,match", [
+    (torch.zeros(3), ValueError, r"shape \(nheads=4,\)"),
+    (torch.zeros(4, dtype=torch.bfloat16), ValueError, "float32"),
+    ([0.0] * 4, TypeError, "learnable_sink must be a torch.Tensor"),
+])
+def test_sink_checks(sink, exc, match):
+    q, k, v = qkv(h=4, hk=4)
+    with pytest.raises(exc, match=match):
+        flash_attn_func(q, k, v, learnable_sink=sink)

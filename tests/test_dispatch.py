@@ -118,6 +118,7 @@ SM90_REASONS = [
     (dict(local=True, window_left=None, window_right=-1), "window_size (None, -1) has a negative edge"),
     (dict(local=True, window_left=-4, window_right=9), "window_size (-4, 9) has a negative edge"),
     (dict(has_seqused_q=True), "seqused with batched (not packed) q and k"),
+    (dict(has_sink=True), "learnable attention sinks: no sm90 forward takes them yet"),
 ]
 
 

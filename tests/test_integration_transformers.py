@@ -132,13 +132,21 @@ def test_generate_with_cache_matches_sdpa():
     assert torch.equal(a[:, :6], ids)
 
 
-def test_sinks_are_refused():
+def test_sinks_pass_through_as_learnable_sink(seed=0):
+    """transformers' s_aux (gpt-oss's sinks) becomes cuteattn's learnable_sink."""
     from cuteattn.integrations.transformers import cuteattn_attention_forward
-    q = torch.randn(1, 2, 4, 64, dtype=torch.bfloat16)
+    from cuteattn.reference import attention_ref
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 64, dtype=torch.bfloat16) for _ in range(3))
     module = torch.nn.Module()
     module.is_causal = True
-    with pytest.raises(NotImplementedError, match="sinks"):
-        cuteattn_attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    sink = torch.randn(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cuteattn.FallbackWarning)
+        out, weights = cuteattn_attention_forward(module, q, k, v, None, s_aux=sink.to(torch.bfloat16))
+    ref, _ = attention_ref(*(t.transpose(1, 2) for t in (q, k, v)), causal=True,
+                           learnable_sink=sink.to(torch.bfloat16).float())
+    assert weights is None and (out.float() - ref).abs().max() < 2e-2
 
 
 @pytest.mark.gpu

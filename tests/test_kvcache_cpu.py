@@ -217,3 +217,18 @@ def test_bad_arguments_raise_before_any_work(over, exc, match):
 def test_validate_checks_the_index_values(over, match):
     with pytest.raises(ValueError, match=match):
         flash_attn_with_kvcache(**args(**over), validate=True)
+
+
+def test_learnable_sink(seed):
+    q = torch.randn(2, 1, 4, 64, dtype=BF16)
+    kc, vc = torch.randn(2, 20, 2, 64, dtype=BF16), torch.randn(2, 20, 2, 64, dtype=BF16)
+    sink = torch.randn(4)
+    lens = torch.tensor([7, 0], dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, learnable_sink=sink,
+                                       return_softmax_lse=True)
+    ref, ref_lse = attention_ref(q[:1], kc[:1, :7], vc[:1, :7], learnable_sink=sink)
+    close(out[:1], ref)
+    assert torch.allclose(lse[:1], ref_lse, atol=1e-5)
+    assert torch.all(out[1] == 0) and torch.allclose(lse[1], sink.view(4, 1))  # no key: the sink
+    with pytest.raises(ValueError, match="learnable_sink"):
+        flash_attn_with_kvcache(q, kc, vc, learnable_sink=torch.zeros(3))

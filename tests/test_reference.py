@@ -233,3 +233,43 @@ def test_varlen_reference_backward_equals_autograd():
     for got, want in zip(grads, (q.grad, k.grad, v.grad)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     assert (grads[0][15] == 0).all()
+
+
+# ---- learnable sinks ----
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_is_one_more_softmax_column_without_value(seed, causal):
+    """Against a softmax over the scores plus one column of the sink's logit, whose value row is
+    zero, written directly (float64)."""
+    b, sq, sk, h, hk, d = 2, 5, 7, 4, 2, 8
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hk, d), rand(b, sk, hk, d)
+    sink = torch.randn(h)
+    out, lse = attention_ref(q, k, v, causal=causal, learnable_sink=sink)
+    kr, vr = (t.repeat_interleave(h // hk, dim=2).double() for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kr) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool).triu(sk - sq + 1), -math.inf)
+    full = torch.cat([s, sink.double().view(1, h, 1, 1).expand(b, h, sq, 1)], dim=-1)
+    p = torch.softmax(full, dim=-1)[..., :sk]
+    torch.testing.assert_close(out.double(), torch.einsum("bhqk,bkhd->bqhd", p, vr), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(full, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_sink_keeps_rows_without_keys_finite(seed):
+    q, k, v = rand(1, 3, 2, 8), rand(1, 0, 2, 8), rand(1, 0, 2, 8)
+    sink = torch.tensor([0.5, -1.0])
+    out, lse = attention_ref(q, k, v, learnable_sink=sink)
+    assert torch.all(out == 0) and torch.equal(lse, sink.view(1, 2, 1).expand(1, 2, 3))
+
+
+@pytest.mark.parametrize("window,softcap", [((-1, -1), 0.0), ((3, 0), 2.0)])
+def test_sink_backward_equals_autograd(seed, window, softcap):
+    q, k, v = rand(2, 6, 4, 8), rand(2, 9, 2, 8), rand(2, 9, 2, 8)
+    sink = torch.randn(4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out, _ = attention_ref(*leaves[:3], window_size=window, softcap=softcap, learnable_sink=leaves[3])
+    g = torch.randn_like(out)
+    out.backward(g)
+    got = attention_ref_backward(g, q, k, v, window_size=window, softcap=softcap, learnable_sink=sink)
+    for mine, leaf in zip(got, leaves):
+        torch.testing.assert_close(mine, leaf.grad, atol=1e-5, rtol=1e-5)

@@ -148,3 +148,16 @@ def test_negative_window_edges_compile():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(q), f(q))
     assert torch.all(f(q)[:, :2] == 0)  # the first two rows have no key two places back
+
+
+def test_learnable_sink_compiles_with_its_gradient():
+    torch.manual_seed(0)
+    q = torch.randn(1, 9, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    sink = torch.randn(2, requires_grad=True)
+    f = lambda q, sink: flash_attn_func(q, q, q, causal=True, learnable_sink=sink)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got, want = compiled(q, sink), f(q, sink)
+    assert torch.equal(got, want)
+    g_got = torch.autograd.grad(got.float().sum(), (q, sink))
+    g_want = torch.autograd.grad(want.float().sum(), (q, sink))
+    assert all(torch.equal(a, b) for a, b in zip(g_got, g_want))

@@ -14,7 +14,8 @@ call becomes one cuteattn call:
   - padding-free packed batches (batch 1, sequences concatenated): from the `cu_seq_lens_q/k`
     and `max_length_q/k` a data collator passes, or found where `position_ids` restart;
 causal from the module, GQA as the model's heads are, sliding window as FlashAttention's
-(sliding_window - 1) keys to the left, softcap and the scaling passed through. Gradients flow
+(sliding_window - 1) keys to the left, softcap, the scaling and attention sinks (`s_aux`, as
+gpt-oss has them: cuteattn's learnable_sink) passed through. Gradients flow
 through cuteattn's autograd. transformers is not a dependency of cuteattn: install it yourself.
 """
 from __future__ import annotations
@@ -67,8 +68,6 @@ def cuteattn_attention_forward(module, query, key, value, attention_mask, dropou
     """transformers' attention-function signature: q/k/v (batch, heads, seqlen, head_dim);
     returns ((batch, seqlen, heads, head_dim), None)."""
     global _warned_cast
-    if s_aux is not None:
-        raise NotImplementedError("cuteattn: attention sinks (s_aux) are not supported yet")
     if kwargs.get("output_attentions", False):
         raise NotImplementedError("cuteattn does not return attention weights "
                                   "(output_attentions=True): use attn_implementation='eager'")
@@ -85,7 +84,8 @@ def cuteattn_attention_forward(module, query, key, value, attention_mask, dropou
     causal = bool(module.is_causal if is_causal is None else is_causal) and seqlen_q > 1
     window = (-1, -1) if sliding_window is None else (sliding_window - 1, sliding_window - 1)
     common = dict(dropout_p=dropout, softmax_scale=scaling, causal=causal, window_size=window,
-                  softcap=softcap or 0.0, deterministic=bool(kwargs.get("deterministic", False)))
+                  softcap=softcap or 0.0, deterministic=bool(kwargs.get("deterministic", False)),
+                  learnable_sink=None if s_aux is None else s_aux.float())
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
     if attention_mask is not None:  # a padded batch: 2-D mask over the keys (cache included)
