@@ -187,20 +187,40 @@ def flash_attn_with_kvcache(
     range, rows not repeated. Without it they are trusted.
     """
     _checks.check_unsupported(0.0, alibi_slopes, False)
-    batch, s_new, capacity = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx,
-                                          cache_leftpad, rotary_cos, rotary_sin, cache_seqlens,
-                                          num_splits)
-    causal, local, left, right = _checks.normalize_mask(causal, window_size)
+    _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
+                 rotary_cos, rotary_sin, cache_seqlens, num_splits)
+    causal, _, left, right = _checks.normalize_mask(causal, window_size)
     scale, softcap = _checks.check_scalars(softmax_scale, softcap, q.shape[-1])
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, scale, causal, left, right, softcap,
+            bool(rotary_interleaved), learnable_sink, bool(validate), strict)
+    if torch.compiler.is_compiling():  # an opaque op: the cache lengths are read inside
+        from cuteattn import ops
+        out, lse = ops.kvcache(*args)
+    else:
+        out, lse = kvcache_forward(*args)
+    return (out, lse) if return_softmax_lse else out
+
+
+def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, left, right,
+                    softcap, rotary_interleaved, learnable_sink, validate, strict):
+    """flash_attn_with_kvcache past its argument checks (the normalised mask and scalars):
+    the value checks (validate), the kernel choice, the computation. Returns (out, lse);
+    ops.py's custom op runs this under torch.compile."""
+    batch, s_new, capacity = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx,
+                                          cache_leftpad, rotary_cos, rotary_sin, cache_seqlens, 0)
     if validate:
         _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, s_new,
                       capacity, batch)
+    causal, local, left, right = _checks.normalize_mask(causal, (left, right))
     spec = AttentionSpec(
         dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v_cache.shape[-1], causal=causal,
         local=local, has_softcap=softcap > 0, varlen_q=False, varlen_k=True, kind="decode",
         batch=batch, seqlen_q=q.shape[1], seqlen_k=capacity, nheads=q.shape[2],
-        nheads_k=k_cache.shape[2], softmax_scale=scale, window_left=left, window_right=right,
-        softcap=softcap, device_index=q.device.index if q.device.type == "cuda" else -1)
+        nheads_k=k_cache.shape[2], softmax_scale=softmax_scale, window_left=left,
+        window_right=right, softcap=softcap,
+        device_index=q.device.index if q.device.type == "cuda" else -1)
     spec = _checks.with_sink(spec, learnable_sink, q)
     launch, reason = api._select_kernel(spec, q.device)
     if launch is not None:  # no decode family registers yet: a kernel here is a bug
@@ -210,8 +230,7 @@ def flash_attn_with_kvcache(
     with torch.no_grad():
         out, lse = attention_kvcache_ref(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-            cache_leftpad, block_table, softmax_scale=scale, causal=causal,
+            cache_leftpad, block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=(left, right), softcap=softcap, rotary_interleaved=rotary_interleaved,
             learnable_sink=learnable_sink)
-    out = out.to(q.dtype)
-    return (out, lse) if return_softmax_lse else out
+    return out.to(q.dtype), lse

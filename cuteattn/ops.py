@@ -170,6 +170,46 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                        bool(validate), bool(deterministic), _strict_code(strict))
 
 
+# ---- KV cache (inference: no autograd) ----
+
+@torch.library.custom_op("cuteattn::kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+             rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor],
+             cache_seqlens_tensor: Optional[Tensor], cache_seqlens_int: Optional[int],
+             cache_batch_idx: Optional[Tensor], cache_leftpad: Optional[Tensor],
+             block_table: Optional[Tensor], softmax_scale: float, causal: bool,
+             window_left: Optional[int], window_right: Optional[int], softcap: float,
+             rotary_interleaved: bool, learnable_sink: Optional[Tensor], validate: bool,
+             strict: int) -> tuple[Tensor, Tensor]:
+    from cuteattn.kvcache import kvcache_forward
+    seqlens = cache_seqlens_tensor if cache_seqlens_tensor is not None else cache_seqlens_int
+    out, lse = kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens,
+                               cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
+                               window_left, window_right, softcap, rotary_interleaved,
+                               learnable_sink, validate, _strict(strict))
+    return out.contiguous(), lse.contiguous()
+
+
+@_kvcache.register_fake
+def _kvcache_fake(q, k_cache, v_cache, *args):
+    b, sq, h, _ = q.shape
+    return (q.new_empty((b, sq, h, v_cache.shape[-1])),
+            q.new_empty((b, h, sq), dtype=torch.float32))
+
+
+def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale, causal, left, right, softcap,
+            rotary_interleaved, learnable_sink, validate, strict):
+    """flash_attn_with_kvcache through the custom op (torch.compile): returns (out, lse); the
+    caches are written in place, as the op declares."""
+    as_tensor = isinstance(cache_seqlens, Tensor)
+    return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                    cache_seqlens if as_tensor else None, None if as_tensor else cache_seqlens,
+                    cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, left,
+                    right, softcap, rotary_interleaved, learnable_sink, validate,
+                    _strict_code(strict))
+
+
 def _sink_grad(dsink, sink, q):
     """The sink's gradient as the op returns it: float32 like the sink, or an empty tensor when
     there is no sink (an op output cannot be None)."""

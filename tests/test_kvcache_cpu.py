@@ -232,3 +232,26 @@ def test_learnable_sink(seed):
     assert torch.all(out[1] == 0) and torch.allclose(lse[1], sink.view(4, 1))  # no key: the sink
     with pytest.raises(ValueError, match="learnable_sink"):
         flash_attn_with_kvcache(q, kc, vc, learnable_sink=torch.zeros(3))
+
+
+def test_decode_step_under_torch_compile(seed):
+    """A decode step compiled with fullgraph=True (the cache lengths are read inside an opaque
+    op that declares it writes the caches): equal to eager, caches appended alike."""
+    torch._dynamo.reset()
+    q = torch.randn(2, 1, 4, 64, dtype=BF16)
+    k, v = torch.randn(2, 1, 2, 64, dtype=BF16), torch.randn(2, 1, 2, 64, dtype=BF16)
+    caches = [(torch.randn(2, 16, 2, 64, dtype=BF16), torch.randn(2, 16, 2, 64, dtype=BF16))
+              for _ in range(2)]
+    caches[1] = tuple(c.clone() for c in caches[0])
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+
+    def step(q, kc, vc, k, v, lens):
+        return flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = compiled(q, *caches[0], k, v, lens)
+    want = step(q, *caches[1], k, v, lens)
+    assert torch.equal(got, want)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert torch.equal(caches[0][1][1, 9], v[1, 0])
+    torch._dynamo.reset()
