@@ -21,6 +21,7 @@ from cuteattn.spec import AttentionSpec
 HEAD_DIM_MULTIPLE, MAX_HEAD_DIM = 8, 256  # every head dim FlashAttention accepts
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)  # the ones a kernel serves (others: the reference)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FP8 = torch.float8_e4m3fn  # FlashAttention-3's fp8 inputs (with descales); out in bf16
 
 
 def check_unsupported(dropout_p, alibi_slopes, return_attn_probs) -> None:
@@ -90,8 +91,10 @@ def check_qkv(q, k, v, rank: int, layout: str, rank_k: int | None = None,
             raise TypeError(f"{name} must be a torch.Tensor; got {type(t)}")
         if t.dim() != r:
             raise ValueError(f"{name} must be {r}-D {lay}; got shape {tuple(t.shape)}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q dtype must be float16 or bfloat16; got {q.dtype}")
+    if q.dtype == torch.float8_e5m2:
+        raise TypeError("q dtype float8_e5m2 is not supported: fp8 inputs must be float8_e4m3fn")
+    if q.dtype not in SUPPORTED_DTYPES + (FP8,):
+        raise TypeError(f"q dtype must be float16, bfloat16 or float8_e4m3fn; got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} dtype ({t.dtype}) must equal q's ({q.dtype})")
@@ -238,6 +241,27 @@ def with_sink(spec: AttentionSpec, sink, q) -> AttentionSpec:
     return dataclasses.replace(spec, has_sink=True)
 
 
+def check_descales(q, k, batch: int, descales) -> None:
+    """q_descale, k_descale, v_descale: None, or float32 (batch, nheads_k) on q's device, and
+    only for fp8 inputs."""
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if d is None:
+            continue
+        if q.dtype != FP8:
+            raise ValueError(f"{name} applies to float8_e4m3fn inputs only; q is {q.dtype}")
+        if not isinstance(d, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None; got {type(d)}")
+        shape = (batch, k.shape[-2])
+        if d.dtype != torch.float32 or tuple(d.shape) != shape or d.device != q.device:
+            raise ValueError(f"{name} must be float32 of shape (batch, nheads_k) = {shape} on "
+                             f"{q.device}; got {d.dtype} {tuple(d.shape)} on {d.device}")
+
+
+def out_dtype(q) -> torch.dtype:
+    """The output dtype: q's, or bfloat16 for fp8 inputs."""
+    return torch.bfloat16 if q.dtype == FP8 else q.dtype
+
+
 def batched_as_packed(x, cu):
     """A batched side (batch, seqlen, ...) seen as packed rows, with the cu_seqlens that say so
     (on x's device); a packed side as it is. What the varlen reference and value checks take."""
@@ -329,6 +353,10 @@ def _buffer(name: str, t, shape: tuple, dtype: torch.dtype, device: torch.device
 
 
 def output_buffers(q, out, lse, out_shape: tuple, lse_shape: tuple):
-    """(out, lse): allocated, or the caller's preallocated ones checked (written in place)."""
-    return (_buffer("out", out, out_shape, q.dtype, q.device),
+    """(out, lse): allocated, or the caller's preallocated ones checked (written in place). out is
+    in q's dtype, or for fp8 inputs bfloat16 (a float16 buffer is also taken)."""
+    dtype = out_dtype(q)
+    if q.dtype == FP8 and isinstance(out, torch.Tensor) and out.dtype == torch.float16:
+        dtype = torch.float16
+    return (_buffer("out", out, out_shape, dtype, q.device),
             _buffer("lse", lse, lse_shape, torch.float32, q.device))

@@ -14,7 +14,7 @@ import torch
 
 from cuteattn import _checks
 from cuteattn.reference import (attention_ref, attention_ref_backward, attention_varlen_ref,
-                                attention_varlen_ref_backward)
+                                attention_varlen_ref_backward, dequantize_fp8)
 from cuteattn.spec import AttentionSpec
 
 
@@ -94,13 +94,14 @@ def _is_empty(spec: AttentionSpec, out: torch.Tensor) -> bool:
 
 
 def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
-         varlen_host: dict | None = None, sink=None):
+         varlen_host: dict | None = None, sink=None, descales=(None, None, None)):
     """Fill (out, lse): empty shortcut, kernel, or reference fallback. Returns (out, lse,
     launch), launch being the kernel that ran (None for the empty shortcut or the fallback).
 
     varlen: the index tensors passed to the kernel; varlen_host: their host copies when
     validate=True already read and checked them (else the fallback reads and checks them here).
-    sink: the learnable sink (no kernel takes one yet: spec.has_sink makes them decline)."""
+    sink: the learnable sink (no kernel takes one yet: spec.has_sink makes them decline);
+    descales: fp8 inputs' (q, k, v) descales (no kernel takes fp8 yet)."""
     if _is_empty(spec, out):
         launch, reason = None, None
     else:
@@ -123,12 +124,19 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
                 heads = 0 if spec.varlen_q else 1
                 lse.copy_(sink.view([-1 if i == heads else 1 for i in range(lse.dim())]).expand_as(lse))
         else:
+            fp8 = q.dtype == _checks.FP8
             if varlen is None:
-                o, l = attention_ref(q, k, v, **_reference_kwargs(spec, sink))
+                inputs = (q, k, v)
+                if fp8:
+                    inputs = [dequantize_fp8(x, d) for x, d in zip(inputs, descales)]
+                o, l = attention_ref(*inputs, **_reference_kwargs(spec, sink))
             else:
-                packed = [_checks.batched_as_packed(x, varlen[cu])[0] for x, cu in
+                packed = [_checks.batched_as_packed(x, varlen[cu]) for x, cu in
                           ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"))]
-                o, l = attention_varlen_ref(*packed, **varlen_host, **_reference_kwargs(spec, sink))
+                if fp8:
+                    packed = [(dequantize_fp8(x, d, cu), cu) for (x, cu), d in zip(packed, descales)]
+                o, l = attention_varlen_ref(*(x for x, _ in packed), **varlen_host,
+                                            **_reference_kwargs(spec, sink))
                 if not spec.varlen_q:  # batched q: lse (h, b * sq) -> (b, h, sq)
                     l = l.view(spec.nheads, q.shape[0], q.shape[1]).permute(1, 0, 2)
             out.copy_(o.view(out.shape))
@@ -197,6 +205,9 @@ def flash_attn_func(
     out=None,
     lse=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention of q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d),
     v (batch, seqlen_k, nheads_k, d), fp16 or bf16, with FlashAttention's semantics.
@@ -216,6 +227,11 @@ def flash_attn_func(
     a window that leaves keys (left + right >= 0 when both are bounded), softcap >= 0,
     softmax_scale finite > 0.
     Not supported (NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs.
+    Keyword-only extras: learnable_sink (nheads,) float32, one logit per query head joining each
+    row's softmax denominator (gpt-oss); q_descale / k_descale / v_descale, FlashAttention-3's
+    (batch, nheads_k) float32 descales of float8_e4m3fn q, k, v (out then bf16, or an out= in
+    fp16/bf16). fp8 and sinks run on the reference for now.
+
     Gradients (q, k or v requiring grad) flow through torch autograd: the backward kernel where
     one serves the problem (sm_90a, head_dim 64/96/128), else the float32 reference backward
     (a FallbackWarning says so once; strict mode raises); out= / lse= cannot be combined with
@@ -231,13 +247,15 @@ def flash_attn_func(
     launches a kernel.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    descales = (q_descale, k_descale, v_descale)
     if _through_op(q, k, v, out, lse, learnable_sink):
         from cuteattn import ops
         out, lse = ops.attention(q, k, v, softmax_scale, causal, window_size, softcap,
                                  deterministic, strict, learnable_sink)
         return (out, lse) if return_lse else out
     sig = None
-    if out is None and lse is None and learnable_sink is None and type(window_size) is tuple:
+    if (out is None and lse is None and learnable_sink is None and descales == (None,) * 3
+            and type(window_size) is tuple):
         try:
             sig = _signature(q, k, v, softmax_scale, causal, window_size, *map(type, window_size),
                              softcap)
@@ -252,7 +270,7 @@ def flash_attn_func(
             launch(q, k, v, out, lse)
             return (out, lse) if return_lse else out
     out, lse, spec, launch = forward(q, k, v, softmax_scale, causal, window_size, softcap, strict,
-                                     out, lse, learnable_sink)
+                                     out, lse, learnable_sink, descales)
     _remember(sig, spec, launch)
     return (out, lse) if return_lse else out
 
@@ -265,6 +283,9 @@ def _through_op(q, k, v, out, lse, sink=None) -> bool:
                                           and getattr(sink, "requires_grad", False))
     if not (torch.compiler.is_compiling() or needs_grad):
         return False
+    if getattr(q, "dtype", None) == _checks.FP8:
+        raise NotImplementedError("float8_e4m3fn inputs: no gradients and no torch.compile "
+                                  "support yet (call outside torch.compile, without grad)")
     if out is not None or lse is not None:
         raise ValueError(
             "out= / lse= buffers are for calls without gradients outside torch.compile: drop them "
@@ -273,19 +294,21 @@ def _through_op(q, k, v, out, lse, sink=None) -> bool:
 
 
 def forward(q, k, v, softmax_scale, causal, window_size, softcap, strict, out=None, lse=None,
-            learnable_sink=None):
+            learnable_sink=None, descales=(None, None, None)):
     """The fixed-length forward without autograd: checks, spec, kernel or fallback. Returns
     (out, lse, spec, launch); ops.py's custom op runs this."""
     spec = _checks.fixed_spec(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap
     )
     spec = _checks.with_sink(spec, learnable_sink, q)
+    _checks.check_descales(q, k, spec.batch, descales)
     out, lse = _checks.output_buffers(
         q, out, lse,
         out_shape=(*q.shape[:3], v.shape[-1]),
         lse_shape=(spec.batch, spec.nheads, spec.seqlen_q),
     )
-    out, lse, launch = _run(q, k, v, spec, out, lse, strict, sink=learnable_sink)
+    out, lse, launch = _run(q, k, v, spec, out, lse, strict, sink=learnable_sink,
+                            descales=descales)
     return out, lse, spec, launch
 
 
@@ -314,6 +337,9 @@ def flash_attn_varlen_func(
     out=None,
     lse=None,
     learnable_sink=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """Attention over packed sequences: q (total_q, nheads, d), k/v (total_k, nheads_k, d).
 
@@ -351,8 +377,9 @@ def flash_attn_varlen_func(
             learnable_sink)
         return (out, lse) if return_lse else out
     sig = None
-    if (out is None and lse is None and learnable_sink is None and not validate
-            and type(window_size) is tuple):
+    descales = (q_descale, k_descale, v_descale)
+    if (out is None and lse is None and learnable_sink is None and descales == (None,) * 3
+            and not validate and type(window_size) is tuple):
         # as flash_attn_func's shortcut; the index tensors by shape, stride, dtype and device
         # (their values are never checked without validate=True, so they cannot fail anew)
         index = tuple((t.shape, t.stride(), t.dtype, t.device) if type(t) is torch.Tensor
@@ -373,7 +400,8 @@ def flash_attn_varlen_func(
             return (out, lse) if return_lse else out
     out, lse, spec, launch = _forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        window_size, softcap, seqused_q, seqused_k, validate, strict, out, lse, learnable_sink)
+        window_size, softcap, seqused_q, seqused_k, validate, strict, out, lse, learnable_sink,
+        descales)
     _remember(sig, spec, launch)
     return (out, lse) if return_lse else out
 
@@ -394,13 +422,14 @@ def _varlen_lse_shape(q, spec) -> tuple:
 
 def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
-                    strict, out=None, lse=None, learnable_sink=None):
+                    strict, out=None, lse=None, learnable_sink=None, descales=(None, None, None)):
     """forward_varlen, also returning the spec and the launch that ran (None if none did)."""
     spec = _checks.varlen_spec(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
     )
     spec = _checks.with_sink(spec, learnable_sink, q)
+    _checks.check_descales(q, k, spec.batch, descales)
     varlen = dict(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k
     )
@@ -409,7 +438,8 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         host = _varlen_host_values(q, k, spec, varlen)
     out, lse = _checks.output_buffers(
         q, out, lse, out_shape=(*q.shape[:-1], v.shape[-1]), lse_shape=_varlen_lse_shape(q, spec))
-    out, lse, launch = _run(q, k, v, spec, out, lse, strict, varlen, host, learnable_sink)
+    out, lse, launch = _run(q, k, v, spec, out, lse, strict, varlen, host, learnable_sink,
+                            descales)
     return out, lse, spec, launch
 
 

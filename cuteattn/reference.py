@@ -336,3 +336,24 @@ def _per_batch(value, batch: int, capacity: int) -> list:
     if isinstance(value, int):
         return [value] * batch
     return value.tolist()
+
+
+# ---- FP8 inputs ----
+
+def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 values of an fp8 q, k or v: x times its descale, FlashAttention-3's (batch,
+    nheads_k) float32 (None: 1.0), head h of x taking kv head h // (nheads / nheads_k)'s.
+    Batched x (batch, seqlen, nheads, d); packed (total, nheads, d) with cu_seqlens, whose
+    sequence b's rows take batch b's descales (rows outside every sequence take the last's)."""
+    xf = x.float()
+    if descale is None:
+        return xf
+    heads = x.shape[-2]
+    head_map = torch.arange(heads, device=x.device) // (heads // descale.shape[1])
+    per_head = descale.float()[:, head_map]  # (batch, nheads)
+    if cu_seqlens is None:
+        return xf * per_head[:, None, :, None]
+    rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
+    batch = (torch.searchsorted(cu_seqlens, rows, right=True) - 1).clamp(0, descale.shape[0] - 1)
+    return xf * per_head[batch][:, :, None]

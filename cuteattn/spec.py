@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
 
 # What a spec asks for: the forward now; the backward, decode (a few queries against a long
 # cache) and the combine of split results later. Each kind has its own kernel families.
@@ -23,7 +23,7 @@ KINDS = ("fwd", "bwd", "decode", "combine")
 @dataclass(frozen=True)
 class AttentionSpec:
     # static: part of the compile key
-    dtype: torch.dtype            # q, k, v and out dtype (fp16 or bf16)
+    dtype: torch.dtype            # q, k and v dtype (fp16, bf16; fp8 e4m3, whose out is bf16)
     head_dim: int                 # d of q and k
     head_dim_v: int               # d of v and out
     causal: bool                  # bottom-right aligned causal (window right == 0, left unbounded)

@@ -607,3 +607,51 @@ def test_sink_checks(sink, exc, match):
     q, k, v = qkv(h=4, hk=4)
     with pytest.raises(exc, match=match):
         flash_attn_func(q, k, v, learnable_sink=sink)
+
+
+# ---- fp8 (e4m3) inputs with FlashAttention-3's descales ----
+
+def quantized(x, scale):
+    """x / scale in e4m3 (what a user hands in) and its descale."""
+    return (x / scale).to(torch.float8_e4m3fn)
+
+
+def test_fp8_forward_dequantizes_with_per_head_descales(seed):
+    b, s, h, hk = 2, 9, 4, 2
+    q, k, v = qkv(b=b, sq=s, sk=s, h=h, hk=hk)
+    dq, dk, dv = (torch.rand(b, hk) + 0.5 for _ in range(3))
+    heads = torch.arange(h) // (h // hk)
+    q8 = quantized(q.float(), dq[:, None, heads, None])
+    k8, v8 = quantized(k.float(), dk[:, None, :, None]), quantized(v.float(), dv[:, None, :, None])
+    out, lse = quiet(flash_attn_func, q8, k8, v8, causal=True, return_lse=True,
+                     q_descale=dq, k_descale=dk, v_descale=dv)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref, ref_lse = attention_ref(q8.float() * dq[:, None, heads, None], k8.float() * dk[:, None, :, None],
+                                 v8.float() * dv[:, None, :, None], causal=True)
+    assert torch.allclose(out.float(), ref, atol=2e-2) and torch.allclose(lse, ref_lse, atol=1e-4)
+    plain = quiet(flash_attn_func, q8, k8, v8, causal=True)  # no descales: 1.0
+    ref1, _ = attention_ref(q8.float(), k8.float(), v8.float(), causal=True)
+    assert torch.allclose(plain.float(), ref1, atol=2e-2)
+
+
+def test_fp8_varlen_descales_follow_the_sequences(seed):
+    lens, h = [3, 0, 6], 2
+    cu = torch.tensor([0, 3, 3, 9], dtype=torch.int32)
+    q, k, v = (torch.randn(9, h, 64).to(torch.float8_e4m3fn) for _ in range(3))
+    dq, dk, dv = (torch.rand(3, h) + 0.5 for _ in range(3))
+    out = quiet(flash_attn_varlen_func, q, k, v, cu, cu, 6, 6, q_descale=dq, k_descale=dk,
+                v_descale=dv, out=torch.empty(9, h, 64, dtype=torch.float16))
+    assert out.dtype == torch.float16
+    for i, (start, n) in enumerate(((0, 3), (3, 0), (3, 6))):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        ref, _ = attention_ref(*((x[rows].float() * d[i][None, :, None])[None]
+                                 for x, d in ((q, dq), (k, dk), (v, dv))))
+        assert torch.allclose(out[rows].float(), ref[0], atol=2e-2)
+
+
+def test_fp8_refuses_gradients():
+    q = torch.randn(1, 4, 2, 64).to(torch.float8_e4m3fn).requires_grad_()
+    with pytest.raises(NotImplementedError, match="no gradients"):
+        flash_attn_func(q, q.detach(), q.detach())

@@ -119,6 +119,7 @@ SM90_REASONS = [
     (dict(local=True, window_left=-4, window_right=9), "window_size (-4, 9) has a negative edge"),
     (dict(has_seqused_q=True), "seqused with batched (not packed) q and k"),
     (dict(has_sink=True), "learnable attention sinks: no sm90 forward takes them yet"),
+    (dict(dtype=torch.float8_e4m3fn), "dtype torch.float8_e4m3fn is not supported by the sm90 forward"),
 ]
 
 

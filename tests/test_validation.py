@@ -53,7 +53,37 @@ def test_valid_arguments_pass(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_float32_rejected(kind):
-    rejects(kind, make(kind, dtype=torch.float32), TypeError, "q dtype must be float16 or bfloat16")
+    rejects(kind, make(kind, dtype=torch.float32), TypeError,
+            "q dtype must be float16, bfloat16 or float8_e4m3fn")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_e5m2_rejected(kind):
+    args = {n: (t.to(torch.float8_e5m2) if n in "qkv" else t) for n, t in make(kind).items()}
+    rejects(kind, args, TypeError, "float8_e5m2 is not supported")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fp8_with_bf16_k_rejected(kind):
+    args = make(kind)
+    args["q"] = args["q"].to(torch.float8_e4m3fn)
+    rejects(kind, args, TypeError, "k dtype")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bad,exc,match", [
+    ("shape", ValueError, r"q_descale must be float32 of shape \(batch, nheads_k\) = \(2, 4\)"),
+    ("dtype", ValueError, "q_descale must be float32"),
+    ("not fp8", ValueError, "q_descale applies to float8_e4m3fn inputs only"),
+    ("type", TypeError, "q_descale must be a torch.Tensor"),
+])
+def test_fp8_descale_rules(kind, bad, exc, match):
+    args = make(kind)
+    if bad != "not fp8":
+        args = {n: (t.to(torch.float8_e4m3fn) if n in "qkv" else t) for n, t in args.items()}
+    descale = {"shape": torch.ones(2, 3), "dtype": torch.ones(2, 4, dtype=torch.float64),
+               "not fp8": torch.ones(2, 4), "type": [[1.0] * 4] * 2}[bad]
+    rejects(kind, args, exc, match, q_descale=descale)
 
 
 @pytest.mark.parametrize("kind", KINDS)
