@@ -208,6 +208,9 @@ def flash_attn_func(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    block_sparse=None,
+    mask_mod=None,
+    score_mod=None,
 ):
     """Attention of q (batch, seqlen_q, nheads, d), k (batch, seqlen_k, nheads_k, d),
     v (batch, seqlen_k, nheads_k, d), fp16 or bf16, with FlashAttention's semantics.
@@ -230,7 +233,10 @@ def flash_attn_func(
     Keyword-only extras: learnable_sink (nheads,) float32, one logit per query head joining each
     row's softmax denominator (gpt-oss); q_descale / k_descale / v_descale, FlashAttention-3's
     (batch, nheads_k) float32 descales of float8_e4m3fn q, k, v (out then bf16, or an out= in
-    fp16/bf16). fp8 and sinks run on the reference for now.
+    fp16/bf16). block_sparse (cuteattn.sparse.BlockSparseMask), mask_mod(b, h, q_idx, kv_idx)
+    and score_mod(score, b, h, q_idx, kv_idx): FlexAttention's modifiers (FlashAttention-4's
+    block-sparse form), differentiable, including through tensors a score_mod closes over.
+    fp8, sinks and the modifiers run on the reference for now.
 
     Gradients (q, k or v requiring grad) flow through torch autograd: the backward kernel where
     one serves the problem (sm_90a, head_dim 64/96/128), else the float32 reference backward
@@ -247,6 +253,10 @@ def flash_attn_func(
     launches a kernel.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    if block_sparse is not None or mask_mod is not None or score_mod is not None:
+        out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
+                           learnable_sink, block_sparse, mask_mod, score_mod)
+        return (out, lse) if return_lse else out
     descales = (q_descale, k_descale, v_descale)
     if _through_op(q, k, v, out, lse, learnable_sink):
         from cuteattn import ops
@@ -273,6 +283,29 @@ def flash_attn_func(
                                      out, lse, learnable_sink, descales)
     _remember(sig, spec, launch)
     return (out, lse) if return_lse else out
+
+
+def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
+            mask_mod, score_mod):
+    """flash_attn_func with FlexAttention's modifiers: checked, then (no kernel takes them yet)
+    the reference, differentiated by torch autograd itself (a score_mod's own tensors get
+    gradients too); the fallback warning or the strict error as usual."""
+    from cuteattn import sparse
+    spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                              window_size=window_size, softcap=softcap)
+    spec = _checks.with_sink(spec, sink, q)
+    for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if mod is not None and not callable(mod):
+            raise TypeError(f"{name} must be callable; got {type(mod)}")
+    if block_sparse is not None:
+        sparse.check(block_sparse, spec.batch, spec.nheads, spec.seqlen_q, spec.seqlen_k, q.device)
+        if not torch.compiler.is_compiling():
+            sparse.check_values(block_sparse)
+    _fall_back("block-sparse attention and score/mask modifiers: no kernel takes them yet",
+               strict)
+    out, lse = attention_ref(q, k, v, **_reference_kwargs(spec, sink), score_mod=score_mod,
+                             mask_mod=mask_mod, block_sparse=block_sparse)
+    return out.to(q.dtype), lse
 
 
 def _through_op(q, k, v, out, lse, sink=None) -> bool:

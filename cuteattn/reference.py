@@ -60,9 +60,16 @@ def attention_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    score_mod=None,
+    mask_mod=None,
+    block_sparse=None,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of batched q (b, sq, h, d), k (b, sk, hk, d), v (b, sk, hk, dv).
+    FlexAttention's modifiers: score_mod(score, b, h, q_idx, kv_idx) -> score on the scaled
+    (softcapped) scores, mask_mod(b, h, q_idx, kv_idx) -> bool on every pair, or with
+    block_sparse (sparse.BlockSparseMask) only on its partial blocks (full ones attend every
+    pair, unlisted ones none); indices are positions in the sequence, broadcast tensors.
     learnable_sink (h,): one logit per query head joining every row's softmax denominator (as
     in gpt-oss) without a value: rows keep probability mass exp(sink - lse) for it.
 
@@ -80,13 +87,14 @@ def attention_ref(
         k = k.repeat_interleave(h // hk, dim=2)
         v = v.repeat_interleave(h // hk, dim=2)
 
+    mods = (score_mod, mask_mod, block_sparse)
     scores, probs, _, lse = _scores_and_probs(q, k, scale, causal, window_size, softcap,
-                                              learnable_sink)
+                                              learnable_sink, mods)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
     return out, lse.float()
 
 
-def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None):
+def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None, mods=(None,) * 3):
     """The forward's masked scores (b, h, sq, sk) and probabilities, in q's dtype, for k with
     q's head count; the softcap's tanh values (None without softcap), which the backward's
     derivative needs; and the rows' logsumexp (b, h, sq), the sink included. A row that sees no
@@ -97,15 +105,27 @@ def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None):
     if softcap > 0:
         t = torch.tanh(scores / softcap)
         scores = softcap * t
+    score_mod, mask_mod, block_sparse = mods
+    if score_mod is not None:
+        scores = _apply_score_mod(score_mod, scores)
     left, right = window_bounds(window_size)
     if causal:
         right = 0
     mask = visible_mask(sq, sk, left, right, device=q.device)
+    if block_sparse is not None or mask_mod is not None:
+        from cuteattn import sparse
+        b, h = scores.shape[:2]
+        if block_sparse is not None:
+            mod_mask = block_sparse.dense(sq, sk, mask_mod, batch=b, heads=h)
+        else:
+            mod_mask = sparse.evaluate_mask_mod(mask_mod, b, h, sq, sk, q.device)
+        mask = mask & mod_mask  # (b, h, sq, sk)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sink is None:
         lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees no key (also when sk == 0)
         probs = torch.softmax(scores, dim=-1)
-        row_sees_a_key = mask.any(dim=-1).view(1, 1, sq, 1)
+        row_sees_a_key = mask.any(dim=-1, keepdim=True)
+        row_sees_a_key = row_sees_a_key.view(*row_sees_a_key.shape[:-2], sq, 1)
         probs = torch.where(row_sees_a_key, probs, torch.zeros((), dtype=q.dtype, device=q.device))
     else:  # the sink: one more column of the softmax, per head, that carries no value
         column = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
@@ -357,3 +377,12 @@ def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor | None,
     rows = torch.arange(x.shape[0], device=x.device, dtype=torch.int32)
     batch = (torch.searchsorted(cu_seqlens, rows, right=True) - 1).clamp(0, descale.shape[0] - 1)
     return xf * per_head[batch][:, :, None]
+
+
+def _apply_score_mod(score_mod, scores: torch.Tensor) -> torch.Tensor:
+    """score_mod(score, b, h, q_idx, kv_idx) on (b, h, sq, sk) scores, the indices as
+    broadcasting tensors (FlexAttention's signature, vectorised)."""
+    b, h, sq, sk = scores.shape
+    idx = lambda n, dim: torch.arange(n, device=scores.device).view([-1 if i == dim else 1 for i in range(4)])
+    return torch.as_tensor(score_mod(scores, idx(b, 0), idx(h, 1), idx(sq, 2), idx(sk, 3)),
+                           device=scores.device).to(scores.dtype).expand_as(scores)

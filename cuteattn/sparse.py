@@ -1,0 +1,191 @@
+"""Block-sparse attention metadata, FlashAttention-4's and FlexAttention's form, and its builders.
+
+A `BlockSparseMask` says, per (batch, head, query block), which key blocks a query block attends:
+"full" blocks (every pair attended, no element mask) and "partial" blocks (the element mask, the
+call's `mask_mod`, applies), each as a count and an index list (the first `count` entries are
+the blocks; the rest is padding). Batch and head modes may be 1 (broadcast). Blocks are
+`q_block` x `kv_block` tokens; the last block of each side may be short (sequence lengths need
+not be multiples). Every builder runs on the tensors' device without a host sync:
+  - `from_block_mask`: from a boolean (B, H, nq, nk) block mask (and optionally which of its
+    blocks are partial);
+  - `from_topk`: from top-k selected key block indices per query block (VSA's form);
+  - `from_mask_mod`: by evaluating a mask_mod over every block: all pairs -> full, some ->
+    partial, none -> left out;
+  - `expand`: a logical mask at one block size as the same token pairs at a finer physical one.
+`dense(...)` gives the (B, H, seqlen_q, seqlen_k) boolean mask the metadata means (what the
+reference applies).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class BlockSparseMask:
+    q_block: int
+    kv_block: int
+    full_count: torch.Tensor       # int32 (B|1, H|1, nq)
+    full_index: torch.Tensor       # int32 (B|1, H|1, nq, nk)
+    partial_count: torch.Tensor    # int32 (B|1, H|1, nq)
+    partial_index: torch.Tensor    # int32 (B|1, H|1, nq, nk)
+
+    @property
+    def num_blocks(self) -> tuple:
+        """(nq, nk): query and key blocks."""
+        return self.full_index.shape[2], self.full_index.shape[3]
+
+    def block_masks(self) -> tuple:
+        """(full, partial) boolean (B|1, H|1, nq, nk) block masks (a block listed as both counts
+        as full)."""
+        return _listed(self.full_count, self.full_index), _listed(self.partial_count, self.partial_index)
+
+    def dense(self, seqlen_q: int, seqlen_k: int, mask_mod: Optional[Callable] = None,
+              batch: Optional[int] = None, heads: Optional[int] = None) -> torch.Tensor:
+        """(B, H, seqlen_q, seqlen_k) bool: pairs in full blocks, and pairs in partial blocks where
+        mask_mod (b, h, q_idx, kv_idx) holds (all of them without a mask_mod)."""
+        full, partial = self.block_masks()
+        expand = lambda m: m.repeat_interleave(self.q_block, 2)[:, :, :seqlen_q] \
+            .repeat_interleave(self.kv_block, 3)[:, :, :, :seqlen_k]
+        out = expand(full)
+        part = expand(partial & ~full)
+        if mask_mod is not None:
+            b = out.shape[0] if batch is None else batch
+            h = out.shape[1] if heads is None else heads
+            part = part & evaluate_mask_mod(mask_mod, b, h, seqlen_q, seqlen_k, out.device)
+        out = out | part
+        if batch is not None or heads is not None:
+            out = out.expand(batch or out.shape[0], heads or out.shape[1], -1, -1)
+        return out
+
+
+def _listed(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The boolean block mask of (count, index) lists."""
+    nk = index.shape[-1]
+    valid = torch.arange(nk, device=index.device) < count.unsqueeze(-1).long()
+    mask = torch.zeros(index.shape, dtype=torch.bool, device=index.device)
+    mask.scatter_(-1, index.long().clamp(0, nk - 1), valid)
+    return mask
+
+
+def _compact(mask: torch.Tensor):
+    """(count int32, index int32) of a boolean (..., nk) mask: the selected blocks first, in
+    increasing order, then the unselected ones (padding)."""
+    count = mask.sum(-1, dtype=torch.int32)
+    index = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    return count, index
+
+
+def from_block_mask(block_mask: torch.Tensor, q_block: int, kv_block: int,
+                    partial: Optional[torch.Tensor] = None) -> BlockSparseMask:
+    """From a boolean (B|1, H|1, nq, nk) mask of attended blocks; `partial` (same shape) marks
+    those whose pairs the mask_mod decides (default: none, every attended block is full)."""
+    _check_block_sizes(q_block, kv_block)
+    if block_mask.dtype != torch.bool or block_mask.dim() != 4:
+        raise ValueError(f"block_mask must be a 4-D bool tensor (B, H, nq, nk); got "
+                         f"{block_mask.dtype} {tuple(block_mask.shape)}")
+    partial = torch.zeros_like(block_mask) if partial is None else partial & block_mask
+    full_count, full_index = _compact(block_mask & ~partial)
+    partial_count, partial_index = _compact(partial)
+    return BlockSparseMask(q_block, kv_block, full_count, full_index, partial_count, partial_index)
+
+
+def from_topk(indices: torch.Tensor, num_kv_blocks: int, q_block: int, kv_block: int,
+              partial: bool = False) -> BlockSparseMask:
+    """From (B|1, H|1, nq, k) selected key block indices per query block (VSA's top-k form;
+    repeated indices count once); partial=True makes every selected block partial."""
+    if indices.dim() != 4 or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"indices must be a 4-D int32/int64 tensor (B, H, nq, k); got "
+                         f"{indices.dtype} {tuple(indices.shape)}")
+    mask = torch.zeros((*indices.shape[:3], num_kv_blocks), dtype=torch.bool, device=indices.device)
+    mask.scatter_(-1, indices.long().clamp(0, num_kv_blocks - 1), True)
+    return from_block_mask(mask, q_block, kv_block, mask if partial else None)
+
+
+def evaluate_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                      device) -> torch.Tensor:
+    """mask_mod(b, h, q_idx, kv_idx) over every pair, with broadcasting index tensors (b as
+    (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, Sq, 1), kv_idx (1, 1, 1, Sk)): (B, H, Sq, Sk) bool."""
+    idx = lambda n, dim: torch.arange(n, device=device).view([-1 if i == dim else 1 for i in range(4)])
+    out = mask_mod(idx(batch, 0), idx(heads, 1), idx(seqlen_q, 2), idx(seqlen_k, 3))
+    return torch.as_tensor(out, device=device).to(torch.bool).expand(batch, heads, seqlen_q, seqlen_k)
+
+
+def from_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                  q_block: int, kv_block: int, device=None) -> BlockSparseMask:
+    """By evaluating mask_mod over every block: all pairs attended -> full, some -> partial,
+    none -> left out (query blocks at a time, so memory stays at one block row of pairs)."""
+    _check_block_sizes(q_block, kv_block)
+    nq, nk = -(-seqlen_q // q_block), -(-seqlen_k // kv_block)
+    pad_k = nk * kv_block - seqlen_k
+    any_rows, all_rows = [], []
+    for i in range(nq):
+        rows = min(q_block, seqlen_q - i * q_block)
+        idx = lambda n, dim, start=0: (torch.arange(n, device=device) + start).view(
+            [-1 if j == dim else 1 for j in range(4)])
+        m = torch.as_tensor(mask_mod(idx(batch, 0), idx(heads, 1), idx(rows, 2, i * q_block),
+                                     idx(seqlen_k, 3)), device=device).to(torch.bool)
+        m = m.expand(batch, heads, rows, seqlen_k)
+        # pairs past the key end count as "attended" for all() and not for any()
+        m_all = torch.nn.functional.pad(m, (0, pad_k), value=True).view(batch, heads, rows, nk, kv_block)
+        m_any = torch.nn.functional.pad(m, (0, pad_k), value=False).view(batch, heads, rows, nk, kv_block)
+        any_rows.append(m_any.any(dim=(2, 4)))
+        all_rows.append(m_all.all(dim=(2, 4)))
+    attended, full = torch.stack(any_rows, dim=2), torch.stack(all_rows, dim=2)
+    return from_block_mask(attended, q_block, kv_block, partial=attended & ~full)
+
+
+def expand(mask: BlockSparseMask, q_block: int, kv_block: int) -> BlockSparseMask:
+    """The same token pairs at a finer physical block size (each logical block a multiple of the
+    physical one): VSA's 256x256 logical mask served by 128x128, 128x64 or 64x64 tiles."""
+    _check_block_sizes(q_block, kv_block)
+    if mask.q_block % q_block or mask.kv_block % kv_block:
+        raise ValueError(f"physical blocks {q_block}x{kv_block} must divide the logical "
+                         f"{mask.q_block}x{mask.kv_block}")
+    rq, rk = mask.q_block // q_block, mask.kv_block // kv_block
+    full, partial = mask.block_masks()
+    fine = lambda m: m.repeat_interleave(rq, 2).repeat_interleave(rk, 3)
+    return from_block_mask(fine(full | partial), q_block, kv_block, fine(partial & ~full))
+
+
+def _check_block_sizes(q_block: int, kv_block: int) -> None:
+    for name, n in (("q_block", q_block), ("kv_block", kv_block)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n % 16:
+            raise ValueError(f"{name} must be a positive multiple of 16; got {n!r}")
+
+
+def check(mask: BlockSparseMask, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+          device) -> None:
+    """The metadata's rules against a call (no sync): int32 tensors on q's device, batch/head
+    modes of 1 or the call's, at least the blocks the sequences need (blocks past a sequence's
+    end, as an expansion of a coarser mask leaves, hold no token and are ignored)."""
+    if not isinstance(mask, BlockSparseMask):
+        raise TypeError(f"block_sparse must be a cuteattn.sparse.BlockSparseMask; got {type(mask)}")
+    _check_block_sizes(mask.q_block, mask.kv_block)
+    nq, nk = -(-seqlen_q // mask.q_block), -(-seqlen_k // mask.kv_block)
+    for name in ("full_count", "full_index", "partial_count", "partial_index"):
+        t = getattr(mask, name)
+        if t.dtype != torch.int32 or t.device != device:
+            raise ValueError(f"block_sparse.{name} must be int32 on {device}; got {t.dtype} on {t.device}")
+        rank = 3 if name.endswith("count") else 4
+        want = (nq,) if rank == 3 else (nq, nk)
+        if t.dim() != rank or any(got < need for got, need in zip(t.shape[2:], want)) \
+                or t.shape[0] not in (1, batch) or t.shape[1] not in (1, heads):
+            raise ValueError(f"block_sparse.{name} must have shape (1|{batch}, 1|{heads}, "
+                             f"{', '.join(f'>={n}' for n in want)}) for these sequence lengths "
+                             f"and blocks of {mask.q_block}x{mask.kv_block}; got {tuple(t.shape)}")
+
+
+def check_values(mask: BlockSparseMask) -> None:
+    """The values (a sync; the reference path reads them anyway): counts within [0, nk], listed
+    indices within [0, nk)."""
+    nk = mask.full_index.shape[-1]
+    for kind in ("full", "partial"):
+        count, index = getattr(mask, f"{kind}_count"), getattr(mask, f"{kind}_index")
+        if bool(((count < 0) | (count > nk)).any()):
+            raise ValueError(f"block_sparse.{kind}_count holds a count outside [0, {nk}]")
+        listed = torch.arange(nk, device=index.device) < count.unsqueeze(-1).long()
+        if bool((listed & ((index < 0) | (index >= nk))).any()):
+            raise ValueError(f"block_sparse.{kind}_index lists a key block outside [0, {nk})")

@@ -1,0 +1,138 @@
+"""Block-sparse metadata, its builders and FlexAttention's modifiers, on the CPU (the reference
+computes; no kernel takes them yet): the dense mask each form means, the exact expansion of a
+logical mask to finer physical blocks, gradients, and the argument rules."""
+import warnings
+
+import pytest
+import torch
+
+import cuteattn
+from cuteattn import flash_attn_func, sparse
+from cuteattn.reference import attention_ref
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cuteattn.FallbackWarning)
+        yield
+
+
+def token_mask(block_mask, qb, kb, sq, sk):
+    """The token-level mask of a block mask, by loops (independent of BlockSparseMask.dense)."""
+    B, H, nq, nk = block_mask.shape
+    out = torch.zeros(B, H, sq, sk, dtype=torch.bool)
+    for i in range(nq):
+        for j in range(nk):
+            out[:, :, i * qb:(i + 1) * qb, j * kb:(j + 1) * kb] = block_mask[:, :, i:i + 1, j:j + 1]
+    return out
+
+
+def test_from_block_mask_lists_and_dense(seed):
+    bm = torch.rand(2, 3, 4, 5) < 0.4
+    m = sparse.from_block_mask(bm, 16, 32)
+    full, partial = m.block_masks()
+    assert torch.equal(full, bm) and not partial.any()
+    assert torch.equal(m.full_count, bm.sum(-1, dtype=torch.int32))
+    first = m.full_index[..., 0]
+    has = m.full_count > 0
+    assert torch.all(bm.gather(-1, first.long().unsqueeze(-1)).squeeze(-1)[has])
+    assert torch.equal(m.dense(60, 150), token_mask(bm, 16, 32, 60, 150))
+
+
+def test_topk_and_expansion_select_the_same_pairs(seed):
+    """VSA: top-k key blocks of a 64x64 logical mask; expanded to 32x16 physical blocks the
+    dense mask, and the attention, are identical."""
+    idx = torch.randint(0, 6, (1, 2, 3, 2))
+    logical = sparse.from_topk(idx, 6, 64, 64)
+    physical = sparse.expand(logical, 32, 16)
+    assert physical.num_blocks == (6, 24)
+    assert torch.equal(logical.dense(180, 350), physical.dense(180, 350))
+    q = torch.randn(1, 180, 2, 64, dtype=BF16)
+    k, v = torch.randn(1, 350, 2, 64, dtype=BF16), torch.randn(1, 350, 2, 64, dtype=BF16)
+    assert torch.equal(flash_attn_func(q, k, v, block_sparse=logical),
+                       flash_attn_func(q, k, v, block_sparse=physical))
+
+
+def test_from_mask_mod_classifies_blocks(seed):
+    causal = lambda b, h, q, kv: q >= kv
+    m = sparse.from_mask_mod(causal, 1, 1, 100, 100, 32, 32)
+    full, partial = m.block_masks()
+    assert torch.equal(full[0, 0], torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool))
+    assert torch.equal(partial[0, 0], torch.eye(4, dtype=torch.bool))
+    dense = m.dense(100, 100, causal)
+    assert torch.equal(dense[0, 0], torch.ones(100, 100, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "prefix_lm", "sliding"])
+def test_mask_mods_equal_their_dense_masks(seed, name):
+    S = 70
+    doc = torch.tensor([0] * 30 + [1] * 25 + [2] * 15)
+    mods = {
+        "causal": lambda b, h, q, kv: q >= kv,
+        "document": lambda b, h, q, kv: doc[q] == doc[kv],
+        "prefix_lm": lambda b, h, q, kv: (kv < 20) | (q >= kv),
+        "sliding": lambda b, h, q, kv: (q - kv).abs() <= 8,
+    }
+    q, k, v = (torch.randn(2, S, 2, 64, dtype=BF16) for _ in range(3))
+    out, lse = flash_attn_func(q, k, v, mask_mod=mods[name], return_lse=True)
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None]
+    dense = mods[name](None, None, i, j)
+    ref_s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) / 8.0
+    ref_s = ref_s.masked_fill(~dense, float("-inf"))
+    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(ref_s, -1), v.float())
+    assert torch.allclose(out.float(), ref, atol=2e-2)
+    # the same mask as block-sparse metadata with the mod on partial blocks
+    m = sparse.from_mask_mod(mods[name], 1, 1, S, S, 16, 16)
+    assert torch.allclose(flash_attn_func(q, k, v, block_sparse=m, mask_mod=mods[name]).float(),
+                          out.float(), atol=1e-2)
+
+
+def test_score_mods_alibi_and_softcap_with_gradients(seed):
+    """ALiBi as a score_mod, with its slopes learnable; softcap as a score_mod equals softcap=."""
+    q, k, v = (torch.randn(1, 12, 4, 64, dtype=BF16, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+    alibi = lambda s, b, h, qi, kv: s + slopes[h] * (kv - qi)
+    out = flash_attn_func(q, k, v, causal=True, score_mod=alibi)
+    out.float().sum().backward()
+    assert slopes.grad is not None and slopes.grad.abs().sum() > 0 and q.grad is not None
+    cap = lambda s, b, h, qi, kv: 5.0 * torch.tanh(s / 5.0)
+    with torch.no_grad():
+        a = flash_attn_func(q, k, v, causal=True, score_mod=cap)
+        b = flash_attn_func(q, k, v, causal=True, softcap=5.0)
+    assert torch.allclose(a.float(), b.float(), atol=1e-2)
+
+
+def test_empty_rows_and_block_lists(seed):
+    """A query block with no key block: its rows get 0 and -inf."""
+    bm = torch.zeros(1, 1, 2, 2, dtype=torch.bool)
+    bm[0, 0, 1, 0] = True
+    q, k, v = (torch.randn(1, 40, 1, 64, dtype=BF16) for _ in range(3))
+    out, lse = flash_attn_func(q, k, v, block_sparse=sparse.from_block_mask(bm, 32, 32),
+                               return_lse=True)
+    assert torch.all(out[:, :32] == 0) and torch.isneginf(lse[:, :, :32]).all()
+    ref, _ = attention_ref(q[:, 32:], k[:, :32], v[:, :32], softmax_scale=64 ** -0.5)
+    assert torch.allclose(out[:, 32:].float(), ref, atol=2e-2)
+
+
+def test_bad_metadata_is_a_clear_error():
+    q = torch.randn(1, 40, 2, 64, dtype=BF16)
+    good = sparse.from_block_mask(torch.ones(1, 2, 2, 2, dtype=torch.bool), 32, 32)
+    with pytest.raises(ValueError, match="must have shape"):
+        flash_attn_func(q.repeat(1, 3, 1, 1), q, q, block_sparse=good)  # 4 query blocks, not 2
+    bad = sparse.BlockSparseMask(32, 32, good.full_count + 5, good.full_index,
+                                 good.partial_count, good.partial_index)
+    with pytest.raises(ValueError, match="count outside"):
+        flash_attn_func(q, q, q, block_sparse=bad)
+    wrong = sparse.BlockSparseMask(32, 32, good.full_count, good.full_index.long(),
+                                   good.partial_count, good.partial_index)
+    with pytest.raises(ValueError, match="must be int32"):
+        flash_attn_func(q, q, q, block_sparse=wrong)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        sparse.from_block_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), 24, 32)
+    with pytest.raises(TypeError, match="mask_mod must be callable"):
+        flash_attn_func(q, q, q, mask_mod=3)
+    with pytest.raises(RuntimeError, match="strict"):
+        flash_attn_func(q, q, q, mask_mod=lambda b, h, i, j: i >= j, strict=True)
