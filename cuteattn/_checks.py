@@ -81,10 +81,11 @@ def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
 
 
 def check_qkv(q, k, v, rank: int, layout: str, rank_k: int | None = None,
-              layout_k: str | None = None) -> None:
+              layout_k: str | None = None, kv_dtypes: tuple = ()) -> None:
     """Types, ranks, dtypes, devices, head dims, head counts and strides shared by the entry
     points. layout names the expected shapes for messages, e.g. "(batch, seqlen, nheads,
-    head_dim)"; rank_k / layout_k: k's and v's, where they differ from q's."""
+    head_dim)"; rank_k / layout_k: k's and v's, where they differ from q's; kv_dtypes: dtypes k
+    and v may have besides q's (an fp8 KV cache; both the same)."""
     rank_k, layout_k = (rank if rank_k is None else rank_k), (layout if layout_k is None else layout_k)
     for name, t, r, lay in (("q", q, rank, layout), ("k", k, rank_k, layout_k), ("v", v, rank_k, layout_k)):
         if not isinstance(t, torch.Tensor):
@@ -95,8 +96,10 @@ def check_qkv(q, k, v, rank: int, layout: str, rank_k: int | None = None,
         raise TypeError("q dtype float8_e5m2 is not supported: fp8 inputs must be float8_e4m3fn")
     if q.dtype not in SUPPORTED_DTYPES + (FP8,):
         raise TypeError(f"q dtype must be float16, bfloat16 or float8_e4m3fn; got {q.dtype}")
+    if k.dtype in kv_dtypes and v.dtype != k.dtype:
+        raise TypeError(f"v dtype ({v.dtype}) must equal k's ({k.dtype})")
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
+        if t.dtype != q.dtype and t.dtype not in kv_dtypes:
             raise TypeError(f"{name} dtype ({t.dtype}) must equal q's ({q.dtype})")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}: all tensors on one device")

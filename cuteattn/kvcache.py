@@ -16,6 +16,7 @@ from cuteattn.reference import attention_kvcache_ref
 from cuteattn.spec import AttentionSpec
 
 PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
+FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 cache, with bf16/fp16 q
 
 
 def _index_vector(name: str, t, batch: int, device) -> None:
@@ -25,10 +26,24 @@ def _index_vector(name: str, t, batch: int, device) -> None:
 
 
 def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
-                 rotary_cos, rotary_sin, cache_seqlens, num_splits):
+                 rotary_cos, rotary_sin, cache_seqlens, num_splits, descales=(None, None)):
     """The shape/dtype/device rules; returns (batch, seqlen_new, capacity per sequence)."""
+    if isinstance(q, torch.Tensor) and q.dtype not in _checks.SUPPORTED_DTYPES:
+        raise TypeError(f"q dtype must be float16 or bfloat16 for flash_attn_with_kvcache (the "
+                        f"cache may be fp8); got {q.dtype}")
     _checks.check_qkv(q, k_cache, v_cache, 4, "(batch_cache, seqlen_cache, nheads_k, head_dim) "
-                      "or paged (num_blocks, page_size, nheads_k, head_dim)")
+                      "or paged (num_blocks, page_size, nheads_k, head_dim)", kv_dtypes=FP8_CACHE)
+    for name, d in zip(("k_descale", "v_descale"), descales):
+        if d is None:
+            continue
+        if k_cache.dtype not in FP8_CACHE:
+            raise ValueError(f"{name} applies to an fp8 cache only; the cache is {k_cache.dtype}")
+        shape = (q.shape[0], k_cache.shape[2])
+        if not isinstance(d, torch.Tensor) or d.dtype != torch.float32 or tuple(d.shape) != shape \
+                or d.device != q.device:
+            raise ValueError(f"{name} must be float32 of shape (batch, nheads_k) = {shape} on "
+                             f"{q.device}; got {getattr(d, 'dtype', type(d))} "
+                             f"{tuple(getattr(d, 'shape', ()))}")
     if q.dim() != 4:
         raise ValueError(f"q must have shape (batch, seqlen, nheads, head_dim); got {tuple(q.shape)}")
     batch, device = q.shape[0], q.device
@@ -72,7 +87,8 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_
                                  f"{last}); got {tuple(t.shape)}")
             if t.dtype != q.dtype or t.device != device:
                 raise ValueError(f"{name} must have q's dtype and device ({q.dtype}, {device}); "
-                                 f"got {t.dtype}, {t.device}")
+                                 f"got {t.dtype}, {t.device} (an fp8 cache takes new tokens in "
+                                 "q's dtype and quantizes them with its descales)")
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v must have the same seqlen_new; got {k.shape[1]} and {v.shape[1]}")
         s_new = k.shape[1]
@@ -160,6 +176,8 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
     *,
     learnable_sink=None,
+    k_descale=None,
+    v_descale=None,
     validate=False,
     strict=None,
 ):
@@ -179,7 +197,9 @@ def flash_attn_with_kvcache(
     [cache_leftpad, cache_seqlens + seqlen_new). num_splits is accepted (0 = automatic).
 
     learnable_sink (nheads,) float32: one logit per query head joining every row's softmax
-    denominator (gpt-oss), counted once.
+    denominator (gpt-oss), counted once. An fp8 cache (float8_e4m3fn or float8_e5m2) with
+    fp16/bf16 q: k_descale / v_descale ((batch, nheads_k) float32, None = 1.0) give the real
+    values (stored x descale); new k / v in q's dtype are quantized into it (value / descale).
 
     Returns out (batch, seqlen_q, nheads, head_dim), and lse (batch, nheads, seqlen_q) float32
     with return_softmax_lse. No gradients (inference). validate=True also checks the index
@@ -188,23 +208,26 @@ def flash_attn_with_kvcache(
     """
     _checks.check_unsupported(0.0, alibi_slopes, False)
     _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
-                 rotary_cos, rotary_sin, cache_seqlens, num_splits)
+                 rotary_cos, rotary_sin, cache_seqlens, num_splits, (k_descale, v_descale))
     causal, _, left, right = _checks.normalize_mask(causal, window_size)
     scale, softcap = _checks.check_scalars(softmax_scale, softcap, q.shape[-1])
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, scale, causal, left, right, softcap,
             bool(rotary_interleaved), learnable_sink, bool(validate), strict)
     if torch.compiler.is_compiling():  # an opaque op: the cache lengths are read inside
+        if k_cache.dtype in FP8_CACHE:
+            raise NotImplementedError("an fp8 KV cache under torch.compile is not supported yet")
         from cuteattn import ops
         out, lse = ops.kvcache(*args)
     else:
-        out, lse = kvcache_forward(*args)
+        out, lse = kvcache_forward(*args, descales=(k_descale, v_descale))
     return (out, lse) if return_softmax_lse else out
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, left, right,
-                    softcap, rotary_interleaved, learnable_sink, validate, strict):
+                    softcap, rotary_interleaved, learnable_sink, validate, strict,
+                    descales=(None, None)):
     """flash_attn_with_kvcache past its argument checks (the normalised mask and scalars):
     the value checks (validate), the kernel choice, the computation. Returns (out, lse);
     ops.py's custom op runs this under torch.compile."""
@@ -214,7 +237,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, s_new,
                       capacity, batch)
     causal, local, left, right = _checks.normalize_mask(causal, (left, right))
-    spec = AttentionSpec(
+    spec = AttentionSpec(  # (an fp8 cache: no decode kernel takes any cache yet)
         dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v_cache.shape[-1], causal=causal,
         local=local, has_softcap=softcap > 0, varlen_q=False, varlen_k=True, kind="decode",
         batch=batch, seqlen_q=q.shape[1], seqlen_k=capacity, nheads=q.shape[2],
@@ -232,5 +255,5 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=(left, right), softcap=softcap, rotary_interleaved=rotary_interleaved,
-            learnable_sink=learnable_sink)
+            learnable_sink=learnable_sink, descales=descales)
     return out.to(q.dtype), lse

@@ -307,7 +307,7 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
                           cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                           block_table=None, *, softmax_scale=None, causal=False,
                           window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                          learnable_sink=None, upcast=True):
+                          learnable_sink=None, descales=(None, None), upcast=True):
     """flash_attn_with_kvcache's semantics, written out per batch entry (reads lengths to the
     host). Appends k, v (rotated when rotary_cos/sin are given) into the caches in place at
     positions [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of cache row cache_batch_idx[b]
@@ -315,6 +315,8 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
     cache_seqlens[b] + i when causal or local, at cache_seqlens[b] otherwise) over keys
     [cache_leftpad[b], cache_seqlens[b] + seqlen_new), bottom-right aligned. cache_seqlens None
     means the whole cache (its length; pages per sequence x page size) holds keys.
+    An fp8 cache holds values / descale (descales: (k, v) (batch, nheads_k) float32, None =
+    1.0): appended tokens are quantized so, gathered keys and values dequantized.
     Returns (out (b, sq, h, d), lse (b, h, sq)), dtypes as attention_ref's."""
     b, sq = q.shape[:2]
     s_new = 0 if k is None else k.shape[1]
@@ -323,6 +325,10 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
     rows = cache_batch_idx.tolist() if cache_batch_idx is not None else list(range(b))
     starts = cache_leftpad.tolist() if cache_leftpad is not None else [0] * b
     local = any(side is not None for side in window_bounds(window_size))
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    hk = k_cache.shape[2]
+    scale_of = lambda which, i: (torch.ones(1, hk, 1, device=q.device) if descales[which] is None
+                                 else descales[which][i].float().view(1, hk, 1))
     outs, lses = [], []
     for i in range(b):
         old, row = seqlens[i], rows[i]
@@ -336,16 +342,26 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
                 new = torch.arange(old, old + s_new)
                 ki = apply_rotary_ref(ki, rotary_cos[new], rotary_sin[new], rotary_interleaved)
             where = _cache_rows(k_cache, block_table, row, torch.arange(old, old + s_new, device=q.device))
-            k_cache[where] = ki[0].to(k_cache.dtype)
-            v_cache[where] = v[i].to(v_cache.dtype)
+            k_cache[where] = _store(ki[0], k_cache.dtype, scale_of(0, i))
+            v_cache[where] = _store(v[i], v_cache.dtype, scale_of(1, i))
         keys = torch.arange(starts[i], old + s_new, device=q.device)
         where = _cache_rows(k_cache, block_table, row, keys)
-        o, l = attention_ref(qi, k_cache[where][None], v_cache[where][None],
+        kk, vv = k_cache[where], v_cache[where]
+        if fp8:
+            kk, vv = kk.float() * scale_of(0, i), vv.float() * scale_of(1, i)
+        o, l = attention_ref(qi, kk[None], vv[None],
                              softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                              softcap=softcap, learnable_sink=learnable_sink, upcast=upcast)
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)
+
+
+def _store(x: torch.Tensor, dtype, descale: torch.Tensor) -> torch.Tensor:
+    """Tokens as the cache holds them: as they are, or for an fp8 cache quantized (x / descale)."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return (x.float() / descale).to(dtype)
+    return x.to(dtype)
 
 
 def _per_batch(value, batch: int, capacity: int) -> list:

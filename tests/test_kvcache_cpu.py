@@ -255,3 +255,48 @@ def test_decode_step_under_torch_compile(seed):
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
     assert torch.equal(caches[0][1][1, 9], v[1, 0])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_dequantized_and_appended_with_descales(seed, cache_dtype):
+    b, cap, hk = 2, 24, 2
+    q = torch.randn(b, 2, 4, 64, dtype=BF16)
+    kd, vd = torch.rand(b, hk) + 0.5, torch.rand(b, hk) + 0.5
+    real_k, real_v = torch.randn(b, cap, hk, 64), torch.randn(b, cap, hk, 64)
+    kc = (real_k / kd[:, None, :, None]).to(cache_dtype)
+    vc = (real_v / vd[:, None, :, None]).to(cache_dtype)
+    k, v = torch.randn(b, 2, hk, 64, dtype=BF16), torch.randn(b, 2, hk, 64, dtype=BF16)
+    lens = torch.tensor([5, 20], dtype=torch.int32)
+    before_k, before_v = kc.clone(), vc.clone()
+    out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True,
+                                  k_descale=kd, v_descale=vd)
+    for i, n in enumerate(lens.tolist()):
+        assert torch.equal(kc[i, n:n + 2], (k[i].float() / kd[i][None, :, None]).to(cache_dtype))
+        assert torch.equal(vc[i, :n], before_v[i, :n])
+    deq = lambda c, d: c.float() * d[:, None, :, None]
+    want = by_hand(q, deq(before_k, kd), deq(before_v, vd), lens.tolist(),
+                   deq(kc, kd)[torch.arange(b)[:, None], lens[:, None].long() + torch.arange(2)],
+                   deq(vc, vd)[torch.arange(b)[:, None], lens[:, None].long() + torch.arange(2)],
+                   causal=True)
+    close(out, want)
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(k_descale=torch.ones(2, 2)), ValueError, "applies to an fp8 cache only"),
+    (dict(q=torch.randn(2, 1, 4, 64).to(torch.float8_e4m3fn)), TypeError, "q dtype must be float16 or bfloat16"),
+])
+def test_fp8_cache_rules(over, exc, match):
+    with pytest.raises(exc, match=match):
+        flash_attn_with_kvcache(**args(**over))
+
+
+def test_fp8_cache_rules_with_an_fp8_cache():
+    kc = torch.zeros(2, 32, 2, 64).to(torch.float8_e4m3fn)
+    base = dict(q=torch.randn(2, 1, 4, 64, dtype=BF16), k_cache=kc, v_cache=kc.clone())
+    with pytest.raises(ValueError, match=r"k_descale must be float32 of shape \(batch, nheads_k\)"):
+        flash_attn_with_kvcache(**base, k_descale=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="quantizes them"):
+        flash_attn_with_kvcache(**base, k=torch.zeros(2, 1, 2, 64).to(torch.float8_e4m3fn),
+                                v=torch.zeros(2, 1, 2, 64).to(torch.float8_e4m3fn))
+    with pytest.raises(TypeError, match="v dtype"):
+        flash_attn_with_kvcache(**{**base, "v_cache": torch.zeros(2, 32, 2, 64, dtype=BF16)})
