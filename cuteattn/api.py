@@ -373,6 +373,7 @@ def flash_attn_varlen_func(
     q_descale=None,
     k_descale=None,
     v_descale=None,
+    block_table=None,
 ):
     """Attention over packed sequences: q (total_q, nheads, d), k/v (total_k, nheads_k, d).
 
@@ -398,10 +399,22 @@ def flash_attn_varlen_func(
     validate=True a GPU kernel trusts them: wrong metadata may give wrong values in out / lse, but
     no access outside q, k, v, out and lse.
 
+    block_table (keyword): FlashAttention's paged keys: k / v are (num_blocks, page_size,
+    nheads_k, d) pages (page_size a multiple of 16), sequence b's keys at positions [0, length)
+    of the pages block_table[b] (int32 (batch, max_pages)) lists, lengths from cu_seqlens_k;
+    inference only.
     Fallback, strict, out / lse: as in flash_attn_func. A batch, total_q or max_seqlen of 0 writes
     out 0 and lse -inf without a launch.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    if block_table is not None:  # paged keys (FlashAttention's paged prefill)
+        from cuteattn.kvcache import paged_varlen
+        if out is not None or lse is not None or any(x is not None for x in (q_descale, k_descale, v_descale)):
+            raise ValueError("block_table cannot be combined with out= / lse= or fp8 descales")
+        out, lse = paged_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                block_table, softmax_scale, causal, window_size, softcap,
+                                seqused_q, seqused_k, learnable_sink, validate, strict)
+        return (out, lse) if return_lse else out
     if _through_op(q, k, v, out, lse, learnable_sink):
         from cuteattn import ops
         out, lse = ops.attention_varlen(

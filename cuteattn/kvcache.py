@@ -12,7 +12,7 @@ import numbers
 import torch
 
 from cuteattn import _checks, api
-from cuteattn.reference import attention_kvcache_ref
+from cuteattn.reference import attention_kvcache_ref, attention_varlen_ref
 from cuteattn.spec import AttentionSpec
 
 PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
@@ -256,4 +256,73 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             cache_leftpad, block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=(left, right), softcap=softcap, rotary_interleaved=rotary_interleaved,
             learnable_sink=learnable_sink, descales=descales)
+    return out.to(q.dtype), lse
+
+
+def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 block_table, softmax_scale, causal, window_size, softcap, seqused_q, seqused_k,
+                 learnable_sink, validate, strict):
+    """flash_attn_varlen_func with FlashAttention's block_table= (paged prefill): packed q with
+    cu_seqlens_q; keys of sequence b at positions [0, its length) of its pages, the lengths from
+    cu_seqlens_k (and seqused_k). Returns (out (total_q, h, d), lse (h, total_q)). Inference
+    only; computed by the reference (keys gathered from the pages) until a kernel serves it,
+    which reads the index values and checks them whatever `validate` says."""
+    if not isinstance(cu_seqlens_q, torch.Tensor) or not isinstance(cu_seqlens_k, torch.Tensor):
+        raise ValueError("block_table needs cu_seqlens_q and cu_seqlens_k (packed q; the key "
+                         "lengths of the paged sequences)")
+    batch = cu_seqlens_q.shape[0] - 1
+    _checks.check_qkv(q, k_cache, v_cache, 3, "(total_q, nheads, head_dim)", rank_k=4,
+                      layout_k="paged (num_blocks, page_size, nheads_k, head_dim)")
+    for name, t, n in (("cu_seqlens_q", cu_seqlens_q, None), ("cu_seqlens_k", cu_seqlens_k, batch + 1),
+                       ("seqused_q", seqused_q, batch), ("seqused_k", seqused_k, batch)):
+        if t is not None:
+            _checks._check_index_tensor(name, t, n, q.device)
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+            or block_table.dim() != 2 or block_table.shape[0] != batch or block_table.device != q.device:
+        raise ValueError(f"block_table must be an int32 (batch={batch}, max_pages) tensor on "
+                         f"{q.device}; got {getattr(block_table, 'dtype', type(block_table))} "
+                         f"{tuple(getattr(block_table, 'shape', ()))}")
+    page = k_cache.shape[1]
+    if page % PAGE_MULTIPLE != 0:
+        raise ValueError(f"the page size (k.shape[1] = {page}) must be a multiple of {PAGE_MULTIPLE}")
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k_cache, v_cache)):
+        raise NotImplementedError("block_table (paged keys): no gradients (inference only)")
+    max_seqlen_q = _checks._check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _checks._check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    capacity = block_table.shape[1] * page
+    spec = _checks._spec(q, k_cache, v_cache, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=softcap, varlen_q=True, varlen_k=True,
+                         has_seqused_q=seqused_q is not None, has_seqused_k=seqused_k is not None,
+                         batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, paged_kv=True)
+    spec = _checks.with_sink(spec, learnable_sink, q)
+    launch, reason = api._select_kernel(spec, q.device)
+    if launch is not None:
+        raise AssertionError("a paged varlen kernel was selected but no launch path exists yet")
+    api._fall_back(reason, strict)
+    # the reference reads the lengths anyway: hold them to the rules (validate=True's and more)
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    used = seqused_k.tolist() if seqused_k is not None else lengths
+    table = block_table.tolist()
+    keys, values, starts = [], [], [0]
+    for b in range(batch):
+        n = used[b]
+        if not 0 <= n <= min(lengths[b], capacity) or lengths[b] > capacity:
+            raise ValueError(f"sequence {b}: its key length ({lengths[b]}, used {n}) must fit its "
+                             f"pages ({capacity} keys)")
+        pages = table[b][: (n + page - 1) // page]
+        if any(not 0 <= p < k_cache.shape[0] for p in pages):
+            raise ValueError(f"block_table[{b}] holds a page outside the cache's {k_cache.shape[0]}")
+        index = torch.tensor(pages, dtype=torch.long, device=q.device)
+        keys.append(k_cache[index].reshape(-1, *k_cache.shape[2:])[:n])
+        values.append(v_cache[index].reshape(-1, *v_cache.shape[2:])[:n])
+        starts.append(starts[-1] + n)
+    cu_k = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    k, v = torch.cat(keys), torch.cat(values)
+    host = _checks.check_varlen_values(cu_seqlens_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q,
+                                       max_seqlen_k, seqused_q, None)
+    with torch.no_grad():
+        out, lse = attention_varlen_ref(
+            q, k, v, **host, softmax_scale=spec.softmax_scale, causal=spec.causal,
+            window_size=(spec.window_left, spec.window_right), softcap=spec.softcap,
+            learnable_sink=learnable_sink)
     return out.to(q.dtype), lse

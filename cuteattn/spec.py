@@ -36,6 +36,7 @@ class AttentionSpec:
     kind: str = "fwd"             # one of KINDS: which kernel family serves the spec
     deterministic: bool = False   # bwd: bitwise-reproducible gradients (ordered dQ additions)
     has_sink: bool = False        # a learnable sink logit per query head (gpt-oss)
+    paged_kv: bool = False        # k/v in pages of a cache, through a block table
     # dynamic: not in the key (one kernel serves every value)
     batch: int = 0
     seqlen_q: int = 0             # max_seqlen_q for varlen
@@ -72,4 +73,5 @@ class AttentionSpec:
             self.has_seqused_k,
             self.deterministic,
             self.has_sink,
+            self.paged_kv,
         )

@@ -300,3 +300,26 @@ def test_fp8_cache_rules_with_an_fp8_cache():
                                 v=torch.zeros(2, 1, 2, 64).to(torch.float8_e4m3fn))
     with pytest.raises(TypeError, match="v dtype"):
         flash_attn_with_kvcache(**{**base, "v_cache": torch.zeros(2, 32, 2, 64, dtype=BF16)})
+
+
+def test_paged_prefill_through_varlen_equals_contiguous(seed):
+    """flash_attn_varlen_func(block_table=...): keys read from shuffled pages give what the same
+    keys packed contiguously give."""
+    from cuteattn import flash_attn_varlen_func
+    page, lens_k, lens_q = 16, [20, 5, 33], [7, 0, 12]
+    table = torch.tensor([[4, 1, 0], [2, 0, 0], [6, 3, 5]], dtype=torch.int32)
+    kp, vp = torch.randn(7, page, 2, 64, dtype=BF16), torch.randn(7, page, 2, 64, dtype=BF16)
+    gather = lambda c: torch.cat([c[table[b].long()].reshape(-1, 2, 64)[:n] for b, n in enumerate(lens_k)])
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 64, dtype=BF16)
+    got, lse = flash_attn_varlen_func(q, kp, vp, cu(lens_q), cu(lens_k), 12, 33, causal=True,
+                                      block_table=table, return_lse=True)
+    want, want_lse = flash_attn_varlen_func(q, gather(kp), gather(vp), cu(lens_q), cu(lens_k), 12,
+                                            33, causal=True, return_lse=True)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    with pytest.raises(ValueError, match="must fit its pages"):
+        flash_attn_varlen_func(q, kp, vp, cu(lens_q), cu([20, 5, 60]), 12, 60, block_table=table)
+    with pytest.raises(ValueError, match="block_table must be an int32"):
+        flash_attn_varlen_func(q, kp, vp, cu(lens_q), cu(lens_k), 12, 33, block_table=table.long())
+    with pytest.raises(ValueError, match="multiple of 16"):
+        flash_attn_varlen_func(q, kp[:, :8], vp[:, :8], cu(lens_q), cu(lens_k), 12, 33, block_table=table)

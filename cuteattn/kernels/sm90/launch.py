@@ -27,12 +27,14 @@ _UNBOUNDED = 1 << 30  # an unbounded window side as the kernel sees it
 
 def unserved_form(spec: AttentionSpec, who: str) -> Optional[str]:
     """The reason the sm90 `who` ("forward", "backward") does not take spec's form, or None:
-    one side packed and the other batched; a learnable sink; seqused on batched q/k; a window
+    one side packed and the other batched; a learnable sink; paged keys; seqused on batched q/k; a window
     edge past the diagonal. (Their kernel code is written for every case, but no GPU test has run these.)"""
     if spec.varlen_q != spec.varlen_k:
         return f"the sm90 {who} needs q and k both packed (cu_seqlens) or both batched"
     if spec.has_sink:
         return f"learnable attention sinks: no sm90 {who} takes them yet"
+    if spec.paged_kv:
+        return f"paged keys (block_table): no sm90 {who} reads pages yet"
     if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
         return f"seqused with batched (not packed) q and k: no GPU-tested sm90 {who} for that form yet"
     if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
