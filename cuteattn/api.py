@@ -286,13 +286,18 @@ def flash_attn_func(
 
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
-            mask_mod, score_mod):
-    """flash_attn_func with FlexAttention's modifiers: checked, then (no kernel takes them yet)
-    the reference, differentiated by torch autograd itself (a score_mod's own tensors get
-    gradients too); the fallback warning or the strict error as usual."""
+            mask_mod, score_mod, varlen: dict | None = None):
+    """flash_attn_func / flash_attn_varlen_func (varlen: its metadata, max lengths included)
+    with FlexAttention's modifiers: checked, then (no kernel takes them yet) the reference,
+    differentiated by torch autograd itself (a score_mod's own tensors get gradients too); the
+    fallback warning or the strict error as usual."""
     from cuteattn import sparse
-    spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                              window_size=window_size, softcap=softcap)
+    if varlen is None:
+        spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, softcap=softcap)
+    else:
+        spec = _checks.varlen_spec(q, k, v, **varlen, softmax_scale=softmax_scale,
+                                   causal=causal, window_size=window_size, softcap=softcap)
     spec = _checks.with_sink(spec, sink, q)
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if mod is not None and not callable(mod):
@@ -303,9 +308,18 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
             sparse.check_values(block_sparse)
     _fall_back("block-sparse attention and score/mask modifiers: no kernel takes them yet",
                strict)
-    out, lse = attention_ref(q, k, v, **_reference_kwargs(spec, sink), score_mod=score_mod,
-                             mask_mod=mask_mod, block_sparse=block_sparse)
-    return out.to(q.dtype), lse
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse)
+    if varlen is None:
+        out, lse = attention_ref(q, k, v, **_reference_kwargs(spec, sink), **mods)
+        return out.to(q.dtype), lse
+    meta = {n: varlen[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")}
+    host = _varlen_host_values(q, k, spec, meta)
+    packed = [_checks.batched_as_packed(x, meta[cu])[0] for x, cu in
+              ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"))]
+    out, lse = attention_varlen_ref(*packed, **host, **_reference_kwargs(spec, sink), **mods)
+    if not spec.varlen_q:  # batched q: lse (h, b * sq) -> (b, h, sq)
+        lse = lse.view(spec.nheads, q.shape[0], q.shape[1]).permute(1, 0, 2)
+    return out.view(*q.shape[:-1], v.shape[-1]).to(q.dtype), lse
 
 
 def _through_op(q, k, v, out, lse, sink=None) -> bool:
@@ -374,6 +388,9 @@ def flash_attn_varlen_func(
     k_descale=None,
     v_descale=None,
     block_table=None,
+    block_sparse=None,
+    mask_mod=None,
+    score_mod=None,
 ):
     """Attention over packed sequences: q (total_q, nheads, d), k/v (total_k, nheads_k, d).
 
@@ -399,6 +416,8 @@ def flash_attn_varlen_func(
     validate=True a GPU kernel trusts them: wrong metadata may give wrong values in out / lse, but
     no access outside q, k, v, out and lse.
 
+    block_sparse / mask_mod / score_mod (keywords): as in flash_attn_func, b the sequence's index
+    and q_idx / kv_idx positions within it; block lists per sequence (max_seqlen's blocks).
     block_table (keyword): FlashAttention's paged keys: k / v are (num_blocks, page_size,
     nheads_k, d) pages (page_size a multiple of 16), sequence b's keys at positions [0, length)
     of the pages block_table[b] (int32 (batch, max_pages)) lists, lengths from cu_seqlens_k;
@@ -407,6 +426,13 @@ def flash_attn_varlen_func(
     out 0 and lse -inf without a launch.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    if block_sparse is not None or mask_mod is not None or score_mod is not None:
+        varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+                      seqused_k=seqused_k)
+        out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
+                           learnable_sink, block_sparse, mask_mod, score_mod, varlen)
+        return (out, lse) if return_lse else out
     if block_table is not None:  # paged keys (FlashAttention's paged prefill)
         from cuteattn.kvcache import paged_varlen
         if out is not None or lse is not None or any(x is not None for x in (q_descale, k_descale, v_descale)):

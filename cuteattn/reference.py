@@ -148,9 +148,14 @@ def attention_varlen_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    score_mod=None,
+    mask_mod=None,
+    block_sparse=None,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed attention: q (total_q, h, d), k (total_k, hk, d), v (total_k, hk, dv).
+    The modifiers as attention_ref takes them, with b the sequence's index and q_idx / kv_idx
+    positions within the sequence (FlashAttention-4's varlen semantics).
 
     Sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1]; with seqused, only its first seqused[b] rows
     take part (and define the lengths the masks align to). Returns (out (total_q, h, dv), lse
@@ -163,7 +168,7 @@ def attention_varlen_ref(
     dtype = torch.float32 if upcast else q.dtype
     out = torch.zeros(total_q, h, dv, dtype=dtype, device=q.device)
     lse = torch.full((h, total_q), float("-inf"), dtype=torch.float32, device=q.device)
-    for q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    for b, q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         o, l = attention_ref(
             q[q0 : q0 + len_q].unsqueeze(0),
             k[k0 : k0 + len_k].unsqueeze(0),
@@ -174,6 +179,7 @@ def attention_varlen_ref(
             softcap=softcap,
             learnable_sink=learnable_sink,
             upcast=upcast,
+            **_mods_of_sequence(b, score_mod, mask_mod, block_sparse),
         )
         out[q0 : q0 + len_q] = o[0]
         lse[:, q0 : q0 + len_q] = l[0]
@@ -249,7 +255,7 @@ def attention_varlen_ref_backward(
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     sink = kwargs.get("learnable_sink")
     dsink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float32, device=q.device)
-    for q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
+    for _, q0, len_q, k0, len_k in _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         grads = attention_ref_backward(
             dout[q0:q0 + len_q].unsqueeze(0), q[q0:q0 + len_q].unsqueeze(0),
             k[k0:k0 + len_k].unsqueeze(0), v[k0:k0 + len_k].unsqueeze(0), **kwargs)
@@ -262,8 +268,9 @@ def attention_varlen_ref_backward(
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
-    """(q start, q rows, k start, k rows) of each packed sequence with query rows, as the varlen
-    references lay them out (seqused, when given, sets the rows). Reads the lengths to the host."""
+    """(sequence, q start, q rows, k start, k rows) of each packed sequence with query rows, as
+    the varlen references lay them out (seqused, when given, sets the rows). Reads the lengths
+    to the host."""
     starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     used_q = seqused_q.tolist() if seqused_q is not None else None
     used_k = seqused_k.tolist() if seqused_k is not None else None
@@ -272,7 +279,7 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
         len_q = used_q[b] if used_q is not None else starts_q[b + 1] - q0
         len_k = used_k[b] if used_k is not None else starts_k[b + 1] - k0
         if len_q > 0:
-            yield q0, len_q, k0, len_k
+            yield b, q0, len_q, k0, len_k
 
 
 # ---- KV cache (flash_attn_with_kvcache) ----
@@ -402,3 +409,17 @@ def _apply_score_mod(score_mod, scores: torch.Tensor) -> torch.Tensor:
     idx = lambda n, dim: torch.arange(n, device=scores.device).view([-1 if i == dim else 1 for i in range(4)])
     return torch.as_tensor(score_mod(scores, idx(b, 0), idx(h, 1), idx(sq, 2), idx(sk, 3)),
                            device=scores.device).to(scores.dtype).expand_as(scores)
+
+
+def _mods_of_sequence(b: int, score_mod, mask_mod, block_sparse) -> dict:
+    """The modifiers of packed sequence b as a batch-of-one attention_ref sees them: b added to
+    their batch index, the block lists of batch b (or the broadcast ones)."""
+    mods = {}
+    if score_mod is not None:
+        mods["score_mod"] = lambda s, bb, h, qi, kv: score_mod(s, bb + b, h, qi, kv)
+    if mask_mod is not None:
+        mods["mask_mod"] = lambda bb, h, qi, kv: mask_mod(bb + b, h, qi, kv)
+    if block_sparse is not None:
+        from cuteattn import sparse
+        mods["block_sparse"] = sparse.select_batch(block_sparse, b)
+    return mods

@@ -189,3 +189,10 @@ def check_values(mask: BlockSparseMask) -> None:
         listed = torch.arange(nk, device=index.device) < count.unsqueeze(-1).long()
         if bool((listed & ((index < 0) | (index >= nk))).any()):
             raise ValueError(f"block_sparse.{kind}_index lists a key block outside [0, {nk})")
+
+
+def select_batch(mask: BlockSparseMask, b: int) -> BlockSparseMask:
+    """Batch b's block lists (the broadcast ones when the batch mode is 1), as a batch of one."""
+    pick = lambda t: t[b:b + 1] if t.shape[0] > 1 else t
+    return BlockSparseMask(mask.q_block, mask.kv_block, pick(mask.full_count),
+                           pick(mask.full_index), pick(mask.partial_count), pick(mask.partial_index))

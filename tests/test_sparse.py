@@ -136,3 +136,42 @@ def test_bad_metadata_is_a_clear_error():
         flash_attn_func(q, q, q, mask_mod=3)
     with pytest.raises(RuntimeError, match="strict"):
         flash_attn_func(q, q, q, mask_mod=lambda b, h, i, j: i >= j, strict=True)
+
+
+def test_varlen_mods_see_sequence_indices_and_positions(seed):
+    """Packed sequences: b is the sequence's index, q_idx / kv_idx positions inside it; equal to
+    each sequence run alone through flash_attn_func with its own b."""
+    from cuteattn import flash_attn_varlen_func
+    lens = [9, 0, 14]
+    cu = torch.tensor([0, 9, 9, 23], dtype=torch.int32)
+    q, k, v = (torch.randn(23, 2, 64, dtype=BF16, requires_grad=True) for _ in range(3))
+    bias = torch.tensor([0.0, 5.0, -1.0])
+    score_mod = lambda s, b, h, qi, kv: s + bias[b] * (kv == 0)
+    mask_mod = lambda b, h, qi, kv: (qi - kv).abs() <= 3 + b
+    every = torch.ones(3, 1, 1, 1, dtype=torch.bool)
+    blocks = sparse.from_block_mask(every, 16, 16, partial=every)  # partial: the mask_mod decides
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 14, 14, score_mod=score_mod, mask_mod=mask_mod,
+                                 block_sparse=blocks)
+    for b, (start, n) in enumerate(((0, 9), (9, 0), (9, 14))):
+        if n == 0:
+            continue
+        rows = slice(start, start + n)
+        alone = flash_attn_func(*(t[rows][None] for t in (q, k, v)),
+                                score_mod=lambda s, bb, h, qi, kv, b=b: score_mod(s, bb + b, h, qi, kv),
+                                mask_mod=lambda bb, h, qi, kv, b=b: mask_mod(bb + b, h, qi, kv))
+        assert torch.equal(out[rows], alone[0])
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad.float()).all()
+
+
+def test_full_blocks_skip_the_mask_mod(seed):
+    """FlashAttention-4's semantics: a full block attends every pair whatever mask_mod says; a
+    partial one applies it."""
+    q, k, v = (torch.randn(1, 32, 1, 64, dtype=BF16) for _ in range(3))
+    never = lambda b, h, qi, kv: qi < 0
+    every = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    full = flash_attn_func(q, k, v, block_sparse=sparse.from_block_mask(every, 32, 32), mask_mod=never)
+    assert torch.equal(full, flash_attn_func(q, k, v))
+    partial = flash_attn_func(q, k, v, block_sparse=sparse.from_block_mask(every, 32, 32, every),
+                              mask_mod=never)
+    assert torch.all(partial == 0)
