@@ -1,0 +1,85 @@
+"""On the GPU, the forms no kernel serves yet run on the reference with CUDA tensors: a
+FallbackWarning names the reason (strict mode raises it), and the result equals the same call
+on the CPU. Catches device slips in the reference paths (an index tensor made on the CPU)."""
+import warnings
+
+import pytest
+import torch
+
+import cuteattn
+from cuteattn import (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, sparse)
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+BF16 = torch.bfloat16
+DEVICE = "cuda"  # (the cases' own logic can be tried on the CPU by setting "cpu")
+
+
+def on(device, tensors):
+    return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in tensors.items()}
+
+
+def cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def fixed(d=64, dv=64, sq=37, sk=41):
+    return dict(q=torch.randn(2, sq, 4, d, dtype=BF16), k=torch.randn(2, sk, 2, d, dtype=BF16),
+                v=torch.randn(2, sk, 2, dv, dtype=BF16))
+
+
+def fp8_call():
+    t = {n: x.to(torch.float8_e4m3fn) for n, x in fixed().items()}
+    return dict(t, q_descale=torch.rand(2, 2) + 0.5, k_descale=torch.rand(2, 2) + 0.5,
+                v_descale=torch.rand(2, 2) + 0.5)
+
+
+CASES = {
+    "head_dim 80": (flash_attn_func, lambda: fixed(d=80, dv=80), "head_dim 80"),
+    "head_dim_v 64 of 128": (flash_attn_func, lambda: fixed(d=128, dv=64), "head_dim_v 64"),
+    "negative edge": (flash_attn_func, lambda: dict(fixed(), window_size=(None, -2)), "negative edge"),
+    "sink": (flash_attn_func, lambda: dict(fixed(), learnable_sink=torch.randn(4)), "sinks"),
+    "fp8": (flash_attn_func, fp8_call, "float8_e4m3fn"),
+    "mask_mod": (flash_attn_func, lambda: dict(fixed(), mask_mod=lambda b, h, i, j: (i - j).abs() < 5),
+                 "modifiers"),
+    "block sparse": (flash_attn_func, lambda: dict(fixed(sq=64, sk=64), block_sparse=sparse.from_topk(
+        torch.tensor([[[[0], [1]]]]), 2, 32, 32)), "modifiers"),
+    "one-sided varlen": (flash_attn_varlen_func, lambda: dict(
+        q=torch.randn(20, 4, 64, dtype=BF16), k=torch.randn(3, 9, 2, 64, dtype=BF16),
+        v=torch.randn(3, 9, 2, 64, dtype=BF16), cu_seqlens_q=cu([5, 0, 15]), cu_seqlens_k=None,
+        max_seqlen_q=15, max_seqlen_k=9, causal=True), "both packed"),
+    "seqused only": (flash_attn_varlen_func, lambda: dict(
+        fixed(), cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=37, max_seqlen_k=41,
+        seqused_q=torch.tensor([30, 2], dtype=torch.int32),
+        seqused_k=torch.tensor([41, 9], dtype=torch.int32)), "seqused with batched"),
+    "paged prefill": (flash_attn_varlen_func, lambda: dict(
+        q=torch.randn(12, 4, 64, dtype=BF16), k=torch.randn(5, 16, 2, 64, dtype=BF16),
+        v=torch.randn(5, 16, 2, 64, dtype=BF16), cu_seqlens_q=cu([4, 8]),
+        cu_seqlens_k=cu([20, 9]), max_seqlen_q=8, max_seqlen_k=20,
+        block_table=torch.tensor([[3, 0], [4, 1]], dtype=torch.int32)), "paged"),
+    "kv cache": (flash_attn_with_kvcache, lambda: dict(
+        q=torch.randn(2, 1, 4, 64, dtype=BF16), k_cache=torch.randn(2, 32, 2, 64, dtype=BF16),
+        v_cache=torch.randn(2, 32, 2, 64, dtype=BF16), k=torch.randn(2, 1, 2, 64, dtype=BF16),
+        v=torch.randn(2, 1, 2, 64, dtype=BF16), cache_seqlens=torch.tensor([3, 30], dtype=torch.int32),
+        causal=True), "decode"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_fallback_on_cuda_tensors(seed, name):
+    fn, make, reason = CASES[name]
+    args = make()
+    cpu_args = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = fn(**on(DEVICE, args))
+    if DEVICE == "cuda":
+        assert any(issubclass(w.category, cuteattn.FallbackWarning) and reason in str(w.message)
+                   for w in seen), [str(w.message) for w in seen]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = fn(**on("cpu", cpu_args))
+    assert got.device.type == DEVICE
+    assert torch.allclose(got.float().cpu(), want.float(), atol=2e-2), name
+    with pytest.raises(RuntimeError, match="strict"):
+        fn(**on(DEVICE, make()), strict=True)
