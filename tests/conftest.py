@@ -26,3 +26,13 @@ def seed(request):
     value = zlib.crc32(request.node.nodeid.encode()) + int(os.environ.get("CUTEATTN_SEED", "0"))
     torch.manual_seed(value)
     return value
+
+
+@pytest.fixture
+def quiet_fallback():
+    """Silences FallbackWarning: for modules whose calls run on the reference on purpose (CPU
+    tensors, features no kernel serves yet), not those that check the warning itself."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", api.FallbackWarning)
+        yield

@@ -2,7 +2,6 @@
 against an independent construction (the sequence's keys assembled by hand, rotary by complex
 multiplication), the in-place append (exactly the new positions change), paged caches with
 shuffled and shared pages, and every argument rule."""
-import warnings
 
 import pytest
 import torch
@@ -14,11 +13,7 @@ from cuteattn.reference import attention_ref
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cuteattn.FallbackWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_fallback")
 
 
 def rotary_tables(n, rd, base=10000.0):

@@ -1,6 +1,5 @@
 """FlashAttention's packed entry points (CPU, reference path): the same results as the unpacked
 calls on the views, gradients into the packed tensor, clear errors for a wrong packing."""
-import warnings
 
 import pytest
 import torch
@@ -11,11 +10,7 @@ from cuteattn import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvp
                       flash_attn_varlen_qkvpacked_func)
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cuteattn.FallbackWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_fallback")
 
 
 def test_top_level_names():

@@ -1,7 +1,6 @@
 """Block-sparse metadata, its builders and FlexAttention's modifiers, on the CPU (the reference
 computes; no kernel takes them yet): the dense mask each form means, the exact expansion of a
 logical mask to finer physical blocks, gradients, and the argument rules."""
-import warnings
 
 import pytest
 import torch
@@ -13,11 +12,7 @@ from cuteattn.reference import attention_ref
 BF16 = torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cuteattn.FallbackWarning)
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_fallback")
 
 
 def token_mask(block_mask, qb, kb, sq, sk):
