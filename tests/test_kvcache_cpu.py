@@ -6,7 +6,6 @@ shuffled and shared pages, and every argument rule."""
 import pytest
 import torch
 
-import cuteattn
 from cuteattn import flash_attn_with_kvcache
 from cuteattn.reference import attention_ref
 

@@ -5,7 +5,6 @@ logical mask to finer physical blocks, gradients, and the argument rules."""
 import pytest
 import torch
 
-import cuteattn
 from cuteattn import flash_attn_func, sparse
 from cuteattn.reference import attention_ref
 
