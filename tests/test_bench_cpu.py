@@ -10,7 +10,9 @@ def test_quick_bench_runs_on_cpu_and_writes_json(tmp_path, capsys):
     path = tmp_path / "bench.json"
     assert bench.main(["--quick", "--json", str(path)]) in (0, None)
     record = json.loads(path.read_text())
-    assert record["cells"] and all(c["tflops"] for c in record["cells"])
+    assert record["cells"] and all(c["gbps" if c["kind"] == "decode" else "tflops"]
+                                   for c in record["cells"])
+    assert {c["kind"] for c in record["cells"]} >= {"fwd", "varlen", "decode"}
     assert all(c["check"][name]["ok"] for c in record["cells"] for name in c["check"])
     assert "summary" in record
     assert "cuteattn" in capsys.readouterr().out
@@ -18,10 +20,10 @@ def test_quick_bench_runs_on_cpu_and_writes_json(tmp_path, capsys):
 
 def test_summary_ratio_range_geomean_and_target_count():
     def result(kind, ours, peer):
-        return {"cell": {"kind": kind}, "tflops": {"cuteattn": ours, "fa4": peer, "sdpa-cudnn": peer / 2}}
+        return {"cell": {"kind": kind}, "rates": {"cuteattn": ours, "fa4": peer, "sdpa-cudnn": peer / 2}}
 
     s = report.summary([result("fwd", 90, 100), result("fwd", 110, 100), result("varlen", 50, 100),
-                        {"cell": {"kind": "fwd"}, "tflops": {"cuteattn": 5.0}}])  # no peer: left out
+                        {"cell": {"kind": "fwd"}, "rates": {"cuteattn": 5.0}}])  # no peer: left out
     assert s["fwd"]["cells"] == 2 and s["fwd"]["at_least_1x"] == 1
     assert math.isclose(s["fwd"]["geomean"], math.sqrt(0.9 * 1.1))
     assert (s["fwd"]["min"], s["fwd"]["max"]) == (0.9, 1.1)

@@ -27,6 +27,10 @@ def parse_args(argv=None):
     p.add_argument("--bwd", action="store_true",
                    help="the backward alone (the forward grid's shapes; with --quick, d=128 only), "
                         "instead of the forward grid")
+    p.add_argument("--decode", action="store_true",
+                   help="decoding over a KV cache (GB/s of K/V read): bf16, 32 query heads over 8, "
+                        "d=128, one new row, pages of 16 and 128 and contiguous, instead of the "
+                        "forward grid")
     p.add_argument("--json", metavar="PATH",
                    help="where to write the JSON (default on a GPU: "
                         "benchmarks/results/<date>-<shortcommit>-<device>.json; on CPU: none)")
@@ -46,8 +50,8 @@ def compile_stats():
 
 def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
     x = make_inputs(cell, device)
-    result = dict(label=cell.label(), cell=cell.to_json(), tflops={}, check={}, skipped={},
-                  first_call_s={}, compiles=None)
+    result = dict(label=cell.label(), cell=cell.to_json(), metric=cell.metric, rates={},
+                  check={}, skipped={}, first_call_s={}, compiles=None)
     for name, fn in implementations(cell, x, device).items():
         if isinstance(fn, str):
             result["skipped"][name] = fn
@@ -73,7 +77,7 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
         except Exception as e:  # one failing implementation must not end the run
             result["skipped"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
-        result["tflops"][name] = round(cell.flops() / (ms * 1e-3) / 1e12, 3)
+        result["rates"][name] = round(cell.rate(ms), 3)
     del x
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -86,7 +90,9 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     if cuda:
         device = torch.device("cuda")
-        if args.bwd:
+        if args.decode:
+            grid = shapes.decode_grid(quick=args.quick)
+        elif args.bwd:
             grid = shapes.bwd_grid(quick=args.quick)
         else:
             grid = shapes.quick_grid() if args.quick else shapes.default_grid()
@@ -102,11 +108,11 @@ def main(argv=None) -> int:
     for cell in grid:
         results.append(run_cell(cell, device, args.iters))
         r = results[-1]
-        print(f"  {r['label']}: " + ", ".join(f"{n} {report.fmt(v)}" for n, v in r["tflops"].items()), flush=True)
+        print(f"  {r['label']}: " + ", ".join(f"{n} {report.fmt(v)}" for n, v in r["rates"].items()), flush=True)
 
     impls = []
     for r in results:
-        impls += [n for n in list(r["tflops"]) + list(r["skipped"]) if n not in impls]
+        impls += [n for n in list(r["rates"]) + list(r["skipped"]) if n not in impls]
     print()
     report.print_table(results, impls)
     failed = [(r["label"], n) for r in results for n, c in r["check"].items() if not c["ok"]]

@@ -13,6 +13,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def make_inputs(cell: Cell, device: torch.device) -> dict:
     dtype = DTYPES[cell.dtype]
+    if cell.kind == "decode":
+        return _decode_inputs(cell, device, dtype)
     grad = cell.kind == "bwd"
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
     if cell.lens is None:
@@ -32,6 +34,62 @@ def make_inputs(cell: Cell, device: torch.device) -> dict:
         max_seqlen_q=max(cell.lens),
         max_seqlen_k=max(cell.lens),
     )
+
+
+def _decode_inputs(cell: Cell, device, dtype) -> dict:
+    """q (b, 1, h, d); the cache contiguous (b, L, hk, d), or in shuffled pages with a block
+    table; every sequence's cache full."""
+    b, n, hk, d = cell.batch, cell.seqlen_k, cell.nheads_k, cell.d
+    x = dict(q=torch.randn(b, cell.seqlen_q, cell.nheads, d, device=device, dtype=dtype),
+             lens=torch.full((b,), n, dtype=torch.int32, device=device), table=None)
+    if cell.page_size is None:
+        x["k"] = torch.randn(b, n, hk, d, device=device, dtype=dtype)
+        x["v"] = torch.randn(b, n, hk, d, device=device, dtype=dtype)
+        return x
+    pages = b * n // cell.page_size
+    x["k"] = torch.randn(pages, cell.page_size, hk, d, device=device, dtype=dtype)
+    x["v"] = torch.randn(pages, cell.page_size, hk, d, device=device, dtype=dtype)
+    x["table"] = torch.randperm(pages, device=device).to(torch.int32).view(b, -1)
+    return x
+
+
+def _decode_keys(x, b: int):
+    """Sequence b's keys and values (L, hk, d), gathered from the pages if paged."""
+    if x["table"] is None:
+        return x["k"][b], x["v"][b]
+    pages = x["table"][b].long()
+    return (x["k"][pages].flatten(0, 1), x["v"][pages].flatten(0, 1))
+
+
+def _decode(cell, x, device):
+    """name -> callable for a decode cell: cuteattn's flash_attn_with_kvcache, FA4's paged
+    varlen (or its plain call on a contiguous cache), SDPA on a contiguous cache."""
+    from cuteattn import flash_attn_with_kvcache
+    strict = device.type == "cuda"
+    ours = lambda: flash_attn_with_kvcache(x["q"], x["k"], x["v"], cache_seqlens=x["lens"],
+                                           block_table=x["table"], strict=strict)
+    if device.type != "cuda":
+        return {"cuteattn (reference)": ours}
+    impls = {"cuteattn": ours}
+    if x["table"] is None:
+        from torch.nn.functional import scaled_dot_product_attention
+        q, k, v = (x[n].transpose(1, 2) for n in ("q", "k", "v"))
+        impls["sdpa"] = lambda: scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
+    else:
+        impls["sdpa"] = "no paged cache"
+    try:
+        from flash_attn.cute.interface import flash_attn_func, flash_attn_varlen_func
+    except Exception as e:
+        impls["fa4"] = f"flash_attn.cute not importable ({type(e).__name__})"
+        return impls
+    first = lambda r: r[0] if isinstance(r, tuple) else r
+    if x["table"] is None:
+        impls["fa4"] = lambda: first(flash_attn_func(x["q"], x["k"], x["v"]))
+    else:
+        impls["fa4"] = lambda: first(flash_attn_varlen_func(
+            x["q"], x["k"], x["v"], seqused_k=x["lens"], max_seqlen_k=cell.seqlen_k,
+            page_table=x["table"]))
+    return impls
 
 
 def _cuteattn(cell, x, strict, deterministic=False):
@@ -80,6 +138,8 @@ def _fa4(cell, x):
 def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
     """name -> callable or reason string. cuteattn is strict on a GPU: a fallback is not a timing.
     For a "bwd" cell each callable runs the backward alone (the forward ran once, here)."""
+    if cell.kind == "decode":
+        return _decode(cell, x, device)
     if device.type != "cuda":
         return {"cuteattn (reference)": _cuteattn(cell, x, strict=False)}
     forwards = {
@@ -116,7 +176,10 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
     r = cell.nheads // cell.nheads_k
     if cell.kind == "bwd":
         return _check_grads(cell, x, out, dout, r)
-    if cell.lens is None:
+    if cell.kind == "decode":  # batch 0, kv head 0's query heads, against its whole cache
+        k0, v0 = _decode_keys(x, 0)
+        q, k, v, o = x["q"][:1, :, :r], k0[None, :, :1], v0[None, :, :1], out[:1, :, :r]
+    elif cell.lens is None:
         q, k, v, o = x["q"][:1, :, :r], x["k"][:1, :, :1], x["v"][:1, :, :1], out[:1, :, :r]
     else:
         n = cell.lens[0]

@@ -10,18 +10,23 @@ import subprocess
 OURS = ("cuteattn", "cuteattn (reference)", "cuteattn-deterministic")  # never peers; the first present is "ours"
 
 
-def ratio_to_best_peer(tflops: dict) -> float | None:
-    ours = next((tflops[n] for n in OURS if tflops.get(n)), None)
-    peers = [v for n, v in tflops.items() if n not in OURS and v]
+def ratio_to_best_peer(rates: dict) -> float | None:
+    ours = next((rates[n] for n in OURS if rates.get(n)), None)
+    peers = [v for n, v in rates.items() if n not in OURS and v]
     return ours / max(peers) if ours and peers else None
 
 
-def fmt(tflops: float) -> str:
-    return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
+def fmt(rate: float) -> str:
+    return f"{rate:.1f}" if rate >= 10 else f"{rate:.3g}"
+
+
+UNITS = {"tflops": "TFLOP/s (algorithmic, exact attended pairs)",
+         "gbps": "GB/s (bytes of K and V read, decode)"}
 
 
 def print_table(results: list[dict], impls: list[str]) -> None:
-    """One row per cell: TFLOP/s per implementation ('-' unavailable, '!' failed its check)."""
+    """One row per cell: its rate (TFLOP/s, or GB/s for decode) per implementation ('-'
+    unavailable, '!' failed its check)."""
     label_w = max([len("cell")] + [len(r["label"]) for r in results])
     widths = [max(10, len(n)) for n in impls]
     head = f"{'cell':<{label_w}}  " + "  ".join(f"{n:>{w}}" for n, w in zip(impls, widths)) + "  vs best peer"
@@ -30,13 +35,14 @@ def print_table(results: list[dict], impls: list[str]) -> None:
     for r in results:
         cols = []
         for n, w in zip(impls, widths):
-            value = r["tflops"].get(n)
+            value = r["rates"].get(n)
             mark = "" if r["check"].get(n, {}).get("ok", True) else "!"
             cols.append(f"{'-' if value is None else fmt(value) + mark:>{w}}")
-        ratio = ratio_to_best_peer(r["tflops"])
+        ratio = ratio_to_best_peer(r["rates"])
         print(f"{r['label']:<{label_w}}  " + "  ".join(cols) + f"  {'-' if ratio is None else f'{ratio:.2f}x':>13}")
-    print("TFLOP/s (algorithmic, exact attended pairs); '!' = output failed the check against the "
-          "float32 reference; '-' = not run (see the JSON's 'skipped').")
+    units = "; ".join(UNITS[m] for m in dict.fromkeys(r["metric"] for r in results))
+    print(f"{units}; '!' = output failed the check against the float32 reference; '-' = not run "
+          "(see the JSON's 'skipped').")
     for kind, s in summary(results).items():
         print(f"{kind}: {s['cells']} cells, ratio to the best peer {s['min']:.2f}-{s['max']:.2f}x, "
               f"geometric mean {s['geomean']:.2f}x, {s['at_least_1x']} at or above 1.00x")
@@ -47,7 +53,7 @@ def summary(results: list[dict]) -> dict:
     its geometric mean and how many reach 1.00x (what the speed targets are stated in)."""
     by_kind: dict = {}
     for r in results:
-        ratio = ratio_to_best_peer(r["tflops"])
+        ratio = ratio_to_best_peer(r["rates"])
         if ratio is not None:
             by_kind.setdefault(r["cell"].get("kind", "fwd"), []).append(ratio)
     return {kind: {"cells": len(rs), "min": min(rs), "max": max(rs),
@@ -87,7 +93,7 @@ def device_slug(device_name: str) -> str:
 
 def write_json(path: str, meta: dict, results: list[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    cells = [dict(r["cell"], tflops=r["tflops"], check=r["check"], skipped=r["skipped"],
+    cells = [dict(r["cell"], **{r["metric"]: r["rates"]}, check=r["check"], skipped=r["skipped"],
                   first_call_s=r["first_call_s"], compiles=r.get("compiles"),
                   disk_loads=r.get("disk_loads"), kernels=r.get("kernels")) for r in results]
     with open(path, "w") as f:
@@ -108,10 +114,10 @@ def plot(path: str, results: list[dict], impls: list[str], title: str) -> bool:
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(results) * max(1, len(impls)) / 2), 4.5))
     for i, name in enumerate(impls):
         xs = [j + i * width for j in range(len(results))]
-        ax.bar(xs, [r["tflops"].get(name) or 0 for r in results], width, label=name)
+        ax.bar(xs, [r["rates"].get(name) or 0 for r in results], width, label=name)
     ax.set_xticks([j + width * (len(impls) - 1) / 2 for j in range(len(results))])
     ax.set_xticklabels([r["label"] for r in results], rotation=35, ha="right", fontsize=7)
-    ax.set_ylabel("TFLOP/s")
+    ax.set_ylabel(" / ".join(dict.fromkeys(UNITS[r["metric"]].split(" (")[0] for r in results)))
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

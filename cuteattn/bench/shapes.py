@@ -26,8 +26,9 @@ def attended_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) 
 
 @dataclass(frozen=True)
 class Cell:
-    kind: str                 # "fwd" (flash_attn_func), "varlen" (flash_attn_varlen_func) or
-                              # "bwd" (flash_attn_func's backward alone)
+    kind: str                 # "fwd" (flash_attn_func), "varlen" (flash_attn_varlen_func),
+                              # "bwd" (flash_attn_func's backward alone) or "decode"
+                              # (flash_attn_with_kvcache: seqlen_q new rows, seqlen_k cached keys)
     d: int
     batch: int
     nheads: int
@@ -37,6 +38,22 @@ class Cell:
     causal: bool
     dtype: str = "bf16"
     lens: tuple[int, ...] | None = None   # varlen: per-sequence lengths (q and k alike)
+    page_size: int | None = None          # decode: the cache's page size (None: contiguous)
+
+    @property
+    def metric(self) -> str:
+        """What a cell is measured in: "gbps" (bytes of K/V read) for decode, else "tflops"."""
+        return "gbps" if self.kind == "decode" else "tflops"
+
+    def kv_bytes(self) -> int:
+        """Decode: the bytes of K and V one call reads (the whole cache of every sequence)."""
+        return 2 * self.batch * self.seqlen_k * self.nheads_k * self.d * 2
+
+    def rate(self, ms: float) -> float:
+        """TFLOP/s, or for decode GB/s of K/V read, of one call taking ms milliseconds."""
+        if self.kind == "decode":
+            return self.kv_bytes() / (ms * 1e-3) / 1e9
+        return self.flops() / (ms * 1e-3) / 1e12
 
     def flops(self) -> float:
         """Forward FLOPs: 4 * heads * d per attended (query, key) pair (two GEMMs, 2 flops a MAC);
@@ -49,6 +66,9 @@ class Cell:
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
+        if self.kind == "decode":
+            cache = f"page {self.page_size}" if self.page_size else "contiguous"
+            return f"decode b{self.batch} L{self.seqlen_k} h{self.nheads}/{self.nheads_k} {cache}"
         if self.lens is not None:
             shape = "x".join(map(str, self.lens)) if len(set(self.lens)) > 1 else f"{len(self.lens)}x{self.lens[0]}"
             return f"varlen d{self.d} h{self.nheads} [{shape}] {mask}"
@@ -58,6 +78,8 @@ class Cell:
 
     def to_json(self) -> dict:
         out = asdict(self)
+        if self.page_size is None and self.kind != "decode":
+            del out["page_size"]
         if self.lens is None:
             del out["lens"]
         else:
@@ -94,8 +116,20 @@ def varlen_grid() -> list[Cell]:
     return cells
 
 
+DECODE_SHAPES = ((1, 131072), (8, 32768), (64, 8192), (128, 4096))  # (batch, cache length)
+
+
+def decode_grid(quick: bool = False) -> list[Cell]:
+    """One new query row over a full cache: bf16, 32 query heads over 8 kv heads, d=128, pages of
+    16 and 128 tokens and a contiguous cache."""
+    shapes = DECODE_SHAPES[1:2] if quick else DECODE_SHAPES
+    return [Cell("decode", 128, b, 32, 8, 1, n, False, page_size=p)
+            for b, n in shapes for p in (16, 128, None)]
+
+
 def cpu_grid() -> list[Cell]:
     """Tiny shapes for a machine without CUDA (the reference path)."""
     return [Cell("fwd", 64, 1, 2, 2, 128, 128, c) for c in (False, True)] + [
-        Cell("varlen", 64, 3, 2, 2, 96, 96, True, lens=(32, 96, 64))
+        Cell("varlen", 64, 3, 2, 2, 96, 96, True, lens=(32, 96, 64)),
+        Cell("decode", 64, 2, 4, 2, 1, 64, False, page_size=16),
     ]
