@@ -88,18 +88,38 @@ def attention_ref(
         v = v.repeat_interleave(h // hk, dim=2)
 
     mods = (score_mod, mask_mod, block_sparse)
-    scores, probs, _, lse = _scores_and_probs(q, k, scale, causal, window_size, softcap,
-                                              learnable_sink, mods)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, v)
-    return out, lse.float()
+    outs, lses = [], []
+    for rows in _query_chunks(q, k):
+        _, probs, _, lse = _scores_and_probs(q[:, rows], k, scale, causal, window_size, softcap,
+                                             learnable_sink, mods, (rows.start, q.shape[1]))
+        outs.append(torch.einsum("bhqk,bkhd->bqhd", probs, v))
+        lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2).float()
 
 
-def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None, mods=(None,) * 3):
+# Scores are materialised a block of query rows at a time, at most this many elements each
+# (512 MiB in float32), so the fallback serves long sequences without holding the whole
+# (batch, heads, seqlen_q, seqlen_k) matrix; rows are independent, so the results are the same.
+CHUNK_ELEMENTS = 1 << 27
+
+
+def _query_chunks(q: torch.Tensor, k: torch.Tensor) -> list:
+    """Slices of query rows whose score blocks stay within CHUNK_ELEMENTS (one, possibly empty,
+    slice when everything fits)."""
+    b, sq, h = q.shape[:3]
+    step = max(1, CHUNK_ELEMENTS // max(1, b * h * k.shape[1]))
+    return [slice(start, min(start + step, sq)) for start in range(0, sq, step)] or [slice(0, 0)]
+
+
+def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None, mods=(None,) * 3,
+                      rows=None):
     """The forward's masked scores (b, h, sq, sk) and probabilities, in q's dtype, for k with
     q's head count; the softcap's tanh values (None without softcap), which the backward's
     derivative needs; and the rows' logsumexp (b, h, sq), the sink included. A row that sees no
-    key gets probabilities 0 (softmax would give NaN) and lse -inf, or the sink's logit."""
+    key gets probabilities 0 (softmax would give NaN) and lse -inf, or the sink's logit.
+    rows (first row, total rows): q is that block of a longer sequence's query rows."""
     sq, sk = q.shape[1], k.shape[1]
+    first, total = (0, sq) if rows is None else rows
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     t = None
     if softcap > 0:
@@ -107,18 +127,19 @@ def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None, mods
         scores = softcap * t
     score_mod, mask_mod, block_sparse = mods
     if score_mod is not None:
-        scores = _apply_score_mod(score_mod, scores)
+        scores = _apply_score_mod(score_mod, scores, first)
     left, right = window_bounds(window_size)
     if causal:
         right = 0
-    mask = visible_mask(sq, sk, left, right, device=q.device)
+    mask = visible_mask(total, sk, left, right, device=q.device)[first:first + sq]
     if block_sparse is not None or mask_mod is not None:
         from cuteattn import sparse
         b, h = scores.shape[:2]
         if block_sparse is not None:
-            mod_mask = block_sparse.dense(sq, sk, mask_mod, batch=b, heads=h)
+            mod_mask = block_sparse.dense(total, sk, mask_mod, batch=b, heads=h,
+                                          rows=(first, sq))
         else:
-            mod_mask = sparse.evaluate_mask_mod(mask_mod, b, h, sq, sk, q.device)
+            mod_mask = sparse.evaluate_mask_mod(mask_mod, b, h, sq, sk, q.device, q_offset=first)
         mask = mask & mod_mask  # (b, h, sq, sk)
     scores = scores.masked_fill(~mask, float("-inf"))
     if sink is None:
@@ -213,26 +234,31 @@ def attention_ref_backward(
     kr = k.repeat_interleave(group, dim=2) if group > 1 else k
     vr = v.repeat_interleave(group, dim=2) if group > 1 else v
 
-    _, probs, t, lse = _scores_and_probs(q, kr, scale, causal, window_size, softcap,
-                                         learnable_sink)
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, vr)
-
-    dvr = torch.einsum("bhqk,bqhd->bkhd", probs, do)
-    dp = torch.einsum("bqhd,bkhd->bhqk", do, vr)
-    delta = (do * out).sum(-1).permute(0, 2, 1).unsqueeze(-1)  # (b, h, sq, 1)
-    ds = probs * (dp - delta)
-    if t is not None:
-        ds = ds * (1 - t * t)
-    ds = ds * scale
-    dq = torch.einsum("bhqk,bkhd->bqhd", ds, kr)
-    dkr = torch.einsum("bhqk,bqhd->bkhd", ds, q)
+    dq = torch.zeros_like(q)
+    dkr, dvr = torch.zeros_like(kr), torch.zeros_like(vr)
+    dsink = torch.zeros(h, dtype=torch.float32, device=q.device)
+    for rows in _query_chunks(q, k):  # query rows are independent; dK and dV sum over them
+        qc, doc = q[:, rows], do[:, rows]
+        _, probs, t, lse = _scores_and_probs(qc, kr, scale, causal, window_size, softcap,
+                                             learnable_sink, rows=(rows.start, sq))
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, vr)
+        dvr += torch.einsum("bhqk,bqhd->bkhd", probs, doc)
+        dp = torch.einsum("bqhd,bkhd->bhqk", doc, vr)
+        delta = (doc * out).sum(-1).permute(0, 2, 1).unsqueeze(-1)  # (b, h, rows, 1)
+        ds = probs * (dp - delta)
+        if t is not None:
+            ds = ds * (1 - t * t)
+        ds = ds * scale
+        dq[:, rows] = torch.einsum("bhqk,bkhd->bqhd", ds, kr)
+        dkr += torch.einsum("bhqk,bqhd->bkhd", ds, qc)
+        if learnable_sink is not None:
+            p_sink = torch.exp(learnable_sink.float().view(1, -1, 1) - lse)  # (b, h, rows)
+            dsink -= (p_sink * delta.squeeze(-1)).sum(dim=(0, 2))
     if group > 1:
         dkr = dkr.reshape(b, sk, hk, group, d).sum(3)
         dvr = dvr.reshape(b, sk, hk, group, v.shape[-1]).sum(3)
     if learnable_sink is None:
         return dq, dkr, dvr
-    p_sink = torch.exp(learnable_sink.float().view(1, -1, 1) - lse)  # (b, h, sq)
-    dsink = -(p_sink * delta.squeeze(-1)).sum(dim=(0, 2))
     return dq, dkr, dvr, dsink
 
 
@@ -402,13 +428,13 @@ def dequantize_fp8(x: torch.Tensor, descale: torch.Tensor | None,
     return xf * per_head[batch][:, :, None]
 
 
-def _apply_score_mod(score_mod, scores: torch.Tensor) -> torch.Tensor:
-    """score_mod(score, b, h, q_idx, kv_idx) on (b, h, sq, sk) scores, the indices as
-    broadcasting tensors (FlexAttention's signature, vectorised)."""
+def _apply_score_mod(score_mod, scores: torch.Tensor, q_offset: int = 0) -> torch.Tensor:
+    """score_mod(score, b, h, q_idx, kv_idx) on (b, h, sq, sk) scores of query rows from
+    q_offset on, the indices as broadcasting tensors (FlexAttention's signature, vectorised)."""
     b, h, sq, sk = scores.shape
     idx = lambda n, dim: torch.arange(n, device=scores.device).view([-1 if i == dim else 1 for i in range(4)])
-    return torch.as_tensor(score_mod(scores, idx(b, 0), idx(h, 1), idx(sq, 2), idx(sk, 3)),
-                           device=scores.device).to(scores.dtype).expand_as(scores)
+    return torch.as_tensor(score_mod(scores, idx(b, 0), idx(h, 1), idx(sq, 2) + q_offset,
+                                     idx(sk, 3)), device=scores.device).to(scores.dtype).expand_as(scores)
 
 
 def _mods_of_sequence(b: int, score_mod, mask_mod, block_sparse) -> dict:

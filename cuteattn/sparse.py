@@ -43,18 +43,24 @@ class BlockSparseMask:
         return _listed(self.full_count, self.full_index), _listed(self.partial_count, self.partial_index)
 
     def dense(self, seqlen_q: int, seqlen_k: int, mask_mod: Optional[Callable] = None,
-              batch: Optional[int] = None, heads: Optional[int] = None) -> torch.Tensor:
+              batch: Optional[int] = None, heads: Optional[int] = None,
+              rows: Optional[tuple] = None) -> torch.Tensor:
         """(B, H, seqlen_q, seqlen_k) bool: pairs in full blocks, and pairs in partial blocks where
-        mask_mod (b, h, q_idx, kv_idx) holds (all of them without a mask_mod)."""
+        mask_mod (b, h, q_idx, kv_idx) holds (all of them without a mask_mod). rows (first,
+        count): only those query rows (the reference's blocks of rows)."""
+        first, count = (0, seqlen_q) if rows is None else rows
         full, partial = self.block_masks()
-        expand = lambda m: m.repeat_interleave(self.q_block, 2)[:, :, :seqlen_q] \
+        b0, b1 = first // self.q_block, -(-(first + count) // self.q_block)
+        lead = first - b0 * self.q_block
+        expand = lambda m: m[:, :, b0:b1].repeat_interleave(self.q_block, 2)[:, :, lead:lead + count] \
             .repeat_interleave(self.kv_block, 3)[:, :, :, :seqlen_k]
         out = expand(full)
         part = expand(partial & ~full)
         if mask_mod is not None:
             b = out.shape[0] if batch is None else batch
             h = out.shape[1] if heads is None else heads
-            part = part & evaluate_mask_mod(mask_mod, b, h, seqlen_q, seqlen_k, out.device)
+            part = part & evaluate_mask_mod(mask_mod, b, h, count, seqlen_k, out.device,
+                                            q_offset=first)
         out = out | part
         if batch is not None or heads is not None:
             out = out.expand(batch or out.shape[0], heads or out.shape[1], -1, -1)
@@ -105,11 +111,12 @@ def from_topk(indices: torch.Tensor, num_kv_blocks: int, q_block: int, kv_block:
 
 
 def evaluate_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
-                      device) -> torch.Tensor:
+                      device, q_offset: int = 0) -> torch.Tensor:
     """mask_mod(b, h, q_idx, kv_idx) over every pair, with broadcasting index tensors (b as
-    (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, Sq, 1), kv_idx (1, 1, 1, Sk)): (B, H, Sq, Sk) bool."""
+    (B, 1, 1, 1), h (1, H, 1, 1), q_idx (1, 1, Sq, 1) from q_offset on, kv_idx (1, 1, 1, Sk)):
+    (B, H, Sq, Sk) bool."""
     idx = lambda n, dim: torch.arange(n, device=device).view([-1 if i == dim else 1 for i in range(4)])
-    out = mask_mod(idx(batch, 0), idx(heads, 1), idx(seqlen_q, 2), idx(seqlen_k, 3))
+    out = mask_mod(idx(batch, 0), idx(heads, 1), idx(seqlen_q, 2) + q_offset, idx(seqlen_k, 3))
     return torch.as_tensor(out, device=device).to(torch.bool).expand(batch, heads, seqlen_q, seqlen_k)
 
 
