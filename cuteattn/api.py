@@ -264,8 +264,8 @@ def flash_attn_func(
                                  deterministic, strict, learnable_sink)
         return (out, lse) if return_lse else out
     sig = None
-    if (out is None and lse is None and learnable_sink is None and all(x is None for x in descales)
-            and type(window_size) is tuple):
+    plain = out is None and lse is None and learnable_sink is None
+    if plain and all(x is None for x in descales) and type(window_size) is tuple:
         try:
             sig = _signature(q, k, v, softmax_scale, causal, window_size, *map(type, window_size),
                              softcap)
@@ -450,8 +450,8 @@ def flash_attn_varlen_func(
         return (out, lse) if return_lse else out
     sig = None
     descales = (q_descale, k_descale, v_descale)
-    if (out is None and lse is None and learnable_sink is None and all(x is None for x in descales)
-            and not validate and type(window_size) is tuple):
+    plain = out is None and lse is None and learnable_sink is None and not validate
+    if plain and all(x is None for x in descales) and type(window_size) is tuple:
         # as flash_attn_func's shortcut; the index tensors by shape, stride, dtype and device
         # (their values are never checked without validate=True, so they cannot fail anew)
         index = tuple((t.shape, t.stride(), t.dtype, t.device) if type(t) is torch.Tensor
