@@ -233,7 +233,7 @@ def flash_attn_func(
     Keyword-only extras: learnable_sink (nheads,) float32, one logit per query head joining each
     row's softmax denominator (gpt-oss); q_descale / k_descale / v_descale, FlashAttention-3's
     (batch, nheads_k) float32 descales of float8_e4m3fn q, k, v (out then bf16, or an out= in
-    fp16/bf16). block_sparse (cuteattn.sparse.BlockSparseMask), mask_mod(b, h, q_idx, kv_idx)
+    fp16/bf16; inference only, torch.compile included). block_sparse (cuteattn.sparse.BlockSparseMask), mask_mod(b, h, q_idx, kv_idx)
     and score_mod(score, b, h, q_idx, kv_idx): FlexAttention's modifiers (FlashAttention-4's
     block-sparse form), differentiable, including through tensors a score_mod closes over.
     fp8, sinks and the modifiers run on the reference for now.
@@ -261,7 +261,7 @@ def flash_attn_func(
     if _through_op(q, k, v, out, lse, learnable_sink):
         from cuteattn import ops
         out, lse = ops.attention(q, k, v, softmax_scale, causal, window_size, softcap,
-                                 deterministic, strict, learnable_sink)
+                                 deterministic, strict, learnable_sink, descales)
         return (out, lse) if return_lse else out
     sig = None
     plain = out is None and lse is None and learnable_sink is None
@@ -330,9 +330,8 @@ def _through_op(q, k, v, out, lse, sink=None) -> bool:
                                           and getattr(sink, "requires_grad", False))
     if not (torch.compiler.is_compiling() or needs_grad):
         return False
-    if getattr(q, "dtype", None) == _checks.FP8:
-        raise NotImplementedError("float8_e4m3fn inputs: no gradients and no torch.compile "
-                                  "support yet (call outside torch.compile, without grad)")
+    if needs_grad and getattr(q, "dtype", None) == _checks.FP8:
+        raise NotImplementedError("float8_e4m3fn inputs have no gradients (inference only)")
     if out is not None or lse is not None:
         raise ValueError(
             "out= / lse= buffers are for calls without gradients outside torch.compile: drop them "
@@ -446,7 +445,7 @@ def flash_attn_varlen_func(
         out, lse = ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             causal, window_size, softcap, seqused_q, seqused_k, validate, deterministic, strict,
-            learnable_sink)
+            learnable_sink, (q_descale, k_descale, v_descale))
         return (out, lse) if return_lse else out
     sig = None
     descales = (q_descale, k_descale, v_descale)
@@ -480,11 +479,11 @@ def flash_attn_varlen_func(
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
-                   strict, out=None, lse=None, learnable_sink=None):
+                   strict, out=None, lse=None, learnable_sink=None, descales=(None, None, None)):
     """The varlen forward without autograd (ops.py's custom op runs this). Returns (out, lse)."""
     return _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale, causal, window_size, softcap, seqused_q, seqused_k,
-                           validate, strict, out, lse, learnable_sink)[:2]
+                           validate, strict, out, lse, learnable_sink, descales)[:2]
 
 
 def _varlen_lse_shape(q, spec) -> tuple:

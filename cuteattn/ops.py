@@ -42,18 +42,20 @@ def _normalised(q, softmax_scale, causal, window_size, softcap):
 # ---- fixed length ----
 
 @torch.library.custom_op("cuteattn::fwd", mutates_args=())
-def _fwd(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor], softmax_scale: float,
-         causal: bool, window_left: Optional[int], window_right: Optional[int], softcap: float,
+def _fwd(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor],
+         descales: list[Optional[Tensor]], softmax_scale: float, causal: bool,
+         window_left: Optional[int], window_right: Optional[int], softcap: float,
          deterministic: bool, strict: int) -> tuple[Tensor, Tensor]:
     out, lse, _, _ = api.forward(q, k, v, softmax_scale, causal, (window_left, window_right),
-                                 softcap, _strict(strict), learnable_sink=learnable_sink)
+                                 softcap, _strict(strict), learnable_sink=learnable_sink,
+                                 descales=tuple(descales))
     return out, lse
 
 
 @_fwd.register_fake
 def _fwd_fake(q, k, v, *args):
     b, sq, h, _ = q.shape
-    return (q.new_empty((b, sq, h, v.shape[-1])),
+    return (q.new_empty((b, sq, h, v.shape[-1]), dtype=_checks.out_dtype(q)),
             q.new_empty((b, h, sq), dtype=torch.float32))
 
 
@@ -74,7 +76,7 @@ def _bwd_fake(dout, q, k, v, out, lse, learnable_sink, *args):
 
 
 def _fwd_setup(ctx, inputs, output):
-    q, k, v, sink, *scalars = inputs
+    q, k, v, sink, _descales, *scalars = inputs  # (fp8 with its descales never records a grad)
     ctx.save_for_backward(q, k, v, *output, sink)  # out, lse: what the backward needs besides
     ctx.scalars = scalars
     ctx.mark_non_differentiable(output[1])  # lse
@@ -83,25 +85,26 @@ def _fwd_setup(ctx, inputs, output):
 def _fwd_backward(ctx, dout, dlse):
     q, k, v, out, lse, sink = ctx.saved_tensors
     dq, dk, dv, dsink = _bwd(dout.contiguous(), q, k, v, out, lse, sink, *ctx.scalars)
-    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 7
+    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 8
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 
 def attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, strict,
-              learnable_sink=None):
+              learnable_sink=None, descales=(None, None, None)):
     """flash_attn_func through the custom op: returns (out, lse)."""
     scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
-    return _fwd(q, k, v, learnable_sink, scale, causal, left, right, softcap, bool(deterministic),
-                _strict_code(strict))
+    return _fwd(q, k, v, learnable_sink, list(descales), scale, causal, left, right, softcap,
+                bool(deterministic), _strict_code(strict))
 
 
 # ---- packed (varlen) ----
 
 @torch.library.custom_op("cuteattn::fwd_varlen", mutates_args=())
 def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor],
-                cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
+                descales: list[Optional[Tensor]], cu_seqlens_q: Optional[Tensor],
+                cu_seqlens_k: Optional[Tensor],
                 seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], max_seqlen_q: int,
                 max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: Optional[int],
                 window_right: Optional[int], softcap: float, validate: bool, deterministic: bool,
@@ -109,12 +112,12 @@ def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor
     return api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, causal, (window_left, window_right), softcap,
                               seqused_q, seqused_k, validate, _strict(strict),
-                              learnable_sink=learnable_sink)
+                              learnable_sink=learnable_sink, descales=tuple(descales))
 
 
 @_fwd_varlen.register_fake
-def _fwd_varlen_fake(q, k, v, learnable_sink, cu_seqlens_q, *args):
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+def _fwd_varlen_fake(q, k, v, learnable_sink, descales, cu_seqlens_q, *args):
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=_checks.out_dtype(q))
     if cu_seqlens_q is not None:  # packed q: (total_q, h, d), lse (h, total_q)
         return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     b, sq, h, _ = q.shape  # batched q (FlashAttention-4's seqused-only form)
@@ -142,7 +145,7 @@ def _bwd_varlen_fake(dout, q, k, v, out, lse, learnable_sink, *args):
 
 
 def _fwd_varlen_setup(ctx, inputs, output):
-    q, k, v, sink, cu_q, cu_k, used_q, used_k, max_q, max_k, *scalars = inputs
+    q, k, v, sink, _descales, cu_q, cu_k, used_q, used_k, max_q, max_k, *scalars = inputs
     ctx.save_for_backward(q, k, v, *output, sink, cu_q, cu_k, used_q, used_k)
     # (scale, causal, left, right, softcap, deterministic, strict): `validate` dropped, the
     # forward checked already
@@ -154,7 +157,7 @@ def _fwd_varlen_backward(ctx, dout, dlse):
     q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
     dq, dk, dv, dsink = _bwd_varlen(dout.contiguous(), q, k, v, out, lse, sink, cu_q, cu_k,
                                     used_q, used_k, *ctx.scalars)
-    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 14
+    return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 15
 
 
 _fwd_varlen.register_autograd(_fwd_varlen_backward, setup_context=_fwd_varlen_setup)
@@ -162,12 +165,12 @@ _fwd_varlen.register_autograd(_fwd_varlen_backward, setup_context=_fwd_varlen_se
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      softmax_scale, causal, window_size, softcap, seqused_q, seqused_k, validate,
-                     deterministic, strict, learnable_sink=None):
+                     deterministic, strict, learnable_sink=None, descales=(None, None, None)):
     """flash_attn_varlen_func through the custom op: returns (out, lse)."""
     scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
-    return _fwd_varlen(q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                       max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap,
-                       bool(validate), bool(deterministic), _strict_code(strict))
+    return _fwd_varlen(q, k, v, learnable_sink, list(descales), cu_seqlens_q, cu_seqlens_k,
+                       seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, scale, causal, left,
+                       right, softcap, bool(validate), bool(deterministic), _strict_code(strict))
 
 
 # ---- KV cache (inference: no autograd) ----

@@ -161,3 +161,14 @@ def test_learnable_sink_compiles_with_its_gradient():
     g_got = torch.autograd.grad(got.float().sum(), (q, sink))
     g_want = torch.autograd.grad(want.float().sum(), (q, sink))
     assert all(torch.equal(a, b) for a, b in zip(g_got, g_want))
+
+
+def test_fp8_inference_compiles():
+    """fp8 inputs with their descales under torch.compile (inference): equal to eager, bf16 out."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 9, 2, 64).to(torch.float8_e4m3fn)
+    d = torch.rand(2, 2) + 0.5
+    f = lambda q, d: flash_attn_func(q, q, q, causal=True, q_descale=d, k_descale=d, v_descale=d)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = compiled(q, d)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, f(q, d))
