@@ -233,9 +233,10 @@ def flash_attn_func(
     Keyword-only extras: learnable_sink (nheads,) float32, one logit per query head joining each
     row's softmax denominator (gpt-oss); q_descale / k_descale / v_descale, FlashAttention-3's
     (batch, nheads_k) float32 descales of float8_e4m3fn q, k, v (out then bf16, or an out= in
-    fp16/bf16; inference only, torch.compile included). block_sparse (cuteattn.sparse.BlockSparseMask), mask_mod(b, h, q_idx, kv_idx)
-    and score_mod(score, b, h, q_idx, kv_idx): FlexAttention's modifiers (FlashAttention-4's
-    block-sparse form), differentiable, including through tensors a score_mod closes over.
+    fp16/bf16; inference only, torch.compile included). block_sparse
+    (cuteattn.sparse.BlockSparseMask), mask_mod(b, h, q_idx, kv_idx) and score_mod(score, b, h,
+    q_idx, kv_idx): FlexAttention's modifiers (FlashAttention-4's block-sparse form),
+    differentiable, including through tensors a score_mod closes over.
     fp8, sinks and the modifiers run on the reference for now.
 
     Gradients (q, k or v requiring grad) flow through torch autograd: the backward kernel where
