@@ -7,6 +7,7 @@ FallbackWarning (strict mode raises), appending k/v into the caches in place as 
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -16,6 +17,26 @@ from cuteattn.reference import attention_kvcache_ref, attention_varlen_ref
 from cuteattn.spec import AttentionSpec
 
 PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
+
+
+def split_count(work_tiles: int, num_sms: int, key_blocks: int, max_splits: int = 128,
+                target: float = 0.95) -> int:
+    """How many ranges to split each tile's keys into (num_splits=0): 1 when the tiles alone
+    (batch x kv heads x query blocks, with pack-GQA) fill 80% of the SMs; else the fewest splits
+    whose last wave is at least `target` full relative to the best split count, never more
+    splits than key blocks (and counts that leave the longest split as long as one fewer would
+    are skipped). At batch 1 with 8 kv heads over a long cache on 132 SMs: 16 splits, 128 CTAs."""
+    if work_tiles <= 0 or work_tiles >= 0.8 * num_sms:
+        return 1
+    limit = max(1, min(max_splits, num_sms, key_blocks))
+    efficiency = {}
+    for splits in range(1, limit + 1):
+        if splits > 1 and -(-key_blocks // splits) == -(-key_blocks // (splits - 1)):
+            continue
+        waves = work_tiles * splits / num_sms
+        efficiency[splits] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return min(s for s, e in efficiency.items() if e >= target * best)
 FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 cache, with bf16/fp16 q
 
 
@@ -194,7 +215,8 @@ def flash_attn_with_kvcache(
     windowed, else at cache_seqlens), interleaved (GPT-J) or not (GPT-NeoX). cache_batch_idx
     (batch,) int32: the cache row of each sequence; cache_leftpad (batch,) int32: where each
     sequence's keys start. Masks are bottom-right aligned against the keys
-    [cache_leftpad, cache_seqlens + seqlen_new). num_splits is accepted (0 = automatic).
+    [cache_leftpad, cache_seqlens + seqlen_new). num_splits: each sequence's keys in that many
+    ranges merged by their lse (split-KV; 0 = split_count's choice for the GPU, 1 = none).
 
     learnable_sink (nheads,) float32: one logit per query head joining every row's softmax
     denominator (gpt-oss), counted once. An fp8 cache (float8_e4m3fn or float8_e5m2) with
@@ -213,7 +235,7 @@ def flash_attn_with_kvcache(
     scale, softcap = _checks.check_scalars(softmax_scale, softcap, q.shape[-1])
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, scale, causal, left, right, softcap,
-            bool(rotary_interleaved), learnable_sink, bool(validate), strict)
+            bool(rotary_interleaved), learnable_sink, bool(validate), strict, int(num_splits))
     if torch.compiler.is_compiling():  # an opaque op: the cache lengths are read inside
         if k_cache.dtype in FP8_CACHE:
             raise NotImplementedError("an fp8 KV cache under torch.compile is not supported yet")
@@ -226,7 +248,7 @@ def flash_attn_with_kvcache(
 
 def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, left, right,
-                    softcap, rotary_interleaved, learnable_sink, validate, strict,
+                    softcap, rotary_interleaved, learnable_sink, validate, strict, num_splits=1,
                     descales=(None, None)):
     """flash_attn_with_kvcache past its argument checks (the normalised mask and scalars):
     the value checks (validate), the kernel choice, the computation. Returns (out, lse);
@@ -255,8 +277,19 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale=softmax_scale, causal=causal,
             window_size=(left, right), softcap=softcap, rotary_interleaved=rotary_interleaved,
-            learnable_sink=learnable_sink, descales=descales)
+            learnable_sink=learnable_sink, descales=descales,
+            num_splits=_splits(num_splits, spec, q.device, capacity))
     return out.to(q.dtype), lse
+
+
+def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
+    """num_splits as given, or for 0 split_count's choice for this device (1 off the GPU)."""
+    if num_splits > 0:
+        return num_splits
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return split_count(spec.batch * spec.nheads_k, sms, -(-capacity // 128))
 
 
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

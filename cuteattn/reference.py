@@ -112,14 +112,18 @@ def _query_chunks(q: torch.Tensor, k: torch.Tensor) -> list:
 
 
 def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None, mods=(None,) * 3,
-                      rows=None):
+                      rows=None, cols=None):
     """The forward's masked scores (b, h, sq, sk) and probabilities, in q's dtype, for k with
     q's head count; the softcap's tanh values (None without softcap), which the backward's
     derivative needs; and the rows' logsumexp (b, h, sq), the sink included. A row that sees no
     key gets probabilities 0 (softmax would give NaN) and lse -inf, or the sink's logit.
-    rows (first row, total rows): q is that block of a longer sequence's query rows."""
+    rows (first row, total rows): q is that block of a longer sequence's query rows; cols (first
+    key, total keys): k is that range of a longer key sequence (a split; no modifiers then)."""
     sq, sk = q.shape[1], k.shape[1]
     first, total = (0, sq) if rows is None else rows
+    first_key, total_keys = (0, sk) if cols is None else cols
+    if cols is not None and any(m is not None for m in mods):
+        raise NotImplementedError("the reference splits keys only without modifiers")
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     t = None
     if softcap > 0:
@@ -131,7 +135,8 @@ def _scores_and_probs(q, k, scale, causal, window_size, softcap, sink=None, mods
     left, right = window_bounds(window_size)
     if causal:
         right = 0
-    mask = visible_mask(total, sk, left, right, device=q.device)[first:first + sq]
+    mask = visible_mask(total, total_keys, left, right, device=q.device)[
+        first:first + sq, first_key:first_key + sk]
     if block_sparse is not None or mask_mod is not None:
         from cuteattn import sparse
         b, h = scores.shape[:2]
@@ -340,7 +345,8 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
                           cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
                           block_table=None, *, softmax_scale=None, causal=False,
                           window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                          learnable_sink=None, descales=(None, None), upcast=True):
+                          learnable_sink=None, descales=(None, None), num_splits=1,
+                          upcast=True):
     """flash_attn_with_kvcache's semantics, written out per batch entry (reads lengths to the
     host). Appends k, v (rotated when rotary_cos/sin are given) into the caches in place at
     positions [cache_seqlens[b], cache_seqlens[b] + seqlen_new) of cache row cache_batch_idx[b]
@@ -349,7 +355,9 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
     [cache_leftpad[b], cache_seqlens[b] + seqlen_new), bottom-right aligned. cache_seqlens None
     means the whole cache (its length; pages per sequence x page size) holds keys.
     An fp8 cache holds values / descale (descales: (k, v) (batch, nheads_k) float32, None =
-    1.0): appended tokens are quantized so, gathered keys and values dequantized.
+    1.0): appended tokens are quantized so, gathered keys and values dequantized. num_splits > 1
+    computes each sequence's keys in that many ranges of whole 128-key blocks, merged
+    (merge_partials: the split-KV path, the sink counted once in the merge).
     Returns (out (b, sq, h, d), lse (b, h, sq)), dtypes as attention_ref's."""
     b, sq = q.shape[:2]
     s_new = 0 if k is None else k.shape[1]
@@ -382,9 +390,12 @@ def attention_kvcache_ref(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, 
         kk, vv = k_cache[where], v_cache[where]
         if fp8:
             kk, vv = kk.float() * scale_of(0, i), vv.float() * scale_of(1, i)
-        o, l = attention_ref(qi, kk[None], vv[None],
-                             softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                             softcap=softcap, learnable_sink=learnable_sink, upcast=upcast)
+        attend = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                      softcap=softcap, upcast=upcast)
+        if num_splits > 1:
+            o, l = _split_attention(qi, kk[None], vv[None], num_splits, learnable_sink, **attend)
+        else:
+            o, l = attention_ref(qi, kk[None], vv[None], learnable_sink=learnable_sink, **attend)
         outs.append(o)
         lses.append(l)
     return torch.cat(outs), torch.cat(lses)
@@ -449,3 +460,50 @@ def _mods_of_sequence(b: int, score_mod, mask_mod, block_sparse) -> dict:
         from cuteattn import sparse
         mods["block_sparse"] = sparse.select_batch(block_sparse, b)
     return mods
+
+
+# ---- split-KV: partial results over key ranges, merged ----
+
+def merge_partials(outs: torch.Tensor, lses: torch.Tensor, learnable_sink=None):
+    """The exact attention from partial results over disjoint key ranges (split-KV decoding,
+    context parallelism): outs (splits, ..., sq, h, dv) float32 normalised within each split,
+    lses (splits, ..., h, sq). lse = logsumexp over the splits (and the sink, counted once, here
+    and not in any split); out = sum_s exp(lse_s - lse) out_s. Splits that saw no key (lse -inf)
+    weigh 0; a row no split saw gets 0 and -inf (or the sink's logit)."""
+    terms = lses
+    if learnable_sink is not None:
+        sink = learnable_sink.float().view(-1, 1).expand_as(lses[0])
+        terms = torch.cat([lses, sink.unsqueeze(0)], dim=0)
+    lse = torch.logsumexp(terms, dim=0)
+    finite = torch.isfinite(lse)
+    weights = torch.where(finite, torch.exp(lses - torch.where(finite, lse, 0.0)), 0.0)
+    out = (outs * weights.transpose(-1, -2).unsqueeze(-1)).sum(0)  # (..., sq, h, dv)
+    return out, lse
+
+
+SPLIT_BLOCK = 128  # keys per block when a key range is split (as a kernel's key blocks)
+
+
+def _split_attention(q, k, v, num_splits, learnable_sink, *, softmax_scale, causal, window_size,
+                     softcap, upcast):
+    """attention_ref over num_splits ranges of whole SPLIT_BLOCK-key blocks of k, merged."""
+    sk, hk, h = k.shape[1], k.shape[2], q.shape[2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+    dtype = torch.float32 if upcast else q.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if hk != h:
+        k, v = k.repeat_interleave(h // hk, dim=2), v.repeat_interleave(h // hk, dim=2)
+    blocks = -(-sk // SPLIT_BLOCK)
+    per_split = -(-blocks // num_splits) * SPLIT_BLOCK
+    outs, lses = [], []
+    for lo in range(0, sk, per_split):
+        hi = min(lo + per_split, sk)
+        _, probs, _, lse = _scores_and_probs(q, k[:, lo:hi], scale, causal, window_size, softcap,
+                                             cols=(lo, sk))
+        outs.append(torch.einsum("bhqk,bkhd->bqhd", probs, v[:, lo:hi]).float())
+        lses.append(lse.float())
+    if not outs:  # no key at all
+        return attention_ref(q, k, v, learnable_sink=learnable_sink, softmax_scale=scale,
+                             causal=causal, window_size=window_size, softcap=softcap,
+                             upcast=upcast)
+    return merge_partials(torch.stack(outs), torch.stack(lses), learnable_sink)

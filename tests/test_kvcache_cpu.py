@@ -317,3 +317,28 @@ def test_paged_prefill_through_varlen_equals_contiguous(seed):
         flash_attn_varlen_func(q, kp, vp, cu(lens_q), cu(lens_k), 12, 33, block_table=table.long())
     with pytest.raises(ValueError, match="multiple of 16"):
         flash_attn_varlen_func(q, kp[:, :8], vp[:, :8], cu(lens_q), cu(lens_k), 12, 33, block_table=table)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 7, 50])
+@pytest.mark.parametrize("sink", [False, True])
+def test_num_splits_give_the_same_result(seed, splits, sink):
+    """num_splits: each sequence's keys in ranges of whole 128-key blocks, merged by their lse,
+    the sink counted once in the merge: equal to one pass (some splits hold no visible key)."""
+    q = torch.randn(2, 3, 4, 64, dtype=BF16)
+    kc, vc = torch.randn(2, 700, 2, 64, dtype=BF16), torch.randn(2, 700, 2, 64, dtype=BF16)
+    lens = torch.tensor([650, 129], dtype=torch.int32)
+    kw = dict(cache_seqlens=lens, causal=True, window_size=(300, -1), return_softmax_lse=True,
+              learnable_sink=torch.randn(4) if sink else None)
+    one, one_lse = flash_attn_with_kvcache(q, kc, vc, num_splits=1, **kw)
+    got, got_lse = flash_attn_with_kvcache(q, kc, vc, num_splits=splits, **kw)
+    close(got, one)
+    assert torch.allclose(got_lse, one_lse, atol=1e-4)
+
+
+def test_split_count_heuristic():
+    from cuteattn.kvcache import split_count
+    assert split_count(8, 132, 1024) == 16        # batch 1, 8 kv heads, 131072 keys: 128 CTAs
+    assert split_count(64, 132, 256) == 2         # batch 8: 128 CTAs
+    assert split_count(512, 132, 64) == 1         # batch 64 fills the GPU alone
+    assert split_count(8, 132, 3) == 3            # never more splits than key blocks
+    assert split_count(0, 132, 10) == 1

@@ -306,3 +306,42 @@ def test_chunked_rows_equal_one_block(seed, monkeypatch, kw):
     if grads is not None:
         for a, c in zip(grads, attention_ref_backward(g, q, k, v, **kw)):
             torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+
+
+# ---- merging split-KV partials ----
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sink", [False, True])
+def test_merge_partials_equals_one_pass(seed, causal, sink):
+    """Keys split into ranges (one of them empty for some rows under the causal mask), each
+    attended alone (bottom-right alignment kept by masking in the full frame), merged: equal to
+    one pass over all keys; the sink counted once, in the merge."""
+    from cuteattn.reference import merge_partials, visible_mask
+    b, sq, sk, h = 2, 5, 23, 3
+    q, k, v = rand(b, sq, h, 8), rand(b, sk, h, 8), rand(b, sk, h, 8)
+    s = torch.randn(h) if sink else None
+    want, want_lse = attention_ref(q, k, v, causal=causal, learnable_sink=s)
+    outs, lses = [], []
+    for lo, hi in ((0, 7), (7, 18), (18, 23)):
+        # the split's own mask: the full-frame mask's columns [lo, hi)
+        mask = visible_mask(sq, sk, None, 0 if causal else None)[:, lo:hi]
+        kk = k[:, lo:hi]
+        sc = torch.einsum("bqhd,bkhd->bhqk", q, kk) / math.sqrt(8)
+        sc = sc.masked_fill(~mask, -math.inf)
+        lse = torch.logsumexp(sc, -1)
+        p = torch.where(torch.isfinite(lse).unsqueeze(-1), torch.exp(sc - lse.unsqueeze(-1)), 0.0)
+        outs.append(torch.einsum("bhqk,bkhd->bqhd", p, v[:, lo:hi]))
+        lses.append(lse)
+    out, lse = merge_partials(torch.stack(outs), torch.stack(lses), s)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_partials_of_rows_no_split_saw():
+    from cuteattn.reference import merge_partials
+    outs = torch.zeros(2, 1, 3, 2, 4)
+    lses = torch.full((2, 1, 2, 3), -math.inf)
+    out, lse = merge_partials(outs, lses)
+    assert torch.all(out == 0) and torch.isneginf(lse).all()
+    out, lse = merge_partials(outs, lses, torch.tensor([0.5, -1.0]))
+    assert torch.all(out == 0) and torch.equal(lse[0, :, 0], torch.tensor([0.5, -1.0]))
