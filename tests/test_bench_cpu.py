@@ -12,7 +12,8 @@ def test_quick_bench_runs_on_cpu_and_writes_json(tmp_path, capsys):
     record = json.loads(path.read_text())
     assert record["cells"] and all(c["gbps" if c["kind"] == "decode" else "tflops"]
                                    for c in record["cells"])
-    assert {c["kind"] for c in record["cells"]} >= {"fwd", "varlen", "decode"}
+    assert {c["kind"] for c in record["cells"]} >= {"fwd", "varlen", "decode", "fp8"}
+    assert all(v > 0 for c in record["cells"] for v in c["gbps" if c["kind"] == "decode" else "tflops"].values())
     assert all(c["check"][name]["ok"] for c in record["cells"] for name in c["check"])
     assert "summary" in record
     assert "cuteattn" in capsys.readouterr().out

@@ -27,6 +27,9 @@ def parse_args(argv=None):
     p.add_argument("--bwd", action="store_true",
                    help="the backward alone (the forward grid's shapes; with --quick, d=128 only), "
                         "instead of the forward grid")
+    p.add_argument("--fp8", action="store_true",
+                   help="the forward grid on float8_e4m3fn inputs with descales, our bf16 forward "
+                        "on the same values beside it, instead of the forward grid")
     p.add_argument("--decode", action="store_true",
                    help="decoding over a KV cache (GB/s of K/V read): bf16, 32 query heads over 8, "
                         "d=128, one new row, pages of 16 and 128 and contiguous, instead of the "
@@ -77,7 +80,7 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
         except Exception as e:  # one failing implementation must not end the run
             result["skipped"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
-        result["rates"][name] = round(cell.rate(ms), 3)
+        result["rates"][name] = float(f"{cell.rate(ms):.4g}")  # 4 significant digits, never 0
     del x
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -92,6 +95,8 @@ def main(argv=None) -> int:
         device = torch.device("cuda")
         if args.decode:
             grid = shapes.decode_grid(quick=args.quick)
+        elif args.fp8:
+            grid = shapes.fp8_grid(quick=args.quick)
         elif args.bwd:
             grid = shapes.bwd_grid(quick=args.quick)
         else:
@@ -128,6 +133,13 @@ def main(argv=None) -> int:
         json_path = os.path.join("benchmarks", "results", f"{date}-{commit}-{slug}.json")
     meta = dict(commit=commit, dirty=dirty, date=date, device=device_name, torch=torch.__version__,
                 **(report.sm_clocks() if cuda else {"sm_clock": None, "sm_clock_max": None}))
+    if args.fp8 and cuda:  # the ceiling the fp8 cells are read against
+        from cuteattn.bench.peers import fp8_gemm_tflops
+        try:
+            meta["fp8_gemm_tflops"] = round(fp8_gemm_tflops(device), 1)
+            print(f"fp8 GEMM (torch._scaled_mm, 8192^3): {meta['fp8_gemm_tflops']} TFLOP/s")
+        except Exception as e:  # an older torch without _scaled_mm's keywords
+            meta["fp8_gemm_tflops"] = f"{type(e).__name__}: {e}"[:200]
     if json_path:
         report.write_json(json_path, meta, results)
         print(f"wrote {json_path}")

@@ -15,6 +15,8 @@ def make_inputs(cell: Cell, device: torch.device) -> dict:
     dtype = DTYPES[cell.dtype]
     if cell.kind == "decode":
         return _decode_inputs(cell, device, dtype)
+    if cell.kind == "fp8":
+        return _fp8_inputs(cell, device)
     grad = cell.kind == "bwd"
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
     if cell.lens is None:
@@ -51,6 +53,38 @@ def _decode_inputs(cell: Cell, device, dtype) -> dict:
     x["v"] = torch.randn(pages, cell.page_size, hk, d, device=device, dtype=dtype)
     x["table"] = torch.randperm(pages, device=device).to(torch.int32).view(b, -1)
     return x
+
+
+def _fp8_inputs(cell: Cell, device) -> dict:
+    """q, k, v in float8_e4m3fn with random per-(batch, kv head) descales, and the same values
+    in bf16 (for our bf16 forward beside it)."""
+    x = {}
+    for name, heads, s in (("q", cell.nheads, cell.seqlen_q), ("k", cell.nheads_k, cell.seqlen_k),
+                           ("v", cell.nheads_k, cell.seqlen_k)):
+        x[name] = (torch.randn(cell.batch, s, heads, cell.d, device=device) * 2).to(torch.float8_e4m3fn)
+        x[f"{name}_descale"] = torch.rand(cell.batch, cell.nheads_k, device=device) + 0.5
+    group = cell.nheads // cell.nheads_k
+    for name in ("q", "k", "v"):
+        scale = x[f"{name}_descale"]
+        if name == "q":
+            scale = scale.repeat_interleave(group, dim=1)
+        x[f"{name}_bf16"] = (x[name].float() * scale[:, None, :, None]).to(torch.bfloat16)
+    return x
+
+
+def _fp8(cell, x, device):
+    """cuteattn on fp8 inputs, and our bf16 forward on the same values beside it."""
+    from cuteattn import flash_attn_func
+    strict = device.type == "cuda"
+    ours = lambda: flash_attn_func(x["q"], x["k"], x["v"], causal=cell.causal, strict=strict,
+                                   q_descale=x["q_descale"], k_descale=x["k_descale"],
+                                   v_descale=x["v_descale"])
+    if device.type != "cuda":
+        return {"cuteattn (reference)": ours}
+    return {"cuteattn": ours,
+            "cuteattn-bf16": lambda: flash_attn_func(x["q_bf16"], x["k_bf16"], x["v_bf16"],
+                                                     causal=cell.causal, strict=True),
+            "fa4": "flash-attn-4 runs FP8 on sm100 only"}
 
 
 def _decode_keys(x, b: int):
@@ -140,6 +174,8 @@ def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
     For a "bwd" cell each callable runs the backward alone (the forward ran once, here)."""
     if cell.kind == "decode":
         return _decode(cell, x, device)
+    if cell.kind == "fp8":
+        return _fp8(cell, x, device)
     if device.type != "cuda":
         return {"cuteattn (reference)": _cuteattn(cell, x, strict=False)}
     forwards = {
@@ -176,6 +212,8 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
     r = cell.nheads // cell.nheads_k
     if cell.kind == "bwd":
         return _check_grads(cell, x, out, dout, r)
+    if cell.kind == "fp8":
+        return _check_fp8(cell, x, out, r)
     if cell.kind == "decode":  # batch 0, kv head 0's query heads, against its whole cache
         k0, v0 = _decode_keys(x, 0)
         q, k, v, o = x["q"][:1, :, :r], k0[None, :, :1], v0[None, :, :1], out[:1, :, :r]
@@ -210,3 +248,33 @@ def _check_grads(cell, x, grads, dout, r):
         if not err <= bound or err / bound > worst["err"] / max(worst["bound"], 1e-30):
             worst = dict(ok=bool(err <= bound) and worst["ok"], err=err, bound=bound)
     return worst
+
+
+def _check_fp8(cell, x, out, r):
+    """Batch 0 and kv head 0's query heads against the float32 reference on the dequantized
+    inputs; the bound is twice the error of a plain PyTorch fp8 emulation (probabilities
+    quantized to e4m3 before P V, as an fp8 kernel does), plus the floor."""
+    q, k, v = (x[f"{n}_bf16"][:1, :, :r if n == "q" else 1].float() for n in ("q", "k", "v"))
+    ref, _ = attention_ref(q, k, v, causal=cell.causal)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.expand(-1, -1, r, -1)) / cell.d ** 0.5
+    if cell.causal:
+        n_q, n_k = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n_q, n_k, dtype=torch.bool, device=q.device)
+                                    .triu(n_k - n_q + 1), float("-inf"))
+    p = torch.softmax(scores, dim=-1)
+    p8 = (p * 448).to(torch.float8_e4m3fn).float() / 448  # e4m3's range, as kernels scale P
+    emulated = torch.einsum("bhqk,bkhd->bqhd", p8, v.expand(-1, -1, r, -1))
+    err, base = fa_error(out[:1, :, :r], ref, emulated)
+    bound = 2 * base + FA_FLOOR
+    return dict(ok=bool(err <= bound), err=err, bound=bound)
+
+
+def fp8_gemm_tflops(device, n: int = 8192, iters: int = 20) -> float:
+    """The rate of an n^3 e4m3 GEMM (torch._scaled_mm, bf16 out): the fp8 forward's ceiling."""
+    from cuteattn.bench.timing import median_ms
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    run = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    run()
+    return 2 * n ** 3 / (median_ms(run, device, iters=iters) * 1e-3) / 1e12

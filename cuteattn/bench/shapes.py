@@ -27,7 +27,8 @@ def attended_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) 
 @dataclass(frozen=True)
 class Cell:
     kind: str                 # "fwd" (flash_attn_func), "varlen" (flash_attn_varlen_func),
-                              # "bwd" (flash_attn_func's backward alone) or "decode"
+                              # "bwd" (flash_attn_func's backward alone), "fp8" (flash_attn_func
+                              # on float8_e4m3fn inputs with descales) or "decode"
                               # (flash_attn_with_kvcache: seqlen_q new rows, seqlen_k cached keys)
     d: int
     batch: int
@@ -73,7 +74,7 @@ class Cell:
             shape = "x".join(map(str, self.lens)) if len(set(self.lens)) > 1 else f"{len(self.lens)}x{self.lens[0]}"
             return f"varlen d{self.d} h{self.nheads} [{shape}] {mask}"
         gqa = f"/{self.nheads_k}" if self.nheads_k != self.nheads else ""
-        kind = "bwd " if self.kind == "bwd" else ""
+        kind = f"{self.kind} " if self.kind in ("bwd", "fp8") else ""
         return f"{kind}d{self.d} b{self.batch} h{self.nheads}{gqa} {self.seqlen_q}x{self.seqlen_k} {mask}"
 
     def to_json(self) -> dict:
@@ -104,6 +105,13 @@ def bwd_grid(quick: bool = False) -> list[Cell]:
             for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
 
 
+def fp8_grid(quick: bool = False) -> list[Cell]:
+    """The forward grid's shapes on fp8 (e4m3) inputs."""
+    cells = quick_grid() if quick else default_grid()
+    return [Cell("fp8", c.d, c.batch, c.nheads, c.nheads_k, c.seqlen_q, c.seqlen_k, c.causal)
+            for c in cells]
+
+
 def quick_grid() -> list[Cell]:
     return [fwd_cell(128, s, c) for s in (1024, 4096) for c in (False, True)]
 
@@ -132,4 +140,5 @@ def cpu_grid() -> list[Cell]:
     return [Cell("fwd", 64, 1, 2, 2, 128, 128, c) for c in (False, True)] + [
         Cell("varlen", 64, 3, 2, 2, 96, 96, True, lens=(32, 96, 64)),
         Cell("decode", 64, 2, 4, 2, 1, 64, False, page_size=16),
+        Cell("fp8", 64, 1, 2, 2, 64, 64, True),
     ]
