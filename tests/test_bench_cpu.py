@@ -12,7 +12,7 @@ def test_quick_bench_runs_on_cpu_and_writes_json(tmp_path, capsys):
     record = json.loads(path.read_text())
     assert record["cells"] and all(c["gbps" if c["kind"] == "decode" else "tflops"]
                                    for c in record["cells"])
-    assert {c["kind"] for c in record["cells"]} >= {"fwd", "varlen", "decode", "fp8"}
+    assert {c["kind"] for c in record["cells"]} >= {"fwd", "varlen", "decode", "fp8", "sparse"}
     assert all(v > 0 for c in record["cells"] for v in c["gbps" if c["kind"] == "decode" else "tflops"].values())
     assert all(c["check"][name]["ok"] for c in record["cells"] for name in c["check"])
     assert "summary" in record

@@ -27,6 +27,10 @@ def parse_args(argv=None):
     p.add_argument("--bwd", action="store_true",
                    help="the backward alone (the forward grid's shapes; with --quick, d=128 only), "
                         "instead of the forward grid")
+    p.add_argument("--sparse", action="store_true",
+                   help="block-sparse forward (B=1, H=12, d=128, S 8k/32k; dense, 50%% and 90%% of "
+                        "256x256 logical blocks left out; physical 128x128, 128x64, 64x64) beside "
+                        "flash-attn-4's block-sparse path, instead of the forward grid")
     p.add_argument("--fp8", action="store_true",
                    help="the forward grid on float8_e4m3fn inputs with descales, our bf16 forward "
                         "on the same values beside it, instead of the forward grid")
@@ -97,6 +101,8 @@ def main(argv=None) -> int:
             grid = shapes.decode_grid(quick=args.quick)
         elif args.fp8:
             grid = shapes.fp8_grid(quick=args.quick)
+        elif args.sparse:
+            grid = shapes.sparse_grid(quick=args.quick)
         elif args.bwd:
             grid = shapes.bwd_grid(quick=args.quick)
         else:

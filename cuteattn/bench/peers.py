@@ -17,6 +17,8 @@ def make_inputs(cell: Cell, device: torch.device) -> dict:
         return _decode_inputs(cell, device, dtype)
     if cell.kind == "fp8":
         return _fp8_inputs(cell, device)
+    if cell.kind == "sparse":
+        return _sparse_inputs(cell, device, dtype)
     grad = cell.kind == "bwd"
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
     if cell.lens is None:
@@ -70,6 +72,44 @@ def _fp8_inputs(cell: Cell, device) -> dict:
             scale = scale.repeat_interleave(group, dim=1)
         x[f"{name}_bf16"] = (x[name].float() * scale[:, None, :, None]).to(torch.bfloat16)
     return x
+
+
+def _sparse_inputs(cell: Cell, device, dtype) -> dict:
+    """q, k, v and an exact logical mask: every 256-row query block keeps the same number of
+    the 256-key blocks (chosen at random), expanded to the cell's physical blocks."""
+    from cuteattn import sparse
+    from cuteattn.bench.shapes import LOGICAL_BLOCK
+    x = {n: torch.randn(cell.batch, cell.seqlen_q, cell.nheads, cell.d, device=device, dtype=dtype)
+         for n in ("q", "k", "v")}
+    keep, n = cell.kept_blocks()
+    ranks = torch.rand(cell.batch, cell.nheads, -(-cell.seqlen_q // LOGICAL_BLOCK), n, device=device)
+    top = ranks.topk(keep, dim=-1).indices
+    logical = sparse.from_topk(top, n, LOGICAL_BLOCK, LOGICAL_BLOCK)
+    x["blocks"] = sparse.expand(logical, cell.block_q, cell.block_k)
+    return x
+
+
+def _sparse(cell, x, device):
+    """cuteattn's block-sparse forward, and flash-attn-4's (full blocks) on the same lists."""
+    from cuteattn import flash_attn_func
+    strict = device.type == "cuda"
+    ours = lambda: flash_attn_func(x["q"], x["k"], x["v"], block_sparse=x["blocks"], strict=strict)
+    if device.type != "cuda":
+        return {"cuteattn (reference)": ours}
+    impls = {"cuteattn": ours}
+    try:
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+        from flash_attn.cute.interface import flash_attn_func as fa4
+    except Exception as e:
+        impls["fa4"] = f"flash_attn.cute not importable ({type(e).__name__})"
+        return impls
+    m = x["blocks"]
+    tensors = BlockSparseTensorsTorch(
+        mask_block_cnt=m.partial_count, mask_block_idx=m.partial_index,
+        full_block_cnt=m.full_count, full_block_idx=m.full_index, block_size=(m.q_block, m.kv_block))
+    first = lambda r: r[0] if isinstance(r, tuple) else r
+    impls["fa4"] = lambda: first(fa4(x["q"], x["k"], x["v"], block_sparse_tensors=tensors))
+    return impls
 
 
 def _fp8(cell, x, device):
@@ -176,6 +216,8 @@ def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
         return _decode(cell, x, device)
     if cell.kind == "fp8":
         return _fp8(cell, x, device)
+    if cell.kind == "sparse":
+        return _sparse(cell, x, device)
     if device.type != "cuda":
         return {"cuteattn (reference)": _cuteattn(cell, x, strict=False)}
     forwards = {
@@ -214,6 +256,8 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
         return _check_grads(cell, x, out, dout, r)
     if cell.kind == "fp8":
         return _check_fp8(cell, x, out, r)
+    if cell.kind == "sparse":
+        return _check_sparse(cell, x, out)
     if cell.kind == "decode":  # batch 0, kv head 0's query heads, against its whole cache
         k0, v0 = _decode_keys(x, 0)
         q, k, v, o = x["q"][:1, :, :r], k0[None, :, :1], v0[None, :, :1], out[:1, :, :r]
@@ -278,3 +322,21 @@ def fp8_gemm_tflops(device, n: int = 8192, iters: int = 20) -> float:
     run = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     run()
     return 2 * n ** 3 / (median_ms(run, device, iters=iters) * 1e-3) / 1e12
+
+
+def _check_sparse(cell, x, out, rows: int = 256):
+    """The first query rows of batch 0, head 0 against float32 attention under the dense mask
+    the block lists mean (only those rows' mask is built)."""
+    m = x["blocks"]
+    mask = m.dense(cell.seqlen_q, cell.seqlen_k, rows=(0, rows))[0, 0]
+    sl = lambda t, n: t[:1, :n, :1]
+    q, k, v = sl(x["q"], rows), sl(x["k"], cell.seqlen_k), sl(x["v"], cell.seqlen_k)
+
+    def masked(dtype):
+        s = torch.einsum("bqhd,bkhd->bhqk", q.to(dtype), k.to(dtype)) / cell.d ** 0.5
+        s = s.masked_fill(~mask, float("-inf"))
+        p = torch.nan_to_num(torch.softmax(s, dim=-1))
+        return torch.einsum("bhqk,bkhd->bqhd", p, v.to(dtype))
+    err, base = fa_error(out[:1, :rows, :1], masked(torch.float32), masked(q.dtype))
+    bound = 2 * base + FA_FLOOR
+    return dict(ok=bool(err <= bound), err=err, bound=bound)

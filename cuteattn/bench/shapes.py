@@ -28,7 +28,8 @@ def attended_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) 
 class Cell:
     kind: str                 # "fwd" (flash_attn_func), "varlen" (flash_attn_varlen_func),
                               # "bwd" (flash_attn_func's backward alone), "fp8" (flash_attn_func
-                              # on float8_e4m3fn inputs with descales) or "decode"
+                              # on float8_e4m3fn inputs with descales), "sparse" (block-sparse
+                              # flash_attn_func) or "decode"
                               # (flash_attn_with_kvcache: seqlen_q new rows, seqlen_k cached keys)
     d: int
     batch: int
@@ -40,6 +41,14 @@ class Cell:
     dtype: str = "bf16"
     lens: tuple[int, ...] | None = None   # varlen: per-sequence lengths (q and k alike)
     page_size: int | None = None          # decode: the cache's page size (None: contiguous)
+    sparsity: float | None = None         # sparse: the fraction of logical blocks left out
+    block_q: int | None = None            # sparse: the physical block (the logical one is 256)
+    block_k: int | None = None
+
+    def kept_blocks(self) -> tuple:
+        """Sparse: (logical key blocks each query block keeps, logical key blocks)."""
+        blocks = -(-self.seqlen_k // LOGICAL_BLOCK)
+        return max(1, round(blocks * (1 - self.sparsity))), blocks
 
     @property
     def metric(self) -> str:
@@ -59,7 +68,10 @@ class Cell:
     def flops(self) -> float:
         """Forward FLOPs: 4 * heads * d per attended (query, key) pair (two GEMMs, 2 flops a MAC);
         the backward's are 2.5 times that (five GEMMs against two)."""
-        if self.lens is None:
+        if self.kind == "sparse":  # only the selected pairs count
+            keep, blocks = self.kept_blocks()
+            pairs = self.batch * self.seqlen_q * self.seqlen_k * keep / blocks
+        elif self.lens is None:
             pairs = self.batch * attended_pairs(self.seqlen_q, self.seqlen_k, self.causal)
         else:
             pairs = sum(attended_pairs(n, n, self.causal) for n in self.lens)
@@ -67,6 +79,9 @@ class Cell:
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
+        if self.kind == "sparse":
+            return (f"sparse d{self.d} h{self.nheads} S{self.seqlen_q} {self.sparsity:.0%} "
+                    f"{self.block_q}x{self.block_k}")
         if self.kind == "decode":
             cache = f"page {self.page_size}" if self.page_size else "contiguous"
             return f"decode b{self.batch} L{self.seqlen_k} h{self.nheads}/{self.nheads_k} {cache}"
@@ -81,6 +96,9 @@ class Cell:
         out = asdict(self)
         if self.page_size is None and self.kind != "decode":
             del out["page_size"]
+        if self.kind != "sparse":
+            for name in ("sparsity", "block_q", "block_k"):
+                del out[name]
         if self.lens is None:
             del out["lens"]
         else:
@@ -103,6 +121,18 @@ def bwd_grid(quick: bool = False) -> list[Cell]:
         return [Cell("bwd", 128, TOKENS // s, 16, 16, s, s, c) for s in (1024, 4096) for c in (False, True)]
     return [Cell("bwd", d, TOKENS // s, HIDDEN // d, HIDDEN // d, s, s, c)
             for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
+
+
+LOGICAL_BLOCK = 256  # VSA's logical block; physical blocks divide it
+
+
+def sparse_grid(quick: bool = False) -> list[Cell]:
+    """FastVideo's shape: bf16, B=1, H=12, d=128, S in {8192, 32768}; dense, 50% and 90% of the
+    logical 256x256 blocks left out; physical blocks 128x128, 128x64, 64x64."""
+    seqlens = (8192,) if quick else (8192, 32768)
+    return [Cell("sparse", 128, 1, 12, 12, s, s, False, sparsity=p, block_q=bq, block_k=bk)
+            for s in seqlens for p in (0.0, 0.5, 0.9)
+            for bq, bk in ((128, 128), (128, 64), (64, 64))]
 
 
 def fp8_grid(quick: bool = False) -> list[Cell]:
@@ -141,4 +171,5 @@ def cpu_grid() -> list[Cell]:
         Cell("varlen", 64, 3, 2, 2, 96, 96, True, lens=(32, 96, 64)),
         Cell("decode", 64, 2, 4, 2, 1, 64, False, page_size=16),
         Cell("fp8", 64, 1, 2, 2, 64, 64, True),
+        Cell("sparse", 64, 1, 2, 2, 512, 512, False, sparsity=0.5, block_q=128, block_k=64),
     ]
