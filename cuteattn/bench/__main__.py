@@ -27,6 +27,9 @@ def parse_args(argv=None):
     p.add_argument("--bwd", action="store_true",
                    help="the backward alone (the forward grid's shapes; with --quick, d=128 only), "
                         "instead of the forward grid")
+    p.add_argument("--surface", action="store_true",
+                   help="also the head dims no compiled kernel has: d=192/dv=128 (16 heads) and "
+                        "d=80 (24 heads), 16k tokens, 4k and 16k, causal and not")
     p.add_argument("--sparse", action="store_true",
                    help="block-sparse forward (B=1, H=12, d=128, S 8k/32k; dense, 50%% and 90%% of "
                         "256x256 logical blocks left out; physical 128x128, 128x64, 64x64) beside "
@@ -109,6 +112,8 @@ def main(argv=None) -> int:
             grid = shapes.quick_grid() if args.quick else shapes.default_grid()
         if args.varlen:
             grid += shapes.varlen_grid()
+        if args.surface:
+            grid += shapes.surface_grid()
         device_name = torch.cuda.get_device_name(device)
     else:
         print("no CUDA device: timing cuteattn's PyTorch reference path on tiny shapes (no peers)")

@@ -25,7 +25,7 @@ def make_inputs(cell: Cell, device: torch.device) -> dict:
         return dict(
             q=rand(cell.batch, cell.seqlen_q, cell.nheads, cell.d),
             k=rand(cell.batch, cell.seqlen_k, cell.nheads_k, cell.d),
-            v=rand(cell.batch, cell.seqlen_k, cell.nheads_k, cell.d),
+            v=rand(cell.batch, cell.seqlen_k, cell.nheads_k, cell.dv or cell.d),
         )
     total = sum(cell.lens)
     cu = torch.tensor([0, *torch.tensor(cell.lens).cumsum(0).tolist()], dtype=torch.int32, device=device)

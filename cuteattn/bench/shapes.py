@@ -44,6 +44,7 @@ class Cell:
     sparsity: float | None = None         # sparse: the fraction of logical blocks left out
     block_q: int | None = None            # sparse: the physical block (the logical one is 256)
     block_k: int | None = None
+    dv: int | None = None                 # v's head dim where it differs from d
 
     def kept_blocks(self) -> tuple:
         """Sparse: (logical key blocks each query block keeps, logical key blocks)."""
@@ -75,7 +76,9 @@ class Cell:
             pairs = self.batch * attended_pairs(self.seqlen_q, self.seqlen_k, self.causal)
         else:
             pairs = sum(attended_pairs(n, n, self.causal) for n in self.lens)
-        return (2.5 if self.kind == "bwd" else 1.0) * 4.0 * self.nheads * self.d * pairs
+        # 2 flops per MAC in each GEMM: Q K^T over d, P V over dv
+        dims = self.d + (self.d if self.dv is None else self.dv)
+        return (2.5 if self.kind == "bwd" else 1.0) * 2.0 * self.nheads * dims * pairs
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -89,8 +92,9 @@ class Cell:
             shape = "x".join(map(str, self.lens)) if len(set(self.lens)) > 1 else f"{len(self.lens)}x{self.lens[0]}"
             return f"varlen d{self.d} h{self.nheads} [{shape}] {mask}"
         gqa = f"/{self.nheads_k}" if self.nheads_k != self.nheads else ""
+        dims = f"d{self.d}" if self.dv is None else f"d{self.d}/{self.dv}"
         kind = f"{self.kind} " if self.kind in ("bwd", "fp8") else ""
-        return f"{kind}d{self.d} b{self.batch} h{self.nheads}{gqa} {self.seqlen_q}x{self.seqlen_k} {mask}"
+        return f"{kind}{dims} b{self.batch} h{self.nheads}{gqa} {self.seqlen_q}x{self.seqlen_k} {mask}"
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -99,6 +103,8 @@ class Cell:
         if self.kind != "sparse":
             for name in ("sparsity", "block_q", "block_k"):
                 del out[name]
+        if self.dv is None:
+            del out["dv"]
         if self.lens is None:
             del out["lens"]
         else:
@@ -133,6 +139,17 @@ def sparse_grid(quick: bool = False) -> list[Cell]:
     return [Cell("sparse", 128, 1, 12, 12, s, s, False, sparsity=p, block_q=bq, block_k=bk)
             for s in seqlens for p in (0.0, 0.5, 0.9)
             for bq, bk in ((128, 128), (128, 64), (64, 64))]
+
+
+def surface_grid() -> list[Cell]:
+    """Head dims no compiled kernel has: d=192 with dv=128 (16 heads; DeepSeek's MLA prefill) and
+    d=80 (24 heads; vision towers), 16k tokens, seqlen 4k and 16k, causal and not."""
+    cells = []
+    for d, dv, heads in ((192, 128, 16), (80, None, 24)):
+        for s in (4096, 16384):
+            for c in (False, True):
+                cells.append(Cell("fwd", d, TOKENS // s, heads, heads, s, s, c, dv=dv))
+    return cells
 
 
 def fp8_grid(quick: bool = False) -> list[Cell]:
