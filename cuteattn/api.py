@@ -55,11 +55,13 @@ def _fall_back(reason: str, strict: bool | None) -> None:
             f"cuteattn: no GPU kernel for this call ({reason}); strict mode (strict=True or "
             "CUTEATTN_STRICT=1) forbids the PyTorch reference fallback"
         )
+    if torch.compiler.is_compiling():
+        return  # code being traced cannot warn; eager calls (and strict mode) still say it
     if reason not in _warned_reasons:
         _warned_reasons.add(reason)
         warnings.warn(
-            f"cuteattn: {reason}; computing with the PyTorch reference instead (slow, materialises "
-            "the score matrix). Pass strict=True or set CUTEATTN_STRICT=1 to raise instead.",
+            f"cuteattn: {reason}; computing with the PyTorch reference instead (slow: float32, "
+            "scores materialised). Pass strict=True or set CUTEATTN_STRICT=1 to raise instead.",
             FallbackWarning,
             stacklevel=_user_stacklevel(),
         )
