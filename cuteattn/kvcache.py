@@ -1,7 +1,8 @@
 """flash_attn_with_kvcache: attention of a few new query rows against a KV cache (decoding,
 speculative decoding, chunked prefill), with FlashAttention's signature and semantics.
 
-The argument checks here read no device value (no sync) unless validate=True. No decode kernel
+The argument checks here read no device value (no sync) unless validate=True (the reference,
+which reads the lengths anyway, always checks the values). No decode kernel
 exists yet: calls run on the PyTorch reference (reference.attention_kvcache_ref) with the usual
 FallbackWarning (strict mode raises), appending k/v into the caches in place as the kernel will.
 """
@@ -113,6 +114,8 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_
         if k.shape[1] != v.shape[1]:
             raise ValueError(f"k and v must have the same seqlen_new; got {k.shape[1]} and {v.shape[1]}")
         s_new = k.shape[1]
+        if cache_seqlens is None:
+            raise ValueError("new k / v need cache_seqlens: where to append them in each sequence")
         if s_new > capacity:
             raise ValueError(f"{s_new} new tokens do not fit a cache of {capacity} per sequence")
     if (rotary_cos is None) != (rotary_sin is None):
@@ -251,13 +254,11 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
                     softcap, rotary_interleaved, learnable_sink, validate, strict, num_splits=1,
                     descales=(None, None)):
     """flash_attn_with_kvcache past its argument checks (the normalised mask and scalars):
-    the value checks (validate), the kernel choice, the computation. Returns (out, lse);
+    the kernel choice, the value checks (always, on the reference path; a kernel will take them
+    with validate=True), the computation. Returns (out, lse);
     ops.py's custom op runs this under torch.compile."""
     batch, s_new, capacity = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx,
                                           cache_leftpad, rotary_cos, rotary_sin, cache_seqlens, 0)
-    if validate:
-        _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, s_new,
-                      capacity, batch)
     causal, local, left, right = _checks.normalize_mask(causal, (left, right))
     spec = AttentionSpec(  # (an fp8 cache: no decode kernel takes any cache yet)
         dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v_cache.shape[-1], causal=causal,
@@ -272,6 +273,10 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         raise AssertionError("a decode kernel was selected but flash_attn_with_kvcache has no "
                              "launch path for it yet")
     api._fall_back(reason, strict)
+    # the reference reads the index values anyway: hold them to validate=True's rules always
+    # (a clear ValueError, not an index error or a write outside a sequence's pages)
+    _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, s_new,
+                  capacity, batch)
     with torch.no_grad():
         out, lse = attention_kvcache_ref(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

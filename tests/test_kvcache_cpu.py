@@ -184,6 +184,8 @@ PAGED = dict(k_cache=torch.randn(4, 16, 2, 64, dtype=BF16), v_cache=torch.randn(
     (dict(k_cache=torch.randn(2, 32, 2, 64, dtype=torch.float16),
           v_cache=torch.randn(2, 32, 2, 64, dtype=torch.float16)), (TypeError, ValueError), "dtype"),
     (dict(k=torch.randn(2, 1, 2, 64, dtype=BF16)), ValueError, "k and v"),
+    (dict(k=torch.randn(2, 1, 2, 64, dtype=BF16), v=torch.randn(2, 1, 2, 64, dtype=BF16)),
+     ValueError, "need cache_seqlens"),
     (dict(k=torch.randn(2, 1, 3, 64, dtype=BF16), v=torch.randn(2, 1, 3, 64, dtype=BF16)), ValueError, "nheads_k=2"),
     (dict(rotary_cos=torch.ones(32, 16)), ValueError, "rotary_cos and rotary_sin"),
     (dict(rotary_cos=torch.ones(32, 12), rotary_sin=torch.ones(32, 12)), ValueError, "multiple of 16"),
@@ -342,3 +344,8 @@ def test_split_count_heuristic():
     assert split_count(512, 132, 64) == 1         # batch 64 fills the GPU alone
     assert split_count(8, 132, 3) == 3            # never more splits than key blocks
     assert split_count(0, 132, 10) == 1
+
+
+def test_the_reference_path_checks_values_even_without_validate():
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 33"):
+        flash_attn_with_kvcache(**args(cache_seqlens=torch.tensor([3, 33], dtype=torch.int32)))
