@@ -5,8 +5,8 @@ A CTA owns one block of `tile_n` keys of one (batch, query head) and walks the q
 see it (`tile_m` rows each), so dK and dV stay in registers for the whole walk and are written
 once; dQ gets a share from every key block and is accumulated in float32 in global memory.
 In each CTA:
-  - warpgroup 0 is the producer: one warp loads K and V once, then Q and dO of each query block
-    into a `num_stages`-deep ring (TMA, mbarrier pipelines);
+  - warpgroup 0 is the producer: one warp loads K and V once, then Q, dO and the block's LSE and
+    D rows of each query block into a `num_stages`-deep ring (TMA, mbarrier pipelines);
   - warpgroups 1 and 2 are consumers, each owning 64 of the keys. Per query block, each
     recomputes its scores transposed, S^T = K Q^T (keys as the wgmma M mode, FA3's "swapAB"), so
     that P^T and dS^T land in registers already shaped as the A operand of dV += P^T dO and
@@ -16,14 +16,16 @@ In each CTA:
     dQ needs dS with the queries as rows, so dS^T is also written to shared memory (a double
     buffer, so one barrier per block suffices) and both warpgroups compute half of dQ's columns
     (or warpgroup 0 all of them: `dq_single_wg`) from it and K, then add their float32 share to
-    the dQ accumulator with vector reductions (red.global.add.v2.f32).
+    the dQ accumulator: with vector reductions (red.global.add.v2.f32, `dq_store` "red"), or
+    staged in shared memory and added by one bulk reduction per row ("bulk", staged for an A/B).
 Deterministic mode orders those additions: the key blocks of a (batch, head) add into a query
 block one after the other, in key-block order, through a semaphore per query block (the CTAs
 of lower key blocks are launched first, so waiting on them cannot deadlock).
 
 softmax_scale is applied once at the end (dK) and per block to the dQ share; softcap multiplies
-dS by its derivative (common/score_mod.softcap_grad's rule, the scale applied later). Masks are FlashAttention's (bottom-right
-causal, sliding window), applied element-wise only on blocks that cross an edge.
+dS by its derivative (common/score_mod.softcap_grad's rule, the scale applied later). Masks are
+FlashAttention's (bottom-right causal, sliding window), applied element-wise only on blocks that
+cross an edge.
 """
 import enum
 from dataclasses import dataclass
