@@ -41,7 +41,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import named_barriers
+from ..common import epilogue, named_barriers
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
 from ..common.global_atomics import bulk_reduce_add_f32, ld_acquire, red_add_f32x2, red_release
@@ -50,7 +50,6 @@ from ..common.mask import apply_mask_transposed
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import varlen_tile_coord
-from . import epilogue
 from .gemm import gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
@@ -540,7 +539,7 @@ class FlashBwdSm90:
             g_wg = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (WG_ROWS, self.d),
                                    (row_start // WG_ROWS, 0))
             epilogue.store_o(s_wg, g_wg, row_start, seqlen.seqlen_k, tidx % WG_THREADS,
-                             self.dtype, self.d)
+                             self.dtype, self.d, WG_ROWS, WG_THREADS)
 
     @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, sdQ, order, seqlen_q, softmax_scale,

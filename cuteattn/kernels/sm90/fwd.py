@@ -31,7 +31,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import named_barriers
+from ..common import epilogue, named_barriers
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
@@ -41,7 +41,6 @@ from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
-from . import epilogue
 from .gemm import PingPong, gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
@@ -458,7 +457,7 @@ class FlashFwdSm90:
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
         epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma_pv,
-                           self.dv, row_start, seqlen.seqlen_q)
+                           self.dv, row_start, seqlen.seqlen_q, WG_ROWS)
         store = lambda sO_all, wait_barrier, wait_threads: self.store_o(
             acc_O, sO_all, mO, seqlen, tiled_mma_pv, row_start, head_idx, batch_idx, wg, tidx,
             wait_barrier, wait_threads)
@@ -516,4 +515,5 @@ class FlashFwdSm90:
         named_barriers.sync(FwdBarrier.EPILOGUE + wg, WG_THREADS)
         gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (WG_ROWS, self.dv),
                              (row_start // WG_ROWS, 0))
-        epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.dtype, self.dv)
+        epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.dtype, self.dv, WG_ROWS,
+                         WG_THREADS)
