@@ -79,8 +79,8 @@ def main(argv=None) -> int:
     if not compile_cache.disk_cache_enabled():
         print("the disk cache is off (CUTEATTN_DISK_CACHE=0): nothing to fill", file=sys.stderr)
         return 2
-    from cuteattn.kernels.sm90.launch import _use_tvm_ffi
-    if not _use_tvm_ffi():
+    from cuteattn.kernels.launch_common import use_tvm_ffi
+    if not use_tvm_ffi():
         print("only kernels compiled for TVM-FFI are kept on disk: pip install apache-tvm-ffi "
               "(the tvm-ffi extra)", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
-from cuteattn.kernels.sm90.launch import _UNBOUNDED, _to_cute  # noqa: E402
+from cuteattn.kernels.launch_common import UNBOUNDED as _UNBOUNDED, to_cute as _to_cute  # noqa: E402
 from cuteattn.kernels.common.block_info import BlockInfo  # noqa: E402
 
 MAX_N_BLOCKS = 48

@@ -147,8 +147,8 @@ def test_api_quotes_the_reason(gpu):
 
 
 def test_kernel_modules_do_not_import_torch():
-    """Kernels take cute tensors: only each arch's launch modules (the host side: launch.py,
-    launch_bwd.py) import torch."""
+    """Kernels take cute tensors: only the launch modules (the host side: each arch's launch.py
+    and launch_bwd.py, and kernels/launch_common.py) import torch."""
     import ast
     from pathlib import Path
     import cuteattn

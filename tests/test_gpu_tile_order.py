@@ -17,7 +17,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
 from cuteattn.kernels.common.tile_scheduler import varlen_tile_coord  # noqa: E402
-from cuteattn.kernels.sm90.launch import _to_cute  # noqa: E402
+from cuteattn.kernels.launch_common import to_cute as _to_cute  # noqa: E402
 
 TILE_M = 128
 

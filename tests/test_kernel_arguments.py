@@ -27,7 +27,7 @@ from cuteattn.kernels.sm90.arguments import VarlenMetadata  # noqa: E402
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 from cuteattn.kernels.sm90.fwd import FlashFwdSm90  # noqa: E402
-from cuteattn.kernels.sm90.launch import _to_cute  # noqa: E402
+from cuteattn.kernels.launch_common import to_cute as _to_cute  # noqa: E402
 
 
 # The kernel's parameter list, written out (the DSL compiles from annotations); its names are
@@ -282,7 +282,7 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
     else:
         compiled = cute.compile(probe_bwd, *fake_bwd_arguments(cfg), _to_cute(info, 8))
         run = lambda *args: compiled(*args[:-1], _to_cute(info, 8))  # the stream: not a param
-    monkeypatch.setattr(launch_bwd, "_use_tvm_ffi", lambda: tvm_ffi)
+    monkeypatch.setattr(launch_bwd, "use_tvm_ffi", lambda: tvm_ffi)
     monkeypatch.setattr(launch_bwd, "_compiled", lambda cfg, tvm: run)
     bl = launch_bwd.BwdLaunch(spec)
     seen = {}

@@ -8,7 +8,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32  # noqa: E402
 
 from cuteattn.kernels.common.score_mod import softcap_grad, softcap_scores  # noqa: E402
-from cuteattn.kernels.sm90.launch import _to_cute  # noqa: E402
+from cuteattn.kernels.launch_common import to_cute as _to_cute  # noqa: E402
 
 N = 32
 

@@ -12,7 +12,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
 from cuteattn.kernels.common.seqlen_info import sequence_range  # noqa: E402
-from cuteattn.kernels.sm90.launch import _to_cute  # noqa: E402
+from cuteattn.kernels.launch_common import to_cute as _to_cute  # noqa: E402
 
 
 @cute.jit

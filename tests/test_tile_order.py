@@ -11,7 +11,7 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32  # noqa: E402
 
-from cuteattn.kernels.sm90.launch import _to_cute, balanced_l2_groups, l2_group  # noqa: E402
+from cuteattn.kernels.launch_common import balanced_l2_groups, l2_group, to_cute as _to_cute  # noqa: E402
 from cuteattn.kernels.common.tile_scheduler import fixed_tile_coord  # noqa: E402
 from cuteattn.spec import AttentionSpec  # noqa: E402
 

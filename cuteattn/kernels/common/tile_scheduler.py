@@ -32,7 +32,7 @@ def fixed_tile_coord(tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: 
     first. Doing that over every (batch, head) at once would run one query block of every head
     together, whose K/V overflow L2 at long sequences (4k tokens, 64 heads: 128 MB), so each
     block re-reads its keys from HBM. The pairs are instead taken in groups sized to fit L2
-    (kernels/sm90/launch.balanced_l2_groups: `small_groups` groups of `group_pairs` pairs, then groups of
+    (kernels/launch_common.balanced_l2_groups: `small_groups` groups of `group_pairs` pairs, then groups of
     `group_pairs + unit`): within a group the query blocks go from last to first, the pair
     fastest; groups follow each other. Balanced, because a short last group leaves the end of
     the launch to a few long tiles while most CTAs idle (4k tokens, d=256: 32 pairs in groups

@@ -10,19 +10,18 @@ dispatch.py registers the family (families.py lists it) when an sm90 device firs
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
-import cutlass
 import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
+from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, sm_count, to_runtime,
+                    use_tvm_ffi)
 from . import arguments, config
 from .arguments import NO_VARLEN, VarlenMetadata
 
 ARCH, KIND = "sm90", "fwd"
-_UNBOUNDED = 1 << 30  # an unbounded window side as the kernel sees it
 
 
 def unserved_form(spec: AttentionSpec, who: str) -> Optional[str]:
@@ -41,37 +40,14 @@ def unserved_form(spec: AttentionSpec, who: str) -> Optional[str]:
         return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
                 f"sm90 {who} serves it yet")
     return None
-_LOG2E = 1.0 / math.log(2.0)
-
-
-_CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
-
-
 def sm90_config(spec: AttentionSpec):
     """The kernel's static configuration for spec (config.fwd_config: the tiles depend on the
     sequence length class too, config.SHORT_SEQLEN)."""
     return config.fwd_config(
-        _CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
+        CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
         max_seqlen_q=spec.seqlen_q,
     )
-
-
-# Call the kernels through TVM-FFI: torch tensors and Python numbers go straight in and the
-# stream comes from torch, ~1 us per call instead of ~95 us of DLPack conversion (host-only
-# probe on the CPU). GPU-verified at c5a578c (136 cases correct, docs/perf-log.md).
-# Without apache-tvm-ffi installed, or with this set to False, calls go through DLPack.
-USE_TVM_FFI = True
-
-
-def _use_tvm_ffi() -> bool:
-    if not USE_TVM_FFI:
-        return False
-    try:
-        import tvm_ffi  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # The compiled code depends on compile.py and what it imports (fwd.py, arguments.py, common/):
@@ -101,48 +77,11 @@ def _compiled(cfg, tvm_ffi: bool):
 _ONE_CTA_PER_TILE = (1 << 31) - 1
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def max_ctas(spec: AttentionSpec) -> int:
     """The persistent grid's size: one CTA per SM (a CTA fills an SM's shared memory)."""
     if spec.device_index < 0:
         return _ONE_CTA_PER_TILE
-    return _sm_count(spec.device_index)
-
-
-@functools.lru_cache(maxsize=None)
-def _l2_bytes(device_index: int) -> int:
-    if device_index < 0:
-        return 50 << 20  # an H100/H200's, for host-only callers (tests)
-    return torch.cuda.get_device_properties(device_index).L2_cache_size
-
-
-def l2_group(spec: AttentionSpec) -> int:
-    """(batch, head) pairs per group of the causal/windowed tile order (common/tile_scheduler.py):
-    as many as have K/V in half the L2 (the other half for the next group's first tiles, Q and O),
-    in whole GQA groups, at least one."""
-    elem = spec.dtype.itemsize
-    kv_head_bytes = max(spec.seqlen_k, 1) * (spec.head_dim + spec.head_dim_v) * elem
-    kv_heads = max(1, (_l2_bytes(spec.device_index) // 2) // kv_head_bytes)
-    return kv_heads * spec.qhead_per_kvhead
-
-
-def balanced_l2_groups(pairs: int, max_pairs: int, unit: int) -> tuple:
-    """(pairs per small group, number of small groups) of the causal tile order: as few groups
-    as `max_pairs` per group allows, their sizes within one `unit` (the pairs sharing K/V under
-    GQA) of each other; the groups after the small ones have `unit` more pairs."""
-    units = max(pairs // unit, 1)
-    num_groups = -(-units // max(max_pairs // unit, 1))
-    return units // num_groups * unit, num_groups - units % num_groups
-
-
-def l2_groups(spec: AttentionSpec) -> tuple:
-    """(pairs per small group, number of small groups): l2_group's budget, balanced."""
-    return balanced_l2_groups(max(spec.batch * spec.nheads, 1), l2_group(spec),
-                              spec.qhead_per_kvhead)
+    return sm_count(spec.device_index)
 
 
 # The counter a dynamically scheduled kernel draws its tiles from (fwd.py: dynamic_tiles). The
@@ -162,36 +101,6 @@ def tile_counter(device_index: int, per_stream: bool) -> torch.Tensor:
     return counter
 
 
-def _to_cute(t: Optional[torch.Tensor], align: int = 16):
-    if t is None:
-        return None
-    from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.ndim - 1)
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """TMA (and the kernel's compiled promise) needs a 16-byte aligned base and strides that are
-    multiples of 16 bytes. Tensors that are not (odd views, storage offsets) are copied."""
-    unit = 16 // t.element_size()
-    if t.data_ptr() % 16 == 0 and all(st % unit == 0 for st in t.stride()[:-1]):
-        return t
-    return t.contiguous() if not t.is_contiguous() else t.clone()
-
-
-def kernel_scalars(spec: AttentionSpec):
-    """(score_scale, softmax_scale_log2, window_left, window_right) as the kernel takes them."""
-    if spec.has_softcap:
-        # s' = softcap * tanh(s * scale / softcap); exp(s') = exp2(tanh(...) * softcap * log2 e)
-        score_scale = spec.softmax_scale / spec.softcap
-        scale_log2 = spec.softcap * _LOG2E
-    else:
-        score_scale = spec.softmax_scale
-        scale_log2 = spec.softmax_scale * _LOG2E
-    left = _UNBOUNDED if spec.window_left is None else spec.window_left
-    right = _UNBOUNDED if spec.window_right is None else spec.window_right
-    return score_scale, scale_log2, left, right
-
-
 def launch_scalars(spec: AttentionSpec) -> dict:
     """The kernel's scalar arguments by name (arguments.SCALARS), as Python numbers."""
     score_scale, scale_log2, left, right = kernel_scalars(spec)
@@ -201,13 +110,6 @@ def launch_scalars(spec: AttentionSpec) -> dict:
                 max_ctas=max_ctas(spec), l2_group=small, l2_small_groups=num_small)
 
 
-def _to_runtime(arg: arguments.Arg, value):
-    """A value as the DLPack call path passes it: a cute runtime tensor or a DSL scalar."""
-    if arg.kind in arguments.SCALAR_TYPES:
-        return arguments.SCALAR_TYPES[arg.kind](value)
-    return _to_cute(value, arg.align)
-
-
 # The kernel's arguments each call passes, in the order a launch passes them (the varlen group
 # as its VarlenMetadata fields); the scalars come from launch_scalars. arguments.Binder puts
 # both in the kernel's order.
@@ -215,7 +117,7 @@ PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *arguments.group_names("varlen"), "m
 
 
 def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
-    return arguments.Binder(PER_CALL, scalars, None if tvm_ffi else _to_runtime)
+    return arguments.Binder(PER_CALL, scalars, None if tvm_ffi else to_runtime)
 
 
 def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, varlen: VarlenMetadata = NO_VARLEN,
@@ -237,7 +139,7 @@ class Launch:
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
-        self.tvm_ffi = _use_tvm_ffi()
+        self.tvm_ffi = use_tvm_ffi()
         cfg = sm90_config(spec)
         self.fn = _compiled(cfg, self.tvm_ffi)
         self.scalars = launch_scalars(spec)
@@ -246,8 +148,8 @@ class Launch:
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None) -> None:
-        q, k, v = _tma_ready(q), _tma_ready(k), _tma_ready(v)
-        out_k = _tma_ready(out)
+        q, k, v = aligned16(q), aligned16(k), aligned16(v)
+        out_k = aligned16(out)
         counter = tile_counter(self.spec.device_index, per_stream=self.dynamic_tiles)
         # the varlen values in VarlenMetadata's order, as PER_CALL has them
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
@@ -273,7 +175,7 @@ class Sm90Forward:
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         supported = ", ".join(map(str, config.SUPPORTED_HEAD_DIMS))
-        if spec.dtype not in _CUTLASS_DTYPES:
+        if spec.dtype not in CUTLASS_DTYPES:
             return f"dtype {spec.dtype} is not supported by the sm90 forward (fp16, bf16)"
         if spec.head_dim not in config.SUPPORTED_HEAD_DIMS:
             return (f"head_dim {spec.head_dim} is not supported by the sm90 forward "

@@ -11,22 +11,19 @@ A backward call is three steps on the current stream, no host synchronisation:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
-import cutlass
 import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
-from .launch import (_CUTLASS_DTYPES, _tma_ready, _to_runtime, _use_tvm_ffi, kernel_scalars,
-                     unserved_form)
+from ..launch_common import CUTLASS_DTYPES, LOG2E, aligned16, kernel_scalars, to_runtime, use_tvm_ffi
+from .launch import unserved_form
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
-_LOG2E = 1.0 / math.log(2.0)
 COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 
 
@@ -37,7 +34,7 @@ DQ_STORE = "red"
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     return Sm90BwdConfig(
-        dtype=_CUTLASS_DTYPES[spec.dtype], head_dim=spec.head_dim, causal=spec.causal,
+        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=spec.head_dim, causal=spec.causal,
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
@@ -71,7 +68,7 @@ def preprocess(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 
     must start 16-byte aligned), computed on the device (no sync).
     Rows past seqused_q get LSE +inf and D 0: the forward never wrote their out and lse (any bits,
     NaN included), and the kernel, which masks them (P = 0), must not multiply a NaN by that 0."""
-    lse2 = torch.where(lse == float("-inf"), float("inf"), lse * _LOG2E)
+    lse2 = torch.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     d = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # (b, h, s) or (h, total)
     if seqused_q is not None:
         if cu_seqlens_q is None:  # (b, h, s): row i of batch b is used if i < seqused_q[b]
@@ -119,20 +116,20 @@ class BwdLaunch:
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
         self.cfg = bwd_config(spec)
-        self.tvm_ffi = _use_tvm_ffi()
+        self.tvm_ffi = use_tvm_ffi()
         self.fn = _compiled(self.cfg, self.tvm_ffi)
         score_scale, scale_log2, left, right = kernel_scalars(spec)
         fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
                      score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
                      window_right=right)
-        self.bind = arguments.Binder(PER_CALL, fixed, None if self.tvm_ffi else _to_runtime,
+        self.bind = arguments.Binder(PER_CALL, fixed, None if self.tvm_ffi else to_runtime,
                                      entries=arguments.BWD_ARGUMENTS)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None):
         spec, cfg = self.spec, self.cfg
         packed = cu_seqlens_q is not None
-        q, k, v, dout = (_tma_ready(t) for t in (q, k, v, dout))
+        q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         h, ratio = spec.nheads, spec.qhead_per_kvhead
@@ -172,7 +169,7 @@ class Sm90Backward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        if spec.dtype not in _CUTLASS_DTYPES:
+        if spec.dtype not in CUTLASS_DTYPES:
             return f"dtype {spec.dtype} is not supported by the sm90 backward (fp16, bf16)"
         if spec.head_dim not in SUPPORTED_HEAD_DIMS or spec.head_dim_v != spec.head_dim:
             supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))

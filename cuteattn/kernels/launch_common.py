@@ -1,0 +1,109 @@
+"""Host-side helpers every kernel family's launch uses (torch and the DSL's runtime, no kernel
+code): dtype mapping, the kernel's scalar conventions, tensors to cute runtime tensors, the
+call path (TVM-FFI or DLPack), and device facts (SM count, L2 size) for launch policies."""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import cutlass
+import torch
+
+from ..spec import AttentionSpec
+from .common import arguments
+
+UNBOUNDED = 1 << 30  # an unbounded window side as the kernels see it
+LOG2E = 1.0 / math.log(2.0)
+CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+
+
+# Call the kernels through TVM-FFI: torch tensors and Python numbers go straight in and the
+# stream comes from torch, ~1 us per call instead of ~95 us of DLPack conversion (host-only
+# probe on the CPU). GPU-verified at c5a578c (136 cases correct, docs/perf-log.md).
+# Without apache-tvm-ffi installed, or with this set to False, calls go through DLPack.
+USE_TVM_FFI = True
+
+
+def use_tvm_ffi() -> bool:
+    if not USE_TVM_FFI:
+        return False
+    try:
+        import tvm_ffi  # noqa: F401  (only whether it imports)
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes(device_index: int) -> int:
+    if device_index < 0:
+        return 50 << 20  # an H100/H200's, for host-only callers (tests)
+    return torch.cuda.get_device_properties(device_index).L2_cache_size
+
+
+def l2_group(spec: AttentionSpec) -> int:
+    """(batch, head) pairs per group of the causal/windowed tile order (common/tile_scheduler.py):
+    as many as have K/V in half the L2 (the other half for the next group's first tiles, Q and O),
+    in whole GQA groups, at least one."""
+    elem = spec.dtype.itemsize
+    kv_head_bytes = max(spec.seqlen_k, 1) * (spec.head_dim + spec.head_dim_v) * elem
+    kv_heads = max(1, (l2_bytes(spec.device_index) // 2) // kv_head_bytes)
+    return kv_heads * spec.qhead_per_kvhead
+
+
+def balanced_l2_groups(pairs: int, max_pairs: int, unit: int) -> tuple:
+    """(pairs per small group, number of small groups) of the causal tile order: as few groups
+    as `max_pairs` per group allows, their sizes within one `unit` (the pairs sharing K/V under
+    GQA) of each other; the groups after the small ones have `unit` more pairs."""
+    units = max(pairs // unit, 1)
+    num_groups = -(-units // max(max_pairs // unit, 1))
+    return units // num_groups * unit, num_groups - units % num_groups
+
+
+def l2_groups(spec: AttentionSpec) -> tuple:
+    """(pairs per small group, number of small groups): l2_group's budget, balanced."""
+    return balanced_l2_groups(max(spec.batch * spec.nheads, 1), l2_group(spec),
+                              spec.qhead_per_kvhead)
+
+
+def to_cute(t: Optional[torch.Tensor], align: int = 16):
+    if t is None:
+        return None
+    from cutlass.cute.runtime import from_dlpack
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.ndim - 1)
+
+
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """TMA (and the kernel's compiled promise) needs a 16-byte aligned base and strides that are
+    multiples of 16 bytes. Tensors that are not (odd views, storage offsets) are copied."""
+    unit = 16 // t.element_size()
+    if t.data_ptr() % 16 == 0 and all(st % unit == 0 for st in t.stride()[:-1]):
+        return t
+    return t.contiguous() if not t.is_contiguous() else t.clone()
+
+
+def kernel_scalars(spec: AttentionSpec):
+    """(score_scale, softmax_scale_log2, window_left, window_right) as the kernel takes them."""
+    if spec.has_softcap:
+        # s' = softcap * tanh(s * scale / softcap); exp(s') = exp2(tanh(...) * softcap * log2 e)
+        score_scale = spec.softmax_scale / spec.softcap
+        scale_log2 = spec.softcap * LOG2E
+    else:
+        score_scale = spec.softmax_scale
+        scale_log2 = spec.softmax_scale * LOG2E
+    left = UNBOUNDED if spec.window_left is None else spec.window_left
+    right = UNBOUNDED if spec.window_right is None else spec.window_right
+    return score_scale, scale_log2, left, right
+
+
+def to_runtime(arg: arguments.Arg, value):
+    """A value as the DLPack call path passes it: a cute runtime tensor or a DSL scalar."""
+    if arg.kind in arguments.SCALAR_TYPES:
+        return arguments.SCALAR_TYPES[arg.kind](value)
+    return to_cute(value, arg.align)
