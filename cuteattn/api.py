@@ -177,8 +177,10 @@ def _signature(q, k, v, *args):
     True does not pass for 1), or None when the call does not qualify for the shortcut."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
+    # the kernel path variable (dispatch.PATH_ENV) too: a call after it changed chooses anew
     return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-            v.shape, v.stride(), v.dtype, v.device, tuple(map(type, args)), args)
+            v.shape, v.stride(), v.dtype, v.device, tuple(map(type, args)), args,
+            os.environ.get("CUTEATTN_PATH"))
 
 
 def _remember(sig, spec, launch) -> None:

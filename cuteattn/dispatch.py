@@ -14,6 +14,7 @@ to the reference, quoting the reason (a warning, or an error in strict mode).
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import torch
@@ -21,12 +22,20 @@ import torch
 from .spec import AttentionSpec
 
 # Compute capability major -> the arch name families register under. The only place a device's
-# capability is looked at: the families themselves are per arch.
-ARCH_BY_MAJOR = {9: "sm90"}
+# capability is looked at: the families themselves are per arch. "sm80" is the mma.sync path
+# (Ampere, Ada, consumer Blackwell); "sm90" the Hopper kernels.
+ARCH_BY_MAJOR = {8: "sm80", 9: "sm90", 12: "sm80"}
 
 # arch -> the module whose FAMILIES serve that arch, imported on the first spec for a device of
 # that arch (so the DSL is imported only where a kernel can run).
-FAMILY_MODULES = {"sm90": "cuteattn.kernels.sm90.families"}
+FAMILY_MODULES = {"sm80": "cuteattn.kernels.sm80.families",
+                  "sm90": "cuteattn.kernels.sm90.families"}
+
+# CUTEATTN_PATH=sm80 sends every device of compute capability 8.0 or later to the mma.sync path
+# (compiled for the running arch, with sm_80 instructions only): how that path is tested and
+# measured on a Hopper GPU. Read at each dispatch; launches made earlier keep their path.
+PATH_ENV = "CUTEATTN_PATH"
+PATH_MIN_MAJOR = {"sm80": 8}
 
 
 class KernelFamily(Protocol):
@@ -51,7 +60,16 @@ def register(arch: str, kind: str, family: KernelFamily) -> None:
 
 
 def arch_name(major: int, minor: int) -> Tuple[Optional[str], Optional[str]]:
-    """(arch name, None), or (None, the reason no kernel runs on compute capability major.minor)."""
+    """(arch name, None), or (None, the reason no kernel runs on compute capability major.minor).
+    CUTEATTN_PATH, when set, names the path instead of the capability."""
+    path = os.environ.get(PATH_ENV)
+    if path:
+        if path not in PATH_MIN_MAJOR:
+            return None, (f"{PATH_ENV}={path!r} names no kernel path (paths: "
+                          f"{', '.join(sorted(PATH_MIN_MAJOR))})")
+        if major < PATH_MIN_MAJOR[path]:
+            return None, f"{PATH_ENV}={path} needs sm_{PATH_MIN_MAJOR[path]}0 or later, not sm_{major}{minor}"
+        return path, None
     arch = ARCH_BY_MAJOR.get(major)
     if arch is None:
         served = ", ".join(sorted(ARCH_BY_MAJOR.values()))

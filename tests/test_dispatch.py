@@ -55,12 +55,33 @@ def test_spec_kind_defaults_to_forward_and_is_in_the_key():
         make_spec(kind="sideways")
 
 
-@pytest.mark.parametrize("capability", [(8, 0), (10, 0), (12, 1)])
-def test_other_architectures_give_a_reason(gpu, capability):
+@pytest.mark.parametrize("capability", [(7, 5), (10, 0), (11, 0)])
+def test_other_architectures_give_a_reason(gpu, capability, monkeypatch):
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     gpu.capability = capability
     reason = dispatch.can_implement(make_spec(), CUDA)
     assert reason.startswith(f"no kernel for sm_{capability[0]}{capability[1]} (")
-    assert "sm90" in reason
+    assert "sm80" in reason and "sm90" in reason
+
+
+@pytest.mark.parametrize("capability,arch", [((8, 0), "sm80"), ((8, 6), "sm80"), ((8, 9), "sm80"),
+                                             ((12, 0), "sm80"), ((9, 0), "sm90")])
+def test_each_architecture_has_its_path(gpu, capability, arch, monkeypatch):
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    assert dispatch.arch_name(*capability) == (arch, None)
+
+
+def test_the_path_can_be_chosen(monkeypatch):
+    """CUTEATTN_PATH=sm80 takes any sm_80-or-later device to the mma.sync path (how it is tested
+    on Hopper); a wrong name or an older device is a reason, not a crash."""
+    monkeypatch.setenv(dispatch.PATH_ENV, "sm80")
+    assert dispatch.arch_name(9, 0) == ("sm80", None)
+    assert dispatch.arch_name(10, 0) == ("sm80", None)
+    arch, reason = dispatch.arch_name(7, 5)
+    assert arch is None and "needs sm_80 or later" in reason
+    monkeypatch.setenv(dispatch.PATH_ENV, "sm70")
+    arch, reason = dispatch.arch_name(9, 0)
+    assert arch is None and "names no kernel path" in reason and "sm80" in reason
 
 
 def test_non_cuda_devices_give_a_reason():

@@ -78,6 +78,11 @@ def run_and_check(q, k, v, **kw):
 @needs_cuda
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_fwd(seed, case):
+    run_case(case)
+
+
+def run_case(case):
+    """One case of CASES on random inputs (also run on the sm80 path: test_gpu_sm80.py)."""
     dtype, d, (h, hk), mask, (sq, sk) = case
     kw = MASKS[mask]
     batch = max(1, min(3, 2**21 // (sq * sk)))

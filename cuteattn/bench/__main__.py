@@ -41,6 +41,9 @@ def parse_args(argv=None):
                    help="decoding over a KV cache (GB/s of K/V read): bf16, 32 query heads over 8, "
                         "d=128, one new row, pages of 16 and 128 and contiguous, instead of the "
                         "forward grid")
+    p.add_argument("--path", choices=["sm80"],
+                   help="run cuteattn's calls on this kernel path on any GPU that can (sm80: the "
+                        "portable mma.sync path; sets CUTEATTN_PATH); cells record it as 'path'")
     p.add_argument("--json", metavar="PATH",
                    help="where to write the JSON (default on a GPU: "
                         "benchmarks/results/<date>-<shortcommit>-<device>.json; on CPU: none)")
@@ -120,10 +123,14 @@ def main(argv=None) -> int:
         device, grid, device_name = torch.device("cpu"), shapes.cpu_grid(), "cpu"
         warnings.simplefilter("ignore")  # the fallback warning is the point here, not news
 
+    if args.path:
+        os.environ["CUTEATTN_PATH"] = args.path  # dispatch.PATH_ENV
     results = []
     for cell in grid:
         results.append(run_cell(cell, device, args.iters))
         r = results[-1]
+        if args.path:
+            r["path"] = args.path
         print(f"  {r['label']}: " + ", ".join(f"{n} {report.fmt(v)}" for n, v in r["rates"].items()), flush=True)
 
     impls = []
@@ -141,8 +148,10 @@ def main(argv=None) -> int:
     json_path = args.json
     if json_path is None and cuda:
         slug = report.device_slug(device_name)
-        json_path = os.path.join("benchmarks", "results", f"{date}-{commit}-{slug}.json")
+        suffix = f"-{args.path}" if args.path else ""
+        json_path = os.path.join("benchmarks", "results", f"{date}-{commit}-{slug}{suffix}.json")
     meta = dict(commit=commit, dirty=dirty, date=date, device=device_name, torch=torch.__version__,
+                path=args.path or "default",
                 **(report.sm_clocks() if cuda else {"sm_clock": None, "sm_clock_max": None}))
     if args.fp8 and cuda:  # the ceiling the fp8 cells are read against
         from cuteattn.bench.peers import fp8_gemm_tflops

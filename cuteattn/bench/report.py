@@ -95,7 +95,8 @@ def write_json(path: str, meta: dict, results: list[dict]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     cells = [dict(r["cell"], **{r["metric"]: r["rates"]}, check=r["check"], skipped=r["skipped"],
                   first_call_s=r["first_call_s"], compiles=r.get("compiles"),
-                  disk_loads=r.get("disk_loads"), kernels=r.get("kernels")) for r in results]
+                  disk_loads=r.get("disk_loads"), kernels=r.get("kernels"),
+                  **({"path": r["path"]} if "path" in r else {})) for r in results]
     with open(path, "w") as f:
         json.dump(dict(meta, summary=summary(results), cells=cells), f, indent=1)
         f.write("\n")

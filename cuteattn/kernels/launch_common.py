@@ -107,3 +107,21 @@ def to_runtime(arg: arguments.Arg, value):
     if arg.kind in arguments.SCALAR_TYPES:
         return arguments.SCALAR_TYPES[arg.kind](value)
     return to_cute(value, arg.align)
+
+
+def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
+    """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
+    one side packed and the other batched; a learnable sink; paged keys; seqused on batched q/k; a window
+    edge past the diagonal. (Their kernel code is written for every case, but no GPU test has run these.)"""
+    if spec.varlen_q != spec.varlen_k:
+        return f"the {arch} {who} needs q and k both packed (cu_seqlens) or both batched"
+    if spec.has_sink:
+        return f"learnable attention sinks: no {arch} {who} takes them yet"
+    if spec.paged_kv:
+        return f"paged keys (block_table): no {arch} {who} reads pages yet"
+    if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
+        return f"seqused with batched (not packed) q and k: no GPU-tested {arch} {who} for that form yet"
+    if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
+        return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
+                f"{arch} {who} serves it yet")
+    return None

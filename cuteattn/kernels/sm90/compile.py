@@ -46,17 +46,18 @@ _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def compile_fwd_with_report(cfg: Sm90FwdConfig, tvm_ffi: bool = False):
-    """compile_fwd, plus what ptxas reported: {'registers': per-thread registers at launch,
-    'spill_store_bytes', 'spill_load_bytes'} (empty if ptxas said nothing). The report goes to
-    stderr (Python's, and fd 2 for anything native), so both are captured while compiling."""
+def ptxas_report(compile_fn):
+    """(compile_fn(), what ptxas reported): {'registers': per-thread registers at launch,
+    'spill_store_bytes', 'spill_load_bytes'} (empty if ptxas said nothing). compile_fn must pass
+    the "remarks{ptx}" option. The report goes to stderr (Python's, and fd 2 for anything native),
+    so both are captured while compiling."""
     saved = os.dup(2)
     py_err = io.StringIO()
     with tempfile.TemporaryFile(mode="w+b") as tmp:
         os.dup2(tmp.fileno(), 2)
         try:
             with contextlib.redirect_stderr(py_err):  # the DSL writes its remarks here
-                compiled = compile_fwd(cfg, options="remarks{ptx}", tvm_ffi=tvm_ffi)
+                compiled = compile_fn()
         finally:
             os.dup2(saved, 2)
             os.close(saved)
@@ -70,6 +71,11 @@ def compile_fwd_with_report(cfg: Sm90FwdConfig, tvm_ffi: bool = False):
         info["spill_store_bytes"] = max(int(a) for a, _ in spill)
         info["spill_load_bytes"] = max(int(b) for _, b in spill)
     return compiled, info
+
+
+def compile_fwd_with_report(cfg: Sm90FwdConfig, tvm_ffi: bool = False):
+    """compile_fwd, plus what ptxas reported (ptxas_report)."""
+    return ptxas_report(lambda: compile_fwd(cfg, options="remarks{ptx}", tvm_ffi=tvm_ffi))
 
 
 # ---- the backward ----

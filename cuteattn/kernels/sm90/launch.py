@@ -16,30 +16,14 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, sm_count, to_runtime,
-                    use_tvm_ffi)
+from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, sm_count,
+                            to_runtime, unserved_form, use_tvm_ffi)
 from . import arguments, config
 from .arguments import NO_VARLEN, VarlenMetadata
 
 ARCH, KIND = "sm90", "fwd"
 
 
-def unserved_form(spec: AttentionSpec, who: str) -> Optional[str]:
-    """The reason the sm90 `who` ("forward", "backward") does not take spec's form, or None:
-    one side packed and the other batched; a learnable sink; paged keys; seqused on batched q/k; a window
-    edge past the diagonal. (Their kernel code is written for every case, but no GPU test has run these.)"""
-    if spec.varlen_q != spec.varlen_k:
-        return f"the sm90 {who} needs q and k both packed (cu_seqlens) or both batched"
-    if spec.has_sink:
-        return f"learnable attention sinks: no sm90 {who} takes them yet"
-    if spec.paged_kv:
-        return f"paged keys (block_table): no sm90 {who} reads pages yet"
-    if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
-        return f"seqused with batched (not packed) q and k: no GPU-tested sm90 {who} for that form yet"
-    if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
-        return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
-                f"sm90 {who} serves it yet")
-    return None
 def sm90_config(spec: AttentionSpec):
     """The kernel's static configuration for spec (config.fwd_config: the tiles depend on the
     sequence length class too, config.SHORT_SEQLEN)."""
@@ -183,7 +167,7 @@ class Sm90Forward:
         if spec.head_dim_v != spec.head_dim:
             return (f"head_dim_v {spec.head_dim_v} != head_dim {spec.head_dim} is not supported "
                     "by the sm90 forward")
-        return unserved_form(spec, "forward")
+        return unserved_form(spec, ARCH, "forward")
 
     def launch(self, spec: AttentionSpec) -> Launch:
         return Launch(spec)

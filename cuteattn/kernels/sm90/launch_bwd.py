@@ -19,8 +19,8 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
-from ..launch_common import CUTLASS_DTYPES, LOG2E, aligned16, kernel_scalars, to_runtime, use_tvm_ffi
-from .launch import unserved_form
+from ..launch_common import (CUTLASS_DTYPES, LOG2E, aligned16, kernel_scalars, to_runtime,
+                            unserved_form, use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -175,7 +175,7 @@ class Sm90Backward:
             supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
             return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no sm90 "
                     f"backward kernel yet (supported: {supported})")
-        return unserved_form(spec, "backward")
+        return unserved_form(spec, ARCH, "backward")
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
         return BwdLaunch(spec)

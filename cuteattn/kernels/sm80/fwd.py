@@ -1,0 +1,332 @@
+"""The portable attention forward: mma.sync (m16n8k16), ldmatrix and cp.async only, so one code
+path serves sm_80, sm_86, sm_89 and sm_120 (and runs on Hopper, where it is tested).
+
+One CTA computes one tile: `tile_m` query rows of one (batch, head) against every key block they
+see, visited from the last to the first (the masked blocks first, as in the sm90 forward; the
+block iterator runs the unmasked middle without mask code). Every warp owns rows of the tile;
+all warps load. The key loop is FlashAttention-2's single-buffered pipeline: while S = Q K^T of
+block n is computed, V of block n loads; while O += P V is computed, K of block n - 1 loads
+(cp.async groups, one __syncthreads at each hand-over).
+
+Rows past a sequence's end are never read into registers that matter: K rows past seqlen_k are
+masked to -inf before the softmax, and V rows past it are zeroed in shared memory (0 * garbage
+could be NaN). Shapes (batch, lengths, heads, window, scale) are runtime values: one compiled
+kernel serves every shape of its static configuration.
+"""
+from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..common import epilogue
+from ..common.block_info import BlockInfo
+from ..common.convert import convert_fragment
+from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
+                             transposed_view)
+from ..common.mask import apply_mask
+from ..common.score_mod import softcap_scores
+from ..common.seqlen_info import SeqlenInfo
+from ..common.softmax import OnlineSoftmax
+from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
+from . import mma
+
+
+@dataclass(frozen=True)
+class Sm80FwdConfig:
+    """The static configuration of one compiled forward kernel (the compile key)."""
+    dtype: type                 # cutlass.BFloat16 or cutlass.Float16
+    head_dim: int
+    head_dim_v: int
+    tile_m: int                 # query rows per CTA
+    tile_n: int                 # keys per block
+    num_warps: int
+    causal: bool = False
+    local: bool = False
+    has_softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    has_seqused_q: bool = False
+    has_seqused_k: bool = False
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    def smem_bytes(self) -> int:
+        """Q (reused for O), one K and one V block."""
+        elem = self.dtype.width // 8
+        return (self.tile_m * self.head_dim + self.tile_n * (self.head_dim + self.head_dim_v)) * elem
+
+
+class FlashFwdSm80:
+    def __init__(self, cfg: Sm80FwdConfig):
+        assert cfg.head_dim == cfg.head_dim_v, "head_dim_v != head_dim is not supported yet"
+        assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
+        assert cfg.tile_m % (mma.MMA_ROWS * cfg.num_warps) == 0
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
+        self.d, self.dv = cfg.head_dim, cfg.head_dim_v
+        self.num_threads = cfg.num_threads
+
+    # ------------------------------------------------------------------------------------------
+    # Host side. The argument list is declared once, in arguments.py.
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,      # (b, s_q, h, d) or (total_q, h, d) when varlen_q
+        mK: cute.Tensor,      # (b, s_k, h_k, d) or (total_k, h_k, d) when varlen_k
+        mV: cute.Tensor,      # like mK, with d_v
+        mO: cute.Tensor,      # like mQ, with d_v
+        mLSE: cute.Tensor,    # (b, h, s_q) or (h, total_q), float32
+        mCuSeqlensQ: Optional[cute.Tensor],
+        mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor],
+        mSeqUsedK: Optional[cute.Tensor],
+        qhead_per_kvhead: Int32,
+        score_scale: Float32,
+        softmax_scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        l2_group: Int32,
+        l2_small_groups: Int32,
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        mQ, mO = seq_major(mQ, cfg.varlen_q), seq_major(mO, cfg.varlen_q)
+        mK, mV = seq_major(mK, cfg.varlen_k), seq_major(mV, cfg.varlen_k)
+        mLSE = lse_seq_major(mLSE, cfg.varlen_q)
+
+        sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d)
+        sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d)
+        sV_layout = mma.smem_layout(self.dtype, self.tile_n, self.dv)
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 128]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 128]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 128]
+
+        num_heads = mQ.shape[2]
+        if const_expr(cfg.varlen_q):
+            batch = mCuSeqlensQ.shape[0] - 1
+            # an upper bound on the packed query blocks (tile_scheduler.varlen_tile_coord)
+            num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m + batch
+            num_tiles = num_m_blocks * num_heads
+        else:
+            batch = mQ.shape[3]
+            num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+            num_tiles = num_m_blocks * num_heads * batch
+
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            qhead_per_kvhead, num_m_blocks, num_heads, batch, l2_group, l2_small_groups,
+            score_scale, softmax_scale_log2, window_left, window_right,
+            sQ_layout, sK_layout, sV_layout, SharedStorage,
+        ).launch(
+            grid=[num_tiles, 1, 1],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        qhead_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
+        l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
+        window_left: Int32, window_right: Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        tile, _, _ = cute.arch.block_idx()
+        # Tile order: causal and windowed tiles longest first (common/tile_scheduler.py); the
+        # hardware hands out CTAs in index order, so the heavy tiles start first.
+        lpt = cfg.causal or cfg.local
+        if const_expr(cfg.varlen_q):
+            head_idx = tile // num_m_blocks
+            m_block, batch_idx = varlen_tile_coord(tile % num_m_blocks, mCuSeqlensQ, mSeqUsedQ,
+                                                   batch, mQ.shape[0], self.tile_m, lpt)
+        else:
+            m_block, head_idx, batch_idx = fixed_tile_coord(
+                tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
+                lpt)
+        tile_valid = batch_idx < batch  # the packed grid has a few spare tiles past the end
+        batch_idx = cutlass.min(batch_idx, batch - 1)
+        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0],
+                                   mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)
+        sV = storage.sV.get_tensor(sV_layout)
+        if tile_valid & (m_block * self.tile_m < seqlen.seqlen_q):
+            self.attend(mQ, mK, mV, mO, mLSE, sQ, sK, sV, seqlen, m_block, head_idx,
+                        head_idx // qhead_per_kvhead, batch_idx, score_scale, softmax_scale_log2,
+                        window_left, window_right, tidx)
+
+    @cute.jit
+    def attend(self, mQ, mK, mV, mO, mLSE, sQ, sK, sV, seqlen: SeqlenInfo, m_block, head_idx,
+               head_idx_kv, batch_idx, score_scale, softmax_scale_log2, window_left, window_right,
+               tidx):
+        """One tile: load, the key loop, the epilogue."""
+        cfg = self.cfg
+        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
+                               window_left, window_right)
+        n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+        row_start = m_block * self.tile_m
+
+        # Global -> shared copies (every thread takes part).
+        copy_q = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
+        copy_k = copy_q
+        copy_v = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.dv).get_slice(tidx)
+        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (m_block, 0))
+        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (None, 0))
+        gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.dv), (None, 0))
+        tQgQ, tQsQ = copy_q.partition_S(gQ), copy_q.partition_D(sQ)
+        tKgK, tKsK = copy_k.partition_S(gK), copy_k.partition_D(sK)
+        tVgV, tVsV = copy_v.partition_S(gV), copy_v.partition_D(sV)
+        tQcQ = copy_q.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
+        tKcK = copy_k.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
+        tVcV = copy_v.partition_S(cute.make_identity_tensor((self.tile_n, self.dv)))
+        load_k = partial(self.load_block, copy_k, tKgK, tKsK, tKcK, seqlen.seqlen_k)
+        load_v = partial(self.load_block, copy_v, tVgV, tVsV, tVcV, seqlen.seqlen_k)
+
+        # MMA partitions: S = Q K^T from shared memory, O += P V with P in registers.
+        tiled_mma = mma.tiled_mma(self.dtype, cfg.num_warps)
+        thr_mma = tiled_mma.get_slice(tidx)
+        sVt = transposed_view(sV)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        ld_q = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
+        ld_k = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
+        ld_v = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(tidx)
+        tSsQ, tSsK, tOsVt = ld_q.partition_S(sQ), ld_k.partition_S(sK), ld_v.partition_S(sVt)
+
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.dv)), Float32)
+        acc_O.fill(0.0)
+        acc_S_mn, acc_O_mn = acc_mn_view(acc_S), acc_mn_view(acc_O)
+        coord_S_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
+        softmax.reset()
+
+        ops = SimpleNamespace(
+            tiled_mma=tiled_mma, acc_S=acc_S, acc_O=acc_O, acc_S_mn=acc_S_mn, acc_O_mn=acc_O_mn,
+            coord_S_mn=coord_S_mn, tOrP=tOrP, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
+            tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v)
+        block = partial(self.key_block, ops=ops, softmax=softmax, load_k=load_k, load_v=load_v,
+                        block_info=block_info, seqlen=seqlen, row_start=row_start, n_min=n_min,
+                        score_scale=score_scale, window_left=window_left,
+                        window_right=window_right)
+
+        if n_max > n_min:
+            # Q and the first (top) key block, bounded by the sequence ends.
+            self.load_rows(copy_q, tQgQ, tQsQ, tQcQ, seqlen.seqlen_q - row_start, True)
+            load_k(n_max - 1, True)
+            cute.arch.cp_async_commit_group()
+            block(n_max - 1, mask=None, top=True)
+            runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
+                                             self.tile_m, n_min, n_max)
+            for run in cutlass.range_constexpr(len(runs)):
+                first, stop, mask = runs[run]
+                for i in cutlass.range(first, stop, unroll=1):
+                    block(n_max - 1 - i, mask=mask, top=False)
+
+        # Epilogue: rows that saw no key get O = 0 and LSE = -inf (softmax.finalize).
+        lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
+        softmax.finalize(acc_O_mn, lse)
+        epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma,
+                           self.dv, row_start, seqlen.seqlen_q, self.tile_m)
+        cute.arch.barrier()  # every warp is past its reads of Q's buffer: O is staged there
+        sO = cute.make_tensor(sQ.iterator, sQ.layout)
+        epilogue.stage_o(acc_O, sO, tiled_mma, tidx, self.dtype, stmatrix=False)
+        cute.arch.barrier()
+        gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (self.tile_m, self.dv),
+                             (m_block, 0))
+        epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.dtype, self.dv,
+                         self.tile_m, self.num_threads)
+
+    @cute.jit
+    def key_block(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
+                  block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_min, score_scale,
+                  window_left, window_right, mask: cutlass.Constexpr, top: cutlass.Constexpr):
+        """One key block (K[n_block] has landed or is in flight): V loads under S = Q K^T, the
+        next K under O += P V. `mask` as in scores_to_probs; `top`: the first block visited, the
+        only one that can hold the sequence end (its V rows past the end are zeroed)."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()  # K (and Q) visible to all; every warp is past the last P V
+        load_v(n_block, top)
+        cute.arch.cp_async_commit_group()
+        ops.acc_S.fill(0.0)
+        mma.gemm(ops.tiled_mma, ops.acc_S, ops.tSrQ, ops.tSrK, ops.tSsQ, ops.tSsK, ops.ld_q, ops.ld_k)
+        self.scores_to_probs(ops.acc_S, ops.acc_S_mn, ops.coord_S_mn, softmax, block_info, seqlen,
+                             row_start, n_block, score_scale, window_left, window_right, mask)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()  # V visible to all; every warp is past its reads of K
+        if n_block > n_min:
+            load_k(n_block - 1, False)
+        cute.arch.cp_async_commit_group()
+        softmax.rescale(ops.acc_O_mn)
+        convert_fragment(ops.acc_S, ops.tOrP)
+        mma.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP, ops.tOrVt, None, ops.tOsVt, None, ops.ld_v,
+                 a_in_registers=True)
+
+    @cute.jit
+    def load_block(self, thr_copy, tXgX, tXsX, tXcX, seqlen_k, n_block,
+                   bounded: cutlass.Constexpr):
+        """K or V block n_block into its shared buffer (rows past seqlen_k zeroed if `bounded`)."""
+        self.load_rows(thr_copy, tXgX[None, None, None, n_block], tXsX, tXcX,
+                       seqlen_k - n_block * self.tile_n, bounded)
+
+    @cute.jit
+    def load_rows(self, thr_copy, tXgX, tXsX, tXcX, rows_left, bounded: cutlass.Constexpr):
+        """cp.async of one tile's rows into shared memory. `bounded`: only rows below
+        `rows_left` (the sequence's rows from the tile's first) are read; the others are zeroed,
+        so no value past the sequence (garbage, NaN) reaches an MMA operand."""
+        if const_expr(bounded):
+            for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+                if tXcX[0, m, 0][0] < rows_left:
+                    cute.copy(thr_copy, tXgX[None, m, None], tXsX[None, m, None])
+                else:
+                    tXsX[None, m, None].fill(0)
+        else:
+            cute.copy(thr_copy, tXgX, tXsX)
+
+    @cute.jit
+    def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
+                        block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
+                        score_scale, window_left, window_right, mask: cutlass.Constexpr):
+        """softcap, mask and online softmax of one score block (probabilities left in acc_S).
+        mask: True or False when the block iterator knows whether the block needs the element
+        mask, None to check."""
+        cfg = self.cfg
+        if const_expr(cfg.has_softcap):
+            softcap_scores(acc_S, score_scale)
+        apply = lambda: apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
+                                   seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
+                                   cfg.causal, cfg.local)
+        if const_expr(mask is None):
+            if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, self.tile_m,
+                                     n_block):
+                apply()
+        elif const_expr(mask):
+            apply()
+        softmax.step(acc_S_mn)

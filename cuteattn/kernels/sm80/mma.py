@@ -1,0 +1,85 @@
+"""The warp-level MMA model (sm_80 and later: mma.sync m16n8k16, ldmatrix, cp.async) as the sm80
+kernels use it: swizzled shared-memory layouts, the tiled MMA, 16-byte global -> shared copies
+and a GEMM that loads each k block's fragments from shared memory one block ahead.
+
+Only sm_80 instructions appear here, so the same code runs on Ampere, Ada, consumer Blackwell
+(sm_120) and, for testing, on Hopper.
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import cpasync, warp
+
+MMA_ROWS = 16  # rows of one warp's m16n8k16 MMA
+COPY_BITS = 128  # one cp.async / vector store moves 16 bytes
+
+
+def smem_layout_atom(dtype, row_elems: int) -> cute.ComposedLayout:
+    """The swizzled (8, w) atom of a row-major tile whose rows hold `row_elems` elements: w is the
+    widest of 64, 32, 16 elements (128, 64, 32 bytes) that divides a row, and the XOR swizzle
+    spreads the 16-byte chunks of 8 consecutive rows over distinct banks, so both the cp.async
+    writes (along rows) and the ldmatrix reads (8 rows of one chunk column) are conflict-free."""
+    elem_bytes = dtype.width // 8
+    row_bytes = row_elems * elem_bytes
+    width_bytes = next(w for w in (128, 64, 32) if row_bytes % w == 0)
+    swizzle_bits = {128: 3, 64: 2, 32: 1}[width_bytes]
+    return cute.make_composed_layout(
+        cute.make_swizzle(swizzle_bits, 3, 3), 0,
+        cute.make_ordered_layout((8, width_bytes // elem_bytes), order=(1, 0)))
+
+
+def smem_layout(dtype, rows: int, cols: int, stages: int = 0) -> cute.ComposedLayout:
+    """A (rows, cols) tile, or with `stages` a (rows, cols, stages) ring of them."""
+    atom = smem_layout_atom(dtype, cols)
+    if stages:
+        return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))
+    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+
+def tiled_mma(dtype, num_warps: int) -> cute.TiledMma:
+    """num_warps warps stacked along M, each an m16n8k16 MMA with float32 accumulators (a warp
+    owns rows w*16 .. w*16+15 of every (num_warps * 16)-row slab of the tile)."""
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (num_warps, 1, 1),
+        permutation_mnk=(num_warps * MMA_ROWS, 16, 16))
+
+
+def gmem_to_smem_copy(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
+    """cp.async of 16 bytes per thread over a (rows, cols) tile: a row's chunks are read by
+    consecutive threads (coalesced), `num_threads` threads cover num_threads / (chunks per atom
+    row) rows per pass."""
+    vec = COPY_BITS // dtype.width
+    atom_cols = smem_layout_atom(dtype, cols).outer.shape[1]
+    threads_per_row = atom_cols // vec
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=COPY_BITS)
+    return cute.make_tiled_copy_tv(
+        atom, cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0)),
+        cute.make_layout((1, vec)))
+
+
+def ldmatrix_atom(dtype, transpose: bool) -> cute.CopyAtom:
+    return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
+
+
+@cute.jit
+def gemm(tiled_mma, acc, frag_a, frag_b, smem_a, smem_b, copy_a, copy_b,
+         a_in_registers: cutlass.Constexpr = False):
+    """acc += A B over every k block. B's (and, unless `a_in_registers`, A's) fragments come
+    from shared memory (smem_a/smem_b: the thread's ldmatrix partitions) one k block ahead of
+    the MMAs that use them, so the loads overlap the math. (Loading each block just before its
+    MMAs, to keep one block's fragments live instead of two, did not lower ptxas' register use
+    at d_v = 256: it schedules the loads early either way.)"""
+    view_b = copy_b.retile(frag_b)
+    k_blocks: cutlass.Constexpr = cute.size(frag_b, mode=[2])
+    view_a = None
+    if cutlass.const_expr(not a_in_registers):
+        view_a = copy_a.retile(frag_a)
+        cute.copy(copy_a, smem_a[None, None, 0], view_a[None, None, 0])
+    cute.copy(copy_b, smem_b[None, None, 0], view_b[None, None, 0])
+    for k in cutlass.range_constexpr(k_blocks):
+        if cutlass.const_expr(k + 1 < k_blocks):
+            if cutlass.const_expr(not a_in_registers):
+                cute.copy(copy_a, smem_a[None, None, k + 1], view_a[None, None, k + 1])
+            cute.copy(copy_b, smem_b[None, None, k + 1], view_b[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, frag_a[None, None, k], frag_b[None, None, k], acc)

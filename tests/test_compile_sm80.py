@@ -1,0 +1,59 @@
+"""Compile-only tests of the sm80 (mma.sync) forward for every real target: sm_80, sm_86,
+sm_89 and sm_120a, each with its own shared-memory budget. One subprocess per target (the DSL
+reads CUTE_DSL_ARCH once, at import) compiles the variants and reports, per variant, the PTX
+target, which instructions the PTX holds, and ptxas' registers and spills.
+
+Checked: the code is for that target; it uses mma.sync, ldmatrix and cp.async and none of
+Hopper's instructions (wgmma, stmatrix, TMA, setmaxnreg: the path must run on GPUs without them,
+and an stmatrix store of an mma.sync accumulator scrambles it); nothing spills; the tile fits the
+target's shared memory.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass")
+pytestmark = pytest.mark.compile
+
+from cuteattn.kernels.sm80 import config  # noqa: E402
+
+PROBE = Path(__file__).with_name("sm80_compile_probe.py")
+TARGETS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_120a": (12, 0)}
+MASKS = ("none", "causal", "local", "softcap")
+HEAD_DIMS = config.SUPPORTED_HEAD_DIMS
+# every head dim with a rotating mask kind, every mask kind at d=128, fp16, and varlen
+VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
+            + [["bf16", 128, m, False] for m in MASKS if m != MASKS[HEAD_DIMS.index(128) % 4]]
+            + [["bf16", 192, "local", False], ["bf16", 192, "none", True],
+               ["bf16", 256, "local", False], ["fp16", 256, "causal", False],
+               ["fp16", 64, "causal", False], ["bf16", 128, "causal", True],
+               ["fp16", 256, "none", True]])
+
+
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_compile_sm80_fwd(target, tmp_path):
+    smem = config.SMEM_BY_CAPABILITY[TARGETS[target]]
+    env = {**os.environ, "CUTE_DSL_ARCH": target,
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(PROBE), json.dumps(VARIANTS), str(smem)], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=1200)
+    lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    results = json.loads(lines[-1][len("RESULT "):])
+    assert [r["variant"] for r in results] == VARIANTS
+    for r in results:
+        where = f"{target} {r['variant']} tile {r['tile']}"
+        assert r["targets"] == [target], where
+        assert r["smem"] <= smem, where
+        marks = r["marks"]
+        for needed in ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global"):
+            assert marks[needed], f"{where}: no {needed}"
+        for hopper in ("wgmma", "stmatrix", "cp.async.bulk", "setmaxnreg"):
+            assert not marks[hopper], f"{where}: uses {hopper}"
+        assert marks["tanh.approx"] == (r["variant"][2] == "softcap"), where
+        assert "registers" in r and r["registers"] <= 255, where
+        assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, f"{where} spills: {r}"

@@ -1,0 +1,110 @@
+"""The sm80 family on the CPU: its tiles fit each arch's shared memory, the preferred tile is
+taken where it fits, and the family's reasons for what it does not serve."""
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+
+from cuteattn.kernels.sm80 import config  # noqa: E402
+from cuteattn.kernels.sm80 import launch as sm80_launch  # noqa: E402
+from cuteattn.spec import AttentionSpec  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def sm80_path(monkeypatch):
+    """The path asked for by name (until it is GPU-verified it serves nothing else)."""
+    monkeypatch.setenv("CUTEATTN_PATH", "sm80")
+
+
+def test_unverified_path_serves_only_when_asked_for(monkeypatch):
+    """(Delete with launch.GPU_VERIFIED once tests/test_gpu_sm80.py has passed on a GPU.)"""
+    assert not sm80_launch.GPU_VERIFIED
+    monkeypatch.delenv("CUTEATTN_PATH")
+    assert "not been verified on a GPU yet: set CUTEATTN_PATH=sm80" in sm80_launch.FORWARD.can_implement(make_spec())
+
+
+def make_spec(**kw):
+    fields = dict(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=False, local=False,
+                  has_softcap=False, varlen_q=False, varlen_k=False, batch=2, seqlen_q=64,
+                  seqlen_k=64, nheads=4, nheads_k=4, softmax_scale=0.1, device_index=-1)
+    return AttentionSpec(**{**fields, **kw})
+
+
+@pytest.mark.parametrize("capability", sorted(config.SMEM_BY_CAPABILITY))
+@pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("local", [False, True])
+def test_a_tile_fits_every_arch(capability, d, local):
+    smem = config.SMEM_BY_CAPABILITY[capability]
+    cfg = config.fwd_config(cutlass.BFloat16, d, d, False, local, False, False, False,
+                            smem_limit=smem)
+    assert cfg.smem_bytes() <= smem
+    assert cfg.tile_m % (16 * cfg.num_warps) == 0 and cfg.tile_n % 16 == 0
+    # the first listed tile that fits is the one taken
+    tiles = config.LOCAL_TILES.get(d, config.TILES[d]) if local else config.TILES[d]
+    fitting = [t for t in tiles
+               if (t[0] * d + t[1] * 2 * d) * 2 <= smem]
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_warps) == fitting[0]
+
+
+def test_d64_takes_the_large_tile_only_where_it_fits():
+    big = config.fwd_config(cutlass.BFloat16, 64, 64, False, False, False, False, False,
+                            smem_limit=99 * 1024)
+    small = config.fwd_config(cutlass.BFloat16, 64, 64, False, False, False, False, False,
+                              smem_limit=40 * 1024)
+    assert (big.tile_m, big.tile_n, big.num_warps) == (128, 128, 8)
+    assert (small.tile_m, small.tile_n, small.num_warps) == (128, 64, 4)
+
+
+def test_no_tile_fits_a_tiny_shared_memory(monkeypatch):
+    with pytest.raises(ValueError, match="no sm80 forward tile for head_dim 256 fits 32768"):
+        config.fwd_config(cutlass.BFloat16, 256, 256, False, False, False, False, False,
+                          smem_limit=32 * 1024)
+    monkeypatch.setattr(sm80_launch, "smem_limit", lambda device_index: 32 * 1024)
+    reason = sm80_launch.FORWARD.can_implement(make_spec(head_dim=256, head_dim_v=256))
+    assert reason == "no sm80 forward tile for head_dim 256 fits 32768 bytes of shared memory"
+    assert sm80_launch.FORWARD.can_implement(make_spec(head_dim=64, head_dim_v=64)) is None
+
+
+@pytest.mark.parametrize("fields,reason", [
+    (dict(head_dim=80, head_dim_v=80),
+     "head_dim 80 is not supported by the sm80 forward (supported: 64, 96, 128, 192, 256)"),
+    (dict(head_dim_v=64), "head_dim_v 64 != head_dim 128 is not supported by the sm80 forward"),
+    (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm80 forward (fp16, bf16)"),
+    (dict(varlen_q=True), "the sm80 forward needs q and k both packed (cu_seqlens) or both batched"),
+    (dict(has_sink=True), "learnable attention sinks: no sm80 forward takes them yet"),
+])
+def test_sm80_forward_reasons(fields, reason):
+    assert sm80_launch.FORWARD.can_implement(make_spec(**fields)) == reason
+
+
+@pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
+def test_sm80_forward_serves_supported_problems(d):
+    for mask in (dict(), dict(causal=True), dict(local=True, window_left=64, window_right=0),
+                 dict(has_softcap=True, softcap=30.0), dict(varlen_q=True, varlen_k=True)):
+        assert sm80_launch.FORWARD.can_implement(make_spec(head_dim=d, head_dim_v=d, **mask)) is None
+
+
+def test_launch_scalars_match_the_kernel_arguments():
+    from cuteattn.kernels.sm80 import arguments
+    scalars = sm80_launch.launch_scalars(make_spec(causal=True))
+    assert set(scalars) == {a.name for a in arguments.SCALARS}
+    assert set(sm80_launch.PER_CALL) | set(scalars) == {a.name for a in arguments.common.flat(arguments.ARGUMENTS)}
+
+
+def test_declaration_matches_kernel_signature():
+    """sm80/arguments.ARGUMENTS is FlashFwdSm80's parameter list: same names, same order, then
+    the stream; and one fake per parameter, the varlen tensors only where the config uses them."""
+    import inspect
+    from cuteattn.kernels.common import arguments as common
+    from cuteattn.kernels.sm80 import arguments
+    from cuteattn.kernels.sm80.fwd import FlashFwdSm80
+    params = [p for p in inspect.signature(inspect.unwrap(FlashFwdSm80.__call__)).parameters
+              if p != "self"]
+    assert list(common.names(arguments.ARGUMENTS)) + [common.STREAM] == params
+    for varlen in (False, True):
+        cfg = config.fwd_config(cutlass.BFloat16, 128, 128, True, False, False, varlen, varlen)
+        fakes = arguments.fakes(cfg)
+        assert len(fakes) == len(params) - 1
+        by_name = dict(zip(common.names(arguments.ARGUMENTS), fakes))
+        assert (by_name["mCuSeqlensQ"] is not None) == varlen
+        assert by_name["mSeqUsedQ"] is None and by_name["mSeqUsedK"] is None
