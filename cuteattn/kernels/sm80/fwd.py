@@ -69,6 +69,10 @@ class FlashFwdSm80:
         assert cfg.head_dim == cfg.head_dim_v, "head_dim_v != head_dim is not supported yet"
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
         assert cfg.tile_m % (mma.MMA_ROWS * cfg.num_warps) == 0
+        # every copy pass of the loads (and of the O store) lies inside the tile
+        for rows, cols in ((cfg.tile_m, cfg.head_dim), (cfg.tile_n, cfg.head_dim),
+                           (cfg.tile_n, cfg.head_dim_v)):
+            assert rows % mma.rows_per_copy_pass(cfg.dtype, cfg.num_threads, cols) == 0, cfg
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
@@ -110,9 +114,10 @@ class FlashFwdSm80:
 
         @cute.struct
         class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 128]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 128]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 128]
+            # 1024-byte aligned: a swizzle period (8 rows of 128 bytes) starts on a bank boundary
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
         num_heads = mQ.shape[2]
         if const_expr(cfg.varlen_q):

@@ -14,18 +14,21 @@ MMA_ROWS = 16  # rows of one warp's m16n8k16 MMA
 COPY_BITS = 128  # one cp.async / vector store moves 16 bytes
 
 
+def atom_width_bytes(dtype, row_elems: int) -> int:
+    """The widest of 128, 64, 32 bytes that divides a row of `row_elems` elements."""
+    return next(w for w in (128, 64, 32) if row_elems * dtype.width // 8 % w == 0)
+
+
 def smem_layout_atom(dtype, row_elems: int) -> cute.ComposedLayout:
-    """The swizzled (8, w) atom of a row-major tile whose rows hold `row_elems` elements: w is the
-    widest of 64, 32, 16 elements (128, 64, 32 bytes) that divides a row, and the XOR swizzle
-    spreads the 16-byte chunks of 8 consecutive rows over distinct banks, so both the cp.async
-    writes (along rows) and the ldmatrix reads (8 rows of one chunk column) are conflict-free."""
-    elem_bytes = dtype.width // 8
-    row_bytes = row_elems * elem_bytes
-    width_bytes = next(w for w in (128, 64, 32) if row_bytes % w == 0)
+    """The swizzled (8, w) atom of a row-major tile whose rows hold `row_elems` elements: w is
+    atom_width_bytes, and the XOR swizzle spreads the 16-byte chunks of 8 consecutive rows over
+    distinct banks, so both the cp.async writes (along rows) and the ldmatrix reads (8 rows of
+    one chunk column) are conflict-free."""
+    width_bytes = atom_width_bytes(dtype, row_elems)
     swizzle_bits = {128: 3, 64: 2, 32: 1}[width_bytes]
     return cute.make_composed_layout(
         cute.make_swizzle(swizzle_bits, 3, 3), 0,
-        cute.make_ordered_layout((8, width_bytes // elem_bytes), order=(1, 0)))
+        cute.make_ordered_layout((8, width_bytes * 8 // dtype.width), order=(1, 0)))
 
 
 def smem_layout(dtype, rows: int, cols: int, stages: int = 0) -> cute.ComposedLayout:
@@ -44,13 +47,17 @@ def tiled_mma(dtype, num_warps: int) -> cute.TiledMma:
         permutation_mnk=(num_warps * MMA_ROWS, 16, 16))
 
 
+def rows_per_copy_pass(dtype, num_threads: int, cols: int) -> int:
+    """Rows one pass of gmem_to_smem_copy covers."""
+    return num_threads // (atom_width_bytes(dtype, cols) * 8 // COPY_BITS)
+
+
 def gmem_to_smem_copy(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
     """cp.async of 16 bytes per thread over a (rows, cols) tile: a row's chunks are read by
     consecutive threads (coalesced), `num_threads` threads cover num_threads / (chunks per atom
     row) rows per pass."""
     vec = COPY_BITS // dtype.width
-    atom_cols = smem_layout_atom(dtype, cols).outer.shape[1]
-    threads_per_row = atom_cols // vec
+    threads_per_row = atom_width_bytes(dtype, cols) * 8 // COPY_BITS
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                num_bits_per_copy=COPY_BITS)
     return cute.make_tiled_copy_tv(
