@@ -2,9 +2,11 @@
 speculative decoding, chunked prefill), with FlashAttention's signature and semantics.
 
 The argument checks here read no device value (no sync) unless validate=True (the reference,
-which reads the lengths anyway, always checks the values). No decode kernel
-exists yet: calls run on the PyTorch reference (reference.attention_kvcache_ref) with the usual
-FallbackWarning (strict mode raises), appending k/v into the caches in place as the kernel will.
+which reads the lengths anyway, always checks the values). Where a decode kernel serves the call
+(kind "decode": the sm80 family's, with CUTEATTN_PATH=sm80 until it is GPU-verified), the new
+tokens are rotated and appended on the device (`append_and_rotate`, no sync) and the kernel
+attends over the cache; otherwise the PyTorch reference (reference.attention_kvcache_ref) does
+all of it, with the usual FallbackWarning (strict mode raises).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import numbers
 import torch
 
 from cuteattn import _checks, api
-from cuteattn.reference import attention_kvcache_ref, attention_varlen_ref
+from cuteattn.reference import apply_rotary_ref, attention_kvcache_ref, attention_varlen_ref
 from cuteattn.spec import AttentionSpec
 
 PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
@@ -260,18 +262,35 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     batch, s_new, capacity = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx,
                                           cache_leftpad, rotary_cos, rotary_sin, cache_seqlens, 0)
     causal, local, left, right = _checks.normalize_mask(causal, (left, right))
-    spec = AttentionSpec(  # (an fp8 cache: no decode kernel takes any cache yet)
-        dtype=q.dtype, head_dim=q.shape[-1], head_dim_v=v_cache.shape[-1], causal=causal,
-        local=local, has_softcap=softcap > 0, varlen_q=False, varlen_k=True, kind="decode",
-        batch=batch, seqlen_q=q.shape[1], seqlen_k=capacity, nheads=q.shape[2],
-        nheads_k=k_cache.shape[2], softmax_scale=softmax_scale, window_left=left,
-        window_right=right, softcap=softcap,
+    fp8 = k_cache.dtype in FP8_CACHE
+    spec = AttentionSpec(
+        dtype=q.dtype, head_dim=q.shape[-1],
+        head_dim_v=v_cache.shape[-1], causal=causal, local=local, has_softcap=softcap > 0,
+        varlen_q=False, varlen_k=False, has_seqused_k=True, kind="decode", batch=batch,
+        seqlen_q=q.shape[1], seqlen_k=capacity, nheads=q.shape[2], nheads_k=k_cache.shape[2],
+        softmax_scale=softmax_scale, window_left=left, window_right=right, softcap=softcap,
+        paged_kv=block_table is not None, has_kv_batch_idx=cache_batch_idx is not None,
+        has_leftpad_k=cache_leftpad is not None,
+        page_size=k_cache.shape[1] if block_table is not None else 0,
         device_index=q.device.index if q.device.type == "cuda" else -1)
     spec = _checks.with_sink(spec, learnable_sink, q)
-    launch, reason = api._select_kernel(spec, q.device)
-    if launch is not None:  # no decode family registers yet: a kernel here is a bug
-        raise AssertionError("a decode kernel was selected but flash_attn_with_kvcache has no "
-                             "launch path for it yet")
+    if fp8:
+        launch, reason = None, "an fp8 KV cache: no decode kernel reads one yet"
+    else:
+        launch, reason = api._select_kernel(spec, q.device)
+    if launch is not None:
+        if validate:
+            _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                          s_new, capacity, batch)
+        with torch.no_grad():
+            q_rot, seqused_k = append_and_rotate(
+                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                block_table, causal or local, rotary_interleaved, capacity)
+            out = torch.empty(*q.shape[:3], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.empty(batch, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+            launch(q_rot, k_cache, v_cache, out, lse, seqused_k, cache_batch_idx, cache_leftpad,
+                   block_table, _splits(num_splits, spec, q.device, capacity))
+        return out, lse
     api._fall_back(reason, strict)
     # the reference reads the index values anyway: hold them to validate=True's rules always
     # (a clear ValueError, not an index error or a write outside a sequence's pages)
@@ -287,6 +306,45 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     return out.to(q.dtype), lse
 
 
+def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                      cache_batch_idx, block_table, positional: bool, interleaved: bool,
+                      capacity: int):
+    """The KV-cache update before a decode kernel attends, on the device with no sync: new k
+    (rotated) and v written into the caches in place at positions [cache_seqlens[b],
+    cache_seqlens[b] + seqlen_new) of cache row cache_batch_idx[b] (or b; paged: of sequence
+    b's pages), and q rotated (at positions cache_seqlens[b] + i when `positional`, causal or
+    windowed; at cache_seqlens[b] otherwise), as reference.attention_kvcache_ref does.
+    Returns (rotated q, the used length per sequence: int32 (batch,) cache_seqlens + seqlen_new)."""
+    b, sq = q.shape[:2]
+    device = q.device
+    if cache_seqlens is None:
+        old = torch.full((b,), capacity, dtype=torch.long, device=device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        old = cache_seqlens.long()
+    else:
+        old = torch.full((b,), int(cache_seqlens), dtype=torch.long, device=device)
+    if rotary_cos is not None:
+        steps = torch.arange(sq, device=device) if positional else torch.zeros(sq, dtype=torch.long, device=device)
+        pos = old[:, None] + steps
+        q = apply_rotary_ref(q, rotary_cos[pos], rotary_sin[pos], interleaved)
+    s_new = 0
+    if k is not None:
+        s_new = k.shape[1]
+        pos = old[:, None] + torch.arange(s_new, device=device)  # (b, s_new)
+        if rotary_cos is not None:
+            k = apply_rotary_ref(k, rotary_cos[pos], rotary_sin[pos], interleaved)
+        if block_table is None:
+            rows = (cache_batch_idx.long() if cache_batch_idx is not None
+                    else torch.arange(b, device=device))[:, None].expand(b, s_new)
+            where = (rows, pos)
+        else:
+            page = k_cache.shape[1]
+            where = (block_table.long().gather(1, pos // page), pos % page)
+        k_cache[where] = k.to(k_cache.dtype)
+        v_cache[where] = v.to(v_cache.dtype)
+    return q, (old + s_new).to(torch.int32)
+
+
 def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
     """num_splits as given, or for 0 split_count's choice for this device (1 off the GPU)."""
     if num_splits > 0:
@@ -294,7 +352,9 @@ def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return split_count(spec.batch * spec.nheads_k, sms, -(-capacity // 128))
+    # the decode kernel's tiles: 64 query rows of one query head (no pack-GQA yet)
+    tiles = spec.batch * spec.nheads * -(-spec.seqlen_q // 64)
+    return split_count(tiles, sms, -(-capacity // 128))
 
 
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

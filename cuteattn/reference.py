@@ -317,12 +317,13 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k):
 
 def apply_rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      interleaved: bool) -> torch.Tensor:
-    """Rotary embedding of x (..., seqlen, heads, d) by cos/sin (seqlen, rotary_dim / 2), on the
-    first rotary_dim features, in float32, returned in x's dtype. interleaved (GPT-J): features
-    (0, 1), (2, 3), ... rotate as pairs; otherwise (GPT-NeoX) feature i pairs with i + rotary_dim/2."""
+    """Rotary embedding of x (..., seqlen, heads, d) by cos/sin (seqlen, rotary_dim / 2), or per
+    batch entry (batch, seqlen, rotary_dim / 2), on the first rotary_dim features, in float32,
+    returned in x's dtype. interleaved (GPT-J): features (0, 1), (2, 3), ... rotate as pairs;
+    otherwise (GPT-NeoX) feature i pairs with i + rotary_dim/2."""
     rd = 2 * cos.shape[-1]
     xf = x.float()
-    c, s = cos.float()[:, None, :], sin.float()[:, None, :]  # broadcast over heads
+    c, s = cos.float().unsqueeze(-2), sin.float().unsqueeze(-2)  # broadcast over heads
     head, tail = xf[..., :rd], xf[..., rd:]
     if interleaved:
         x1, x2 = head[..., 0::2], head[..., 1::2]

@@ -37,6 +37,8 @@ class AttentionSpec:
     deterministic: bool = False   # bwd: bitwise-reproducible gradients (ordered dQ additions)
     has_sink: bool = False        # a learnable sink logit per query head (gpt-oss)
     paged_kv: bool = False        # k/v in pages of a cache, through a block table
+    has_kv_batch_idx: bool = False  # decode: k/v rows picked per sequence (cache_batch_idx)
+    has_leftpad_k: bool = False   # decode: keys start at a per-sequence offset (cache_leftpad)
     # dynamic: not in the key (one kernel serves every value)
     batch: int = 0
     seqlen_q: int = 0             # max_seqlen_q for varlen
@@ -48,6 +50,7 @@ class AttentionSpec:
     window_right: Optional[int] = None
     softcap: float = 0.0
     device_index: int = -1        # -1: CPU
+    page_size: int = 0            # paged k/v: keys per page (0: not paged)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -74,4 +77,6 @@ class AttentionSpec:
             self.deterministic,
             self.has_sink,
             self.paged_kv,
+            self.has_kv_batch_idx,
+            self.has_leftpad_k,
         )

@@ -13,8 +13,12 @@ from cuteattn import api
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):
-    """Each test sees a fresh warn-once memory and no strict-mode variable from the environment."""
+    """Each test sees a fresh warn-once memory and no strict-mode or kernel-path variable from
+    the environment (and whatever a test sets, directly or through code it runs, is undone:
+    monkeypatch restores a variable it has set, so it is set here before being removed)."""
     monkeypatch.delenv("CUTEATTN_STRICT", raising=False)
+    monkeypatch.setenv("CUTEATTN_PATH", "")
+    monkeypatch.delenv("CUTEATTN_PATH")
     api._warned_reasons.clear()
     yield
     api._warned_reasons.clear()

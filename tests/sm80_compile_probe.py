@@ -1,6 +1,7 @@
 """Compiles sm80 forward variants for one target arch and prints what ptxas and the PTX say, as
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
-    CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, varlen], ...]' SMEM
+    CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
+form: varlen (a bool) for the forward, or "decode,..." for the decode kernel.
 Run by tests/test_compile_sm80.py."""
 import json
 import re
@@ -9,7 +10,7 @@ import sys
 import cutlass
 
 from cuteattn.kernels.sm80.compile import compile_fwd_with_report
-from cuteattn.kernels.sm80.config import fwd_config
+from cuteattn.kernels.sm80.config import decode_config, fwd_config
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # what the PTX must (not) hold: the sm_80 instructions, and none of Hopper's
@@ -20,12 +21,17 @@ MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "
 def main():
     variants, smem = json.loads(sys.argv[1]), int(sys.argv[2])
     out = []
-    for dtype, d, mask, varlen in variants:
-        cfg = fwd_config(DTYPES[dtype], d, d, mask == "causal", mask == "local", mask == "softcap",
-                         varlen, varlen, smem_limit=smem)
+    for dtype, d, mask, form in variants:
+        masks = (mask == "causal", mask == "local", mask == "softcap")
+        if isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
+            flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
+            cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
+                                int(flags.get("page", 0)), "split" in flags)
+        else:  # the forward, varlen or not
+            cfg = fwd_config(DTYPES[dtype], d, d, *masks, form, form, smem_limit=smem)
         compiled, info = compile_fwd_with_report(cfg, keep_ptx=True)
         ptx = compiled.__ptx__
-        out.append(dict(variant=[dtype, d, mask, varlen], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],
+        out.append(dict(variant=[dtype, d, mask, form], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],
                         smem=cfg.smem_bytes(), targets=re.findall(r"\.target (\S+)", ptx),
                         marks={m: m in ptx for m in MARKS}, **info))
     print("RESULT " + json.dumps(out))

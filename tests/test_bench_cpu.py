@@ -21,14 +21,12 @@ def test_quick_bench_runs_on_cpu_and_writes_json(tmp_path, capsys):
 
 def test_path_option_is_recorded(tmp_path, monkeypatch):
     """--path sm80 sets the kernel path for the run and records it per cell and in the header."""
-    monkeypatch.delenv("CUTEATTN_PATH", raising=False)
     path = tmp_path / "bench.json"
     assert bench.main(["--quick", "--path", "sm80", "--json", str(path)]) in (0, None)
     record = json.loads(path.read_text())
     assert record["path"] == "sm80" and all(c["path"] == "sm80" for c in record["cells"])
     import os
-    assert os.environ["CUTEATTN_PATH"] == "sm80"
-    monkeypatch.delenv("CUTEATTN_PATH")
+    assert os.environ["CUTEATTN_PATH"] == "sm80"  # (conftest's fixture removes it afterwards)
 
 
 def test_summary_ratio_range_geomean_and_target_count():

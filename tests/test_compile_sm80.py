@@ -3,7 +3,8 @@ sm_89 and sm_120a, each with its own shared-memory budget. One subprocess per ta
 reads CUTE_DSL_ARCH once, at import) compiles the variants and reports, per variant, the PTX
 target, which instructions the PTX holds, and ptxas' registers and spills.
 
-Checked: the code is for that target; it uses mma.sync, ldmatrix and cp.async and none of
+The decode kernel's variants (flash_attn_with_kvcache: paged and contiguous caches, split-KV,
+cache_batch_idx, cache_leftpad) are compiled the same way. Checked: the code is for that target; it uses mma.sync, ldmatrix and cp.async and none of
 Hopper's instructions (wgmma, stmatrix, TMA, setmaxnreg: the path must run on GPUs without them,
 and an stmatrix store of an mma.sync accumulator scrambles it); nothing spills; the tile fits the
 target's shared memory.
@@ -31,7 +32,11 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
             + [["bf16", 192, "local", False], ["bf16", 192, "none", True],
                ["bf16", 256, "local", False], ["fp16", 256, "causal", False],
                ["fp16", 64, "causal", False], ["bf16", 128, "causal", True],
-               ["fp16", 256, "none", True]])
+               ["fp16", 256, "none", True]]
+            # the decode kernel (flash_attn_with_kvcache): contiguous and paged caches, splits
+            + [["bf16", 128, "none", "decode"], ["bf16", 128, "causal", "decode,split,bidx,leftpad"],
+               ["fp16", 64, "local", "decode,page=16,split"], ["bf16", 96, "softcap", "decode,page=128"],
+               ["bf16", 192, "causal", "decode,page=32,split"], ["fp16", 256, "none", "decode,split"]])
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

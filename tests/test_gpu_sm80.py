@@ -65,3 +65,77 @@ def test_varlen_seqused(seed, mask):
     used_k = torch.tensor([100, 3, 0, 700, 1, 0, 128, 10], dtype=torch.int32, device="cuda")
     run_varlen(LENS_Q, LENS_K, 8, 2, 128, torch.bfloat16, seqused_q=used_q, seqused_k=used_k,
                **VARLEN_MASKS[mask])
+
+
+# ---- the decode kernel (flash_attn_with_kvcache) on the sm80 path ----
+
+def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=False,
+                window=(-1, -1), softcap=0.0, rotary=None, batch_idx=False, leftpad=None,
+                dtype=torch.bfloat16):
+    """flash_attn_with_kvcache (strict: the kernel must serve it) against the reference on a
+    copy of the caches: the output by FlashAttention's rule, the LSE, and the caches after the
+    append compared exactly."""
+    from cuteattn import flash_attn_with_kvcache
+    from cuteattn.reference import attention_kvcache_ref
+    from cuteattn.testing import assert_close_fa, assert_lse_close
+    dev = "cuda"
+    q = torch.randn(b, sq, h, d, device=dev, dtype=dtype)
+    k_new = v_new = None
+    if s_new:
+        k_new = torch.randn(b, s_new, hk, d, device=dev, dtype=dtype)
+        v_new = torch.randn(b, s_new, hk, d, device=dev, dtype=dtype)
+    block_table = idx = None
+    if page:
+        pages_per_seq = -(-cap // page)
+        n_pages = b * pages_per_seq + 3
+        k_cache = torch.randn(n_pages, page, hk, d, device=dev, dtype=dtype)
+        block_table = torch.randperm(n_pages, device=dev)[: b * pages_per_seq].reshape(b, pages_per_seq).int()
+    else:
+        k_cache = torch.randn(b + 2, cap, hk, d, device=dev, dtype=dtype)
+        if batch_idx:
+            idx = torch.randperm(b + 2, device=dev)[:b].int()
+    v_cache = torch.randn_like(k_cache)
+    cos = sin = None
+    if rotary is not None:
+        rd = d // 2
+        ang = torch.arange(cap + 8, device=dev).float()[:, None] / 10000 ** (torch.arange(0, rd, 2, device=dev).float() / rd)
+        cos, sin = ang.cos(), ang.sin()
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+    pad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device=dev)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    low_k, low_v = k_cache.clone(), v_cache.clone()
+    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    out, lse = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k_new, v_new, cos, sin, lens_t, idx, pad, block_table,
+        rotary_interleaved=rotary == "interleaved", num_splits=splits, return_softmax_lse=True,
+        strict=True, validate=True, **kw)
+    common = (q, None, None, k_new, v_new, cos, sin, lens_t, idx, pad, block_table)
+    ref, ref_lse = attention_kvcache_ref(*common[:1], ref_k, ref_v, *common[3:],
+                                         rotary_interleaved=rotary == "interleaved", **kw)
+    lowprec, _ = attention_kvcache_ref(*common[:1], low_k, low_v, *common[3:],
+                                       rotary_interleaved=rotary == "interleaved", upcast=False, **kw)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "the append differs"
+    assert_close_fa(out, ref, lowprec)
+    assert_lse_close(lse, ref_lse)
+
+
+DECODE_CASES = [
+    # (b, sq, s_new, h, hk, d, cap, lens, extra)
+    (4, 1, 1, 32, 8, 128, 1024, [0, 1, 517, 1023], dict()),
+    (4, 1, 1, 32, 8, 128, 1024, [0, 1, 517, 1023], dict(page=16)),
+    (4, 1, 1, 32, 8, 128, 1024, [0, 1, 517, 1023], dict(page=128, splits=3)),
+    (2, 1, 1, 16, 1, 64, 4096, [4095, 2000], dict(page=48, splits=0)),
+    (2, 4, 4, 16, 4, 128, 700, [7, 696], dict(causal=True, rotary="interleaved")),
+    (2, 4, 4, 16, 4, 128, 700, [7, 696], dict(causal=True, rotary="neox", page=16, splits=5)),
+    (3, 300, 0, 8, 8, 96, 2048, [300, 1000, 2048], dict(causal=True, splits=2)),
+    (2, 5, 2, 8, 2, 256, 512, [100, 300], dict(window=(64, 0), softcap=20.0)),
+    (2, 5, 2, 8, 2, 192, 512, [100, 300], dict(page=32, splits=4, causal=True)),
+    (3, 2, 1, 8, 2, 128, 600, [50, 200, 400], dict(batch_idx=True, leftpad=[0, 7, 399])),
+    (2, 1, 1, 8, 2, 64, 256, [255, 0], dict(dtype=torch.float16, splits=8)),
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"case{i}" for i in range(len(DECODE_CASES))])
+def test_kvcache(seed, case):
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)

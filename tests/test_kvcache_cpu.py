@@ -349,3 +349,54 @@ def test_split_count_heuristic():
 def test_the_reference_path_checks_values_even_without_validate():
     with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 33"):
         flash_attn_with_kvcache(**args(cache_seqlens=torch.tensor([3, 33], dtype=torch.int32)))
+
+
+# ---- the decode kernel's host side: the device-side append and rotation ----
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_and_rotate_matches_the_reference_path(seed, interleaved, causal, paged):
+    """kvcache.append_and_rotate (what runs before a decode kernel, with no sync) leaves the
+    caches exactly as the reference path does, and rotates q as the hand-written rotation."""
+    from cuteattn.kvcache import append_and_rotate
+    from cuteattn.reference import attention_kvcache_ref
+    b, sq, s_new, h, hk, d, cap = 3, 2, 3, 4, 2, 32, 48
+    q = torch.randn(b, sq, h, d, dtype=BF16)
+    k_new, v_new = torch.randn(b, s_new, hk, d, dtype=BF16), torch.randn(b, s_new, hk, d, dtype=BF16)
+    lens = torch.tensor([5, 0, 40], dtype=torch.int32)
+    cos, sin = rotary_tables(cap + 4, 16)
+    block_table = batch_idx = None
+    if paged:  # pages of 16, shuffled
+        k_cache = torch.randn(12, 16, hk, d, dtype=BF16)
+        block_table = torch.randperm(12).reshape(b, 4).to(torch.int32)[:, :3]
+        cap = 48
+    else:
+        k_cache = torch.randn(5, cap, hk, d, dtype=BF16)
+        batch_idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    v_cache = torch.randn_like(k_cache)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    attention_kvcache_ref(q, ref_k, ref_v, k_new, v_new, cos, sin, lens, batch_idx, None,
+                          block_table, causal=causal, rotary_interleaved=interleaved)
+    q_rot, used = append_and_rotate(q, k_cache, v_cache, k_new, v_new, cos, sin, lens, batch_idx,
+                                    block_table, causal, interleaved, cap)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    assert used.dtype == torch.int32 and used.tolist() == [8, 3, 43]
+    for i in range(b):
+        n = int(lens[i])
+        pos = torch.arange(n, n + sq) if causal else torch.full((sq,), n)
+        want = rotate_complex(q[i], cos[pos], sin[pos], interleaved)
+        assert torch.allclose(q_rot[i].float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_append_and_rotate_without_new_tokens_or_rotary():
+    from cuteattn.kvcache import append_and_rotate
+    q = torch.randn(2, 1, 4, 32, dtype=BF16)
+    k_cache = torch.randn(2, 64, 2, 32, dtype=BF16)
+    before = k_cache.clone()
+    q_rot, used = append_and_rotate(q, k_cache, k_cache, None, None, None, None, 17, None, None,
+                                    False, True, 64)
+    assert q_rot is q and torch.equal(k_cache, before) and used.tolist() == [17, 17]
+    _, used = append_and_rotate(q, k_cache, k_cache, None, None, None, None, None, None, None,
+                                False, True, 64)
+    assert used.tolist() == [64, 64]

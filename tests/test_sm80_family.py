@@ -87,8 +87,11 @@ def test_sm80_forward_serves_supported_problems(d):
 def test_launch_scalars_match_the_kernel_arguments():
     from cuteattn.kernels.sm80 import arguments
     scalars = sm80_launch.launch_scalars(make_spec(causal=True))
-    assert set(scalars) == {a.name for a in arguments.SCALARS}
-    assert set(sm80_launch.PER_CALL) | set(scalars) == {a.name for a in arguments.common.flat(arguments.ARGUMENTS)}
+    every = {a.name for a in arguments.common.flat(arguments.ARGUMENTS)}
+    assert set(scalars) | {"num_splits"} == {a.name for a in arguments.SCALARS}
+    # the forward fixes the cache tensors (absent) and one split; the decode passes them
+    assert set(sm80_launch.PER_CALL) | set(scalars) | set(sm80_launch.NO_CACHE) | {"num_splits"} == every
+    assert set(sm80_launch.DECODE_PER_CALL) | set(scalars) == every
 
 
 def test_declaration_matches_kernel_signature():
@@ -108,3 +111,74 @@ def test_declaration_matches_kernel_signature():
         by_name = dict(zip(common.names(arguments.ARGUMENTS), fakes))
         assert (by_name["mCuSeqlensQ"] is not None) == varlen
         assert by_name["mSeqUsedQ"] is None and by_name["mSeqUsedK"] is None
+
+
+# ---- the decode family (flash_attn_with_kvcache) ----
+
+def decode_spec(**kw):
+    return make_spec(**{**dict(kind="decode", seqlen_q=1, seqlen_k=4096, has_seqused_k=True), **kw})
+
+
+def test_decode_serves_the_cache_forms():
+    for form in (dict(), dict(paged_kv=True, page_size=16), dict(has_kv_batch_idx=True),
+                 dict(has_leftpad_k=True), dict(causal=True, paged_kv=True, page_size=256),
+                 dict(local=True, window_left=64, window_right=0), dict(has_softcap=True, softcap=5.0)):
+        assert sm80_launch.DECODE.can_implement(decode_spec(**form)) is None, form
+
+
+@pytest.mark.parametrize("fields,reason", [
+    (dict(head_dim=80, head_dim_v=80), "head_dim 80 (v: 80) is not supported by the sm80 decode kernel"),
+    (dict(has_sink=True), "learnable attention sinks: no sm80 decode kernel takes them yet"),
+    (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm80 decode kernel"),
+])
+def test_decode_reasons(fields, reason):
+    assert sm80_launch.DECODE.can_implement(decode_spec(**fields)).startswith(reason)
+
+
+def test_decode_unverified_serves_only_when_asked_for(monkeypatch):
+    """(Delete with launch.GPU_VERIFIED once the decode GPU tests have passed.)"""
+    monkeypatch.delenv("CUTEATTN_PATH")
+    assert "not been verified on a GPU yet" in sm80_launch.DECODE.can_implement(decode_spec())
+
+
+@pytest.mark.parametrize("page", [16, 32, 48, 128, 256, 1024])
+@pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
+def test_decode_key_blocks_divide_the_page(page, d):
+    """A paged key block lies inside one page (one lookup per block)."""
+    cfg = config.decode_config(cutlass.BFloat16, d, d, False, False, False, False, False, page, True)
+    assert page % cfg.tile_n == 0 and cfg.tile_n % 16 == 0 and cfg.paged_kv and cfg.split_kv
+    assert cfg.has_seqused_k and not cfg.varlen_q and not cfg.varlen_k
+
+
+def test_kvcache_dispatches_to_the_decode_family(monkeypatch):
+    """flash_attn_with_kvcache builds a decode spec with the cache's forms and hands the kernel
+    the appended cache (a recording launch stands in for the GPU)."""
+    from cuteattn import api, flash_attn_with_kvcache
+    seen = {}
+
+    class Recorder:
+        def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, kv_batch_idx, leftpad,
+                     page_table, num_splits):
+            seen.update(q=q, seqused_k=seqused_k, page_table=page_table, splits=num_splits)
+            out.zero_()
+            lse.zero_()
+
+    def select(spec, device):
+        seen["spec"] = spec
+        return Recorder(), None
+
+    monkeypatch.setattr(api, "_select_kernel", select)
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    k_cache = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.tensor([[3, 1, 5], [0, 2, 4]], dtype=torch.int32)
+    k = torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
+    out = flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k, k, cache_seqlens=torch.tensor(
+        [3, 40], dtype=torch.int32), block_table=table, causal=True, num_splits=4)
+    spec = seen["spec"]
+    assert spec.kind == "decode" and spec.paged_kv and spec.page_size == 16 and spec.causal
+    assert spec.has_seqused_k and not spec.has_kv_batch_idx and not spec.has_leftpad_k
+    assert seen["seqused_k"].tolist() == [4, 41] and seen["splits"] == 4
+    assert seen["page_table"] is table and out.shape == (2, 1, 8, 64)
+    # the new key of sequence 0 at position 3: page table[0][0] = 3, row 3; of sequence 1 at
+    # position 40: page table[1][40 // 16] = 4, row 40 % 16 = 8
+    assert torch.equal(k_cache[3, 3], k[0, 0]) and torch.equal(k_cache[4, 8], k[1, 0])

@@ -32,6 +32,20 @@ def store_lse(lse, gLSE: cute.Tensor, thr_mma_pv, head_dim_v: cutlass.Constexpr,
 
 
 @cute.jit
+def store_acc(acc: cute.Tensor, gO: cute.Tensor, thr_mma, row_start, seqlen_q,
+              rows: cutlass.Constexpr, cols: cutlass.Constexpr):
+    """The float32 accumulator as it is (no conversion, no staging) into gO, the (rows, cols)
+    block at row_start: split-KV partial outputs, rows at or past seqlen_q skipped."""
+    coord = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((rows, cols))))
+    acc_mn = acc_mn_view(acc)
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        row = coord[r, 0][0]
+        if row_start + row < seqlen_q:
+            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                gO[row, coord[r, c][1]] = acc_mn[r, c]
+
+
+@cute.jit
 def stage_o(acc_O: cute.Tensor, sO: cute.Tensor, tiled_mma_pv, tidx, dtype: cutlass.Constexpr,
             stmatrix: cutlass.Constexpr = True):
     """acc_O (float32) -> the MMA's (rows, d_v) tile of shared memory, in dtype (one packed cvt

@@ -43,6 +43,7 @@ class SeqlenInfo:
     seqlen_k: Int32
     varlen_q: cutlass.Constexpr[bool]
     varlen_k: cutlass.Constexpr[bool]
+    shift_k: cutlass.Constexpr[bool] = False  # batched k starts at offset_k (a left pad)
 
     @staticmethod
     def create(
@@ -53,12 +54,20 @@ class SeqlenInfo:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mLeftpadK: Optional[cute.Tensor] = None,
     ):
-        """rows_q / rows_k: the sequence mode's extent of q / k (total rows when packed)."""
+        """rows_q / rows_k: the sequence mode's extent of q / k (total rows when packed).
+        mLeftpadK (a KV cache's cache_leftpad): sequence b's keys start that many rows in, so
+        they are rows [leftpad, length) (the pad clamped into [0, length])."""
         offset_q, seqlen_q = sequence_range(batch_idx, rows_q, mCuSeqlensQ, mSeqUsedQ)
         offset_k, seqlen_k = sequence_range(batch_idx, rows_k, mCuSeqlensK, mSeqUsedK)
+        if cutlass.const_expr(mLeftpadK is not None):
+            pad = cutlass.min(cutlass.max(mLeftpadK[batch_idx], 0), seqlen_k)
+            offset_k = offset_k + pad
+            seqlen_k = seqlen_k - pad
         return SeqlenInfo(offset_q, offset_k, seqlen_q, seqlen_k,
-                          mCuSeqlensQ is not None, mCuSeqlensK is not None)
+                          mCuSeqlensQ is not None, mCuSeqlensK is not None,
+                          mLeftpadK is not None)
 
     @staticmethod
     def _head_view(mX: cute.Tensor, varlen: bool, offset, head_idx, batch_idx) -> cute.Tensor:
@@ -73,6 +82,8 @@ class SeqlenInfo:
 
     def k_view(self, mX: cute.Tensor, head_idx, batch_idx) -> cute.Tensor:
         """(seqlen_k, d) view of one head of a k-shaped tensor."""
+        if cutlass.const_expr(self.shift_k and not self.varlen_k):
+            return cute.domain_offset((self.offset_k, 0), mX[None, None, head_idx, batch_idx])
         return self._head_view(mX, self.varlen_k, self.offset_k, head_idx, batch_idx)
 
     def vt_view(self, mVt: cute.Tensor, head_idx, batch_idx) -> cute.Tensor:

@@ -1,21 +1,70 @@
 """The sm80 forward's runtime arguments, declared once (common/arguments.py says what derives
 from a declaration). `FlashFwdSm80.__call__` takes ARGUMENTS, in this order, then the stream."""
+from typing import Any, NamedTuple
+
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
 from ..common import arguments as common
-from ..common.arguments import (FLOAT32, INT32, TENSOR, VARLEN, Arg, key_side, lse_rows,
-                                query_side)
+from ..common.arguments import (FLOAT32, INT32, OPTIONAL_TENSOR, TENSOR, VARLEN, Arg, Group,
+                                fake_tensor, int32_vector, key_side, lse_rows, query_side)
+
+
+class CacheMetadata(NamedTuple):
+    """A KV cache's index tensors and the split-KV outputs (flash_attn_with_kvcache), None where
+    not used; the kernel takes them as five positional parameters."""
+    kv_batch_idx: Any = None  # int32 (b,): cache_batch_idx
+    leftpad_k: Any = None     # int32 (b,): cache_leftpad
+    page_table: Any = None    # int32 (b, max_pages): block_table
+    o_partial: Any = None     # float32 (splits, b, s_q, h, d_v)
+    lse_partial: Any = None   # float32 (splits, b, h, s_q)
+
+
+NO_CACHE = CacheMetadata()
+
+
+def _page_table(cfg, sym, align, memspace):
+    if not cfg.paged_kv:
+        return None
+    return fake_tensor(Int32, (sym["b"], cute.sym_int()), align, memspace)
+
+
+def _o_partial(cfg, sym, align, memspace):
+    if not cfg.split_kv:
+        return None
+    return fake_tensor(Float32, (sym["splits"], sym["b"], sym["sq"], sym["h"], cfg.head_dim_v),
+                       align, memspace)
+
+
+def _lse_partial(cfg, sym, align, memspace):
+    if not cfg.split_kv:
+        return None
+    return fake_tensor(Float32, (sym["splits"], sym["b"], sym["h"], sym["sq"]), align, memspace)
+
+
+CACHE = Group("cache", CacheMetadata, (
+    Arg("mKvBatchIdx", OPTIONAL_TENSOR, int32_vector("kv_batch_idx"), align=4),
+    Arg("mLeftpadK", OPTIONAL_TENSOR, int32_vector("leftpad_k"), align=4),
+    Arg("mPageTable", OPTIONAL_TENSOR, _page_table, align=4),
+    Arg("mOPartial", OPTIONAL_TENSOR, _o_partial),
+    Arg("mLSEPartial", OPTIONAL_TENSOR, _lse_partial, align=4),
+))
+assert len(CACHE.members) == len(CACHE.type._fields)
 
 ARGUMENTS = (
     Arg("mQ", TENSOR, query_side("head_dim")),
-    Arg("mK", TENSOR, key_side("head_dim")),
+    Arg("mK", TENSOR, key_side("head_dim")),      # or paged: (pages, page_size, h_k, d)
     Arg("mV", TENSOR, key_side("head_dim_v")),
     Arg("mO", TENSOR, query_side("head_dim_v")),
     Arg("mLSE", TENSOR, lse_rows, align=4),
     VARLEN,
+    CACHE,
     Arg("qhead_per_kvhead", INT32),
     Arg("score_scale", FLOAT32),          # softmax_scale, or softmax_scale / softcap
     Arg("softmax_scale_log2", FLOAT32),   # log2(e) * (softmax_scale, or softcap)
     Arg("window_left", INT32),            # 1 << 30: unbounded
     Arg("window_right", INT32),
+    Arg("num_splits", INT32),             # key ranges per tile (split_kv; else 1)
     Arg("l2_group", INT32),               # pairs per small group of the causal tile order
     Arg("l2_small_groups", INT32),        # how many small groups
 )

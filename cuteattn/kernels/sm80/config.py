@@ -10,6 +10,9 @@ window keeps two column limits per row live, and at d = 192 that spilled 4 bytes
 The preference order is FlashAttention-2's (128-row tiles; 64-key blocks past d = 64); measuring
 it on the GPU is the next step (docs/perf-log.md).
 """
+import dataclasses
+import math
+
 from .fwd import Sm80FwdConfig
 
 TILES = {  # head_dim -> [(tile_m, tile_n, num_warps), ...], preferred first
@@ -50,3 +53,31 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
             return cfg
     raise ValueError(f"no sm80 forward tile for head_dim {head_dim} fits {smem_limit} bytes of "
                      "shared memory")
+
+
+# Decoding (flash_attn_with_kvcache): a few query rows against a long cache, bound by memory.
+# 64-row tiles (4 warps) waste less on one-row queries than 128; wide key blocks keep more of
+# the cache in flight per barrier (as register room allows). A paged cache narrows the key block to a divisor of the page
+# size (one page lookup per block).
+DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
+    64: (64, 64, 4),
+    96: (64, 64, 4),
+    128: (64, 64, 4),  # 128-key blocks compiled at 255 registers on sm_80: no margin
+    192: (64, 64, 4),
+    256: (64, 16, 4),
+}
+
+
+def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
+                  has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
+                  split_kv: bool) -> Sm80FwdConfig:
+    """The decode kernel's config: batched q against a cache whose used length is seqused_k;
+    page_size 0 for a contiguous cache."""
+    tile_m, tile_n, warps = DECODE_TILES[head_dim]
+    if page_size:
+        tile_n = math.gcd(tile_n, page_size)  # pages are multiples of 16 keys
+    cfg = fwd_config(dtype, head_dim, head_dim_v, causal, local, has_softcap, False, False,
+                     has_seqused_k=True, smem_limit=1 << 30)
+    return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, num_warps=warps,
+                               kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
+                               paged_kv=page_size > 0, split_kv=split_kv)

@@ -1,4 +1,5 @@
-"""The sm80 kernel families dispatch registers (dispatch.FAMILY_MODULES): the forward."""
-from .launch import FORWARD
+"""The sm80 kernel families dispatch registers (dispatch.FAMILY_MODULES): the forward and the
+decode kernel (flash_attn_with_kvcache)."""
+from .launch import DECODE, FORWARD
 
-FAMILIES = (FORWARD,)
+FAMILIES = (FORWARD, DECODE)

@@ -53,6 +53,14 @@ class Sm80FwdConfig:
     varlen_k: bool = False
     has_seqused_q: bool = False
     has_seqused_k: bool = False
+    # KV-cache forms (flash_attn_with_kvcache): k/v rows of batch kv_batch_idx[b]; keys starting
+    # at leftpad_k[b]; k/v in pages of a cache, one page lookup per key block (tile_n divides the
+    # page size); keys in num_splits ranges written as float32 partial outputs with their LSE
+    # (merged afterwards by their LSE).
+    kv_batch_idx: bool = False
+    leftpad_k: bool = False
+    paged_kv: bool = False
+    split_kv: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -94,19 +102,31 @@ class FlashFwdSm80:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mKvBatchIdx: Optional[cute.Tensor],   # int32 (b,): the k/v batch row of sequence b
+        mLeftpadK: Optional[cute.Tensor],     # int32 (b,): where sequence b's keys start
+        mPageTable: Optional[cute.Tensor],    # int32 (b, max_pages); k/v (pages, page_size, h_k, d)
+        mOPartial: Optional[cute.Tensor],     # float32 (splits, b, s_q, h, d_v) (split_kv)
+        mLSEPartial: Optional[cute.Tensor],   # float32 (splits, b, h, s_q) (split_kv)
         qhead_per_kvhead: Int32,
         score_scale: Float32,
         softmax_scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
+        num_splits: Int32,                    # key ranges per tile (split_kv; else 1)
         l2_group: Int32,
         l2_small_groups: Int32,
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
         mQ, mO = seq_major(mQ, cfg.varlen_q), seq_major(mO, cfg.varlen_q)
+        # paged k/v (pages, page_size, h_k, d) are seen as batched with a page as the batch
         mK, mV = seq_major(mK, cfg.varlen_k), seq_major(mV, cfg.varlen_k)
         mLSE = lse_seq_major(mLSE, cfg.varlen_q)
+        if const_expr(cfg.split_kv):
+            mOPartial = cute.make_tensor(mOPartial.iterator,
+                                         cute.select(mOPartial.layout, mode=[2, 4, 3, 1, 0]))
+            mLSEPartial = cute.make_tensor(mLSEPartial.iterator,
+                                           cute.select(mLSEPartial.layout, mode=[3, 2, 1, 0]))
 
         sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d)
         sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d)
@@ -130,10 +150,14 @@ class FlashFwdSm80:
             num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
             num_tiles = num_m_blocks * num_heads * batch
 
+        if const_expr(cfg.split_kv):
+            num_tiles = num_tiles * num_splits
+
         self.kernel(
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mKvBatchIdx, mLeftpadK, mPageTable, mOPartial, mLSEPartial,
             qhead_per_kvhead, num_m_blocks, num_heads, batch, l2_group, l2_small_groups,
-            score_scale, softmax_scale_log2, window_left, window_right,
+            score_scale, softmax_scale_log2, window_left, window_right, num_splits,
             sQ_layout, sK_layout, sV_layout, SharedStorage,
         ).launch(
             grid=[num_tiles, 1, 1],
@@ -151,15 +175,22 @@ class FlashFwdSm80:
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        mKvBatchIdx: Optional[cute.Tensor], mLeftpadK: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor], mOPartial: Optional[cute.Tensor],
+        mLSEPartial: Optional[cute.Tensor],
         qhead_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
-        window_left: Int32, window_right: Int32,
+        window_left: Int32, window_right: Int32, num_splits: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
         tile, _, _ = cute.arch.block_idx()
+        split = Int32(0)
+        if const_expr(cfg.split_kv):  # a tile's splits are neighbours in the grid
+            split = tile % num_splits
+            tile = tile // num_splits
         # Tile order: causal and windowed tiles longest first (common/tile_scheduler.py); the
         # hardware hands out CTAs in index order, so the heavy tiles start first.
         lpt = cfg.causal or cfg.local
@@ -173,27 +204,42 @@ class FlashFwdSm80:
                 lpt)
         tile_valid = batch_idx < batch  # the packed grid has a few spare tiles past the end
         batch_idx = cutlass.min(batch_idx, batch - 1)
-        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0],
-                                   mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        # keys per sequence: the rows of k, or with pages all of a sequence's pages
+        rows_k = mK.shape[0]
+        if const_expr(cfg.paged_kv):
+            rows_k = mPageTable.shape[1] * mK.shape[0]
+        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], rows_k, mCuSeqlensQ, mCuSeqlensK,
+                                   mSeqUsedQ, mSeqUsedK, mLeftpadK)
+        # the k/v batch row (a cache row; clamped into the cache: memory safety)
+        kv_batch = batch_idx
+        if const_expr(cfg.kv_batch_idx):
+            kv_batch = cutlass.min(cutlass.max(mKvBatchIdx[batch_idx], 0), mK.shape[3] - 1)
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sK_layout)
         sV = storage.sV.get_tensor(sV_layout)
         if tile_valid & (m_block * self.tile_m < seqlen.seqlen_q):
-            self.attend(mQ, mK, mV, mO, mLSE, sQ, sK, sV, seqlen, m_block, head_idx,
-                        head_idx // qhead_per_kvhead, batch_idx, score_scale, softmax_scale_log2,
+            self.attend(mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
+                        seqlen, m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx,
+                        kv_batch, split, num_splits, score_scale, softmax_scale_log2,
                         window_left, window_right, tidx)
 
     @cute.jit
-    def attend(self, mQ, mK, mV, mO, mLSE, sQ, sK, sV, seqlen: SeqlenInfo, m_block, head_idx,
-               head_idx_kv, batch_idx, score_scale, softmax_scale_log2, window_left, window_right,
-               tidx):
-        """One tile: load, the key loop, the epilogue."""
+    def attend(self, mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
+               seqlen: SeqlenInfo, m_block, head_idx, head_idx_kv, batch_idx, kv_batch, split,
+               num_splits, score_scale, softmax_scale_log2, window_left, window_right, tidx):
+        """One tile (with split_kv, one key range of it): load, the key loop, the epilogue."""
         cfg = self.cfg
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
         n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+        if const_expr(cfg.split_kv):
+            # split `split` takes its share of whole key blocks (the last ones may be empty:
+            # their partial output is 0 with LSE -inf, which the merge weighs 0)
+            per_split = (n_max - n_min + num_splits - 1) // num_splits
+            n_min = n_min + split * per_split
+            n_max = cutlass.min(n_max, n_min + per_split)
         row_start = m_block * self.tile_m
 
         # Global -> shared copies (every thread takes part).
@@ -201,16 +247,21 @@ class FlashFwdSm80:
         copy_k = copy_q
         copy_v = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.dv).get_slice(tidx)
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (m_block, 0))
-        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (None, 0))
-        gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.dv), (None, 0))
         tQgQ, tQsQ = copy_q.partition_S(gQ), copy_q.partition_D(sQ)
-        tKgK, tKsK = copy_k.partition_S(gK), copy_k.partition_D(sK)
-        tVgV, tVsV = copy_v.partition_S(gV), copy_v.partition_D(sV)
+        tKsK, tVsV = copy_k.partition_D(sK), copy_v.partition_D(sV)
         tQcQ = copy_q.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
         tKcK = copy_k.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
         tVcV = copy_v.partition_S(cute.make_identity_tensor((self.tile_n, self.dv)))
-        load_k = partial(self.load_block, copy_k, tKgK, tKsK, tKcK, seqlen.seqlen_k)
-        load_v = partial(self.load_block, copy_v, tVgV, tVsV, tVcV, seqlen.seqlen_k)
+        if const_expr(cfg.paged_kv):
+            # one head of the cache, (page_size, d, pages); the sequence's row of the table
+            kv_k, kv_v = mK[None, None, head_idx_kv, None], mV[None, None, head_idx_kv, None]
+            pages = mPageTable[batch_idx, None]
+        else:
+            kv_k = seqlen.k_view(mK, head_idx_kv, kv_batch)
+            kv_v = seqlen.k_view(mV, head_idx_kv, kv_batch)
+            pages = None
+        load_k = partial(self.load_block, copy_k, kv_k, pages, tKsK, tKcK, seqlen.seqlen_k, self.d)
+        load_v = partial(self.load_block, copy_v, kv_v, pages, tVsV, tVcV, seqlen.seqlen_k, self.dv)
 
         # MMA partitions: S = Q K^T from shared memory, O += P V with P in registers.
         tiled_mma = mma.tiled_mma(self.dtype, cfg.num_warps)
@@ -258,16 +309,25 @@ class FlashFwdSm80:
         # Epilogue: rows that saw no key get O = 0 and LSE = -inf (softmax.finalize).
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
-        epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma,
-                           self.dv, row_start, seqlen.seqlen_q, self.tile_m)
-        cute.arch.barrier()  # every warp is past its reads of Q's buffer: O is staged there
-        sO = cute.make_tensor(sQ.iterator, sQ.layout)
-        epilogue.stage_o(acc_O, sO, tiled_mma, tidx, self.dtype, stmatrix=False)
-        cute.arch.barrier()
-        gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (self.tile_m, self.dv),
-                             (m_block, 0))
-        epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.dtype, self.dv,
-                         self.tile_m, self.num_threads)
+        if const_expr(cfg.split_kv):
+            # float32 partials straight from the registers (decode tiles are a few rows)
+            epilogue.store_lse(lse, epilogue.lse_view(mLSEPartial[None, None, None, split],
+                                                      seqlen, head_idx, batch_idx),
+                               thr_mma, self.dv, row_start, seqlen.seqlen_q, self.tile_m)
+            gO = cute.local_tile(seqlen.q_view(mOPartial[None, None, None, None, split], head_idx,
+                                               batch_idx), (self.tile_m, self.dv), (m_block, 0))
+            epilogue.store_acc(acc_O, gO, thr_mma, row_start, seqlen.seqlen_q, self.tile_m, self.dv)
+        else:
+            epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma,
+                               self.dv, row_start, seqlen.seqlen_q, self.tile_m)
+            cute.arch.barrier()  # every warp is past its reads of Q's buffer: O is staged there
+            sO = cute.make_tensor(sQ.iterator, sQ.layout)
+            epilogue.stage_o(acc_O, sO, tiled_mma, tidx, self.dtype, stmatrix=False)
+            cute.arch.barrier()
+            gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (self.tile_m, self.dv),
+                                 (m_block, 0))
+            epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.dtype, self.dv,
+                             self.tile_m, self.num_threads)
 
     @cute.jit
     def key_block(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
@@ -295,10 +355,22 @@ class FlashFwdSm80:
                  a_in_registers=True)
 
     @cute.jit
-    def load_block(self, thr_copy, tXgX, tXsX, tXcX, seqlen_k, n_block,
-                   bounded: cutlass.Constexpr):
-        """K or V block n_block into its shared buffer (rows past seqlen_k zeroed if `bounded`)."""
-        self.load_rows(thr_copy, tXgX[None, None, None, n_block], tXsX, tXcX,
+    def load_block(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
+                   n_block, bounded: cutlass.Constexpr):
+        """K or V block n_block into its shared buffer (rows past seqlen_k zeroed if `bounded`).
+        mX: the (keys, cols) rows of this head; or, paged, the cache's (page_size, cols, pages)
+        with `pages` the sequence's row of the page table (tile_n divides the page size, so a
+        block lies in one page: one lookup, clamped into the table and the cache)."""
+        if const_expr(self.cfg.paged_kv):
+            page_size = mX.shape[0]
+            first_key = n_block * self.tile_n
+            slot = cutlass.min(first_key // page_size, pages.shape[0] - 1)
+            page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
+            gX = cute.local_tile(mX[None, None, page], (self.tile_n, cols),
+                                 ((first_key % page_size) // self.tile_n, 0))
+        else:
+            gX = cute.local_tile(mX, (self.tile_n, cols), (n_block, 0))
+        self.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
                        seqlen_k - n_block * self.tile_n, bounded)
 
     @cute.jit

@@ -73,6 +73,10 @@ def launch_scalars(spec: AttentionSpec) -> dict:
 
 # The arguments each call passes, in the order a launch passes them.
 PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *group_names("varlen", arguments.ARGUMENTS))
+# The forward family passes no cache tensors and one split (the kernel is specialised on their
+# absence); the decode family passes both groups per call.
+NO_CACHE = dict(zip(group_names("cache", arguments.ARGUMENTS), arguments.NO_CACHE))
+DECODE_PER_CALL = PER_CALL + group_names("cache", arguments.ARGUMENTS) + ("num_splits",)
 
 
 class Launch:
@@ -83,8 +87,8 @@ class Launch:
         self.spec = spec
         self.tvm_ffi = use_tvm_ffi()
         self.fn = _compiled(sm80_config(spec), self.tvm_ffi)
-        self.bind = Binder(PER_CALL, launch_scalars(spec), arguments.ARGUMENTS,
-                           None if self.tvm_ffi else to_runtime)
+        self.bind = Binder(PER_CALL, {**launch_scalars(spec), **NO_CACHE, "num_splits": 1},
+                           arguments.ARGUMENTS, None if self.tvm_ffi else to_runtime)
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None) -> None:
@@ -92,11 +96,63 @@ class Launch:
         q, k, v = aligned16(q), aligned16(k), aligned16(v)
         out_k = aligned16(out)
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-        if self.tvm_ffi:
-            self.fn(*args)
-        else:
-            import cuda.bindings.driver as cuda
-            self.fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+        _call(self.fn, self.tvm_ffi, args, q.device)
+        if out_k is not out:
+            out.copy_(out_k)
+
+
+def _call(fn, tvm_ffi: bool, args: tuple, device) -> None:
+    if tvm_ffi:
+        fn(*args)
+    else:
+        import cuda.bindings.driver as cuda
+        fn(*args, cuda.CUstream(torch.cuda.current_stream(device).cuda_stream))
+
+
+class DecodeLaunch:
+    """Attention of batched q against a KV cache (flash_attn_with_kvcache, after the new keys
+    are appended): seqused_k holds each sequence's used length; the cache may be paged, rows
+    picked by kv_batch_idx, keys start at leftpad_k. With num_splits > 1 the keys of each tile
+    are split into that many ranges whose float32 partials are merged by their LSE."""
+
+    def __init__(self, spec: AttentionSpec):
+        from ...reference import merge_partials
+        self.spec = spec
+        self.merge = merge_partials
+        self.tvm_ffi = use_tvm_ffi()
+        self.fns = {}  # split_kv -> compiled kernel (compiled on first use)
+        scalars = dict(launch_scalars(spec))
+        self.bind = Binder(DECODE_PER_CALL, scalars, arguments.ARGUMENTS,
+                           None if self.tvm_ffi else to_runtime)
+
+    def _fn(self, split_kv: bool):
+        fn = self.fns.get(split_kv)
+        if fn is None:
+            spec = self.spec
+            cfg = config.decode_config(
+                CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal,
+                spec.local, spec.has_softcap, spec.has_kv_batch_idx, spec.has_leftpad_k,
+                spec.page_size if spec.paged_kv else 0, split_kv)
+            fn = self.fns[split_kv] = _compiled(cfg, self.tvm_ffi)
+        return fn
+
+    def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, kv_batch_idx=None,
+                 leftpad_k=None, page_table=None, num_splits: int = 1) -> None:
+        q, k_cache, v_cache = aligned16(q), aligned16(k_cache), aligned16(v_cache)
+        out_k = aligned16(out)
+        o_part = lse_part = None
+        if num_splits > 1:
+            b, sq, h = q.shape[:3]
+            o_part = torch.empty(num_splits, b, sq, h, self.spec.head_dim_v, dtype=torch.float32,
+                                 device=q.device)
+            lse_part = torch.empty(num_splits, b, h, sq, dtype=torch.float32, device=q.device)
+        args = self.bind(q, k_cache, v_cache, out_k, lse, None, None, None, seqused_k,
+                         kv_batch_idx, leftpad_k, page_table, o_part, lse_part, num_splits)
+        _call(self._fn(num_splits > 1), self.tvm_ffi, args, q.device)
+        if num_splits > 1:  # the combine: the exact merge of the splits by their LSE
+            merged, merged_lse = self.merge(o_part, lse_part)
+            out_k.copy_(merged)
+            lse.copy_(merged_lse)
         if out_k is not out:
             out.copy_(out_k)
 
@@ -129,3 +185,32 @@ class Sm80Forward:
 
 
 FORWARD = Sm80Forward()
+
+
+class Sm80Decode:
+    """The kernel family of ("sm80", "decode"): flash_attn_with_kvcache's attention (the
+    portable kernel with the cache switches; it runs on Hopper too, where it is tested)."""
+    arch, kind = ARCH, "decode"
+
+    def can_implement(self, spec: AttentionSpec) -> Optional[str]:
+        if spec.dtype not in CUTLASS_DTYPES:
+            return f"dtype {spec.dtype} is not supported by the sm80 decode kernel (fp16, bf16)"
+        if spec.head_dim not in config.DECODE_TILES or spec.head_dim_v != spec.head_dim:
+            return (f"head_dim {spec.head_dim} (v: {spec.head_dim_v}) is not supported by the sm80 "
+                    f"decode kernel (supported: equal head dims "
+                    f"{', '.join(map(str, config.DECODE_TILES))})")
+        if spec.has_sink:
+            return "learnable attention sinks: no sm80 decode kernel takes them yet"
+        if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
+            return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
+                    "sm80 decode kernel serves it yet")
+        if not GPU_VERIFIED and os.environ.get("CUTEATTN_PATH") != ARCH:
+            return ("the sm80 decode kernel has not been verified on a GPU yet: set "
+                    "CUTEATTN_PATH=sm80 to use it anyway")
+        return None
+
+    def launch(self, spec: AttentionSpec) -> DecodeLaunch:
+        return DecodeLaunch(spec)
+
+
+DECODE = Sm80Decode()
