@@ -289,7 +289,8 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             out = torch.empty(*q.shape[:3], v_cache.shape[-1], dtype=q.dtype, device=q.device)
             lse = torch.empty(batch, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
             launch(q_rot, k_cache, v_cache, out, lse, seqused_k, cache_batch_idx, cache_leftpad,
-                   block_table, _splits(num_splits, spec, q.device, capacity))
+                   block_table, _splits(num_splits, spec, q.device, capacity),
+                   learnable_sink=learnable_sink)
         return out, lse
     api._fall_back(reason, strict)
     # the reference reads the index values anyway: hold them to validate=True's rules always
@@ -352,8 +353,13 @@ def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    # the decode kernel's tiles: 64 query rows of one query head (no pack-GQA yet)
-    tiles = spec.batch * spec.nheads * -(-spec.seqlen_q // 64)
+    # the decode kernel's tiles (kernels/sm80/config.DECODE_TILES): 64 rows, which with
+    # pack-GQA (a power-of-two GQA ratio) hold every query head of a kv head
+    g = spec.qhead_per_kvhead
+    if g > 1 and 64 % g == 0:
+        tiles = spec.batch * spec.nheads_k * -(-spec.seqlen_q * g // 64)
+    else:
+        tiles = spec.batch * spec.nheads * -(-spec.seqlen_q // 64)
     return split_count(tiles, sms, -(-capacity // 128))
 
 

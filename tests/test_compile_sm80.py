@@ -36,7 +36,10 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
             # the decode kernel (flash_attn_with_kvcache): contiguous and paged caches, splits
             + [["bf16", 128, "none", "decode"], ["bf16", 128, "causal", "decode,split,bidx,leftpad"],
                ["fp16", 64, "local", "decode,page=16,split"], ["bf16", 96, "softcap", "decode,page=128"],
-               ["bf16", 192, "causal", "decode,page=32,split"], ["fp16", 256, "none", "decode,split"]])
+               ["bf16", 192, "causal", "decode,page=32,split"], ["fp16", 256, "none", "decode,split"],
+               # pack-GQA
+               ["bf16", 128, "none", "decode,split,gqa=8"], ["bf16", 128, "causal", "decode,page=16,gqa=4"],
+               ["fp16", 256, "local", "decode,split,gqa=2"], ["bf16", 64, "softcap", "decode,page=64,split,gqa=16"]])
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

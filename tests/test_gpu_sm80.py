@@ -71,7 +71,7 @@ def test_varlen_seqused(seed, mask):
 
 def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=False,
                 window=(-1, -1), softcap=0.0, rotary=None, batch_idx=False, leftpad=None,
-                dtype=torch.bfloat16):
+                dtype=torch.bfloat16, sink=False):
     """flash_attn_with_kvcache (strict: the kernel must serve it) against the reference on a
     copy of the caches: the output by FlashAttention's rule, the LSE, and the caches after the
     append compared exactly."""
@@ -104,7 +104,8 @@ def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=F
     pad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device=dev)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     low_k, low_v = k_cache.clone(), v_cache.clone()
-    kw = dict(causal=causal, window_size=window, softcap=softcap)
+    kw = dict(causal=causal, window_size=window, softcap=softcap,
+              learnable_sink=torch.randn(h, device=dev) if sink else None)
     out, lse = flash_attn_with_kvcache(
         q, k_cache, v_cache, k_new, v_new, cos, sin, lens_t, idx, pad, block_table,
         rotary_interleaved=rotary == "interleaved", num_splits=splits, return_softmax_lse=True,
@@ -132,6 +133,10 @@ DECODE_CASES = [
     (2, 5, 2, 8, 2, 192, 512, [100, 300], dict(page=32, splits=4, causal=True)),
     (3, 2, 1, 8, 2, 128, 600, [50, 200, 400], dict(batch_idx=True, leftpad=[0, 7, 399])),
     (2, 1, 1, 8, 2, 64, 256, [255, 0], dict(dtype=torch.float16, splits=8)),
+    # a GQA ratio that does not divide the tile (no pack-GQA), and learnable sinks
+    (2, 3, 1, 12, 2, 128, 300, [10, 250], dict(causal=True)),
+    (3, 1, 1, 32, 4, 128, 2048, [0, 900, 2047], dict(sink=True)),
+    (2, 2, 2, 8, 8, 64, 512, [100, 400], dict(sink=True, splits=3, page=16, causal=True)),
 ]
 
 

@@ -122,13 +122,13 @@ def decode_spec(**kw):
 def test_decode_serves_the_cache_forms():
     for form in (dict(), dict(paged_kv=True, page_size=16), dict(has_kv_batch_idx=True),
                  dict(has_leftpad_k=True), dict(causal=True, paged_kv=True, page_size=256),
-                 dict(local=True, window_left=64, window_right=0), dict(has_softcap=True, softcap=5.0)):
+                 dict(local=True, window_left=64, window_right=0), dict(has_softcap=True, softcap=5.0),
+                 dict(has_sink=True)):
         assert sm80_launch.DECODE.can_implement(decode_spec(**form)) is None, form
 
 
 @pytest.mark.parametrize("fields,reason", [
     (dict(head_dim=80, head_dim_v=80), "head_dim 80 (v: 80) is not supported by the sm80 decode kernel"),
-    (dict(has_sink=True), "learnable attention sinks: no sm80 decode kernel takes them yet"),
     (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm80 decode kernel"),
 ])
 def test_decode_reasons(fields, reason):
@@ -158,7 +158,7 @@ def test_kvcache_dispatches_to_the_decode_family(monkeypatch):
 
     class Recorder:
         def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, kv_batch_idx, leftpad,
-                     page_table, num_splits):
+                     page_table, num_splits, learnable_sink=None):
             seen.update(q=q, seqused_k=seqused_k, page_table=page_table, splits=num_splits)
             out.zero_()
             lse.zero_()
@@ -182,3 +182,12 @@ def test_kvcache_dispatches_to_the_decode_family(monkeypatch):
     # the new key of sequence 0 at position 3: page table[0][0] = 3, row 3; of sequence 1 at
     # position 40: page table[1][40 // 16] = 4, row 40 % 16 = 8
     assert torch.equal(k_cache[3, 3], k[0, 0]) and torch.equal(k_cache[4, 8], k[1, 0])
+
+
+@pytest.mark.parametrize("ratio,group", [(1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (64, 64),
+                                         (6, 1), (7, 1), (128, 1)])
+def test_pack_gqa_group(ratio, group):
+    """Every query head of a kv head shares a 64-row decode tile when the ratio divides it."""
+    cfg = config.decode_config(cutlass.BFloat16, 128, 128, False, False, False, False, False, 0,
+                               False, ratio)
+    assert cfg.pack_gqa == group and cfg.tile_m % group == 0

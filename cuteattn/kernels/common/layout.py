@@ -69,3 +69,16 @@ def transposed_view(t: cute.Tensor) -> cute.Tensor:
     (d, keys) B operand of P V this way, with a transposing ldmatrix."""
     rows, cols = t.shape
     return cute.composition(t, cute.make_ordered_layout((cols, rows), order=(1, 0)))
+
+
+def pack_heads_into_rows(t: cute.Tensor, group: int, head_mode: int) -> cute.Tensor:
+    """Pack-GQA's view of a sequence-major tensor (mode 0: the sequence; `head_mode`: the query
+    heads): the `group` query heads that share a kv head become rows, (group, seqlen) with the
+    head fastest, and the head mode counts kv heads. Packed row p of kv head j is query head
+    j * group + p % group at position p // group. A view: no data moves."""
+    s, d = t.layout.shape, t.layout.stride
+    shape = [(group, s[0])] + list(s[1:])
+    stride = [(d[head_mode], d[0])] + list(d[1:])
+    shape[head_mode] = s[head_mode] // group
+    stride[head_mode] = d[head_mode] * group
+    return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))

@@ -7,12 +7,17 @@ from cutlass import Float32, Int32
 @cute.jit
 def apply_mask(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32, col_start: Int32,
                seqlen_q: Int32, seqlen_k: Int32, window_left: Int32, window_right: Int32,
-               causal: cutlass.Constexpr, local: cutlass.Constexpr):
+               causal: cutlass.Constexpr, local: cutlass.Constexpr,
+               rows_per_query: cutlass.Constexpr = 1):
     """Sets masked scores to -inf. `acc_mn` is a (rows, cols) view of the accumulator and
-    `coord_mn` the matching view of the tile's identity tensor, giving (row, col) in the tile."""
+    `coord_mn` the matching view of the tile's identity tensor, giving (row, col) in the tile.
+    rows_per_query > 1: pack-GQA's rows (that many query heads per position), row r being
+    query position r // rows_per_query."""
     off = seqlen_k - seqlen_q
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         row = row_start + coord_mn[r, 0][0]
+        if cutlass.const_expr(rows_per_query > 1):
+            row = row // rows_per_query
         col_hi = seqlen_k - col_start  # exclusive, relative to the tile
         if cutlass.const_expr(causal):
             col_hi = cutlass.min(col_hi, row + off + 1 - col_start)

@@ -68,11 +68,20 @@ DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
 }
 
 
+def pack_gqa_group(qhead_per_kvhead: int, tile_m: int) -> int:
+    """The pack-GQA group of a decode tile: all query heads of a kv head as rows of one tile
+    when their count divides the tile's rows (a power of two up to tile_m), else 1 (no
+    packing: each query head its own tiles, the kv head's K/V read once per query head)."""
+    g = qhead_per_kvhead
+    return g if g > 1 and tile_m % g == 0 else 1
+
+
 def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
-                  split_kv: bool) -> Sm80FwdConfig:
+                  split_kv: bool, qhead_per_kvhead: int = 1) -> Sm80FwdConfig:
     """The decode kernel's config: batched q against a cache whose used length is seqused_k;
-    page_size 0 for a contiguous cache."""
+    page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
+    constant: one kernel per ratio that packs)."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     if page_size:
         tile_n = math.gcd(tile_n, page_size)  # pages are multiples of 16 keys
@@ -80,4 +89,5 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                      has_seqused_k=True, smem_limit=1 << 30)
     return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, num_warps=warps,
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
-                               paged_kv=page_size > 0, split_kv=split_kv)
+                               paged_kv=page_size > 0, split_kv=split_kv,
+                               pack_gqa=pack_gqa_group(qhead_per_kvhead, tile_m))

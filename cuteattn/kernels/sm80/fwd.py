@@ -27,8 +27,8 @@ from cutlass import Float32, Int32, const_expr
 from ..common import epilogue
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
-from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
-                             transposed_view)
+from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major,
+                             pack_heads_into_rows, seq_major, transposed_view)
 from ..common.mask import apply_mask
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
@@ -61,6 +61,9 @@ class Sm80FwdConfig:
     leftpad_k: bool = False
     paged_kv: bool = False
     split_kv: bool = False
+    # Pack-GQA: the query heads sharing a kv head (this many, a divisor of tile_m) are rows of
+    # one tile, so a tile reads its K/V once for all of them (decoding: one query row per head).
+    pack_gqa: int = 1
 
     @property
     def num_threads(self) -> int:
@@ -77,6 +80,7 @@ class FlashFwdSm80:
         assert cfg.head_dim == cfg.head_dim_v, "head_dim_v != head_dim is not supported yet"
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
         assert cfg.tile_m % (mma.MMA_ROWS * cfg.num_warps) == 0
+        assert cfg.tile_m % cfg.pack_gqa == 0 and not (cfg.pack_gqa > 1 and cfg.varlen_q)
         # every copy pass of the loads (and of the O store) lies inside the tile
         for rows, cols in ((cfg.tile_m, cfg.head_dim), (cfg.tile_n, cfg.head_dim),
                            (cfg.tile_n, cfg.head_dim_v)):
@@ -86,6 +90,8 @@ class FlashFwdSm80:
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.num_threads = cfg.num_threads
+        self.group = cfg.pack_gqa      # query rows per query position (pack-GQA)
+        self.tile_q = cfg.tile_m // cfg.pack_gqa  # query positions per tile
 
     # ------------------------------------------------------------------------------------------
     # Host side. The argument list is declared once, in arguments.py.
@@ -127,6 +133,12 @@ class FlashFwdSm80:
                                          cute.select(mOPartial.layout, mode=[2, 4, 3, 1, 0]))
             mLSEPartial = cute.make_tensor(mLSEPartial.iterator,
                                            cute.select(mLSEPartial.layout, mode=[3, 2, 1, 0]))
+        if const_expr(self.group > 1):  # rows (query head in group, position); heads: kv heads
+            mQ, mO = (pack_heads_into_rows(t, self.group, 2) for t in (mQ, mO))
+            mLSE = pack_heads_into_rows(mLSE, self.group, 1)
+            if const_expr(cfg.split_kv):
+                mOPartial = pack_heads_into_rows(mOPartial, self.group, 2)
+                mLSEPartial = pack_heads_into_rows(mLSEPartial, self.group, 1)
 
         sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d)
         sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d)
@@ -139,7 +151,7 @@ class FlashFwdSm80:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
-        num_heads = mQ.shape[2]
+        num_heads = mQ.shape[2]  # kv heads with pack-GQA
         if const_expr(cfg.varlen_q):
             batch = mCuSeqlensQ.shape[0] - 1
             # an upper bound on the packed query blocks (tile_scheduler.varlen_tile_coord)
@@ -147,7 +159,7 @@ class FlashFwdSm80:
             num_tiles = num_m_blocks * num_heads
         else:
             batch = mQ.shape[3]
-            num_m_blocks = (mQ.shape[0] + self.tile_m - 1) // self.tile_m
+            num_m_blocks = (cute.size(mQ, mode=[0]) + self.tile_m - 1) // self.tile_m
             num_tiles = num_m_blocks * num_heads * batch
 
         if const_expr(cfg.split_kv):
@@ -199,16 +211,18 @@ class FlashFwdSm80:
             m_block, batch_idx = varlen_tile_coord(tile % num_m_blocks, mCuSeqlensQ, mSeqUsedQ,
                                                    batch, mQ.shape[0], self.tile_m, lpt)
         else:
+            # (with pack-GQA a tile's head is a kv head: nothing to group for L2)
             m_block, head_idx, batch_idx = fixed_tile_coord(
-                tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
-                lpt)
+                tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups,
+                qhead_per_kvhead if const_expr(self.group == 1) else 1, lpt)
         tile_valid = batch_idx < batch  # the packed grid has a few spare tiles past the end
         batch_idx = cutlass.min(batch_idx, batch - 1)
         # keys per sequence: the rows of k, or with pages all of a sequence's pages
         rows_k = mK.shape[0]
         if const_expr(cfg.paged_kv):
             rows_k = mPageTable.shape[1] * mK.shape[0]
-        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], rows_k, mCuSeqlensQ, mCuSeqlensK,
+        rows_q = mQ.shape[0] if const_expr(self.group == 1) else mQ.shape[0][1]  # positions
+        seqlen = SeqlenInfo.create(batch_idx, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK,
                                    mSeqUsedQ, mSeqUsedK, mLeftpadK)
         # the k/v batch row (a cache row; clamped into the cache: memory safety)
         kv_batch = batch_idx
@@ -219,9 +233,10 @@ class FlashFwdSm80:
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sK_layout)
         sV = storage.sV.get_tensor(sV_layout)
-        if tile_valid & (m_block * self.tile_m < seqlen.seqlen_q):
+        head_idx_kv = head_idx // qhead_per_kvhead if const_expr(self.group == 1) else head_idx
+        if tile_valid & (m_block * self.tile_q < seqlen.seqlen_q):
             self.attend(mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
-                        seqlen, m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx,
+                        seqlen, m_block, head_idx, head_idx_kv, batch_idx,
                         kv_batch, split, num_splits, score_scale, softmax_scale_log2,
                         window_left, window_right, tidx)
 
@@ -231,7 +246,9 @@ class FlashFwdSm80:
                num_splits, score_scale, softmax_scale_log2, window_left, window_right, tidx):
         """One tile (with split_kv, one key range of it): load, the key loop, the epilogue."""
         cfg = self.cfg
-        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
+        # the block geometry is over query positions (tile_q of them per tile with pack-GQA);
+        # loads, stores and the element mask over the tile's rows
+        block_info = BlockInfo(self.tile_q, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
         n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
         if const_expr(cfg.split_kv):
@@ -240,7 +257,9 @@ class FlashFwdSm80:
             per_split = (n_max - n_min + num_splits - 1) // num_splits
             n_min = n_min + split * per_split
             n_max = cutlass.min(n_max, n_min + per_split)
-        row_start = m_block * self.tile_m
+        row_start = m_block * self.tile_m  # the tile's first row (packed with pack-GQA)
+        q_start = m_block * self.tile_q    # its first query position
+        rows_q = seqlen.seqlen_q * self.group  # the sequence's rows
 
         # Global -> shared copies (every thread takes part).
         copy_q = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
@@ -289,18 +308,19 @@ class FlashFwdSm80:
             coord_S_mn=coord_S_mn, tOrP=tOrP, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
             tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v)
         block = partial(self.key_block, ops=ops, softmax=softmax, load_k=load_k, load_v=load_v,
-                        block_info=block_info, seqlen=seqlen, row_start=row_start, n_min=n_min,
+                        block_info=block_info, seqlen=seqlen, row_start=row_start,
+                        q_start=q_start, n_min=n_min,
                         score_scale=score_scale, window_left=window_left,
                         window_right=window_right)
 
         if n_max > n_min:
             # Q and the first (top) key block, bounded by the sequence ends.
-            self.load_rows(copy_q, tQgQ, tQsQ, tQcQ, seqlen.seqlen_q - row_start, True)
+            self.load_rows(copy_q, tQgQ, tQsQ, tQcQ, rows_q - row_start, True)
             load_k(n_max - 1, True)
             cute.arch.cp_async_commit_group()
             block(n_max - 1, mask=None, top=True)
-            runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
-                                             self.tile_m, n_min, n_max)
+            runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, q_start,
+                                             self.tile_q, n_min, n_max)
             for run in cutlass.range_constexpr(len(runs)):
                 first, stop, mask = runs[run]
                 for i in cutlass.range(first, stop, unroll=1):
@@ -313,25 +333,25 @@ class FlashFwdSm80:
             # float32 partials straight from the registers (decode tiles are a few rows)
             epilogue.store_lse(lse, epilogue.lse_view(mLSEPartial[None, None, None, split],
                                                       seqlen, head_idx, batch_idx),
-                               thr_mma, self.dv, row_start, seqlen.seqlen_q, self.tile_m)
+                               thr_mma, self.dv, row_start, rows_q, self.tile_m)
             gO = cute.local_tile(seqlen.q_view(mOPartial[None, None, None, None, split], head_idx,
                                                batch_idx), (self.tile_m, self.dv), (m_block, 0))
-            epilogue.store_acc(acc_O, gO, thr_mma, row_start, seqlen.seqlen_q, self.tile_m, self.dv)
+            epilogue.store_acc(acc_O, gO, thr_mma, row_start, rows_q, self.tile_m, self.dv)
         else:
             epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma,
-                               self.dv, row_start, seqlen.seqlen_q, self.tile_m)
+                               self.dv, row_start, rows_q, self.tile_m)
             cute.arch.barrier()  # every warp is past its reads of Q's buffer: O is staged there
             sO = cute.make_tensor(sQ.iterator, sQ.layout)
             epilogue.stage_o(acc_O, sO, tiled_mma, tidx, self.dtype, stmatrix=False)
             cute.arch.barrier()
             gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (self.tile_m, self.dv),
                                  (m_block, 0))
-            epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.dtype, self.dv,
+            epilogue.store_o(sO, gO, row_start, rows_q, tidx, self.dtype, self.dv,
                              self.tile_m, self.num_threads)
 
     @cute.jit
     def key_block(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
-                  block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_min, score_scale,
+                  block_info: BlockInfo, seqlen: SeqlenInfo, row_start, q_start, n_min, score_scale,
                   window_left, window_right, mask: cutlass.Constexpr, top: cutlass.Constexpr):
         """One key block (K[n_block] has landed or is in flight): V loads under S = Q K^T, the
         next K under O += P V. `mask` as in scores_to_probs; `top`: the first block visited, the
@@ -343,7 +363,8 @@ class FlashFwdSm80:
         ops.acc_S.fill(0.0)
         mma.gemm(ops.tiled_mma, ops.acc_S, ops.tSrQ, ops.tSrK, ops.tSsQ, ops.tSsK, ops.ld_q, ops.ld_k)
         self.scores_to_probs(ops.acc_S, ops.acc_S_mn, ops.coord_S_mn, softmax, block_info, seqlen,
-                             row_start, n_block, score_scale, window_left, window_right, mask)
+                             row_start, q_start, n_block, score_scale, window_left, window_right,
+                             mask)
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()  # V visible to all; every warp is past its reads of K
         if n_block > n_min:
@@ -389,7 +410,7 @@ class FlashFwdSm80:
 
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
-                        block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
+                        block_info: BlockInfo, seqlen: SeqlenInfo, row_start, q_start, n_block,
                         score_scale, window_left, window_right, mask: cutlass.Constexpr):
         """softcap, mask and online softmax of one score block (probabilities left in acc_S).
         mask: True or False when the block iterator knows whether the block needs the element
@@ -399,9 +420,9 @@ class FlashFwdSm80:
             softcap_scores(acc_S, score_scale)
         apply = lambda: apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
                                    seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
-                                   cfg.causal, cfg.local)
+                                   cfg.causal, cfg.local, self.group)
         if const_expr(mask is None):
-            if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, self.tile_m,
+            if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, q_start, self.tile_q,
                                      n_block):
                 apply()
         elif const_expr(mask):

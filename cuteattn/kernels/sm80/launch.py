@@ -113,7 +113,9 @@ class DecodeLaunch:
     """Attention of batched q against a KV cache (flash_attn_with_kvcache, after the new keys
     are appended): seqused_k holds each sequence's used length; the cache may be paged, rows
     picked by kv_batch_idx, keys start at leftpad_k. With num_splits > 1 the keys of each tile
-    are split into that many ranges whose float32 partials are merged by their LSE."""
+    are split into that many ranges whose float32 partials are merged by their LSE. A learnable
+    sink joins that merge (counted once, as one more term of the LSE), so a call with a sink
+    takes the partial-output path even with one split."""
 
     def __init__(self, spec: AttentionSpec):
         from ...reference import merge_partials
@@ -132,25 +134,27 @@ class DecodeLaunch:
             cfg = config.decode_config(
                 CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal,
                 spec.local, spec.has_softcap, spec.has_kv_batch_idx, spec.has_leftpad_k,
-                spec.page_size if spec.paged_kv else 0, split_kv)
+                spec.page_size if spec.paged_kv else 0, split_kv, spec.qhead_per_kvhead)
             fn = self.fns[split_kv] = _compiled(cfg, self.tvm_ffi)
         return fn
 
     def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, kv_batch_idx=None,
-                 leftpad_k=None, page_table=None, num_splits: int = 1) -> None:
+                 leftpad_k=None, page_table=None, num_splits: int = 1,
+                 learnable_sink=None) -> None:
         q, k_cache, v_cache = aligned16(q), aligned16(k_cache), aligned16(v_cache)
         out_k = aligned16(out)
         o_part = lse_part = None
-        if num_splits > 1:
+        partials = num_splits > 1 or learnable_sink is not None
+        if partials:
             b, sq, h = q.shape[:3]
             o_part = torch.empty(num_splits, b, sq, h, self.spec.head_dim_v, dtype=torch.float32,
                                  device=q.device)
             lse_part = torch.empty(num_splits, b, h, sq, dtype=torch.float32, device=q.device)
         args = self.bind(q, k_cache, v_cache, out_k, lse, None, None, None, seqused_k,
                          kv_batch_idx, leftpad_k, page_table, o_part, lse_part, num_splits)
-        _call(self._fn(num_splits > 1), self.tvm_ffi, args, q.device)
-        if num_splits > 1:  # the combine: the exact merge of the splits by their LSE
-            merged, merged_lse = self.merge(o_part, lse_part)
+        _call(self._fn(partials), self.tvm_ffi, args, q.device)
+        if partials:  # the combine: the exact merge of the splits (and the sink) by their LSE
+            merged, merged_lse = self.merge(o_part, lse_part, learnable_sink)
             out_k.copy_(merged)
             lse.copy_(merged_lse)
         if out_k is not out:
@@ -199,8 +203,6 @@ class Sm80Decode:
             return (f"head_dim {spec.head_dim} (v: {spec.head_dim_v}) is not supported by the sm80 "
                     f"decode kernel (supported: equal head dims "
                     f"{', '.join(map(str, config.DECODE_TILES))})")
-        if spec.has_sink:
-            return "learnable attention sinks: no sm80 decode kernel takes them yet"
         if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
             return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
                     "sm80 decode kernel serves it yet")
