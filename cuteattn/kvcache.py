@@ -10,8 +10,10 @@ all of it, with the usual FallbackWarning (strict mode raises).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+import os
 
 import torch
 
@@ -277,7 +279,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     if fp8:
         launch, reason = None, "an fp8 KV cache: no decode kernel reads one yet"
     else:
-        launch, reason = api._select_kernel(spec, q.device)
+        launch, reason = _decode_launch(spec, q.device)
     if launch is not None:
         if validate:
             _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -305,6 +307,27 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             learnable_sink=learnable_sink, descales=descales,
             num_splits=_splits(num_splits, spec, q.device, capacity))
     return out.to(q.dtype), lse
+
+
+# Decode steps repeat one spec (shapes, lengths class, flags) call after call: the launch made
+# for it is kept (with the kernel path variable, which changes the choice), so a step costs no
+# kernel choice or launch setup. Only served specs are kept: reasons are re-derived (and warned
+# about once) every time.
+_decode_launches: dict = {}
+_DECODE_LAUNCHES_MAX = 256
+
+
+def _decode_launch(spec: AttentionSpec, device):
+    key = (spec, os.environ.get("CUTEATTN_PATH"))
+    launch = _decode_launches.get(key)
+    if launch is not None:
+        return launch, None
+    launch, reason = api._select_kernel(spec, device)
+    if launch is not None:
+        if len(_decode_launches) >= _DECODE_LAUNCHES_MAX:
+            _decode_launches.clear()
+        _decode_launches[key] = launch
+    return launch, reason
 
 
 def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
@@ -363,14 +386,31 @@ def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
     return split_count(tiles, sms, -(-capacity // 128))
 
 
+def _check_paged_lengths(cu_seqlens_k, seqused_k, block_table, page: int, capacity: int,
+                         num_pages: int):
+    """The paged prefill's index values (a sync): each sequence's key length fits its pages,
+    and the pages it uses are in the cache. Returns (used lengths, the table) as lists."""
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    used = seqused_k.tolist() if seqused_k is not None else lengths
+    table = block_table.tolist()
+    for b, n in enumerate(used):
+        if not 0 <= n <= min(lengths[b], capacity) or lengths[b] > capacity:
+            raise ValueError(f"sequence {b}: its key length ({lengths[b]}, used {n}) must fit its "
+                             f"pages ({capacity} keys)")
+        if any(not 0 <= p < num_pages for p in table[b][: (n + page - 1) // page]):
+            raise ValueError(f"block_table[{b}] holds a page outside the cache's {num_pages}")
+    return used, table
+
+
 def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  block_table, softmax_scale, causal, window_size, softcap, seqused_q, seqused_k,
                  learnable_sink, validate, strict):
     """flash_attn_varlen_func with FlashAttention's block_table= (paged prefill): packed q with
     cu_seqlens_q; keys of sequence b at positions [0, its length) of its pages, the lengths from
     cu_seqlens_k (and seqused_k). Returns (out (total_q, h, d), lse (h, total_q)). Inference
-    only; computed by the reference (keys gathered from the pages) until a kernel serves it,
-    which reads the index values and checks them whatever `validate` says."""
+    only. Where a kernel serves it (the sm80 forward's paged form) it reads the pages itself and
+    the index values are checked with validate=True; otherwise the reference gathers the keys
+    from the pages and always checks the values."""
     if not isinstance(cu_seqlens_q, torch.Tensor) or not isinstance(cu_seqlens_k, torch.Tensor):
         raise ValueError("block_table needs cu_seqlens_q and cu_seqlens_k (packed q; the key "
                          "lengths of the paged sequences)")
@@ -398,24 +438,33 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                          window_size=window_size, softcap=softcap, varlen_q=True, varlen_k=True,
                          has_seqused_q=seqused_q is not None, has_seqused_k=seqused_k is not None,
                          batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, paged_kv=True)
-    spec = _checks.with_sink(spec, learnable_sink, q)
+    spec = dataclasses.replace(_checks.with_sink(spec, learnable_sink, q), page_size=page)
     launch, reason = api._select_kernel(spec, q.device)
     if launch is not None:
-        raise AssertionError("a paged varlen kernel was selected but no launch path exists yet")
+        if validate:
+            _check_paged_lengths(cu_seqlens_k, seqused_k, block_table, page, capacity,
+                                 k_cache.shape[0])
+            # (the keys are in pages, not packed: cu_seqlens_k's end is its own total)
+            _checks.check_varlen_values(cu_seqlens_q, cu_seqlens_k, q.shape[0],
+                                        int(cu_seqlens_k[-1]), max_seqlen_q, max_seqlen_k,
+                                        seqused_q, seqused_k)
+        # the kernel reads each sequence's keys from position 0 of its pages: their count is
+        # seqused_k, or the cu_seqlens_k difference (on the device, no sync)
+        used_k = seqused_k if seqused_k is not None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).int()
+        out = torch.empty(*q.shape[:2], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        with torch.no_grad():
+            launch(q, k_cache, v_cache, out, lse, cu_seqlens_q, None, seqused_q, used_k,
+                   page_table=block_table)
+        return out, lse
     api._fall_back(reason, strict)
     # the reference reads the lengths anyway: hold them to the rules (validate=True's and more)
-    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-    used = seqused_k.tolist() if seqused_k is not None else lengths
-    table = block_table.tolist()
+    used, table = _check_paged_lengths(cu_seqlens_k, seqused_k, block_table, page, capacity,
+                                       k_cache.shape[0])
     keys, values, starts = [], [], [0]
     for b in range(batch):
         n = used[b]
-        if not 0 <= n <= min(lengths[b], capacity) or lengths[b] > capacity:
-            raise ValueError(f"sequence {b}: its key length ({lengths[b]}, used {n}) must fit its "
-                             f"pages ({capacity} keys)")
         pages = table[b][: (n + page - 1) // page]
-        if any(not 0 <= p < k_cache.shape[0] for p in pages):
-            raise ValueError(f"block_table[{b}] holds a page outside the cache's {k_cache.shape[0]}")
         index = torch.tensor(pages, dtype=torch.long, device=q.device)
         keys.append(k_cache[index].reshape(-1, *k_cache.shape[2:])[:n])
         values.append(v_cache[index].reshape(-1, *v_cache.shape[2:])[:n])

@@ -10,6 +10,9 @@ Groups of cases (each case a few calls of a few hundred tokens at most, racechec
   bwd     the backward (dq, dk, dv through autograd), d 64/96/128 with the fixed group's masks,
           deterministic, varlen with seqused
   bad     tests/test_gpu_guard.py's bad metadata (validate=False) on its three configs
+  portable  the mma.sync path (CUTEATTN_PATH=sm80): the fixed group's forward cases, varlen with
+          seqused, the decode kernel's cases (tests/test_gpu_sm80.DECODE_CASES), a paged
+          prefill, and the bad-metadata cases
 The parent first runs every group once without the sanitizer (in parallel), so that each kernel is
 compiled and stored in the disk cache (the compile step makes CUDA API calls the sanitizer would
 report); then, per tool, one `compute-sanitizer --tool X --error-exitcode 1 python3 THIS --child
@@ -95,7 +98,36 @@ def cases() -> dict:
     for i, cfg in enumerate(g.BAD_CONFIGS):
         for name, case in g.BAD_CASES.items():
             out[f"bad{i}_{name}"] = lambda case=case, cfg=cfg: g.run_bad(case, **cfg)
+    # the portable (mma.sync) path, chosen with CUTEATTN_PATH=sm80: the forward, the decode
+    # kernel (flash_attn_with_kvcache), the paged prefill, and the bad-metadata cases
+    import test_gpu_sm80 as ts
+    for d in (64, 96, 128, 192, 256):
+        for mask, kw in fixed_masks.items():
+            (h, hk), (sq, sk) = heads[mask], sizes[mask]
+            out[f"portable_fixed_d{d}_{mask}"] = _on_sm80(
+                lambda d=d, h=h, hk=hk, sq=sq, sk=sk, kw=kw: g.good_fixed(bf16, d, h, hk, sq, sk, b=1, **kw))
+    out["portable_varlen_d128_window_seqused"] = _on_sm80(lambda: g.good_varlen(
+        128, 8, 2, lens_q=lens_q, lens_k=lens_k, used_q=[0, 1, 10, 0, 129, 300],
+        used_k=[5, 0, 0, 100, 1, 700], window_size=(64, 0)))
+    for i, case in enumerate(ts.DECODE_CASES):
+        b, sq, s_new, h, hk, d, cap, lens, extra = case
+        out[f"portable_decode{i}"] = _on_sm80(lambda a=case[:8], extra=extra: ts.run_kvcache(*a, **extra))
+    out["portable_paged_prefill_causal"] = _on_sm80(lambda: ts.test_paged_prefill(0, 16, True))
+    for i, cfg in enumerate(g.BAD_CONFIGS):
+        for name, case in g.BAD_CASES.items():
+            out[f"portable_bad{i}_{name}"] = _on_sm80(lambda case=case, cfg=cfg: g.run_bad(case, **cfg))
     return out
+
+
+def _on_sm80(fn):
+    """fn run with CUTEATTN_PATH=sm80 (the portable path serves every call)."""
+    def run():
+        os.environ["CUTEATTN_PATH"] = "sm80"
+        try:
+            fn()
+        finally:
+            del os.environ["CUTEATTN_PATH"]
+    return run
 
 
 def _bwd_fixed(tb, dtype, d, h, hk, sq, sk, **kw):
@@ -208,7 +240,7 @@ def main() -> int:
     ap.add_argument("--no-guards", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tool", choices=TOOLS + ("all",), default="all",
                     help="all = " + ", ".join(ALL_TOOLS))
-    ap.add_argument("--groups", default="fixed,varlen,bwd,bad", help="comma-separated subset")
+    ap.add_argument("--groups", default="fixed,varlen,bwd,bad,portable", help="comma-separated subset")
     ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
     ap.add_argument("--jobs", type=int, default=3, help="processes at once (warm-up and sanitizer)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="log directory (default $OUT)")

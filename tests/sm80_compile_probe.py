@@ -2,7 +2,7 @@
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
 form: varlen (a bool) for the forward, or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G]"
-for the decode kernel.
+for the decode kernel ("decode,page=N,varlen": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
 import re
@@ -27,7 +27,8 @@ def main():
         if isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
             flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
             cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
-                                int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)))
+                                int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
+                                varlen_q="varlen" in flags, has_seqused_q="varlen" in flags)
         else:  # the forward, varlen or not
             cfg = fwd_config(DTYPES[dtype], d, d, *masks, form, form, smem_limit=smem)
         compiled, info = compile_fwd_with_report(cfg, keep_ptx=True)

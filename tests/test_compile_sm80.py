@@ -39,7 +39,10 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 192, "causal", "decode,page=32,split"], ["fp16", 256, "none", "decode,split"],
                # pack-GQA
                ["bf16", 128, "none", "decode,split,gqa=8"], ["bf16", 128, "causal", "decode,page=16,gqa=4"],
-               ["fp16", 256, "local", "decode,split,gqa=2"], ["bf16", 64, "softcap", "decode,page=64,split,gqa=16"]])
+               ["fp16", 256, "local", "decode,split,gqa=2"], ["bf16", 64, "softcap", "decode,page=64,split,gqa=16"],
+               # 16-key blocks of d = 96 (two warps), and the paged prefill (packed q)
+               ["bf16", 96, "causal", "decode,page=16,gqa=4"], ["bf16", 128, "causal", "decode,page=16,varlen"],
+               ["fp16", 192, "local", "decode,page=128,varlen"]])
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

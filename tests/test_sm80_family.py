@@ -89,8 +89,8 @@ def test_launch_scalars_match_the_kernel_arguments():
     scalars = sm80_launch.launch_scalars(make_spec(causal=True))
     every = {a.name for a in arguments.common.flat(arguments.ARGUMENTS)}
     assert set(scalars) | {"num_splits"} == {a.name for a in arguments.SCALARS}
-    # the forward fixes the cache tensors (absent) and one split; the decode passes them
-    assert set(sm80_launch.PER_CALL) | set(scalars) | set(sm80_launch.NO_CACHE) | {"num_splits"} == every
+    # the forward fixes one split; the decode kernel passes the split count per call
+    assert set(sm80_launch.PER_CALL) | set(scalars) | {"num_splits"} == every
     assert set(sm80_launch.DECODE_PER_CALL) | set(scalars) == every
 
 
@@ -145,9 +145,11 @@ def test_decode_unverified_serves_only_when_asked_for(monkeypatch):
 @pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
 def test_decode_key_blocks_divide_the_page(page, d):
     """A paged key block lies inside one page (one lookup per block)."""
+    from cuteattn.kernels.sm80.fwd import FlashFwdSm80
     cfg = config.decode_config(cutlass.BFloat16, d, d, False, False, False, False, False, page, True)
     assert page % cfg.tile_n == 0 and cfg.tile_n % 16 == 0 and cfg.paged_kv and cfg.split_kv
     assert cfg.has_seqused_k and not cfg.varlen_q and not cfg.varlen_k
+    FlashFwdSm80(cfg)  # its copy passes fit the tile (asserted at construction)
 
 
 def test_kvcache_dispatches_to_the_decode_family(monkeypatch):
@@ -167,7 +169,9 @@ def test_kvcache_dispatches_to_the_decode_family(monkeypatch):
         seen["spec"] = spec
         return Recorder(), None
 
+    from cuteattn import kvcache
     monkeypatch.setattr(api, "_select_kernel", select)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})  # (kept launches stay with this test)
     q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
     k_cache = torch.randn(6, 16, 2, 64, dtype=torch.bfloat16)
     table = torch.tensor([[3, 1, 5], [0, 2, 4]], dtype=torch.int32)
@@ -182,6 +186,11 @@ def test_kvcache_dispatches_to_the_decode_family(monkeypatch):
     # the new key of sequence 0 at position 3: page table[0][0] = 3, row 3; of sequence 1 at
     # position 40: page table[1][40 // 16] = 4, row 40 % 16 = 8
     assert torch.equal(k_cache[3, 3], k[0, 0]) and torch.equal(k_cache[4, 8], k[1, 0])
+    # a second step reuses the launch made for the spec: no second kernel choice
+    seen.pop("spec")
+    flash_attn_with_kvcache(q, k_cache, k_cache.clone(), k, k, cache_seqlens=torch.tensor(
+        [4, 41], dtype=torch.int32), block_table=table, causal=True, num_splits=4)
+    assert "spec" not in seen and seen["seqused_k"].tolist() == [5, 42]
 
 
 @pytest.mark.parametrize("ratio,group", [(1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (64, 64),
@@ -191,3 +200,47 @@ def test_pack_gqa_group(ratio, group):
     cfg = config.decode_config(cutlass.BFloat16, 128, 128, False, False, False, False, False, 0,
                                False, ratio)
     assert cfg.pack_gqa == group and cfg.tile_m % group == 0
+
+
+@pytest.mark.parametrize("page", [16, 48, 128])
+@pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
+def test_paged_prefill_is_served_with_key_blocks_inside_pages(page, d):
+    """flash_attn_varlen_func(block_table=): packed q, keys in pages (lengths as seqused_k)."""
+    from cuteattn.kernels.sm80.fwd import FlashFwdSm80
+    spec = make_spec(head_dim=d, head_dim_v=d, varlen_q=True, varlen_k=True, paged_kv=True,
+                     page_size=page, causal=True)
+    assert sm80_launch.FORWARD.can_implement(spec) is None
+    cfg = sm80_launch.sm80_config(spec)
+    assert cfg.paged_kv and cfg.varlen_q and not cfg.varlen_k and cfg.has_seqused_k
+    assert page % cfg.tile_n == 0 and cfg.pack_gqa == 1
+    FlashFwdSm80(cfg)
+    assert "learnable attention sinks" in sm80_launch.FORWARD.can_implement(
+        make_spec(varlen_q=True, varlen_k=True, paged_kv=True, page_size=page, has_sink=True))
+
+
+def test_paged_varlen_dispatches_to_the_forward_with_pages(monkeypatch):
+    """flash_attn_varlen_func(block_table=) hands the kernel the pages, the page table and the
+    key lengths as seqused_k (from cu_seqlens_k on the device); a recording launch stands in."""
+    from cuteattn import api, flash_attn_varlen_func
+    seen = {}
+
+    def launch(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, page_table=None):
+        seen.update(cu_k=cu_k, used_k=used_k, table=page_table, k=k)
+        out.zero_()
+        lse.zero_()
+
+    def select(spec, device):
+        seen["spec"] = spec
+        return launch, None
+
+    monkeypatch.setattr(api, "_select_kernel", select)
+    q = torch.randn(7, 4, 64, dtype=torch.bfloat16)
+    cache = torch.randn(5, 16, 2, 64, dtype=torch.bfloat16)
+    table = torch.tensor([[4, 0], [1, 3]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 3, 7], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 31], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, cache, cache, cu_q, cu_k, 4, 20, causal=True, block_table=table)
+    spec = seen["spec"]
+    assert spec.paged_kv and spec.page_size == 16 and spec.varlen_q and spec.causal
+    assert seen["cu_k"] is None and seen["used_k"].tolist() == [20, 11]
+    assert seen["table"] is table and seen["k"] is cache and out.shape == (7, 4, 64)

@@ -13,6 +13,7 @@ it on the GPU is the next step (docs/perf-log.md).
 import dataclasses
 import math
 
+from . import mma
 from .fwd import Sm80FwdConfig
 
 TILES = {  # head_dim -> [(tile_m, tile_n, num_warps), ...], preferred first
@@ -68,6 +69,16 @@ DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
 }
 
 
+def warps_for_key_block(dtype, head_dim: int, head_dim_v: int, tile_n: int, warps: int) -> int:
+    """The most warps (at most `warps`) whose 16-byte loads tile a key block of tile_n rows:
+    one pass of all threads covers num_threads / (threads per row) rows, which must divide
+    tile_n (a 16-key block of d = 96 rows: 64 threads, not 128)."""
+    while warps > 1 and any(tile_n % mma.rows_per_copy_pass(dtype, 32 * warps, cols)
+                            for cols in (head_dim, head_dim_v)):
+        warps //= 2
+    return warps
+
+
 def pack_gqa_group(qhead_per_kvhead: int, tile_m: int) -> int:
     """The pack-GQA group of a decode tile: all query heads of a kv head as rows of one tile
     when their count divides the tile's rows (a power of two up to tile_m), else 1 (no
@@ -78,16 +89,19 @@ def pack_gqa_group(qhead_per_kvhead: int, tile_m: int) -> int:
 
 def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
-                  split_kv: bool, qhead_per_kvhead: int = 1) -> Sm80FwdConfig:
-    """The decode kernel's config: batched q against a cache whose used length is seqused_k;
+                  split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
+                  has_seqused_q: bool = False) -> Sm80FwdConfig:
+    """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
-    constant: one kernel per ratio that packs)."""
+    constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
+    flash_attn_varlen_func(block_table=)) the same tiles, without pack-GQA."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     if page_size:
         tile_n = math.gcd(tile_n, page_size)  # pages are multiples of 16 keys
-    cfg = fwd_config(dtype, head_dim, head_dim_v, causal, local, has_softcap, False, False,
-                     has_seqused_k=True, smem_limit=1 << 30)
+        warps = warps_for_key_block(dtype, head_dim, head_dim_v, tile_n, warps)
+    cfg = fwd_config(dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q, False,
+                     has_seqused_q=has_seqused_q, has_seqused_k=True, smem_limit=1 << 30)
     return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, num_warps=warps,
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, split_kv=split_kv,
-                               pack_gqa=pack_gqa_group(qhead_per_kvhead, tile_m))
+                               pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m))

@@ -8,6 +8,7 @@ count, causal tiles longest first.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Optional
@@ -40,6 +41,11 @@ def smem_limit(device_index: int) -> int:
 
 
 def sm80_config(spec: AttentionSpec):
+    if spec.paged_kv:  # the paged prefill (packed q, keys in pages): the decode kernel's tiles
+        return config.decode_config(
+            CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
+            spec.has_softcap, False, False, spec.page_size, False, varlen_q=spec.varlen_q,
+            has_seqused_q=spec.has_seqused_q)
     return config.fwd_config(
         CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
@@ -71,12 +77,11 @@ def launch_scalars(spec: AttentionSpec) -> dict:
                 l2_group=small, l2_small_groups=num_small)
 
 
-# The arguments each call passes, in the order a launch passes them.
-PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *group_names("varlen", arguments.ARGUMENTS))
-# The forward family passes no cache tensors and one split (the kernel is specialised on their
-# absence); the decode family passes both groups per call.
-NO_CACHE = dict(zip(group_names("cache", arguments.ARGUMENTS), arguments.NO_CACHE))
-DECODE_PER_CALL = PER_CALL + group_names("cache", arguments.ARGUMENTS) + ("num_splits",)
+# The arguments each call passes, in the order a launch passes them (the forward: one split,
+# the cache group for the paged prefill's page table; the decode kernel: the splits too).
+PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *group_names("varlen", arguments.ARGUMENTS),
+            *group_names("cache", arguments.ARGUMENTS))
+DECODE_PER_CALL = PER_CALL + ("num_splits",)
 
 
 class Launch:
@@ -87,15 +92,18 @@ class Launch:
         self.spec = spec
         self.tvm_ffi = use_tvm_ffi()
         self.fn = _compiled(sm80_config(spec), self.tvm_ffi)
-        self.bind = Binder(PER_CALL, {**launch_scalars(spec), **NO_CACHE, "num_splits": 1},
+        self.bind = Binder(PER_CALL, {**launch_scalars(spec), "num_splits": 1},
                            arguments.ARGUMENTS, None if self.tvm_ffi else to_runtime)
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                 seqused_k=None) -> None:
+                 seqused_k=None, page_table=None) -> None:
+        """page_table: the paged prefill's block table (k, v: the paged cache; the key lengths
+        in seqused_k, cu_seqlens_k None)."""
         # cp.async moves 16 bytes: bases and strides 16-byte aligned (odd views are copied)
         q, k, v = aligned16(q), aligned16(k), aligned16(v)
         out_k = aligned16(out)
-        args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+        args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                         None, None, page_table, None, None)
         _call(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
@@ -182,6 +190,13 @@ class Sm80Forward:
         if not GPU_VERIFIED and os.environ.get("CUTEATTN_PATH") != ARCH:
             return ("the sm80 forward has not been verified on a GPU yet: set CUTEATTN_PATH=sm80 "
                     "to use it anyway")
+        if spec.paged_kv:
+            # the paged prefill: packed q, keys in pages (their lengths as seqused_k); the
+            # other forms' rules, but for packed k
+            if not spec.varlen_q or spec.page_size <= 0:
+                return "paged keys need packed q (flash_attn_varlen_func) and a page size"
+            form = dataclasses.replace(spec, paged_kv=False, varlen_k=True)
+            return unserved_form(form, ARCH, "forward")
         return unserved_form(spec, ARCH, "forward")
 
     def launch(self, spec: AttentionSpec) -> Launch:
