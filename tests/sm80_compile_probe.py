@@ -1,7 +1,8 @@
 """Compiles sm80 forward variants for one target arch and prints what ptxas and the PTX say, as
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
-form: varlen (a bool) for the forward, or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G]"
+form: varlen (a bool) for the forward, "combine" for the split-KV combine kernel (d: d_v; mask:
+"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G]"
 for the decode kernel ("decode,page=N,varlen": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
@@ -10,7 +11,9 @@ import sys
 
 import cutlass
 
-from cuteattn.kernels.sm80.compile import compile_fwd_with_report
+from cuteattn.kernels.sm80.combine import CombineConfig
+from cuteattn.kernels.sm80.compile import compile_combine, compile_fwd_with_report
+from cuteattn.kernels.sm90.compile import ptxas_report
 from cuteattn.kernels.sm80.config import decode_config, fwd_config
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -24,6 +27,14 @@ def main():
     out = []
     for dtype, d, mask, form in variants:
         masks = (mask == "causal", mask == "local", mask == "softcap")
+        if form == "combine":  # the split-KV combine kernel; mask "sink" or "none"
+            cfg = CombineConfig(DTYPES[dtype], d, mask == "sink")
+            compiled, info = ptxas_report(lambda: compile_combine(cfg, options="--keep-ptx remarks{ptx}"))
+            ptx = compiled.__ptx__
+            out.append(dict(variant=[dtype, d, mask, form], tile=[], smem=0,
+                            targets=re.findall(r"\.target (\S+)", ptx),
+                            marks={m: m in ptx for m in MARKS}, **info))
+            continue
         if isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
             flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
             cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,

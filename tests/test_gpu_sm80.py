@@ -181,3 +181,38 @@ def test_paged_prefill(seed, page, causal):
     lowprec, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, upcast=False)
     assert_close_fa(out, ref, lowprec)
     assert_lse_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("dv", [64, 96, 128, 256])
+@pytest.mark.parametrize("sink", [False, True])
+def test_combine_kernel_equals_the_reference_merge(seed, dv, sink):
+    """The split-KV combine kernel against reference.merge_partials on random partials, some
+    splits (and one whole row) with LSE -inf: the merged output within float32 rounding
+    (bf16 output), the LSE to 1e-5."""
+    from cuteattn.kernels.sm80 import launch as sm80_launch
+    from cuteattn.kernels.sm80.combine import CombineConfig
+    from cuteattn.kernels.sm80 import arguments
+    from cuteattn.kernels.common.arguments import Binder
+    from cuteattn.kernels.launch_common import to_runtime, use_tvm_ffi
+    from cuteattn.reference import merge_partials
+    splits, b, sq, h = 5, 2, 3, 8
+    o_part = torch.randn(splits, b, sq, h, dv, device="cuda")
+    lse_part = torch.randn(splits, b, h, sq, device="cuda") * 3
+    lse_part[1] = float("-inf")           # a split that saw no key
+    lse_part[:, 0, 2, 1] = float("-inf")  # a row no split saw
+    sink_t = torch.randn(h, device="cuda") if sink else None
+    out = torch.full((b, sq, h, dv), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    tvm = use_tvm_ffi()
+    fn = sm80_launch._compiled_combine(CombineConfig(cutlass_bf16(), dv, sink), tvm)
+    bind = Binder(("mOPartial", "mLSEPartial", "mSink", "mO", "mLSE", "num_splits"), {},
+                  arguments.COMBINE_ARGUMENTS, None if tvm else to_runtime)
+    sm80_launch._call(fn, tvm, bind(o_part, lse_part, sink_t, out, lse, splits), out.device)
+    want, want_lse = merge_partials(o_part, lse_part, sink_t)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def cutlass_bf16():
+    import cutlass
+    return cutlass.BFloat16

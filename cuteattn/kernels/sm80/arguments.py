@@ -73,3 +73,40 @@ SCALARS = tuple(a for a in common.flat(ARGUMENTS) if a.kind in common.SCALAR_TYP
 
 def fakes(cfg) -> tuple:
     return common.fakes(cfg, ARGUMENTS)
+
+
+# ---- the combine kernel's (combine.CombineSplits) ----
+
+def _combine_o_partial(cfg, sym, align, memspace):
+    return fake_tensor(Float32, (sym["splits"], sym["b"], sym["sq"], sym["h"], cfg.head_dim_v),
+                       align, memspace)
+
+
+def _combine_lse_partial(cfg, sym, align, memspace):
+    return fake_tensor(Float32, (sym["splits"], sym["b"], sym["h"], sym["sq"]), align, memspace)
+
+
+def _combine_sink(cfg, sym, align, memspace):
+    return fake_tensor(Float32, (sym["h"],), align, memspace) if cfg.has_sink else None
+
+
+def _combine_out(cfg, sym, align, memspace):
+    return fake_tensor(cfg.dtype, (sym["b"], sym["sq"], sym["h"], cfg.head_dim_v), align, memspace)
+
+
+def _combine_lse(cfg, sym, align, memspace):
+    return fake_tensor(Float32, (sym["b"], sym["h"], sym["sq"]), align, memspace)
+
+
+COMBINE_ARGUMENTS = (
+    Arg("mOPartial", TENSOR, _combine_o_partial),
+    Arg("mLSEPartial", TENSOR, _combine_lse_partial, align=4),
+    Arg("mSink", OPTIONAL_TENSOR, _combine_sink, align=4),
+    Arg("mO", TENSOR, _combine_out),
+    Arg("mLSE", TENSOR, _combine_lse, align=4),
+    Arg("num_splits", INT32),
+)
+
+
+def combine_fakes(cfg) -> tuple:
+    return common.fakes(cfg, COMBINE_ARGUMENTS)

@@ -7,6 +7,7 @@ from cutlass.runtime import make_fake_stream
 
 from ..sm90.compile import ptxas_report
 from . import arguments
+from .combine import CombineConfig, CombineSplits
 from .fwd import FlashFwdSm80, Sm80FwdConfig
 
 
@@ -26,3 +27,14 @@ def compile_fwd_with_report(cfg: Sm80FwdConfig, tvm_ffi: bool = False, keep_ptx:
     `keep_ptx`: the result's __ptx__ holds the PTX (also written to the working directory)."""
     options = "--keep-ptx remarks{ptx}" if keep_ptx else "remarks{ptx}"
     return ptxas_report(lambda: compile_fwd(cfg, options=options, tvm_ffi=tvm_ffi))
+
+
+def compile_combine(cfg: CombineConfig, options: str = "", tvm_ffi: bool = False):
+    """The compiled combine kernel; called with arguments.COMBINE_ARGUMENTS' values, like
+    compile_fwd's result."""
+    if tvm_ffi:
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        options = (options + " --enable-tvm-ffi").strip()
+    else:
+        stream = cuda.CUstream(0)
+    return cute.compile(CombineSplits(cfg), *arguments.combine_fakes(cfg), stream, options=options)

@@ -21,6 +21,7 @@ from ..common.arguments import Binder, group_names
 from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, to_runtime,
                              unserved_form, use_tvm_ffi)
 from . import arguments, config
+from .combine import CombineConfig
 
 ARCH, KIND = "sm80", "fwd"
 COMPILE_MODULE = "cuteattn.kernels.sm80.compile"
@@ -65,6 +66,14 @@ def _compiled(cfg, tvm_ffi: bool):
     # the disk cache's directory fingerprint holds the target arch: the same config compiled
     # for an sm_86 and an sm_90 never share a file
     return compile_cache.get_or_compile((ARCH, KIND, tvm_ffi, cfg), build, persist=tvm_ffi,
+                                        sources=sources())
+
+
+def _compiled_combine(cfg: CombineConfig, tvm_ffi: bool):
+    def build():
+        from .compile import compile_combine
+        return compile_combine(cfg, tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile((ARCH, "combine", tvm_ffi, cfg), build, persist=tvm_ffi,
                                         sources=sources())
 
 
@@ -126,14 +135,21 @@ class DecodeLaunch:
     takes the partial-output path even with one split."""
 
     def __init__(self, spec: AttentionSpec):
-        from ...reference import merge_partials
         self.spec = spec
-        self.merge = merge_partials
         self.tvm_ffi = use_tvm_ffi()
         self.fns = {}  # split_kv -> compiled kernel (compiled on first use)
         scalars = dict(launch_scalars(spec))
         self.bind = Binder(DECODE_PER_CALL, scalars, arguments.ARGUMENTS,
                            None if self.tvm_ffi else to_runtime)
+        self.combine = None  # (compiled combine kernel, its binder), made on first use
+
+    def _combine(self, has_sink: bool):
+        if self.combine is None or self.combine[2] != has_sink:
+            cfg = CombineConfig(CUTLASS_DTYPES[self.spec.dtype], self.spec.head_dim_v, has_sink)
+            bind = Binder(("mOPartial", "mLSEPartial", "mSink", "mO", "mLSE", "num_splits"), {},
+                          arguments.COMBINE_ARGUMENTS, None if self.tvm_ffi else to_runtime)
+            self.combine = (_compiled_combine(cfg, self.tvm_ffi), bind, has_sink)
+        return self.combine[:2]
 
     def _fn(self, split_kv: bool):
         fn = self.fns.get(split_kv)
@@ -162,9 +178,9 @@ class DecodeLaunch:
                          kv_batch_idx, leftpad_k, page_table, o_part, lse_part, num_splits)
         _call(self._fn(partials), self.tvm_ffi, args, q.device)
         if partials:  # the combine: the exact merge of the splits (and the sink) by their LSE
-            merged, merged_lse = self.merge(o_part, lse_part, learnable_sink)
-            out_k.copy_(merged)
-            lse.copy_(merged_lse)
+            fn, bind = self._combine(learnable_sink is not None)
+            _call(fn, self.tvm_ffi, bind(o_part, lse_part, learnable_sink, out_k, lse, num_splits),
+                  q.device)
         if out_k is not out:
             out.copy_(out_k)
 

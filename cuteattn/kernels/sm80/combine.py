@@ -1,0 +1,104 @@
+"""The combine kernel: exact attention from split-KV partial results (the decode kernel's
+float32 partial outputs over disjoint key ranges, normalised within each range, and their LSE),
+with a learnable sink counted once. What reference.merge_partials computes, in one launch
+instead of half a dozen PyTorch operations; the same merge serves context parallelism later.
+
+One warp per output row (batch, query, head): the row's split LSEs give the merged LSE
+(the maximum first, so the exponentials stay in range; a split that saw no key has LSE -inf and
+weight 0), then each lane sums its d_v / 32 columns of the weighted partial outputs and writes
+them in the output dtype. Plain loads and stores only: it runs on every arch from sm_80 on.
+"""
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+WARPS = 4  # rows per CTA
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    dtype: type        # the output's (cutlass.BFloat16 or cutlass.Float16)
+    head_dim_v: int    # a multiple of 32 (each lane takes d_v / 32 columns)
+    has_sink: bool = False
+
+
+class CombineSplits:
+    def __init__(self, cfg: CombineConfig):
+        assert cfg.head_dim_v % 32 == 0, cfg
+        self.cfg = cfg
+        self.cols = cfg.head_dim_v // 32  # columns per lane
+
+    @cute.jit
+    def __call__(
+        self,
+        mOPartial: cute.Tensor,    # float32 (splits, b, s_q, h, d_v)
+        mLSEPartial: cute.Tensor,  # float32 (splits, b, h, s_q)
+        mSink: Optional[cute.Tensor],  # float32 (h,): a logit per query head (has_sink)
+        mO: cute.Tensor,           # (b, s_q, h, d_v) in dtype
+        mLSE: cute.Tensor,         # float32 (b, h, s_q)
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
+        self.kernel(mOPartial, mLSEPartial, mSink, mO, mLSE, num_splits).launch(
+            grid=[(rows + WARPS - 1) // WARPS, 1, 1], block=[32 * WARPS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mOPartial: cute.Tensor, mLSEPartial: cute.Tensor,
+               mSink: Optional[cute.Tensor], mO: cute.Tensor, mLSE: cute.Tensor,
+               num_splits: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        row = block * WARPS + tidx // 32
+        batch, seqlen_q, heads = mO.shape[0], mO.shape[1], mO.shape[2]
+        if row < batch * seqlen_q * heads:
+            h = row % heads
+            q = (row // heads) % seqlen_q
+            b = row // (heads * seqlen_q)
+            # the merged LSE: max first, then the sum of exponentials relative to it
+            top = -Float32.inf
+            for s in cutlass.range(num_splits, unroll=1):
+                top = cute.arch.fmax(top, mLSEPartial[s, b, h, q])
+            if const_expr(self.cfg.has_sink):
+                top = cute.arch.fmax(top, mSink[h])
+            safe_top = top
+            if top == -Float32.inf:
+                safe_top = Float32(0.0)
+            total = Float32(0.0)
+            for s in cutlass.range(num_splits, unroll=1):
+                total += cute.math.exp2((mLSEPartial[s, b, h, q] - safe_top) * LOG2E, fastmath=True)
+            if const_expr(self.cfg.has_sink):
+                total += cute.math.exp2((mSink[h] - safe_top) * LOG2E, fastmath=True)
+            lse = -Float32.inf
+            if total > 0.0:
+                lse = safe_top + cute.math.log2(total, fastmath=True) * LN2
+            safe_lse = lse
+            if lse == -Float32.inf:
+                safe_lse = Float32(0.0)
+            # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key)
+            acc = cute.make_rmem_tensor(self.cols, Float32)
+            acc.fill(0.0)
+            part = cute.make_rmem_tensor(self.cols, Float32)
+            for s in cutlass.range(num_splits, unroll=1):
+                weight = Float32(0.0)
+                if lse != -Float32.inf:
+                    weight = cute.math.exp2((mLSEPartial[s, b, h, q] - safe_lse) * LOG2E,
+                                            fastmath=True)
+                src = cute.local_tile(mOPartial[s, b, q, h, None], (self.cols,), (lane,))
+                cute.autovec_copy(src, part)
+                for c in cutlass.range_constexpr(self.cols):
+                    acc[c] = acc[c] + weight * part[c]
+            out = cute.make_rmem_tensor(self.cols, self.cfg.dtype)
+            out.store(acc.load().to(self.cfg.dtype))
+            cute.autovec_copy(out, cute.local_tile(mO[b, q, h, None], (self.cols,), (lane,)))
+            if lane == 0:
+                mLSE[b, h, q] = lse
