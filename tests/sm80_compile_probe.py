@@ -1,7 +1,8 @@
 """Compiles sm80 forward variants for one target arch and prints what ptxas and the PTX say, as
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
-form: varlen (a bool) for the forward, "combine" for the split-KV combine kernel (d: d_v; mask:
+form: varlen (a bool) for the forward, "bwd[,varlen]" for the backward, "combine" for the
+split-KV combine kernel (d: d_v; mask:
 "sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G]"
 for the decode kernel ("decode,page=N,varlen": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
@@ -12,7 +13,8 @@ import sys
 import cutlass
 
 from cuteattn.kernels.sm80.combine import CombineConfig
-from cuteattn.kernels.sm80.compile import compile_combine, compile_fwd_with_report
+from cuteattn.kernels.sm80.compile import (compile_bwd_with_report, compile_combine,
+                                           compile_fwd_with_report)
 from cuteattn.kernels.sm90.compile import ptxas_report
 from cuteattn.kernels.sm80.config import decode_config, fwd_config
 
@@ -20,6 +22,18 @@ DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # what the PTX must (not) hold: the sm_80 instructions, and none of Hopper's
 MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "wgmma",
          "stmatrix", "cp.async.bulk", "setmaxnreg", "tanh.approx")
+
+
+def bwd_config_of(dtype, d, causal, local, softcap, varlen):
+    """The backward family's config for these switches on this target (launch_bwd's choice)."""
+    import os
+    from cuteattn.kernels.sm80.bwd import Sm80BwdConfig
+    from cuteattn.kernels.sm80.launch_bwd import TILE, register_parts
+    major = int(re.match(r"sm_(\d+?)\d[a-z]?$", os.environ["CUTE_DSL_ARCH"])[1])
+    tile_m, tile_n, warps = TILE
+    kv_parts, q_parts = register_parts(d, major)
+    return Sm80BwdConfig(dtype, d, tile_m, tile_n, warps, causal, local, softcap, varlen, varlen,
+                         varlen, varlen, kv_parts, q_parts)
 
 
 def main():
@@ -33,6 +47,15 @@ def main():
             ptx = compiled.__ptx__
             out.append(dict(variant=[dtype, d, mask, form], tile=[], smem=0,
                             targets=re.findall(r"\.target (\S+)", ptx),
+                            marks={m: m in ptx for m in MARKS}, **info))
+            continue
+        if isinstance(form, str) and form.startswith("bwd"):  # the backward: "bwd[,varlen]"
+            varlen = "varlen" in form
+            cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen)
+            compiled, info = compile_bwd_with_report(cfg, keep_ptx=True)
+            ptx = compiled.__ptx__
+            out.append(dict(variant=[dtype, d, mask, form], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],
+                            smem=cfg.smem_bytes(), targets=re.findall(r"\.target (\S+)", ptx),
                             marks={m: m in ptx for m in MARKS}, **info))
             continue
         if isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"

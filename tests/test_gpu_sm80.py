@@ -216,3 +216,42 @@ def test_combine_kernel_equals_the_reference_merge(seed, dv, sink):
 def cutlass_bf16():
     import cutlass
     return cutlass.BFloat16
+
+
+# ---- the backward on the sm80 path (forward and backward both portable) ----
+
+import test_gpu_bwd as tb  # noqa: E402
+
+
+@pytest.mark.parametrize("case", tb.CASES, ids=tb.case_id)
+def test_bwd(seed, case):
+    dtype, d, (h, hk), mask, (sq, sk) = case
+    kw = tb.MASKS[mask]
+    inputs, dout, got = tb.run_fixed(dtype, d, h, hk, sq, sk, **kw)
+    ref, low = tb.reference_grads(tb.attention_ref, inputs, dout, **kw)
+    tb.check_grads(got, ref, low)
+
+
+def test_bwd_strided_qkv_and_rows_without_keys(seed):
+    tb.test_bwd_strided_qkv(seed)
+    tb.test_rows_without_keys_get_zero_gradient(seed)
+
+
+@pytest.mark.parametrize("d", tb.HEAD_DIMS)
+@pytest.mark.parametrize("mask", list(tb.VARLEN_MASKS))
+def test_bwd_varlen(seed, d, mask):
+    got, ref, low = tb.run_varlen(tb.LENS_Q, tb.LENS_K, 8, 2, d, torch.bfloat16,
+                                  **tb.VARLEN_MASKS[mask])
+    tb.check_grads(got, ref, low)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_bwd_varlen_seqused(seed, mask):
+    tb.test_bwd_varlen_seqused(seed, mask)
+
+
+def test_bwd_deterministic_is_declined_with_its_reason(seed):
+    q = torch.randn(1, 64, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = flash_attn_func(q, q, q, deterministic=True, strict=True)
+    with pytest.raises(RuntimeError, match="deterministic=True: the sm80 backward"):
+        out.sum().backward()

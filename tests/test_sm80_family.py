@@ -244,3 +244,51 @@ def test_paged_varlen_dispatches_to_the_forward_with_pages(monkeypatch):
     assert spec.paged_kv and spec.page_size == 16 and spec.varlen_q and spec.causal
     assert seen["cu_k"] is None and seen["used_k"].tolist() == [20, 11]
     assert seen["table"] is table and seen["k"] is cache and out.shape == (7, 4, 64)
+
+
+# ---- the backward family ----
+
+def test_backward_serves_and_declines_with_reasons(monkeypatch):
+    from cuteattn.kernels.sm80 import launch_bwd
+    from cuteattn.kernels.sm80.bwd import FlashBwdSm80
+    for d in launch_bwd.SUPPORTED_HEAD_DIMS:
+        for form in (dict(), dict(causal=True), dict(local=True, window_left=10, window_right=0),
+                     dict(has_softcap=True, softcap=3.0), dict(varlen_q=True, varlen_k=True)):
+            spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **form)
+            assert launch_bwd.BACKWARD.can_implement(spec) is None, (d, form)
+            cfg = launch_bwd.bwd_config(spec)
+            FlashBwdSm80(cfg)  # its copies and MMA layouts fit the tile
+            assert cfg.smem_bytes() <= 99 * 1024
+    reasons = {
+        "head_dim 256 (head_dim_v 256) has no sm80 backward": dict(head_dim=256, head_dim_v=256),
+        "deterministic=True: the sm80 backward": dict(deterministic=True),
+        "learnable attention sinks: no sm80 backward": dict(has_sink=True),
+    }
+    for reason, fields in reasons.items():
+        assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd", **fields)).startswith(reason)
+    monkeypatch.delenv("CUTEATTN_PATH")
+    assert "not been verified on a GPU yet" in launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd"))
+
+
+def test_backward_declaration_matches_kernel_signature():
+    import inspect
+    from cuteattn.kernels.common import arguments as common
+    from cuteattn.kernels.sm80 import arguments, launch_bwd
+    from cuteattn.kernels.sm80.bwd import FlashBwdSm80
+    params = [p for p in inspect.signature(inspect.unwrap(FlashBwdSm80.__call__)).parameters
+              if p != "self"]
+    assert list(common.names(arguments.BWD_ARGUMENTS)) + [common.STREAM] == params
+    fixed = {"qhead_per_kvhead", "softmax_scale", "score_scale", "softmax_scale_log2",
+             "window_left", "window_right"}
+    assert set(launch_bwd.PER_CALL) | fixed == set(common.names(arguments.BWD_ARGUMENTS))
+
+
+def test_backward_declines_what_sm120_cannot_build_spill_free(monkeypatch):
+    from cuteattn.kernels.sm80 import launch_bwd
+    monkeypatch.setattr(launch_bwd, "_major", lambda spec: 12)
+    packed = make_spec(kind="bwd", varlen_q=True, varlen_k=True)
+    assert "spills registers on sm_12x" in launch_bwd.BACKWARD.can_implement(packed)
+    assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd")) is None
+    assert launch_bwd.bwd_config(make_spec(kind="bwd"), 12).q_parts == 4
+    monkeypatch.setattr(launch_bwd, "_major", lambda spec: 8)
+    assert launch_bwd.BACKWARD.can_implement(packed) is None

@@ -125,3 +125,72 @@ def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
         return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
                 f"{arch} {who} serves it yet")
     return None
+
+
+# ---- the backward's PyTorch steps, shared by the backward families ----
+
+def _rows_padded(rows: int) -> int:
+    return (rows + 3) // 4 * 4
+
+
+def bwd_preprocess(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 64):
+    """(lse_log2, dsum), float32 (b, h, s_pad) with s_pad = s rounded up to a multiple of 4, pad
+    rows 0. Packed (cu_seqlens_q given): (h, rows) with sequence b's rows starting at row
+    (cu_seqlens_q[b] // tile_m + b) * tile_m (the backward kernels' row_view; for sm90 TMA tiles of
+    these rows must start 16-byte aligned), computed on the device (no sync).
+    Rows past seqused_q get LSE +inf and D 0: the forward never wrote their out and lse (any bits,
+    NaN included), and the kernel, which masks them (P = 0), must not multiply a NaN by that 0."""
+    lse2 = torch.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    d = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # (b, h, s) or (h, total)
+    if seqused_q is not None:
+        if cu_seqlens_q is None:  # (b, h, s): row i of batch b is used if i < seqused_q[b]
+            unused = torch.arange(lse.shape[-1], device=lse.device) >= seqused_q[:, None, None]
+        else:  # (h, total): row r of sequence b is used if r - cu_seqlens_q[b] < seqused_q[b]
+            row = torch.arange(lse.shape[-1], device=lse.device)
+            b = (torch.searchsorted(cu_seqlens_q, row.to(torch.int32), right=True) - 1).clamp(
+                0, max(seqused_q.shape[0] - 1, 0))
+            unused = (row - cu_seqlens_q.long()[b]) >= seqused_q.long()[b]
+        lse2 = lse2.masked_fill(unused, float("inf"))
+        d = d.masked_fill(unused, 0.0)
+    if cu_seqlens_q is None:
+        rows = lse.shape[-1]
+        shape = (*lse.shape[:-1], _rows_padded(rows))
+        lse2_p = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+        dsum_p = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+        lse2_p[..., :rows] = lse2
+        dsum_p[..., :rows] = d
+        return lse2_p, dsum_p
+    h, total = lse.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    dump = _rows_padded(total + tile_m * (batch + 1))  # past every sequence's slot
+    row = torch.arange(total, device=lse.device)
+    b = torch.searchsorted(cu_seqlens_q, row.to(torch.int32), right=True) - 1
+    inside = (b >= 0) & (b < batch)
+    b = b.clamp(0, max(batch - 1, 0))
+    start = cu_seqlens_q.long()[b]
+    target = torch.where(inside, (start // tile_m + b) * tile_m + (row - start), dump)
+    lse2_p = torch.zeros((h, dump + 4), dtype=torch.float32, device=lse.device)
+    dsum_p = torch.zeros((h, dump + 4), dtype=torch.float32, device=lse.device)
+    lse2_p[:, target] = lse2
+    dsum_p[:, target] = d
+    return lse2_p, dsum_p
+
+
+def bwd_buffers(spec: AttentionSpec, q, k):
+    """(dQ accumulator float32 like q, zeroed; dK and dV per query head in q's dtype: zeroed
+    where some rows are written by no key block (packed sequences, seqused))."""
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv_shape = (*k.shape[:-2], spec.nheads, k.shape[-1])
+    alloc = torch.zeros if (spec.varlen_k or spec.has_seqused_k) else torch.empty
+    return (dq_acc, alloc(dkv_shape, dtype=q.dtype, device=q.device),
+            alloc(dkv_shape, dtype=q.dtype, device=q.device))
+
+
+def bwd_postprocess(dq_acc, dk, dv, q, k, ratio: int):
+    """(dq in q's dtype, dk and dv summed over the query heads of each kv head)."""
+    dq = dq_acc.to(q.dtype)
+    if ratio > 1:
+        group = (*k.shape[:-2], k.shape[-2], ratio, k.shape[-1])
+        dk = dk.view(group).sum(-2)
+        dv = dv.view(group).sum(-2)
+    return dq, dk, dv

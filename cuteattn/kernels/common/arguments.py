@@ -137,6 +137,54 @@ VARLEN = Group("varlen", VarlenMetadata, (
 ))
 
 
+# ---- the backward kernels' (sm90 and sm80) ----
+
+def key_side_per_query_head(cfg, sym, align, memspace):
+    """dk and dv: like k, with the query heads (the launch sums them per kv head under GQA)."""
+    shape = ((sym["total_k"], sym["h"], cfg.head_dim) if cfg.varlen_k
+             else (sym["bk"], sym["sk"], sym["h"], cfg.head_dim))
+    return fake_tensor(cfg.dtype, shape, align, memspace)
+
+
+def rows_padded(cfg, sym, align, memspace):
+    """LSE (log2 units) and D, float32: like lse, with the rows padded
+    (launch_common.bwd_preprocess), an extent of their own."""
+    shape = (sym["h"], sym["rows_pad"]) if cfg.varlen_q else (sym["b"], sym["h"], sym["rows_pad"])
+    return fake_tensor(Float32, shape, align, memspace)
+
+
+def dq_accumulator(cfg, sym, align, memspace):
+    """float32, shaped like q."""
+    shape = ((sym["total_q"], sym["h"], cfg.head_dim) if cfg.varlen_q
+             else (sym["b"], sym["sq"], sym["h"], cfg.head_dim))
+    return fake_tensor(Float32, shape, align, memspace)
+
+
+def backward_arguments(extra: tuple = ()) -> tuple:
+    """A backward kernel's parameters: the tensors, the varlen group, `extra` (a family's own
+    tensors), the scalars."""
+    return (
+        Arg("mQ", TENSOR, query_side("head_dim")),
+        Arg("mK", TENSOR, key_side("head_dim")),
+        Arg("mV", TENSOR, key_side("head_dim")),
+        Arg("mdO", TENSOR, query_side("head_dim")),
+        Arg("mLSE2", TENSOR, rows_padded, align=4),
+        Arg("mD", TENSOR, rows_padded, align=4),
+        Arg("mdQacc", TENSOR, dq_accumulator),
+        Arg("mdK", TENSOR, key_side_per_query_head),
+        Arg("mdV", TENSOR, key_side_per_query_head),
+        VARLEN,
+        *extra,
+        Arg("qhead_per_kvhead", INT32),
+        Arg("softmax_scale", FLOAT32),
+        Arg("score_scale", FLOAT32),          # softmax_scale, or softmax_scale / softcap
+        Arg("softmax_scale_log2", FLOAT32),   # log2(e) * (softmax_scale, or softcap)
+        Arg("window_left", INT32),            # 1 << 30: unbounded
+        Arg("window_right", INT32),
+        Arg("num_n_blocks", INT32),           # grid x: key blocks (per sequence, or a packed bound)
+    )
+
+
 # a group's members pair with its NamedTuple's fields by position
 assert len(VARLEN.members) == len(VARLEN.type._fields)
 

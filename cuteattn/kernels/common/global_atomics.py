@@ -21,6 +21,13 @@ def red_add_f32x2(ptr: cute.Pointer, a: Float32, b: Float32, *, loc=None, ip=Non
 
 
 @dsl_user_op
+def red_add_f32(ptr: cute.Pointer, a: Float32, *, loc=None, ip=None) -> None:
+    """*ptr += a (a float32 reduction; every arch from sm_80 on)."""
+    _asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(), Float32(a).ir_value(loc=loc, ip=ip)],
+         "red.global.add.f32 [$0], $1;", "l,f")
+
+
+@dsl_user_op
 def ld_acquire(ptr: cute.Pointer, *, loc=None, ip=None) -> Int32:
     """An int32 load with acquire semantics at GPU scope (a semaphore's wait)."""
     return Int32(_asm(T.i32(), [ptr.toint(loc=loc, ip=ip).ir_value()],

@@ -110,3 +110,12 @@ COMBINE_ARGUMENTS = (
 
 def combine_fakes(cfg) -> tuple:
     return common.fakes(cfg, COMBINE_ARGUMENTS)
+
+
+# ---- the backward's (bwd.FlashBwdSm80): the common list, nothing of its own ----
+
+BWD_ARGUMENTS = common.backward_arguments()
+
+
+def bwd_fakes(cfg) -> tuple:
+    return common.fakes(cfg, BWD_ARGUMENTS)

@@ -38,3 +38,20 @@ def compile_combine(cfg: CombineConfig, options: str = "", tvm_ffi: bool = False
     else:
         stream = cuda.CUstream(0)
     return cute.compile(CombineSplits(cfg), *arguments.combine_fakes(cfg), stream, options=options)
+
+
+def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False):
+    """The compiled backward kernel (bwd.Sm80BwdConfig); called with arguments.BWD_ARGUMENTS'
+    values, like compile_fwd's result."""
+    from .bwd import FlashBwdSm80
+    if tvm_ffi:
+        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
+        options = (options + " --enable-tvm-ffi").strip()
+    else:
+        stream = cuda.CUstream(0)
+    return cute.compile(FlashBwdSm80(cfg), *arguments.bwd_fakes(cfg), stream, options=options)
+
+
+def compile_bwd_with_report(cfg, tvm_ffi: bool = False, keep_ptx: bool = False):
+    options = "--keep-ptx remarks{ptx}" if keep_ptx else "remarks{ptx}"
+    return ptxas_report(lambda: compile_bwd(cfg, options=options, tvm_ffi=tvm_ffi))

@@ -315,7 +315,7 @@ class FlashFwdSm80:
 
         if n_max > n_min:
             # Q and the first (top) key block, bounded by the sequence ends.
-            self.load_rows(copy_q, tQgQ, tQsQ, tQcQ, rows_q - row_start, True)
+            mma.load_rows(copy_q, tQgQ, tQsQ, tQcQ, rows_q - row_start, True)
             load_k(n_max - 1, True)
             cute.arch.cp_async_commit_group()
             block(n_max - 1, mask=None, top=True)
@@ -391,22 +391,8 @@ class FlashFwdSm80:
                                  ((first_key % page_size) // self.tile_n, 0))
         else:
             gX = cute.local_tile(mX, (self.tile_n, cols), (n_block, 0))
-        self.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
+        mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
                        seqlen_k - n_block * self.tile_n, bounded)
-
-    @cute.jit
-    def load_rows(self, thr_copy, tXgX, tXsX, tXcX, rows_left, bounded: cutlass.Constexpr):
-        """cp.async of one tile's rows into shared memory. `bounded`: only rows below
-        `rows_left` (the sequence's rows from the tile's first) are read; the others are zeroed,
-        so no value past the sequence (garbage, NaN) reaches an MMA operand."""
-        if const_expr(bounded):
-            for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-                if tXcX[0, m, 0][0] < rows_left:
-                    cute.copy(thr_copy, tXgX[None, m, None], tXsX[None, m, None])
-                else:
-                    tXsX[None, m, None].fill(0)
-        else:
-            cute.copy(thr_copy, tXgX, tXsX)
 
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,

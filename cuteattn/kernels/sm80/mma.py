@@ -52,6 +52,13 @@ def rows_per_copy_pass(dtype, num_threads: int, cols: int) -> int:
     return num_threads // (atom_width_bytes(dtype, cols) * 8 // COPY_BITS)
 
 
+def tiled_mma_2d(dtype, warps_m: int, warps_n: int) -> cute.TiledMma:
+    """warps_m x warps_n warps, each an m16n8k16 MMA: warps_m along M, warps_n along N."""
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (warps_m, warps_n, 1),
+        permutation_mnk=(warps_m * MMA_ROWS, 16, 16))
+
+
 def gmem_to_smem_copy(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
     """cp.async of 16 bytes per thread over a (rows, cols) tile: a row's chunks are read by
     consecutive threads (coalesced), `num_threads` threads cover num_threads / (chunks per atom
@@ -90,3 +97,19 @@ def gemm(tiled_mma, acc, frag_a, frag_b, smem_a, smem_b, copy_a, copy_b,
                 cute.copy(copy_a, smem_a[None, None, k + 1], view_a[None, None, k + 1])
             cute.copy(copy_b, smem_b[None, None, k + 1], view_b[None, None, k + 1])
         cute.gemm(tiled_mma, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+
+
+@cute.jit
+def load_rows(thr_copy, tXgX, tXsX, tXcX, rows_left, bounded: cutlass.Constexpr = True):
+    """cp.async of one tile's rows into shared memory (tXgX/tXsX/tXcX: the thread's partitions
+    of the source, the buffer and the tile's identity). `bounded`: only rows below `rows_left`
+    (the sequence's rows from the tile's first) are read; the others are zeroed, so no value
+    past the sequence (garbage, NaN) reaches an MMA operand."""
+    if cutlass.const_expr(bounded):
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            if tXcX[0, m, 0][0] < rows_left:
+                cute.copy(thr_copy, tXgX[None, m, None], tXsX[None, m, None])
+            else:
+                tXsX[None, m, None].fill(0)
+    else:
+        cute.copy(thr_copy, tXgX, tXsX)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Int32
 
 from ..common import arguments as common
 from ..common.arguments import (FLOAT32, INT32, NO_VARLEN, OPTIONAL_TENSOR, SCALAR_TYPES, STREAM,
@@ -41,54 +41,14 @@ ARGUMENTS = (
 )
 
 
-# ---- the backward's ----
-
-def _key_side_per_query_head(cfg, sym, align, memspace):
-    """dk and dv: like k, with the query heads (launch_bwd sums them per kv head under GQA)."""
-    shape = ((sym["total_k"], sym["h"], cfg.head_dim) if cfg.varlen_k
-             else (sym["bk"], sym["sk"], sym["h"], cfg.head_dim))
-    return fake_tensor(cfg.dtype, shape, align, memspace)
-
-
-def _rows_padded(cfg, sym, align, memspace):
-    """LSE (log2 units) and D, float32: like lse, with the rows padded (launch_bwd.preprocess),
-    an extent of their own."""
-    shape = (sym["h"], sym["rows_pad"]) if cfg.varlen_q else (sym["b"], sym["h"], sym["rows_pad"])
-    return fake_tensor(Float32, shape, align, memspace)
-
-
-def _dq_accumulator(cfg, sym, align, memspace):
-    """float32, shaped like q."""
-    shape = ((sym["total_q"], sym["h"], cfg.head_dim) if cfg.varlen_q
-             else (sym["b"], sym["sq"], sym["h"], cfg.head_dim))
-    return fake_tensor(Float32, shape, align, memspace)
-
+# ---- the backward's: the common list, with the semaphores of its deterministic mode ----
 
 def _semaphores(cfg, sym, align, memspace):
     """int32 (h, slots): one per query block (deterministic mode; a (h, 1) stand-in otherwise)."""
     return fake_tensor(Int32, (sym["h"], cute.sym_int()), align, memspace)
 
 
-BWD_ARGUMENTS = (
-    Arg("mQ", TENSOR, query_side("head_dim")),
-    Arg("mK", TENSOR, key_side("head_dim")),
-    Arg("mV", TENSOR, key_side("head_dim")),
-    Arg("mdO", TENSOR, query_side("head_dim")),
-    Arg("mLSE2", TENSOR, _rows_padded, align=4),
-    Arg("mD", TENSOR, _rows_padded, align=4),
-    Arg("mdQacc", TENSOR, _dq_accumulator),
-    Arg("mdK", TENSOR, _key_side_per_query_head),
-    Arg("mdV", TENSOR, _key_side_per_query_head),
-    VARLEN,
-    Arg("mSemaphore", TENSOR, _semaphores, align=4),
-    Arg("qhead_per_kvhead", INT32),
-    Arg("softmax_scale", FLOAT32),
-    Arg("score_scale", FLOAT32),          # softmax_scale, or softmax_scale / softcap
-    Arg("softmax_scale_log2", FLOAT32),   # log2(e) * (softmax_scale, or softcap)
-    Arg("window_left", INT32),            # 1 << 30: unbounded
-    Arg("window_right", INT32),
-    Arg("num_n_blocks", INT32),           # grid x: key blocks (per sequence, or a packed bound)
-)
+BWD_ARGUMENTS = common.backward_arguments((Arg("mSemaphore", TENSOR, _semaphores, align=4),))
 
 
 def flat(entries=ARGUMENTS) -> tuple:

@@ -383,7 +383,7 @@ class FlashBwdSm90:
 
     def row_view(self, mX: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
         """The (rows,) LSE or D of one head. Packed sequences are laid out padded
-        (launch_bwd.preprocess): sequence b starts at (offset_q // tile_m + b) * tile_m, a
+        (launch_common.bwd_preprocess): sequence b starts at (offset_q // tile_m + b) * tile_m, a
         multiple of tile_m, because a TMA tile of float32 rows must start 16-byte aligned (rows
         starting at odd offsets raised an illegal instruction)."""
         if const_expr(self.cfg.varlen_q):
@@ -452,7 +452,7 @@ class FlashBwdSm90:
             ds_stage = (m_block - m_min) % 2
             # this block's LSE and D by the query column c of the thread's fragment
             # (rows past the sequence hold +inf and 0, or another sequence's values, never
-            # NaN: launch_bwd.preprocess; their P is 0 by the mask)
+            # NaN: launch_common.bwd_preprocess; their P is 0 by the mask)
             lse2_of = lambda c: sLSE2[coord_st[0, c][1], state.index]
             dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
             pipeline_q.consumer_wait(state)

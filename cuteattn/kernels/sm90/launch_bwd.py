@@ -1,7 +1,7 @@
 """The sm90 backward family: which specs it serves, and how a call becomes a launch.
 
 A backward call is three steps on the current stream, no host synchronisation:
-  1. preprocess (PyTorch): D = rowsum(dO * O) in float32 and the LSE in log2 units (rows that saw
+  1. preprocess (PyTorch, launch_common.bwd_preprocess): D = rowsum(dO * O) in float32 and the LSE in log2 units (rows that saw
      no key get +inf, so their probabilities are 0), both laid out (batch, heads, rows) with the
      rows padded to a multiple of 4 (the kernel loads them with TMA: 16-byte strides);
   2. the kernel (bwd.py): dK and dV (per query head when GQA), dQ accumulated in float32;
@@ -19,8 +19,9 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
-from ..launch_common import (CUTLASS_DTYPES, LOG2E, aligned16, kernel_scalars, to_runtime,
-                            unserved_form, use_tvm_ffi)
+from ..launch_common import (CUTLASS_DTYPES, aligned16, bwd_buffers, bwd_postprocess,
+                            bwd_preprocess, kernel_scalars, to_runtime, unserved_form,
+                            use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -57,53 +58,6 @@ def _compiled(cfg: Sm90BwdConfig, tvm_ffi: bool):
                                         sources=sources())
 
 
-def _rows_padded(rows: int) -> int:
-    return (rows + 3) // 4 * 4
-
-
-def preprocess(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 64):
-    """(lse_log2, dsum), float32 (b, h, s_pad) with s_pad = s rounded up to a multiple of 4, pad
-    rows 0. Packed (cu_seqlens_q given): (h, rows) with sequence b's rows starting at row
-    (cu_seqlens_q[b] // tile_m + b) * tile_m (bwd.FlashBwdSm90.row_view: TMA tiles of these rows
-    must start 16-byte aligned), computed on the device (no sync).
-    Rows past seqused_q get LSE +inf and D 0: the forward never wrote their out and lse (any bits,
-    NaN included), and the kernel, which masks them (P = 0), must not multiply a NaN by that 0."""
-    lse2 = torch.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    d = (dout.float() * out.float()).sum(-1).transpose(-1, -2)  # (b, h, s) or (h, total)
-    if seqused_q is not None:
-        if cu_seqlens_q is None:  # (b, h, s): row i of batch b is used if i < seqused_q[b]
-            unused = torch.arange(lse.shape[-1], device=lse.device) >= seqused_q[:, None, None]
-        else:  # (h, total): row r of sequence b is used if r - cu_seqlens_q[b] < seqused_q[b]
-            row = torch.arange(lse.shape[-1], device=lse.device)
-            b = (torch.searchsorted(cu_seqlens_q, row.to(torch.int32), right=True) - 1).clamp(
-                0, max(seqused_q.shape[0] - 1, 0))
-            unused = (row - cu_seqlens_q.long()[b]) >= seqused_q.long()[b]
-        lse2 = lse2.masked_fill(unused, float("inf"))
-        d = d.masked_fill(unused, 0.0)
-    if cu_seqlens_q is None:
-        rows = lse.shape[-1]
-        shape = (*lse.shape[:-1], _rows_padded(rows))
-        lse2_p = torch.zeros(shape, dtype=torch.float32, device=lse.device)
-        dsum_p = torch.zeros(shape, dtype=torch.float32, device=lse.device)
-        lse2_p[..., :rows] = lse2
-        dsum_p[..., :rows] = d
-        return lse2_p, dsum_p
-    h, total = lse.shape
-    batch = cu_seqlens_q.shape[0] - 1
-    dump = _rows_padded(total + tile_m * (batch + 1))  # past every sequence's slot
-    row = torch.arange(total, device=lse.device)
-    b = torch.searchsorted(cu_seqlens_q, row.to(torch.int32), right=True) - 1
-    inside = (b >= 0) & (b < batch)
-    b = b.clamp(0, max(batch - 1, 0))
-    start = cu_seqlens_q.long()[b]
-    target = torch.where(inside, (start // tile_m + b) * tile_m + (row - start), dump)
-    lse2_p = torch.zeros((h, dump + 4), dtype=torch.float32, device=lse.device)
-    dsum_p = torch.zeros((h, dump + 4), dtype=torch.float32, device=lse.device)
-    lse2_p[:, target] = lse2
-    dsum_p[:, target] = d
-    return lse2_p, dsum_p
-
-
 # What each call passes (in this order); the scalars fixed per spec come from BwdLaunch.
 PER_CALL = ("mQ", "mK", "mV", "mdO", "mLSE2", "mD", "mdQacc", "mdK", "mdV",
             *arguments.group_names("varlen", arguments.BWD_ARGUMENTS), "mSemaphore",
@@ -130,14 +84,8 @@ class BwdLaunch:
         spec, cfg = self.spec, self.cfg
         packed = cu_seqlens_q is not None
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
-        lse2, dsum = preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        h, ratio = spec.nheads, spec.qhead_per_kvhead
-        # per query head; rows no key block writes (outside every sequence, past seqused) are 0
-        dkv_shape = (*k.shape[:-2], h, k.shape[-1])
-        alloc = torch.zeros if (packed or spec.has_seqused_k) else torch.empty
-        dk = alloc(dkv_shape, dtype=q.dtype, device=q.device)
-        dv = alloc(dkv_shape, dtype=q.dtype, device=q.device)
+        lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
+        dq_acc, dk, dv = bwd_buffers(spec, q, k)
         if packed:
             batch = cu_seqlens_q.shape[0] - 1
             n_blocks = k.shape[0] // cfg.tile_n + batch  # bounds sum_b ceil(len_b / tile_n)
@@ -146,7 +94,7 @@ class BwdLaunch:
             batch = q.shape[0]
             n_blocks = -(-k.shape[1] // cfg.tile_n)
             slots = batch * -(-q.shape[1] // cfg.tile_m)
-        semaphore = torch.zeros((h, slots if cfg.deterministic else 1), dtype=torch.int32,
+        semaphore = torch.zeros((spec.nheads, slots if cfg.deterministic else 1), dtype=torch.int32,
                                 device=q.device)
         if n_blocks > 0:
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
@@ -156,12 +104,7 @@ class BwdLaunch:
             else:
                 import cuda.bindings.driver as cuda
                 self.fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
-        dq = dq_acc.to(q.dtype)
-        if ratio > 1:
-            group = (*k.shape[:-2], k.shape[-2], ratio, k.shape[-1])
-            dk = dk.view(group).sum(-2)
-            dv = dv.view(group).sum(-2)
-        return dq, dk, dv
+        return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)
 
 
 class Sm90Backward:

@@ -1,0 +1,383 @@
+"""The portable attention backward (mma.sync, ldmatrix, cp.async only): dQ, dK, dV from Q, K,
+V, dO, the forward's LSE and D = rowsum(dO * O) (the preprocess: launch_common.bwd_preprocess).
+
+A CTA owns one block of `tile_n` keys of one (batch, query head) and walks the query blocks that
+see it (`tile_m` rows each): dK and dV stay in registers for the whole walk and are written once;
+dQ gets a float32 share from every key block, added to a global accumulator. As in the sm90
+backward the scores are computed transposed, keys as the MMA's rows, so that P^T and dS^T land
+in registers already shaped as the A operand of dV += P^T dO and dK += dS^T Q:
+    S^T = K Q^T,  P^T = exp2(S^T * scale_log2 - lse_log2),  dP^T = V dO^T,
+    dS^T = P^T * (dP^T - D),  dV += P^T dO,  dK += dS^T Q,  dQ = dS K.
+dQ needs dS with the queries as rows: dS^T goes through shared memory and is read back
+transposed (ldmatrix .trans) as the A operand of dQ = dS K, whose float32 share is added with
+red.global.add.f32 (rows inside the sequence only).
+
+Per query block: Q, dO (cp.async, rows past the sequence zeroed: a masked P of 0 times a NaN of
+garbage would still be NaN) and the block's LSE and D rows (+inf and 0 past the sequence) are
+loaded, then the GEMMs run; two barriers per block. softmax_scale is applied once at the end
+(dK) and to each dQ share; softcap multiplies dS by its derivative (score_mod's rule).
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..common import epilogue
+from ..common.block_info import BlockInfo
+from ..common.convert import convert_fragment
+from ..common.global_atomics import red_add_f32
+from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
+                             transposed_view)
+from ..common.mask import apply_mask_transposed
+from ..common.score_mod import softcap_scores
+from ..common.seqlen_info import SeqlenInfo
+from ..common.tile_scheduler import varlen_tile_coord
+from . import mma
+
+
+@dataclass(frozen=True)
+class Sm80BwdConfig:
+    """The static configuration of one compiled backward kernel (the compile key)."""
+    dtype: type
+    head_dim: int
+    tile_m: int        # queries per block of the walk
+    tile_n: int        # keys per CTA
+    num_warps: int
+    causal: bool = False
+    local: bool = False
+    has_softcap: bool = False
+    varlen_q: bool = False
+    varlen_k: bool = False
+    has_seqused_q: bool = False
+    has_seqused_k: bool = False
+    # Register pressure knobs (each thread holds dK and dV: d registers): dV and dK are
+    # accumulated in kv_parts column parts, so one part's B fragments are live at a time; S^T
+    # and dP^T are computed in q_parts sub-blocks of the query block (tile_m / q_parts queries).
+    kv_parts: int = 1
+    q_parts: int = 1
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+    def smem_bytes(self) -> int:
+        """K and V, Q and dO, dS^T (16-bit), the block's LSE and D (float32)."""
+        elem = self.dtype.width // 8
+        return ((2 * self.tile_n + 2 * self.tile_m) * self.head_dim + self.tile_n * self.tile_m) * elem \
+            + 2 * self.tile_m * 4
+
+
+class FlashBwdSm80:
+    def __init__(self, cfg: Sm80BwdConfig):
+        assert cfg.tile_n % (mma.MMA_ROWS * cfg.num_warps) == 0, cfg  # warps split the keys
+        # dQ's warps: tile_m / 16 along the queries, the rest along the columns
+        assert cfg.tile_m % mma.MMA_ROWS == 0 and cfg.num_warps % (cfg.tile_m // mma.MMA_ROWS) == 0, cfg
+        assert cfg.tile_m <= cfg.num_threads, cfg  # one thread per LSE/D row
+        for rows, cols in ((cfg.tile_m, cfg.head_dim), (cfg.tile_n, cfg.head_dim)):
+            assert rows % mma.rows_per_copy_pass(cfg.dtype, cfg.num_threads, cols) == 0, cfg
+        self.cfg = cfg
+        self.dtype = cfg.dtype
+        self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        self.num_threads = cfg.num_threads
+        self.kv_cols = self.d // cfg.kv_parts   # dK's and dV's columns per GEMM
+        self.sub_m = cfg.tile_m // cfg.q_parts  # queries per S^T / dP^T sub-block
+        assert self.kv_cols % 16 == 0 and self.sub_m % 16 == 0, cfg
+
+    # ------------------------------------------------------------------------------------------
+    # Host side (arguments.BWD_ARGUMENTS declares the parameters)
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+        mLSE2: cute.Tensor,   # float32 (b, h, rows_pad) or (h, rows_pad): LSE in log2 units
+        mD: cute.Tensor,      # like mLSE2: rowsum(dO * O)
+        mdQacc: cute.Tensor,  # float32, shaped like q (zeroed by the launch)
+        mdK: cute.Tensor, mdV: cute.Tensor,  # like k, with the query heads
+        mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        qhead_per_kvhead: Int32,
+        softmax_scale: Float32,
+        score_scale: Float32,
+        softmax_scale_log2: Float32,
+        window_left: Int32,
+        window_right: Int32,
+        num_n_blocks: Int32,  # grid x: key blocks (per sequence, or a packed bound)
+        stream: cuda.CUstream,
+    ):
+        cfg = self.cfg
+        mQ, mdO, mdQacc = (seq_major(t, cfg.varlen_q) for t in (mQ, mdO, mdQacc))
+        mK, mV, mdK, mdV = (seq_major(t, cfg.varlen_k) for t in (mK, mV, mdK, mdV))
+        mLSE2, mD = lse_seq_major(mLSE2, cfg.varlen_q), lse_seq_major(mD, cfg.varlen_q)
+        sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d)
+        sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d)
+        sdS_layout = mma.smem_layout(self.dtype, self.tile_n, self.tile_m)
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m], 16]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m], 16]
+
+        heads = mQ.shape[2]
+        batch = mCuSeqlensQ.shape[0] - 1 if const_expr(cfg.varlen_q) else mQ.shape[3]
+        self.kernel(
+            mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, qhead_per_kvhead, batch,
+            softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
+            sQ_layout, sK_layout, sdS_layout, SharedStorage,
+        ).launch(
+            grid=[num_n_blocks, heads, 1 if const_expr(cfg.varlen_k) else batch],
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+        mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+        mdV: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+        mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        qhead_per_kvhead: Int32, batch: Int32, softmax_scale: Float32, score_scale: Float32,
+        softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_idx, batch_idx = cute.arch.block_idx()
+        in_range = True
+        if const_expr(cfg.varlen_k):
+            n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch,
+                                                   mK.shape[0], self.tile_n, False)
+            in_range = batch_idx < batch
+            batch_idx = cutlass.min(batch_idx, batch - 1)
+        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0],
+                                   mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ, sdO = storage.sQ.get_tensor(sQ_layout), storage.sdO.get_tensor(sQ_layout)
+        sK, sV = storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout)
+        sdSt = storage.sdS.get_tensor(sdS_layout)
+        sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(self.tile_m))
+        sD = storage.sD.get_tensor(cute.make_layout(self.tile_m))
+        if in_range & (n_block * self.tile_n < seqlen.seqlen_k):
+            self.key_block(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV,
+                           sQ, sdO, sK, sV, sdSt, sLSE2, sD, seqlen, n_block,
+                           head_idx, head_idx // qhead_per_kvhead, batch_idx, softmax_scale,
+                           score_scale, softmax_scale_log2, window_left, window_right, tidx)
+
+    @cute.jit
+    def key_block(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, sQ, sdO, sK, sV, sdSt,
+                  sLSE2, sD, seqlen: SeqlenInfo, n_block, head_idx, head_idx_kv, batch_idx,
+                  softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
+                  tidx):
+        """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
+        cfg = self.cfg
+        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
+                               window_left, window_right)
+        m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
+        key_start = n_block * self.tile_n
+
+        # global -> shared: K and V once (rows past the keys zeroed), Q and dO per block
+        copy = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
+        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
+        gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
+        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
+        gdO = cute.local_tile(seqlen.q_view(mdO, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
+        tKcK = copy.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
+        tQcQ = copy.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
+        keys_left = seqlen.seqlen_k - key_start
+        mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left)
+        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left)
+        cute.arch.cp_async_commit_group()
+        tQgQ, tQsQ = copy.partition_S(gQ), copy.partition_D(sQ)
+        tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
+        gLSE2 = self.row_view(mLSE2, seqlen, head_idx, batch_idx)
+        gD = self.row_view(mD, seqlen, head_idx, batch_idx)
+        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+
+        # S^T, dP^T, dV, dK: warps split the keys. dQ: warps split the queries.
+        tiled_mma = mma.tiled_mma(self.dtype, cfg.num_warps)
+        thr = tiled_mma.get_slice(tidx)
+        ld = lambda transpose, b_operand: (cute.make_tiled_copy_B if b_operand else cute.make_tiled_copy_A)(
+            mma.ldmatrix_atom(self.dtype, transpose), tiled_mma).get_slice(tidx)
+        ld_a, ld_b, ld_bt = ld(False, False), ld(False, True), ld(True, True)
+        sKt, sdS = transposed_view(sK), transposed_view(sdSt)
+        # The query block's S^T, dP^T, dV and dK work runs in sub-blocks of sub_m queries
+        # (its scores' registers: tile_n x sub_m), dQ on the whole block.
+        subs = range(self.tile_m // self.sub_m)
+        rows_of = lambda t, h: cute.local_tile(t, (self.sub_m, self.d), (h, 0))
+        # S^T = K Q^T and dP^T = V dO^T: A from K / V, B from Q / dO (rows = queries, K-major)
+        tSrK = thr.make_fragment_A(thr.partition_A(sK))
+        tSrQ = thr.make_fragment_B(thr.partition_B(rows_of(sQ, 0)))
+        tSsK, tSsV = ld_a.partition_S(sK), ld_a.partition_S(sV)
+        tSsQ = [ld_b.partition_S(rows_of(sQ, h)) for h in subs]
+        tSsdO = [ld_b.partition_S(rows_of(sdO, h)) for h in subs]
+        # dV += P^T dO and dK += dS^T Q: B from dO^T / Q^T (d x queries, transposed reads), in
+        # column parts (kv_cols wide each: one part's B fragments live at a time)
+        parts = range(self.d // self.kv_cols)
+        part = lambda t, h, i: cute.local_tile(transposed_view(rows_of(t, h)),
+                                                (self.kv_cols, self.sub_m), (i, 0))
+        tVsdOt = [[ld_bt.partition_S(part(sdO, h, i)) for i in parts] for h in subs]
+        tKsQt = [[ld_bt.partition_S(part(sQ, h, i)) for i in parts] for h in subs]
+        tVrdOt = thr.make_fragment_B(thr.partition_B(part(sdO, 0, 0)))
+        tKrQt = thr.make_fragment_B(thr.partition_B(part(sQ, 0, 0)))
+        # dQ = dS K (its own MMA layout: warps split the queries, and the columns when the
+        # query block has fewer rows than 16 per warp): A from dS (dS^T read transposed), B from
+        # K^T (d x keys, transposed reads)
+        dq_mma = mma.tiled_mma_2d(self.dtype, self.tile_m // mma.MMA_ROWS,
+                                  cfg.num_warps // (self.tile_m // mma.MMA_ROWS))
+        thr_dq = dq_mma.get_slice(tidx)
+        ld_dq_a = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, True), dq_mma).get_slice(tidx)
+        ld_dq_b = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), dq_mma).get_slice(tidx)
+        tQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))
+        tQsdS, tQsKt = ld_dq_a.partition_S(sdS), ld_dq_b.partition_S(sKt)
+
+        acc_S = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_n, self.sub_m)), Float32)
+        acc_dP = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_n, self.sub_m)), Float32)
+        acc_dK = [cute.make_rmem_tensor(thr.partition_shape_C((self.tile_n, self.kv_cols)), Float32)
+                  for _ in parts]
+        acc_dV = [cute.make_rmem_tensor(thr.partition_shape_C((self.tile_n, self.kv_cols)), Float32)
+                  for _ in parts]
+        for acc in acc_dK + acc_dV:
+            acc.fill(0.0)
+        acc_S_mn, acc_dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        coord_st = acc_mn_view(thr.partition_C(cute.make_identity_tensor((self.tile_n, self.sub_m))))
+        coord_dq = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+        tVrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
+        tKrdS = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_dP.layout), self.dtype)
+        # dS^T into shared memory: the accumulator's own layout, pairs of 16-bit values
+        st_ds = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                num_bits_per_copy=2 * self.dtype.width), tiled_mma).get_slice(tidx)
+        tSsdSt = [st_ds.partition_D(cute.local_tile(sdSt, (self.tile_n, self.sub_m), (0, h)))
+                  for h in subs]
+
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            q_start = m_block * self.tile_m
+            rows_left = seqlen.seqlen_q - q_start
+            # this block's Q, dO, LSE and D (every warp is past the previous block's reads)
+            mma.load_rows(copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, rows_left)
+            mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left)
+            cute.arch.cp_async_commit_group()
+            if tidx < self.tile_m:
+                if tidx < rows_left:
+                    sLSE2[tidx] = gLSE2[q_start + tidx]
+                    sD[tidx] = gD[q_start + tidx]
+                else:  # past the sequence: P = exp2(-inf) = 0
+                    sLSE2[tidx] = Float32.inf
+                    sD[tidx] = Float32(0.0)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            for h in subs:
+                self.sub_block(tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV,
+                               tSrK, tSrQ, tSsK, tSsV, tSsQ[h], tSsdO[h], tVrP, tKrdS, tVrdOt,
+                               tKrQt, tVsdOt[h], tKsQt[h], st_ds, tSsdSt[h], ld_a, ld_b, ld_bt,
+                               coord_st, sLSE2, sD, block_info, seqlen, key_start,
+                               q_start + h * self.sub_m, h * self.sub_m, score_scale,
+                               softmax_scale_log2, window_left, window_right)
+            cute.arch.barrier()  # dS^T is in shared memory
+            self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt, ld_dq_a, ld_dq_b, coord_dq,
+                          gdQ, q_start, seqlen.seqlen_q, softmax_scale)
+            cute.arch.barrier()  # every warp is past its reads of Q, dO and dS^T
+
+        # dK (scaled) and dV out, staged through K's and V's buffers (K and V landed and every
+        # warp is past its reads, also when no query block saw this key block)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        for acc in acc_dK:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] * softmax_scale
+        for accs, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
+            for i in cutlass.range_constexpr(len(parts)):
+                epilogue.stage_o(accs[i], cute.local_tile(s_buf, (self.tile_n, self.kv_cols), (0, i)),
+                                 tiled_mma, tidx, self.dtype, stmatrix=False)
+            cute.arch.barrier()
+            g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (self.tile_n, self.d),
+                                    (n_block, 0))
+            epilogue.store_o(s_buf, g_out, key_start, seqlen.seqlen_k, tidx, self.dtype, self.d,
+                             self.tile_n, self.num_threads)
+
+    @cute.jit
+    def sub_block(self, tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV, tSrK,
+                  tSrQ, tSsK, tSsV, tSsQ, tSsdO, tVrP, tKrdS, tVrdOt, tKrQt, tVsdOt, tKsQt, st_ds,
+                  tSsdSt, ld_a, ld_b, ld_bt, coord_st, sLSE2, sD, block_info: BlockInfo,
+                  seqlen: SeqlenInfo, key_start, q_start, row0: cutlass.Constexpr, score_scale,
+                  softmax_scale_log2, window_left, window_right):
+        """sub_m queries (from q_start; row0 within the block's shared tiles) against this
+        CTA's keys: S^T and dP^T, P^T and dS^T (dS^T also into shared memory for dQ), then
+        dV += P^T dO and dK += dS^T Q."""
+        cfg = self.cfg
+        acc_S.fill(0.0)
+        mma.gemm(tiled_mma, acc_S, tSrK, tSrQ, tSsK, tSsQ, ld_a, ld_b)
+        acc_dP.fill(0.0)
+        mma.gemm(tiled_mma, acc_dP, tSrK, tSrQ, tSsV, tSsdO, ld_a, ld_b)
+        # P^T and dS^T (masked entries: P = 0, so dS = 0)
+        if const_expr(cfg.has_softcap):
+            softcap_scores(acc_S, score_scale)
+        if block_info.needs_mask_transposed(seqlen.seqlen_q, seqlen.seqlen_k, key_start,
+                                            self.tile_n, q_start):
+            apply_mask_transposed(acc_S_mn, coord_st, key_start, q_start, seqlen.seqlen_q,
+                                  seqlen.seqlen_k, window_left, window_right, cfg.causal,
+                                  cfg.local)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            q = row0 + coord_st[0, c][1]
+            lse2, dsum = sLSE2[q], sD[q]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                t = acc_S_mn[r, c]
+                p = cute.math.exp2(t * softmax_scale_log2 - lse2, fastmath=True)
+                ds = p * (acc_dP_mn[r, c] - dsum)
+                if const_expr(cfg.has_softcap):
+                    # clamped at 0: exact for real tanh values, and 0 for masked ones
+                    ds = ds * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
+                acc_S_mn[r, c] = p
+                acc_dP_mn[r, c] = ds
+        convert_fragment(acc_S, tVrP)
+        convert_fragment(acc_dP, tKrdS)
+        # dS^T to shared memory for dQ
+        cute.copy(st_ds, st_ds.retile(cute.make_tensor(tKrdS.iterator, acc_dP.layout)), tSsdSt)
+        # dV += P^T dO, dK += dS^T Q
+        for i in cutlass.range_constexpr(len(acc_dV)):
+            mma.gemm(tiled_mma, acc_dV[i], tVrP, tVrdOt, None, tVsdOt[i], None, ld_bt,
+                     a_in_registers=True)
+            mma.gemm(tiled_mma, acc_dK[i], tKrdS, tKrQt, None, tKsQt[i], None, ld_bt,
+                     a_in_registers=True)
+
+    @cute.jit
+    def dq_share(self, tiled_mma, thr, tQrdS, tQrKt, tQsdS, tQsKt, ld_at, ld_bt, coord_dq, gdQ,
+                 q_start, seqlen_q, softmax_scale):
+        """dQ's share of this key block for the query block at q_start: dS K (scaled), added to
+        the float32 accumulator, rows inside the sequence only."""
+        acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.d)), Float32)
+        acc_dQ.fill(0.0)
+        mma.gemm(tiled_mma, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, ld_at, ld_bt)
+        acc_mn = acc_mn_view(acc_dQ)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            row = q_start + coord_dq[r, 0][0]
+            if row < seqlen_q:
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    col = coord_dq[r, c][1]
+                    red_add_f32(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout),
+                                acc_mn[r, c] * softmax_scale)
+
+    def row_view(self, mX: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
+        """The (rows,) LSE or D of one head. Packed sequences are laid out padded
+        (launch_common.bwd_preprocess): sequence b starts at (offset_q // tile_m + b) * tile_m."""
+        if const_expr(self.cfg.varlen_q):
+            start = (seqlen.offset_q // self.tile_m + batch_idx) * self.tile_m
+            return cute.domain_offset((start,), mX[None, head_idx])
+        return mX[None, head_idx, batch_idx]

@@ -1,0 +1,141 @@
+"""The sm80 backward family: which specs it serves, and how a call becomes a launch.
+
+Three steps on the current stream, no host synchronisation, as for sm90 (launch_common has the
+PyTorch steps): the preprocess (D = rowsum(dO * O), the LSE in log2 units, rows padded per
+sequence), the kernel (bwd.py: dK and dV per query head, dQ accumulated in float32), the
+postprocess (dQ to the input dtype, GQA's dK and dV summed per kv head).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from ... import compile_cache
+from ...spec import AttentionSpec
+from ..common.arguments import Binder, group_names
+from ..launch_common import (CUTLASS_DTYPES, aligned16, bwd_buffers, bwd_postprocess,
+                             bwd_preprocess, kernel_scalars, to_runtime, unserved_form, use_tvm_ffi)
+from . import arguments
+from .bwd import Sm80BwdConfig
+from .launch import ARCH, COMPILE_MODULE, GPU_VERIFIED, _call
+
+KIND = "bwd"
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+# (tile_m queries, tile_n keys, warps): 4 warps of 16 keys each hold dK and dV (d registers a
+# thread); checked spill-free per target by tests/test_compile_sm80.py. K, V, Q, dO and dS^T:
+# 72 KB at d = 128, inside the 99 KB of sm_86/89/120.
+TILE = (64, 64, 4)
+
+
+def register_parts(head_dim: int, major: int) -> tuple:
+    """(kv_parts, q_parts) of Sm80BwdConfig: at d = 128 dK and dV (128 registers a thread) leave
+    little room: halves of both were spill-free for sm_80/86/89; sm_120's compiler spilled
+    64-124 bytes with those (and 16-84 bytes at d = 96 with packed sequences) and needed
+    16-query sub-blocks from d = 96 on (quarters of dK's and dV's columns did not help)."""
+    kv_parts = 2 if head_dim >= 128 else 1  # (d = 96's 48-column halves do not tile its rows)
+    if major >= 12 and head_dim >= 96:
+        return kv_parts, 4
+    return kv_parts, 2 if head_dim >= 128 else 1
+
+
+def unserved_on(spec: AttentionSpec, major: int) -> Optional[str]:
+    """What this arch's compiler cannot build spill-free (tests/test_compile_sm80.py)."""
+    if major >= 12 and spec.head_dim >= 128 and spec.varlen_q:
+        return ("the sm80 backward at head_dim 128 with packed sequences spills registers on "
+                f"sm_{major}x (16-32 bytes): not served there yet")
+    return None
+
+
+def _major(spec: AttentionSpec) -> int:
+    return torch.cuda.get_device_capability(spec.device_index)[0] if spec.device_index >= 0 else 8
+
+
+def bwd_config(spec: AttentionSpec, major: int = 8) -> Sm80BwdConfig:
+    """major: the compute capability's, whose compiler the register parts are chosen for."""
+    tile_m, tile_n, warps = TILE
+    kv_parts, q_parts = register_parts(spec.head_dim, major)
+    return Sm80BwdConfig(
+        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=spec.head_dim, tile_m=tile_m, tile_n=tile_n,
+        num_warps=warps, causal=spec.causal, local=spec.local, has_softcap=spec.has_softcap,
+        varlen_q=spec.varlen_q, varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
+        has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts)
+
+
+@functools.lru_cache(maxsize=None)
+def sources() -> tuple:
+    return compile_cache.module_sources(COMPILE_MODULE)
+
+
+def _compiled(cfg: Sm80BwdConfig, tvm_ffi: bool):
+    def build():
+        from .compile import compile_bwd_with_report
+        return compile_bwd_with_report(cfg, tvm_ffi=tvm_ffi)
+    return compile_cache.get_or_compile((ARCH, KIND, tvm_ffi, cfg), build, persist=tvm_ffi,
+                                        sources=sources())
+
+
+PER_CALL = ("mQ", "mK", "mV", "mdO", "mLSE2", "mD", "mdQacc", "mdK", "mdV",
+            *group_names("varlen", arguments.BWD_ARGUMENTS), "num_n_blocks")
+
+
+class BwdLaunch:
+    """The compiled backward for one spec; calling it runs the three steps."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.cfg = bwd_config(spec, _major(spec))
+        self.tvm_ffi = use_tvm_ffi()
+        self.fn = _compiled(self.cfg, self.tvm_ffi)
+        score_scale, scale_log2, left, right = kernel_scalars(spec)
+        fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
+                     score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
+                     window_right=right)
+        self.bind = Binder(PER_CALL, fixed, arguments.BWD_ARGUMENTS,
+                           None if self.tvm_ffi else to_runtime)
+
+    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None):
+        cfg = self.cfg
+        q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
+        lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
+        dq_acc, dk, dv = bwd_buffers(self.spec, q, k)
+        if cu_seqlens_k is not None:
+            n_blocks = k.shape[0] // cfg.tile_n + cu_seqlens_k.shape[0] - 1  # a packed bound
+        else:
+            n_blocks = -(-k.shape[1] // cfg.tile_n)
+        if n_blocks > 0:
+            args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
+                             cu_seqlens_k, seqused_q, seqused_k, n_blocks)
+            _call(self.fn, self.tvm_ffi, args, q.device)
+        return bwd_postprocess(dq_acc, dk, dv, q, k, self.spec.qhead_per_kvhead)
+
+
+class Sm80Backward:
+    """The kernel family of ("sm80", "bwd") (dispatch.KernelFamily)."""
+    arch, kind = ARCH, KIND
+
+    def can_implement(self, spec: AttentionSpec) -> Optional[str]:
+        if spec.dtype not in CUTLASS_DTYPES:
+            return f"dtype {spec.dtype} is not supported by the sm80 backward (fp16, bf16)"
+        if spec.head_dim not in SUPPORTED_HEAD_DIMS or spec.head_dim_v != spec.head_dim:
+            supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+            return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no sm80 "
+                    f"backward kernel yet (supported: {supported})")
+        if spec.deterministic:
+            return "deterministic=True: the sm80 backward orders no dQ additions yet"
+        reason = unserved_on(spec, _major(spec))
+        if reason is not None:
+            return reason
+        if not GPU_VERIFIED and os.environ.get("CUTEATTN_PATH") != ARCH:
+            return ("the sm80 backward has not been verified on a GPU yet: set "
+                    "CUTEATTN_PATH=sm80 to use it anyway")
+        return unserved_form(spec, ARCH, "backward")
+
+    def launch(self, spec: AttentionSpec) -> BwdLaunch:
+        return BwdLaunch(spec)
+
+
+BACKWARD = Sm80Backward()
