@@ -15,7 +15,7 @@ import cutlass
 from cuteattn.kernels.sm80.combine import CombineConfig
 from cuteattn.kernels.sm80.compile import (compile_bwd_with_report, compile_combine,
                                            compile_fwd_with_report)
-from cuteattn.kernels.sm90.compile import ptxas_report
+from cuteattn.kernels.compile_common import ptxas_report
 from cuteattn.kernels.sm80.config import decode_config, fwd_config
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}

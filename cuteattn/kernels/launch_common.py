@@ -109,6 +109,26 @@ def to_runtime(arg: arguments.Arg, value):
     return to_cute(value, arg.align)
 
 
+def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims) -> Optional[str]:
+    """The reason the `arch` `who` ("forward", "backward") does not take spec's dtype or head
+    dims (q's among `head_dims`, v's equal to q's), or None."""
+    if spec.dtype not in CUTLASS_DTYPES:
+        return f"dtype {spec.dtype} is not supported by the {arch} {who} (fp16, bf16)"
+    supported = ", ".join(map(str, head_dims))
+    if who == "backward":
+        if spec.head_dim not in head_dims or spec.head_dim_v != spec.head_dim:
+            return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no {arch} "
+                    f"backward kernel yet (supported: {supported})")
+        return None
+    if spec.head_dim not in head_dims:
+        return (f"head_dim {spec.head_dim} is not supported by the {arch} {who} "
+                f"(supported: {supported})")
+    if spec.head_dim_v != spec.head_dim:
+        return (f"head_dim_v {spec.head_dim_v} != head_dim {spec.head_dim} is not supported "
+                f"by the {arch} {who}")
+    return None
+
+
 def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
     one side packed and the other batched; a learnable sink; paged keys; seqused on batched q/k; a window

@@ -19,7 +19,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ..common.arguments import Binder, group_names
 from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, to_runtime,
-                             unserved_form, use_tvm_ffi)
+                             unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments, config
 from .combine import CombineConfig
 
@@ -190,15 +190,9 @@ class Sm80Forward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        supported = ", ".join(map(str, config.SUPPORTED_HEAD_DIMS))
-        if spec.dtype not in CUTLASS_DTYPES:
-            return f"dtype {spec.dtype} is not supported by the sm80 forward (fp16, bf16)"
-        if spec.head_dim not in config.SUPPORTED_HEAD_DIMS:
-            return (f"head_dim {spec.head_dim} is not supported by the sm80 forward "
-                    f"(supported: {supported})")
-        if spec.head_dim_v != spec.head_dim:
-            return (f"head_dim_v {spec.head_dim_v} != head_dim {spec.head_dim} is not supported "
-                    "by the sm80 forward")
+        reason = unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS)
+        if reason is not None:
+            return reason
         try:
             sm80_config(spec)
         except ValueError as e:  # no tile fits this device's shared memory

@@ -17,7 +17,8 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ..common.arguments import Binder, group_names
 from ..launch_common import (CUTLASS_DTYPES, aligned16, bwd_buffers, bwd_postprocess,
-                             bwd_preprocess, kernel_scalars, to_runtime, unserved_form, use_tvm_ffi)
+                             bwd_preprocess, kernel_scalars, to_runtime, unserved_dtype_or_dims,
+                             unserved_form, use_tvm_ffi)
 from . import arguments
 from .bwd import Sm80BwdConfig
 from .launch import ARCH, COMPILE_MODULE, GPU_VERIFIED, _call
@@ -118,12 +119,9 @@ class Sm80Backward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        if spec.dtype not in CUTLASS_DTYPES:
-            return f"dtype {spec.dtype} is not supported by the sm80 backward (fp16, bf16)"
-        if spec.head_dim not in SUPPORTED_HEAD_DIMS or spec.head_dim_v != spec.head_dim:
-            supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
-            return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no sm80 "
-                    f"backward kernel yet (supported: {supported})")
+        reason = unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS)
+        if reason is not None:
+            return reason
         if spec.deterministic:
             return "deterministic=True: the sm80 backward orders no dQ additions yet"
         reason = unserved_on(spec, _major(spec))

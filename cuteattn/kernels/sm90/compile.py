@@ -5,17 +5,7 @@ dim is static and unit-stride), so the cubin serves every batch, sequence length
 memory layout with a contiguous head dim. This needs no GPU: with CUTE_DSL_ARCH=sm_90a the same
 function runs in CI.
 """
-import contextlib
-import io
-import os
-import re
-import tempfile
-
-import cuda.bindings.driver as cuda
-
-import cutlass.cute as cute
-from cutlass.runtime import make_fake_stream
-
+from ..compile_common import compile_kernel, ptxas_report
 from . import arguments
 from .fwd import FlashFwdSm90, Sm90FwdConfig
 
@@ -33,44 +23,7 @@ def compile_fwd(cfg: Sm90FwdConfig, options: str = "", tvm_ffi: bool = False):
     the stream: cute runtime tensors, Int32 and Float32 scalars and a CUstream; or, with `tvm_ffi`,
     torch tensors and Python numbers and no stream (TVM-FFI passes the caller's current stream).
     kernels/sm90/launch.py builds both (launch_arguments)."""
-    kernel = FlashFwdSm90(cfg)
-    if tvm_ffi:
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        options = (options + " --enable-tvm-ffi").strip()
-    else:
-        stream = cuda.CUstream(0)
-    return cute.compile(kernel, *fake_arguments(cfg), stream, options=options)
-
-
-_PTXAS_USED = re.compile(r"Used (\d+) registers")
-_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-
-
-def ptxas_report(compile_fn):
-    """(compile_fn(), what ptxas reported): {'registers': per-thread registers at launch,
-    'spill_store_bytes', 'spill_load_bytes'} (empty if ptxas said nothing). compile_fn must pass
-    the "remarks{ptx}" option. The report goes to stderr (Python's, and fd 2 for anything native),
-    so both are captured while compiling."""
-    saved = os.dup(2)
-    py_err = io.StringIO()
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            with contextlib.redirect_stderr(py_err):  # the DSL writes its remarks here
-                compiled = compile_fn()
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        tmp.seek(0)
-        text = tmp.read().decode(errors="replace") + py_err.getvalue()
-    info = {}
-    used, spill = _PTXAS_USED.findall(text), _PTXAS_SPILL.findall(text)
-    if used:
-        info["registers"] = max(int(x) for x in used)
-    if spill:
-        info["spill_store_bytes"] = max(int(a) for a, _ in spill)
-        info["spill_load_bytes"] = max(int(b) for _, b in spill)
-    return compiled, info
+    return compile_kernel(FlashFwdSm90(cfg), fake_arguments(cfg), options, tvm_ffi)
 
 
 def compile_fwd_with_report(cfg: Sm90FwdConfig, tvm_ffi: bool = False):
@@ -88,9 +41,4 @@ def fake_bwd_arguments(cfg) -> tuple:
 def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False):
     """The compiled backward kernel for cfg (bwd.Sm90BwdConfig), like compile_fwd."""
     from .bwd import FlashBwdSm90
-    if tvm_ffi:
-        stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-        options = (options + " --enable-tvm-ffi").strip()
-    else:
-        stream = cuda.CUstream(0)
-    return cute.compile(FlashBwdSm90(cfg), *fake_bwd_arguments(cfg), stream, options=options)
+    return compile_kernel(FlashBwdSm90(cfg), fake_bwd_arguments(cfg), options, tvm_ffi)

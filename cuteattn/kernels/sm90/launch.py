@@ -17,7 +17,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, sm_count,
-                            to_runtime, unserved_form, use_tvm_ffi)
+                            to_runtime, unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments, config
 from .arguments import NO_VARLEN, VarlenMetadata
 
@@ -158,16 +158,8 @@ class Sm90Forward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        supported = ", ".join(map(str, config.SUPPORTED_HEAD_DIMS))
-        if spec.dtype not in CUTLASS_DTYPES:
-            return f"dtype {spec.dtype} is not supported by the sm90 forward (fp16, bf16)"
-        if spec.head_dim not in config.SUPPORTED_HEAD_DIMS:
-            return (f"head_dim {spec.head_dim} is not supported by the sm90 forward "
-                    f"(supported: {supported})")
-        if spec.head_dim_v != spec.head_dim:
-            return (f"head_dim_v {spec.head_dim_v} != head_dim {spec.head_dim} is not supported "
-                    "by the sm90 forward")
-        return unserved_form(spec, ARCH, "forward")
+        return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS)
+                or unserved_form(spec, ARCH, "forward"))
 
     def launch(self, spec: AttentionSpec) -> Launch:
         return Launch(spec)

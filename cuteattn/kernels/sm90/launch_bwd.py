@@ -20,8 +20,8 @@ from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
 from ..launch_common import (CUTLASS_DTYPES, aligned16, bwd_buffers, bwd_postprocess,
-                            bwd_preprocess, kernel_scalars, to_runtime, unserved_form,
-                            use_tvm_ffi)
+                            bwd_preprocess, kernel_scalars, to_runtime, unserved_dtype_or_dims,
+                            unserved_form, use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -112,13 +112,8 @@ class Sm90Backward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        if spec.dtype not in CUTLASS_DTYPES:
-            return f"dtype {spec.dtype} is not supported by the sm90 backward (fp16, bf16)"
-        if spec.head_dim not in SUPPORTED_HEAD_DIMS or spec.head_dim_v != spec.head_dim:
-            supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
-            return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no sm90 "
-                    f"backward kernel yet (supported: {supported})")
-        return unserved_form(spec, ARCH, "backward")
+        return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS)
+                or unserved_form(spec, ARCH, "backward"))
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
         return BwdLaunch(spec)
