@@ -4,7 +4,8 @@ before the first step, so that no process stalls compiling (3-7 s a variant) whe
     python -m cuteattn.precompile --head-dim 128 --dtype bf16 --mask causal --varlen --backward
 
 Works on a machine without a GPU: the kernels are compiled for the target architecture
-(`--arch`, default sm_90a there; the GPU's own where there is one), and the cache directory
+(`--arch`, default sm_90a there, sm_86 with `--path sm80`; the GPU's own where there is one;
+`--path sm80` the portable kernels, with the target's tiles), and the cache directory
 (CUTEATTN_CACHE_DIR, default ~/.cache/cuteattn) can then be copied to the GPU machines of the same
 architecture and package versions. The variants: every combination of the given head dims,
 dtypes and masks, batched and (with --varlen) packed, each forward tile class (short and long
@@ -36,7 +37,11 @@ def parse_args(argv=None):
     p.add_argument("--backward", action="store_true", help="also the backward (training)")
     p.add_argument("--deterministic", action="store_true",
                    help="the backward with deterministic=True too")
-    p.add_argument("--arch", help="target when there is no GPU (default sm_90a)")
+    p.add_argument("--arch", help="target when there is no GPU (default sm_90a; with --path "
+                                  "sm80: sm_80, sm_86, sm_89 or sm_120a, default sm_86)")
+    p.add_argument("--path", choices=("default", "sm80"), default="default",
+                   help="sm80: the portable mma.sync kernels (what CUTEATTN_PATH=sm80 and GPUs "
+                        "from sm_80 to sm_120 run)")
     return p.parse_args(argv)
 
 
@@ -45,6 +50,9 @@ def variants(args) -> list:
     import torch
     from cuteattn.spec import AttentionSpec
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    # the GPU's, where there is one: configs that depend on the device (the portable path's
+    # tiles follow its shared memory) are then the ones its calls will use
+    device_index = 0 if torch.cuda.is_available() else -1
     out = []
     layouts = [(False, False)] + ([(True, args.seqused)] if args.varlen else [])
     for d in args.head_dim:
@@ -58,7 +66,7 @@ def variants(args) -> list:
                         nheads=1, nheads_k=1, softmax_scale=d ** -0.5,
                         window_left=128 if mask == "local" else None,
                         window_right=0 if mask == "local" else None,
-                        softcap=30.0 if mask == "softcap" else 0.0)
+                        softcap=30.0 if mask == "softcap" else 0.0, device_index=device_index)
                     name = f"d{d} {dt} {mask}{' varlen' if varlen else ''}{' seqused' if seqused else ''}"
                     for seqlen in (1024, 1 << 20):  # the short and the long tile class
                         out.append((f"fwd {name} {'short' if seqlen == 1024 else 'long'}",
@@ -73,8 +81,11 @@ def variants(args) -> list:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
-    if not torch.cuda.is_available():
-        os.environ.setdefault("CUTE_DSL_ARCH", args.arch or "sm_90a")  # before cutlass loads
+    portable = args.path == "sm80"
+    if not torch.cuda.is_available():  # before cutlass loads
+        os.environ.setdefault("CUTE_DSL_ARCH", args.arch or ("sm_86" if portable else "sm_90a"))
+    if portable:
+        os.environ["CUTEATTN_PATH"] = "sm80"  # (dispatch.PATH_ENV) the families serve it
     from cuteattn import compile_cache, dispatch
     if not compile_cache.disk_cache_enabled():
         print("the disk cache is off (CUTEATTN_DISK_CACHE=0): nothing to fill", file=sys.stderr)
@@ -84,7 +95,7 @@ def main(argv=None) -> int:
         print("only kernels compiled for TVM-FFI are kept on disk: pip install apache-tvm-ffi "
               "(the tvm-ffi extra)", file=sys.stderr)
         return 2
-    arch = "sm90"  # the one architecture with kernels today (dispatch.ARCH_BY_MAJOR)
+    arch = "sm80" if portable else "sm90"
     todo = variants(args)
     done = {}
     start = time.perf_counter()

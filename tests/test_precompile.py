@@ -45,3 +45,21 @@ def test_fills_the_cache_then_loads_from_it(tmp_path):
     assert len(list(tmp_path.rglob("*.o"))) == 3
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "0 compiled, 3 already on disk" in second.stdout, second.stdout
+
+
+@pytest.mark.compile
+def test_portable_path_for_another_target(tmp_path):
+    """--path sm80 --arch sm_120a: the portable kernels compiled for sm_120 (its tiles and
+    register parts), into the cache directory of that target."""
+    pytest.importorskip("tvm_ffi")
+    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
+    env.pop("CUTE_DSL_ARCH", None)
+    env.pop("CUTEATTN_PATH", None)
+    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "128", "--mask", "causal",
+           "--backward", "--path", "sm80", "--arch", "sm_120a"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # one forward config serves both tile classes (the portable tiles do not depend on the
+    # length): one forward and one backward compiled
+    assert "2 compiled, 0 already on disk" in run.stdout, run.stdout
+    assert len(list(tmp_path.rglob("*.o"))) == 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 from typing import Optional
 
 import torch
@@ -33,11 +34,20 @@ COMPILE_MODULE = "cuteattn.kernels.sm80.compile"
 GPU_VERIFIED = False
 
 
+def target_capability(device_index: int) -> tuple:
+    """The compute capability the kernels are compiled for: the device's; for host-only callers
+    (compile-only, python -m cuteattn.precompile) the CUTE_DSL_ARCH target's (sm_86 if unset)."""
+    if device_index >= 0:
+        return torch.cuda.get_device_capability(device_index)
+    match = re.fullmatch(r"sm_(\d+?)(\d)[a-z]?", os.environ.get("CUTE_DSL_ARCH", "sm_86"))
+    return (int(match[1]), int(match[2])) if match else (8, 6)
+
+
 @functools.lru_cache(maxsize=None)
 def smem_limit(device_index: int) -> int:
-    """Opt-in shared memory per block of the device (host-only callers: an sm_86's 99 KB)."""
+    """Opt-in shared memory per block of the device (host-only callers: the target's)."""
     if device_index < 0:
-        return config.SMEM_BY_CAPABILITY[(8, 6)]
+        return config.SMEM_BY_CAPABILITY.get(target_capability(-1), 99 * 1024)
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 

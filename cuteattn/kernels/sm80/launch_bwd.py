@@ -11,8 +11,6 @@ import functools
 import os
 from typing import Optional
 
-import torch
-
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ..common.arguments import Binder, group_names
@@ -21,7 +19,7 @@ from ..launch_common import (CUTLASS_DTYPES, aligned16, bwd_buffers, bwd_postpro
                              unserved_form, use_tvm_ffi)
 from . import arguments
 from .bwd import Sm80BwdConfig
-from .launch import ARCH, COMPILE_MODULE, GPU_VERIFIED, _call
+from .launch import ARCH, COMPILE_MODULE, GPU_VERIFIED, _call, target_capability
 
 KIND = "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -51,7 +49,7 @@ def unserved_on(spec: AttentionSpec, major: int) -> Optional[str]:
 
 
 def _major(spec: AttentionSpec) -> int:
-    return torch.cuda.get_device_capability(spec.device_index)[0] if spec.device_index >= 0 else 8
+    return target_capability(spec.device_index)[0]
 
 
 def bwd_config(spec: AttentionSpec, major: int = 8) -> Sm80BwdConfig:
