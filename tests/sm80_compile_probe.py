@@ -24,7 +24,7 @@ MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "
          "stmatrix", "cp.async.bulk", "setmaxnreg", "tanh.approx")
 
 
-def bwd_config_of(dtype, d, causal, local, softcap, varlen):
+def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False):
     """The backward family's config for these switches on this target (launch_bwd's choice)."""
     import os
     from cuteattn.kernels.sm80.bwd import Sm80BwdConfig
@@ -33,7 +33,7 @@ def bwd_config_of(dtype, d, causal, local, softcap, varlen):
     tile_m, tile_n, warps = TILE
     kv_parts, q_parts = register_parts(d, major)
     return Sm80BwdConfig(dtype, d, tile_m, tile_n, warps, causal, local, softcap, varlen, varlen,
-                         varlen, varlen, kv_parts, q_parts)
+                         varlen, varlen, kv_parts, q_parts, deterministic)
 
 
 def main():
@@ -49,9 +49,9 @@ def main():
                             targets=re.findall(r"\.target (\S+)", ptx),
                             marks={m: m in ptx for m in MARKS}, **info))
             continue
-        if isinstance(form, str) and form.startswith("bwd"):  # the backward: "bwd[,varlen]"
+        if isinstance(form, str) and form.startswith("bwd"):  # "bwd[,varlen][,deterministic]"
             varlen = "varlen" in form
-            cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen)
+            cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen, "deterministic" in form)
             compiled, info = compile_bwd_with_report(cfg, keep_ptx=True)
             ptx = compiled.__ptx__
             out.append(dict(variant=[dtype, d, mask, form], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],

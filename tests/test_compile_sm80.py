@@ -47,7 +47,9 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],
-               ["fp16", 128, "softcap", "bwd"], ["bf16", 64, "none", "bwd,varlen"]]
+               ["fp16", 128, "softcap", "bwd"], ["bf16", 64, "none", "bwd,varlen"],
+               ["bf16", 128, "causal", "bwd,deterministic"],
+               ["bf16", 64, "local", "bwd,varlen,deterministic"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])

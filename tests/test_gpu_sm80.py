@@ -250,8 +250,10 @@ def test_bwd_varlen_seqused(seed, mask):
     tb.test_bwd_varlen_seqused(seed, mask)
 
 
-def test_bwd_deterministic_is_declined_with_its_reason(seed):
-    q = torch.randn(1, 64, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    out = flash_attn_func(q, q, q, deterministic=True, strict=True)
-    with pytest.raises(RuntimeError, match="deterministic=True: the sm80 backward"):
-        out.sum().backward()
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_bwd_deterministic_is_bitwise_reproducible(seed, mask):
+    tb.test_bwd_deterministic_is_bitwise_reproducible(seed, mask)
+
+
+def test_bwd_varlen_deterministic(seed):
+    tb.test_bwd_varlen_deterministic(seed)

@@ -256,12 +256,14 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
                      dict(has_softcap=True, softcap=3.0), dict(varlen_q=True, varlen_k=True)):
             spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **form)
             assert launch_bwd.BACKWARD.can_implement(spec) is None, (d, form)
+            det = make_spec(kind="bwd", head_dim=d, head_dim_v=d, deterministic=True, **form)
+            assert launch_bwd.BACKWARD.can_implement(det) is None, (d, form)
+            assert launch_bwd.bwd_config(det).deterministic
             cfg = launch_bwd.bwd_config(spec)
             FlashBwdSm80(cfg)  # its copies and MMA layouts fit the tile
             assert cfg.smem_bytes() <= 99 * 1024
     reasons = {
         "head_dim 256 (head_dim_v 256) has no sm80 backward": dict(head_dim=256, head_dim_v=256),
-        "deterministic=True: the sm80 backward": dict(deterministic=True),
         "learnable attention sinks: no sm80 backward": dict(has_sink=True),
     }
     for reason, fields in reasons.items():
@@ -280,6 +282,9 @@ def test_backward_declaration_matches_kernel_signature():
     assert list(common.names(arguments.BWD_ARGUMENTS)) + [common.STREAM] == params
     fixed = {"qhead_per_kvhead", "softmax_scale", "score_scale", "softmax_scale_log2",
              "window_left", "window_right"}
+    # both backward kernels take the same list (the common declaration)
+    from cuteattn.kernels.sm90 import arguments as sm90_arguments
+    assert common.names(arguments.BWD_ARGUMENTS) == sm90_arguments.names(sm90_arguments.BWD_ARGUMENTS)
     assert set(launch_bwd.PER_CALL) | fixed == set(common.names(arguments.BWD_ARGUMENTS))
 
 

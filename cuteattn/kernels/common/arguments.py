@@ -160,9 +160,14 @@ def dq_accumulator(cfg, sym, align, memspace):
     return fake_tensor(Float32, shape, align, memspace)
 
 
+def semaphores(cfg, sym, align, memspace):
+    """int32 (h, slots): one per query block (deterministic mode; a (h, 1) stand-in otherwise)."""
+    return fake_tensor(Int32, (sym["h"], cute.sym_int()), align, memspace)
+
+
 def backward_arguments(extra: tuple = ()) -> tuple:
-    """A backward kernel's parameters: the tensors, the varlen group, `extra` (a family's own
-    tensors), the scalars."""
+    """A backward kernel's parameters: the tensors, the varlen group, the semaphores of the
+    deterministic mode, `extra` (a family's own tensors), the scalars."""
     return (
         Arg("mQ", TENSOR, query_side("head_dim")),
         Arg("mK", TENSOR, key_side("head_dim")),
@@ -174,6 +179,7 @@ def backward_arguments(extra: tuple = ()) -> tuple:
         Arg("mdK", TENSOR, key_side_per_query_head),
         Arg("mdV", TENSOR, key_side_per_query_head),
         VARLEN,
+        Arg("mSemaphore", TENSOR, semaphores, align=4),
         *extra,
         Arg("qhead_per_kvhead", INT32),
         Arg("softmax_scale", FLOAT32),

@@ -112,7 +112,7 @@ def combine_fakes(cfg) -> tuple:
     return common.fakes(cfg, COMBINE_ARGUMENTS)
 
 
-# ---- the backward's (bwd.FlashBwdSm80): the common list, nothing of its own ----
+# ---- the backward's (bwd.FlashBwdSm80): the common list ----
 
 BWD_ARGUMENTS = common.backward_arguments()
 

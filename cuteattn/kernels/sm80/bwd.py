@@ -10,7 +10,8 @@ in registers already shaped as the A operand of dV += P^T dO and dK += dS^T Q:
     dS^T = P^T * (dP^T - D),  dV += P^T dO,  dK += dS^T Q,  dQ = dS K.
 dQ needs dS with the queries as rows: dS^T goes through shared memory and is read back
 transposed (ldmatrix .trans) as the A operand of dQ = dS K, whose float32 share is added with
-red.global.add.f32 (rows inside the sequence only).
+red.global.add.f32 (rows inside the sequence only); in deterministic mode in key-block order
+(common/dq_order).
 
 Per query block: Q, dO (cp.async, rows past the sequence zeroed: a masked P of 0 times a NaN of
 garbage would still be NaN) and the block's LSE and D rows (+inf and 0 past the sequence) are
@@ -29,6 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from ..common import epilogue
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
+from ..common.dq_order import in_turn, semaphore_slot
 from ..common.global_atomics import red_add_f32
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
                              transposed_view)
@@ -59,6 +61,8 @@ class Sm80BwdConfig:
     # and dP^T are computed in q_parts sub-blocks of the query block (tile_m / q_parts queries).
     kv_parts: int = 1
     q_parts: int = 1
+    # dQ's shares added in key-block order (bitwise-reproducible gradients; common/dq_order)
+    deterministic: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -100,6 +104,7 @@ class FlashBwdSm80:
         mdK: cute.Tensor, mdV: cute.Tensor,  # like k, with the query heads
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        mSemaphore: cute.Tensor,  # int32 (h, slots), zeroed (deterministic only)
         qhead_per_kvhead: Int32,
         softmax_scale: Float32,
         score_scale: Float32,
@@ -131,7 +136,7 @@ class FlashBwdSm80:
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(cfg.varlen_q) else mQ.shape[3]
         self.kernel(
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, qhead_per_kvhead, batch,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSemaphore, qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sdS_layout, SharedStorage,
         ).launch(
@@ -150,6 +155,7 @@ class FlashBwdSm80:
         mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
         mdV: cute.Tensor, mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        mSemaphore: cute.Tensor,
         qhead_per_kvhead: Int32, batch: Int32, softmax_scale: Float32, score_scale: Float32,
         softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
@@ -174,13 +180,13 @@ class FlashBwdSm80:
         sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(self.tile_m))
         sD = storage.sD.get_tensor(cute.make_layout(self.tile_m))
         if in_range & (n_block * self.tile_n < seqlen.seqlen_k):
-            self.key_block(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV,
+            self.key_block(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore,
                            sQ, sdO, sK, sV, sdSt, sLSE2, sD, seqlen, n_block,
                            head_idx, head_idx // qhead_per_kvhead, batch_idx, softmax_scale,
                            score_scale, softmax_scale_log2, window_left, window_right, tidx)
 
     @cute.jit
-    def key_block(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, sQ, sdO, sK, sV, sdSt,
+    def key_block(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, sQ, sdO, sK, sV, sdSt,
                   sLSE2, sD, seqlen: SeqlenInfo, n_block, head_idx, head_idx_kv, batch_idx,
                   softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
                   tidx):
@@ -291,8 +297,18 @@ class FlashBwdSm80:
                                q_start + h * self.sub_m, h * self.sub_m, score_scale,
                                softmax_scale_log2, window_left, window_right)
             cute.arch.barrier()  # dS^T is in shared memory
-            self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt, ld_dq_a, ld_dq_b, coord_dq,
-                          gdQ, q_start, seqlen.seqlen_q, softmax_scale)
+            add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt, ld_dq_a,
+                                        ld_dq_b, coord_dq, gdQ, q_start, seqlen.seqlen_q,
+                                        softmax_scale)
+            if const_expr(cfg.deterministic):
+                # this key block's turn to add into query block m_block
+                ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
+                    mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m, cfg.varlen_q)
+                turn = n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k,
+                                                            m_block)
+                in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
+            else:
+                add()
             cute.arch.barrier()  # every warp is past its reads of Q, dO and dS^T
 
         # dK (scaled) and dV out, staged through K's and V's buffers (K and V landed and every

@@ -11,6 +11,8 @@ import functools
 import os
 from typing import Optional
 
+import torch
+
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ..common.arguments import Binder, group_names
@@ -60,7 +62,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8) -> Sm80BwdConfig:
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=spec.head_dim, tile_m=tile_m, tile_n=tile_n,
         num_warps=warps, causal=spec.causal, local=spec.local, has_softcap=spec.has_softcap,
         varlen_q=spec.varlen_q, varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
-        has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts)
+        has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts,
+        deterministic=spec.deterministic)
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,7 +80,7 @@ def _compiled(cfg: Sm80BwdConfig, tvm_ffi: bool):
 
 
 PER_CALL = ("mQ", "mK", "mV", "mdO", "mLSE2", "mD", "mdQacc", "mdK", "mdV",
-            *group_names("varlen", arguments.BWD_ARGUMENTS), "num_n_blocks")
+            *group_names("varlen", arguments.BWD_ARGUMENTS), "mSemaphore", "num_n_blocks")
 
 
 class BwdLaunch:
@@ -102,12 +105,17 @@ class BwdLaunch:
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
         dq_acc, dk, dv = bwd_buffers(self.spec, q, k)
         if cu_seqlens_k is not None:
-            n_blocks = k.shape[0] // cfg.tile_n + cu_seqlens_k.shape[0] - 1  # a packed bound
+            batch = cu_seqlens_k.shape[0] - 1
+            n_blocks = k.shape[0] // cfg.tile_n + batch  # a packed bound
+            slots = q.shape[0] // cfg.tile_m + 2 * batch + 1  # (common/dq_order.semaphore_slot)
         else:
             n_blocks = -(-k.shape[1] // cfg.tile_n)
+            slots = q.shape[0] * -(-q.shape[1] // cfg.tile_m)
+        semaphore = torch.zeros((self.spec.nheads, slots if cfg.deterministic else 1),
+                                dtype=torch.int32, device=q.device)
         if n_blocks > 0:
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
-                             cu_seqlens_k, seqused_q, seqused_k, n_blocks)
+                             cu_seqlens_k, seqused_q, seqused_k, semaphore, n_blocks)
             _call(self.fn, self.tvm_ffi, args, q.device)
         return bwd_postprocess(dq_acc, dk, dv, q, k, self.spec.qhead_per_kvhead)
 
@@ -120,8 +128,6 @@ class Sm80Backward:
         reason = unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS)
         if reason is not None:
             return reason
-        if spec.deterministic:
-            return "deterministic=True: the sm80 backward orders no dQ additions yet"
         reason = unserved_on(spec, _major(spec))
         if reason is not None:
             return reason

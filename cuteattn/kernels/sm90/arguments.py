@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import cutlass.cute as cute
-from cutlass import Int32
-
 from ..common import arguments as common
 from ..common.arguments import (FLOAT32, INT32, NO_VARLEN, OPTIONAL_TENSOR, SCALAR_TYPES, STREAM,
-                                TENSOR, VARLEN, Arg, Group, VarlenMetadata, fake_tensor, int32_vector,
+                                TENSOR, VARLEN, Arg, Group, VarlenMetadata, int32_vector,
                                 key_side, lse_rows, query_side)
 
 __all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Group", "INT32",
@@ -41,14 +38,9 @@ ARGUMENTS = (
 )
 
 
-# ---- the backward's: the common list, with the semaphores of its deterministic mode ----
+# ---- the backward's: the common list ----
 
-def _semaphores(cfg, sym, align, memspace):
-    """int32 (h, slots): one per query block (deterministic mode; a (h, 1) stand-in otherwise)."""
-    return fake_tensor(Int32, (sym["h"], cute.sym_int()), align, memspace)
-
-
-BWD_ARGUMENTS = common.backward_arguments((Arg("mSemaphore", TENSOR, _semaphores, align=4),))
+BWD_ARGUMENTS = common.backward_arguments()
 
 
 def flat(entries=ARGUMENTS) -> tuple:

@@ -44,7 +44,8 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common import epilogue, named_barriers
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
-from ..common.global_atomics import bulk_reduce_add_f32, ld_acquire, red_add_f32x2, red_release
+from ..common.dq_order import in_turn, semaphore_slot
+from ..common.global_atomics import bulk_reduce_add_f32, red_add_f32x2
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
 from ..common.mask import apply_mask_transposed
 from ..common.score_mod import softcap_scores
@@ -57,7 +58,6 @@ NUM_CONSUMER_WG = 2
 # A deterministic wait gives up after this many polls (seconds of spinning): metadata that lies
 # (overlapping packed sequences) can make two key blocks share a semaphore, and a wrong order of
 # additions is better than a hang.
-SPIN_LIMIT = 1 << 22
 
 
 class BwdBarrier(enum.IntEnum):
@@ -437,7 +437,8 @@ class FlashBwdSm90:
         # deterministic mode: (semaphore, this key block's turn) of a query block
         order = lambda m_block: (
             mSemaphore[head_idx, None].iterator
-            + self.semaphore_slot(mSemaphore, seqlen, m_block, batch_idx, rows_q),
+            + semaphore_slot(mSemaphore, seqlen, m_block, batch_idx, rows_q, self.tile_m,
+                             cfg.varlen_q),
             n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k, m_block))
 
         dkv.set(warpgroup.Field.ACCUMULATE, True)
@@ -620,26 +621,6 @@ class FlashBwdSm90:
                 add()
         else:
             ptr, turn = order(m_block)
-            if tidx == 0:
-                seen = ld_acquire(ptr)
-                polls = Int32(0)
-                while (seen != turn) & (polls < SPIN_LIMIT):
-                    seen = ld_acquire(ptr)
-                    polls = polls + 1
-            named_barriers.sync(BwdBarrier.DQ_ORDER, self.consumer_threads)
-            if const_expr(add is not None):
-                add()
-            cute.arch.fence_acq_rel_gpu()
-            named_barriers.sync(BwdBarrier.DQ_DONE, self.consumer_threads)
-            if tidx == 0:
-                red_release(ptr, Int32(1))
-
-    @cute.jit
-    def semaphore_slot(self, mSemaphore, seqlen: SeqlenInfo, m_block, batch_idx, rows_q):
-        """The semaphore of query block m_block of this sequence: batch-major blocks for fixed
-        lengths (rows_q: the fixed length); for packed ones offset_q // tile_m + batch_idx +
-        m_block, distinct across sequences whose rows do not overlap. Clamped into the tensor."""
-        slot = batch_idx * ((rows_q + self.tile_m - 1) // self.tile_m) + m_block
-        if const_expr(self.cfg.varlen_q):
-            slot = seqlen.offset_q // self.tile_m + batch_idx + m_block
-        return cutlass.min(slot, mSemaphore.shape[1] - 1)
+            in_turn(ptr, turn, tidx == 0,
+                    lambda: named_barriers.sync(BwdBarrier.DQ_ORDER, self.consumer_threads),
+                    lambda: named_barriers.sync(BwdBarrier.DQ_DONE, self.consumer_threads), add)
