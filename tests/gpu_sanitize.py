@@ -12,7 +12,7 @@ Groups of cases (each case a few calls of a few hundred tokens at most, racechec
   bad     tests/test_gpu_guard.py's bad metadata (validate=False) on its three configs
   portable  the mma.sync path (CUTEATTN_PATH=sm80): the fixed group's forward cases, varlen with
           seqused, the decode kernel's cases (tests/test_gpu_sm80.DECODE_CASES), a paged
-          prefill, and the bad-metadata cases
+          prefill, the backward (d 64/128, the fixed masks, deterministic, varlen), bad metadata
 The parent first runs every group once without the sanitizer (in parallel), so that each kernel is
 compiled and stored in the disk cache (the compile step makes CUDA API calls the sanitizer would
 report); then, per tool, one `compute-sanitizer --tool X --error-exitcode 1 python3 THIS --child
@@ -113,6 +113,17 @@ def cases() -> dict:
         b, sq, s_new, h, hk, d, cap, lens, extra = case
         out[f"portable_decode{i}"] = _on_sm80(lambda a=case[:8], extra=extra: ts.run_kvcache(*a, **extra))
     out["portable_paged_prefill_causal"] = _on_sm80(lambda: ts.test_paged_prefill(0, 16, True))
+    for d in (64, 128):  # the portable backward: the bwd group's masks, deterministic, varlen
+        for mask, kw in fixed_masks.items():
+            (h, hk), (sq, sk) = heads[mask], sizes[mask]
+            out[f"portable_bwd_d{d}_{mask}"] = _on_sm80(
+                lambda d=d, h=h, hk=hk, sq=sq, sk=sk, kw=kw: _bwd_fixed(tb, bf16, d, h, hk, sq, sk, **kw))
+    out["portable_bwd_d128_causal_deterministic"] = _on_sm80(lambda: _bwd_fixed(
+        tb, bf16, 128, 8, 2, 257, 257, deterministic=True, causal=True))
+    out["portable_bwd_varlen_d64_window_seqused"] = _on_sm80(lambda: _bwd_varlen(
+        tb, lens_q, lens_k, d=64, window_size=(64, 0),
+        seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),
+        seqused_k=torch.tensor([5, 0, 0, 100, 1, 700], dtype=torch.int32, device="cuda")))
     for i, cfg in enumerate(g.BAD_CONFIGS):
         for name, case in g.BAD_CASES.items():
             out[f"portable_bad{i}_{name}"] = _on_sm80(lambda case=case, cfg=cfg: g.run_bad(case, **cfg))
