@@ -138,3 +138,56 @@ def test_transposed_view():
     fn = cute.compile(transposed, to_cute(src, 4), to_cute(out, 4))
     fn(to_cute(src, 4), to_cute(out, 4))
     assert torch.equal(out, src.T)
+
+
+
+TILE_N, TILE_M, WARPS = 64, 64, 4  # the portable backward's dS^T tile (keys x queries)
+
+
+@cute.jit
+def ds_written_in_parts(buf: cute.Tensor, part_cols: cutlass.Constexpr, which: cutlass.Constexpr):
+    """The backward's dS^T store, thread by thread: each thread's fragment of each column part
+    (sub-block) of the (keys, queries) tile, holding the key (which = 0) or the query (which = 1: the tile's column; the identity view of a part keeps whole-tile coordinates)
+    of each element, stored with bwd.copy_column_part into the swizzled tile over buf."""
+    from cuteattn.kernels.sm80 import mma
+    from cuteattn.kernels.sm80.bwd import copy_column_part
+    tile = cute.make_tensor(buf.iterator, mma.smem_layout(cutlass.BFloat16, TILE_N, TILE_M))
+    tiled_mma = mma.tiled_mma(cutlass.BFloat16, WARPS)
+    coords = cute.make_identity_tensor((TILE_N, TILE_M))
+    for t in cutlass.range(32 * WARPS):
+        st = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.BFloat16,
+                                                        num_bits_per_copy=32), tiled_mma).get_slice(t)
+        dst = st.partition_D(tile)
+        for h in cutlass.range_constexpr(TILE_M // part_cols):
+            part = st.partition_D(cute.local_tile(coords, (TILE_N, part_cols), (0, h)))
+            frag = cute.make_rmem_tensor(part.shape, cutlass.BFloat16)
+            for i in cutlass.range_constexpr(cute.size(part)):
+                frag[i] = cutlass.BFloat16(Float32(part[i][0] if which == 0 else part[i][1]))
+            copy_column_part(st, frag, dst, h)
+
+
+@cute.jit
+def read_whole(buf: cute.Tensor, out: cute.Tensor):
+    from cuteattn.kernels.sm80 import mma
+    tile = cute.make_tensor(buf.iterator, mma.smem_layout(cutlass.BFloat16, TILE_N, TILE_M))
+    for r in cutlass.range_constexpr(TILE_N):
+        for c in cutlass.range_constexpr(TILE_M):
+            out[r, c] = tile[r, c]
+
+
+@pytest.mark.parametrize("part_cols", [64, 32, 16])
+def test_ds_sub_blocks_land_where_dq_reads_them(part_cols):
+    """The backward writes dS^T in sub-blocks of part_cols query columns (q_parts > 1) and dQ
+    reads the whole swizzled tile: every element must land at its (key, query) of the tile.
+    (A local_tile view of each part's columns got this wrong inside a swizzle atom: dQ was NaN
+    at d = 128 in the GPU suite.)"""
+    got = []
+    for which in (0, 1):
+        buf = torch.full((TILE_N * TILE_M,), float("nan"), dtype=torch.bfloat16)
+        out = torch.zeros(TILE_N, TILE_M, dtype=torch.bfloat16)
+        cute.compile(ds_written_in_parts, to_cute(buf, 16), part_cols, which)(to_cute(buf, 16))
+        cute.compile(read_whole, to_cute(buf, 16), to_cute(out, 2))(to_cute(buf, 16), to_cute(out, 2))
+        got.append(out.float())
+    keys, queries = torch.meshgrid(torch.arange(TILE_N).float(), torch.arange(TILE_M).float(), indexing="ij")
+    assert torch.equal(got[0], keys)
+    assert torch.equal(got[1], queries)

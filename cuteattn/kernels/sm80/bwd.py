@@ -270,8 +270,9 @@ class FlashBwdSm80:
         st_ds = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                 num_bits_per_copy=2 * self.dtype.width), tiled_mma).get_slice(tidx)
-        tSsdSt = [st_ds.partition_D(cute.local_tile(sdSt, (self.tile_n, self.sub_m), (0, h)))
-                  for h in subs]
+        # (the whole tile's partition: a local_tile view of sub_m columns inside a swizzle atom
+        # would address other elements, see copy_column_part)
+        tSsdSt = st_ds.partition_D(sdSt)
 
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             q_start = m_block * self.tile_m
@@ -292,7 +293,7 @@ class FlashBwdSm80:
             for h in subs:
                 self.sub_block(tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV,
                                tSrK, tSrQ, tSsK, tSsV, tSsQ[h], tSsdO[h], tVrP, tKrdS, tVrdOt,
-                               tKrQt, tVsdOt[h], tKsQt[h], st_ds, tSsdSt[h], ld_a, ld_b, ld_bt,
+                               tKrQt, tVsdOt[h], tKsQt[h], st_ds, tSsdSt, h, ld_a, ld_b, ld_bt,
                                coord_st, sLSE2, sD, block_info, seqlen, key_start,
                                q_start + h * self.sub_m, h * self.sub_m, score_scale,
                                softmax_scale_log2, window_left, window_right)
@@ -331,7 +332,8 @@ class FlashBwdSm80:
     @cute.jit
     def sub_block(self, tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV, tSrK,
                   tSrQ, tSsK, tSsV, tSsQ, tSsdO, tVrP, tKrdS, tVrdOt, tKrQt, tVsdOt, tKsQt, st_ds,
-                  tSsdSt, ld_a, ld_b, ld_bt, coord_st, sLSE2, sD, block_info: BlockInfo,
+                  tSsdSt, h: cutlass.Constexpr, ld_a, ld_b, ld_bt, coord_st, sLSE2, sD,
+                  block_info: BlockInfo,
                   seqlen: SeqlenInfo, key_start, q_start, row0: cutlass.Constexpr, score_scale,
                   softmax_scale_log2, window_left, window_right):
         """sub_m queries (from q_start; row0 within the block's shared tiles) against this
@@ -364,8 +366,9 @@ class FlashBwdSm80:
                 acc_dP_mn[r, c] = ds
         convert_fragment(acc_S, tVrP)
         convert_fragment(acc_dP, tKrdS)
-        # dS^T to shared memory for dQ
-        cute.copy(st_ds, st_ds.retile(cute.make_tensor(tKrdS.iterator, acc_dP.layout)), tSsdSt)
+        # dS^T to shared memory for dQ: this sub-block's columns of the tile
+        copy_column_part(st_ds, st_ds.retile(cute.make_tensor(tKrdS.iterator, acc_dP.layout)),
+                         tSsdSt, h)
         # dV += P^T dO, dK += dS^T Q
         for i in cutlass.range_constexpr(len(acc_dV)):
             mma.gemm(tiled_mma, acc_dV[i], tVrP, tVrdOt, None, tVsdOt[i], None, ld_bt,
@@ -397,3 +400,16 @@ class FlashBwdSm80:
             start = (seqlen.offset_q // self.tile_m + batch_idx) * self.tile_m
             return cute.domain_offset((start,), mX[None, head_idx])
         return mX[None, head_idx, batch_idx]
+
+
+@cute.jit
+def copy_column_part(copy: cute.TiledCopy, src: cute.Tensor, dst: cute.Tensor, part: cutlass.Constexpr):
+    """Copy a thread's fragment of a column part of a tile (src: (CPY, M, n), the part's MMA
+    column steps) to part `part` of the whole tile's partition (dst: (CPY, M, N), N = n x parts).
+    Slicing the whole tile's partition keeps the swizzled addresses right; a local_tile view of the
+    part's columns does not when the part starts inside a swizzle atom (the DSL adds the view
+    origin's swizzled offset to the swizzled offsets within the view, and the XOR does not
+    distribute over that sum): with q_parts = 2 at d = 128, dQ read garbage that way."""
+    steps = cute.size(src, mode=[2])
+    for j in cutlass.range_constexpr(steps):
+        cute.copy(copy, src[None, None, j], dst[None, None, part * steps + j])
