@@ -192,12 +192,24 @@ def child(names: list, guards: bool) -> int:
 
 # ---- the parent ----
 
+def is_ours(kernel: str) -> bool:
+    """Our kernels' symbols carry their module path (kernel_cutlass_kernel_cuteattnkernels...)."""
+    return "cuteattn" in kernel
+
+
 def parse(log: str) -> dict:
     """Sanitizer summary and the child's own result from one process's output."""
     res = {}
     m = re.search(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", log)
     if m:
         res.update(hazards=int(m[1]), errors=int(m[2]), warnings=int(m[3]))
+        # Hazards inside other libraries' kernels (cuBLAS's nvjet GEMMs, run by the reference's
+        # low-precision baseline) are not ours to fix: listed, not counted as our errors.
+        foreign = [k for k in re.findall(r"Error: Race reported between \w+ access at (\S+?)\+0x", log)
+                   if not is_ours(k)]
+        if foreign:
+            res["errors"] -= len(foreign)
+            res["foreign"] = sorted(set(foreign))
     m = re.search(r"ERROR SUMMARY: (\d+) errors?", log)
     if m and "errors" not in res:
         res["errors"] = int(m[1])
@@ -222,7 +234,9 @@ def run_one(cmd, env, log_path: Path, timeout: float) -> dict:
     res = parse(log)
     res.update(rc=rc, seconds=round(time.monotonic() - start, 1), log=log_path.name)
     child_res = res.get("child")
-    res["ok"] = (rc == 0 and child_res is not None and not child_res["failed"]
+    # (--error-exitcode also fires for hazards in others' kernels; parse() counts only ours)
+    exit_ok = rc == 0 or (rc == 1 and bool(res.get("foreign")))
+    res["ok"] = (exit_ok and child_res is not None and not child_res["failed"]
                  and res.get("errors", 0) == 0)
     return res
 
@@ -238,6 +252,8 @@ def cell(res: dict, sanitized: bool) -> str:
     text = f"{res.get('errors', 0)} err" if sanitized else "ran"
     if "warnings" in res:
         text += f", {res['warnings']} warn"
+    if res.get("foreign"):
+        text += f" (+{len(res['foreign'])} in others' kernels: {', '.join(res['foreign'])})"
     if child_res["failed"]:
         text += f", {len(child_res['failed'])} case(s) failed"
     if sanitized and child_res["compiles"]:
