@@ -23,6 +23,22 @@ def test_unverified_path_serves_only_when_asked_for(monkeypatch):
     assert "not been verified on a GPU yet: set CUTEATTN_PATH=sm80" in sm80_launch.FORWARD.can_implement(make_spec())
 
 
+def test_configs_of_another_target_on_the_gpu_at_hand(monkeypatch):
+    """CUTEATTN_SM80_CONFIGS picks the configs a target would run (its capability, its shared
+    memory, never more than the device's), so a GPU of another arch can verify them."""
+    monkeypatch.setattr(sm80_launch, "_device_smem", lambda index: 227 * 1024)
+    monkeypatch.setenv(sm80_launch.CONFIGS_ENV, "sm_120a")
+    assert sm80_launch.target_capability(0) == (12, 0)
+    assert sm80_launch.smem_limit(0) == 99 * 1024
+    monkeypatch.setenv(sm80_launch.CONFIGS_ENV, "sm_80")
+    assert sm80_launch.smem_limit(0) == 163 * 1024
+    monkeypatch.setattr(sm80_launch, "_device_smem", lambda index: 100 * 1024)
+    assert sm80_launch.smem_limit(0) == 100 * 1024
+    monkeypatch.setenv(sm80_launch.CONFIGS_ENV, "ampere")
+    with pytest.raises(ValueError, match="CUTEATTN_SM80_CONFIGS"):
+        sm80_launch.target_capability(0)
+
+
 def make_spec(**kw):
     fields = dict(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=False, local=False,
                   has_softcap=False, varlen_q=False, varlen_k=False, batch=2, seqlen_q=64,

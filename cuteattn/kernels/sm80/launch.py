@@ -34,20 +34,44 @@ COMPILE_MODULE = "cuteattn.kernels.sm80.compile"
 GPU_VERIFIED = False
 
 
+# Testing knob: CUTEATTN_SM80_CONFIGS=sm_86 (or sm_80, sm_89, sm_120a) makes a launch on any GPU
+# choose the configs (tiles for that target's shared memory, register parts for its compiler)
+# that target would run, still compiled for the GPU at hand: so a Hopper GPU runs, and verifies,
+# the kernels an Ampere, Ada or RTX part gets. Set it for the whole process (a call's kernel is
+# chosen once per call signature); unset in normal use.
+CONFIGS_ENV = "CUTEATTN_SM80_CONFIGS"
+
+
+def _capability_of(target: str) -> tuple:
+    match = re.fullmatch(r"sm_(\d+?)(\d)[a-z]?", target)
+    if not match:
+        raise ValueError(f"{CONFIGS_ENV}/CUTE_DSL_ARCH={target!r}: expected an arch like sm_86 or sm_120a")
+    return int(match[1]), int(match[2])
+
+
 def target_capability(device_index: int) -> tuple:
-    """The compute capability the kernels are compiled for: the device's; for host-only callers
-    (compile-only, python -m cuteattn.precompile) the CUTE_DSL_ARCH target's (sm_86 if unset)."""
+    """The compute capability whose configs the kernels take: the device's (or CUTEATTN_SM80_CONFIGS's
+    when set); for host-only callers (compile-only, python -m cuteattn.precompile) the
+    CUTE_DSL_ARCH target's (sm_86 if unset)."""
     if device_index >= 0:
-        return torch.cuda.get_device_capability(device_index)
-    match = re.fullmatch(r"sm_(\d+?)(\d)[a-z]?", os.environ.get("CUTE_DSL_ARCH", "sm_86"))
-    return (int(match[1]), int(match[2])) if match else (8, 6)
+        emulated = os.environ.get(CONFIGS_ENV)
+        return _capability_of(emulated) if emulated else torch.cuda.get_device_capability(device_index)
+    return _capability_of(os.environ.get("CUTE_DSL_ARCH", "sm_86"))
+
+
+def smem_limit(device_index: int) -> int:
+    """Opt-in shared memory per block of the device (host-only callers, and CUTEATTN_SM80_CONFIGS:
+    the target's, never more than the device has)."""
+    if device_index < 0:
+        return config.SMEM_BY_CAPABILITY.get(target_capability(-1), 99 * 1024)
+    limit = _device_smem(device_index)
+    if os.environ.get(CONFIGS_ENV):
+        limit = min(limit, config.SMEM_BY_CAPABILITY.get(target_capability(device_index), 99 * 1024))
+    return limit
 
 
 @functools.lru_cache(maxsize=None)
-def smem_limit(device_index: int) -> int:
-    """Opt-in shared memory per block of the device (host-only callers: the target's)."""
-    if device_index < 0:
-        return config.SMEM_BY_CAPABILITY.get(target_capability(-1), 99 * 1024)
+def _device_smem(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
