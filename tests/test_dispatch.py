@@ -97,7 +97,15 @@ def test_unknown_arch_or_kind_is_a_reason_not_an_exception(registry):
 
 def test_kind_without_a_family_gives_a_reason(gpu, registry):
     pytest.importorskip("cutlass")
-    assert dispatch.can_implement(make_spec(kind="decode"), CUDA) == "no decode kernel for sm90"
+    assert dispatch.can_implement(make_spec(kind="combine"), CUDA) == "no combine kernel for sm90"
+
+
+def test_sm90_decodes_with_the_portable_decode_kernel(gpu, registry):
+    """Hopper's decode family is the mma.sync decode kernel, registered under sm90."""
+    pytest.importorskip("cutlass")
+    from cuteattn.kernels.sm80.launch import Sm80Decode
+    family, reason = dispatch.lookup("sm90", "decode")
+    assert reason is None and isinstance(family, Sm80Decode) and family.arch == "sm90"
 
 
 def test_sm90_serves_the_backward(gpu, registry):

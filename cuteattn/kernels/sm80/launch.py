@@ -27,13 +27,6 @@ from .combine import CombineConfig
 ARCH, KIND = "sm80", "fwd"
 COMPILE_MODULE = "cuteattn.kernels.sm80.compile"
 
-# The path compiles spill-free for every target (tests/test_compile_sm80.py) but has not yet run
-# its GPU suite (tests/test_gpu_sm80.py). Until it has, it serves only calls that ask for it by
-# name (CUTEATTN_PATH=sm80); other sm_8x/sm_12x calls take the reference with this reason.
-# Deleted once the suite has passed on a GPU.
-GPU_VERIFIED = False
-
-
 # Testing knob: CUTEATTN_SM80_CONFIGS=sm_86 (or sm_80, sm_89, sm_120a) makes a launch on any GPU
 # choose the configs (tiles for that target's shared memory, register parts for its compiler)
 # that target would run, still compiled for the GPU at hand: so a Hopper GPU runs, and verifies,
@@ -231,9 +224,6 @@ class Sm80Forward:
             sm80_config(spec)
         except ValueError as e:  # no tile fits this device's shared memory
             return str(e)
-        if not GPU_VERIFIED and os.environ.get("CUTEATTN_PATH") != ARCH:
-            return ("the sm80 forward has not been verified on a GPU yet: set CUTEATTN_PATH=sm80 "
-                    "to use it anyway")
         if spec.paged_kv:
             # the paged prefill: packed q, keys in pages (their lengths as seqused_k); the
             # other forms' rules, but for packed k
@@ -252,8 +242,12 @@ FORWARD = Sm80Forward()
 
 class Sm80Decode:
     """The kernel family of ("sm80", "decode"): flash_attn_with_kvcache's attention (the
-    portable kernel with the cache switches; it runs on Hopper too, where it is tested)."""
-    arch, kind = ARCH, "decode"
+    portable kernel with the cache switches). Hopper registers it too (arch="sm90"): decoding
+    is bound by reading the cache, which mma.sync keeps up with."""
+    kind = "decode"
+
+    def __init__(self, arch: str = ARCH):
+        self.arch = arch
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         if spec.dtype not in CUTLASS_DTYPES:
@@ -265,9 +259,6 @@ class Sm80Decode:
         if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
             return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
                     "sm80 decode kernel serves it yet")
-        if not GPU_VERIFIED and os.environ.get("CUTEATTN_PATH") != ARCH:
-            return ("the sm80 decode kernel has not been verified on a GPU yet: set "
-                    "CUTEATTN_PATH=sm80 to use it anyway")
         return None
 
     def launch(self, spec: AttentionSpec) -> DecodeLaunch:

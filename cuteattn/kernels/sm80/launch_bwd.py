@@ -8,7 +8,6 @@ postprocess (dQ to the input dtype, GQA's dK and dV summed per kv head).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
@@ -21,7 +20,7 @@ from ..launch_common import (CUTLASS_DTYPES, aligned16, bwd_buffers, bwd_postpro
                              unserved_form, use_tvm_ffi)
 from . import arguments
 from .bwd import Sm80BwdConfig
-from .launch import ARCH, COMPILE_MODULE, GPU_VERIFIED, _call, target_capability
+from .launch import ARCH, COMPILE_MODULE, _call, target_capability
 
 KIND = "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -131,9 +130,6 @@ class Sm80Backward:
         reason = unserved_on(spec, _major(spec))
         if reason is not None:
             return reason
-        if not GPU_VERIFIED and os.environ.get("CUTEATTN_PATH") != ARCH:
-            return ("the sm80 backward has not been verified on a GPU yet: set "
-                    "CUTEATTN_PATH=sm80 to use it anyway")
         return unserved_form(spec, ARCH, "backward")
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
