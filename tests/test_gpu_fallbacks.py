@@ -57,11 +57,11 @@ CASES = {
         v=torch.randn(5, 16, 2, 64, dtype=BF16), cu_seqlens_q=cu([4, 8]),
         cu_seqlens_k=cu([20, 9]), max_seqlen_q=8, max_seqlen_k=20,
         block_table=torch.tensor([[3, 0], [4, 1]], dtype=torch.int32)), "paged"),
-    "kv cache": (flash_attn_with_kvcache, lambda: dict(
-        q=torch.randn(2, 1, 4, 64, dtype=BF16), k_cache=torch.randn(2, 32, 2, 64, dtype=BF16),
-        v_cache=torch.randn(2, 32, 2, 64, dtype=BF16), k=torch.randn(2, 1, 2, 64, dtype=BF16),
-        v=torch.randn(2, 1, 2, 64, dtype=BF16), cache_seqlens=torch.tensor([3, 30], dtype=torch.int32),
-        causal=True), "decode"),
+    "kv cache, head_dim 80": (flash_attn_with_kvcache, lambda: dict(
+        q=torch.randn(2, 1, 4, 80, dtype=BF16), k_cache=torch.randn(2, 32, 2, 80, dtype=BF16),
+        v_cache=torch.randn(2, 32, 2, 80, dtype=BF16), k=torch.randn(2, 1, 2, 80, dtype=BF16),
+        v=torch.randn(2, 1, 2, 80, dtype=BF16), cache_seqlens=torch.tensor([3, 30], dtype=torch.int32),
+        causal=True), "decode kernel"),
 }
 
 

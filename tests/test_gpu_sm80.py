@@ -40,6 +40,14 @@ def test_the_sm80_path_serves_the_calls(seed):
     assert any(not isinstance(launch, sm80_launch.Launch) for _, launch in api._launches.values())
 
 
+def test_hopper_decodes_with_the_portable_kernel_by_default(seed, monkeypatch):
+    """Without CUTEATTN_PATH the device's own families serve: flash_attn_with_kvcache runs the
+    decode kernel on every arch from sm_80 on, Hopper included (strict: no reference)."""
+    monkeypatch.delenv(dispatch.PATH_ENV)
+    for b, sq, s_new, h, hk, d, cap, lens, extra in DECODE_CASES[:3]:
+        run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_fwd(seed, case):
     run_case(case)
