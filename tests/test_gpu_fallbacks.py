@@ -1,6 +1,7 @@
 """On the GPU, the forms no kernel serves yet run on the reference with CUDA tensors: a
 FallbackWarning names the reason (strict mode raises it), and the result equals the same call
 on the CPU. Catches device slips in the reference paths (an index tensor made on the CPU)."""
+import dataclasses
 import warnings
 
 import pytest
@@ -16,7 +17,15 @@ DEVICE = "cuda"  # (the cases' own logic can be tried on the CPU by setting "cpu
 
 
 def on(device, tensors):
-    return {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in tensors.items()}
+    """The call's tensors on device (a block-sparse mask's too: its metadata must be on q's)."""
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            return x.to(device, copy=True)
+        if isinstance(x, sparse.BlockSparseMask):
+            return dataclasses.replace(x, **{f.name: move(getattr(x, f.name)) for f in dataclasses.fields(x)
+                                             if isinstance(getattr(x, f.name), torch.Tensor)})
+        return x
+    return {n: move(t) for n, t in tensors.items()}
 
 
 def cu(lens):
@@ -69,7 +78,7 @@ CASES = {
 def test_reference_fallback_on_cuda_tensors(seed, name):
     fn, make, reason = CASES[name]
     args = make()
-    cpu_args = {n: (t.clone() if isinstance(t, torch.Tensor) else t) for n, t in args.items()}
+    cpu_args = on("cpu", args)  # (copies of the CPU tensors: the call may write into its own)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         got = fn(**on(DEVICE, args))
