@@ -1,4 +1,5 @@
-"""CUDA graphs: a captured forward replays correctly with new data in its captured buffers.
+"""CUDA graphs: a captured forward (and a decoding step) replays correctly with new data in its
+captured buffers.
 
 The dynamically scheduled kernels (causal, windowed, varlen) draw tiles from a per-stream counter
 that the kernel's last CTA resets, so a replay starts from zero like an eager call. Each replay
@@ -64,4 +65,40 @@ def test_varlen_forward_replays_with_new_lengths(seed):
         torch.cuda.synchronize()
         ref, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True)
         low, _ = attention_varlen_ref(q, k, v, cu, cu, causal=True, upcast=False)
+        assert_close_fa(out, ref, low)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_step_replays_with_new_tokens_and_lengths(seed, splits):
+    """One decoding step (flash_attn_with_kvcache: append the new token into a paged cache at
+    cache_seqlens, attend over the cache) captured once and replayed with new q, new tokens and
+    new lengths written into the captured buffers: the kernel path reads no device value on the
+    host, so the graph holds every step. Each replay's output against the reference on a copy
+    of the caches, and the caches after the append compared exactly."""
+    from cuteattn import flash_attn_with_kvcache
+    from cuteattn.reference import attention_kvcache_ref
+    b, h, hk, d, page, pages_per_seq = 3, 16, 4, 128, 16, 40
+    dev, dtype = "cuda", torch.bfloat16
+    k_cache = torch.randn(b * pages_per_seq + 2, page, hk, d, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(b * pages_per_seq + 2, device=dev)[: b * pages_per_seq].reshape(b, -1).int()
+    q = torch.randn(b, 1, h, d, device=dev, dtype=dtype)
+    k_new = torch.randn(b, 1, hk, d, device=dev, dtype=dtype)
+    v_new = torch.randn_like(k_new)
+    lens = torch.tensor([5, 300, 600], dtype=torch.int32, device=dev)
+    step = lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                           block_table=table, causal=True, num_splits=splits,
+                                           strict=True)
+    graph, out = capture(step)
+    for new_lens in ([6, 301, 601], [0, 639, 17], [200, 1, 400]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        for t in (q, k_new, v_new):
+            t.copy_(torch.randn_like(t))
+        ref_k, ref_v, low_k, low_v = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        kw = dict(cache_seqlens=lens, block_table=table, causal=True)
+        ref, _ = attention_kvcache_ref(q, ref_k, ref_v, k_new, v_new, **kw)
+        low, _ = attention_kvcache_ref(q, low_k, low_v, k_new, v_new, upcast=False, **kw)
+        assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "the append differs"
         assert_close_fa(out, ref, low)
