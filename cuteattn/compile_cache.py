@@ -275,6 +275,12 @@ def get_or_compile(key: Hashable, build: Callable[[], object], persist: bool = F
     return fn
 
 
+def kernel_info(key: Hashable) -> dict:
+    """What the compiler reported for this key's kernel (registers, spill bytes; also for a
+    kernel loaded from disk), {} if nothing was recorded."""
+    return dict(_stats["kernel_info"].get(key, {}))
+
+
 def stats() -> dict:
     """Counts of compilations, disk loads and cache hits; per compiled variant (by key) the
     seconds it took to compile and what the compiler reported (registers, spill bytes)."""

@@ -15,8 +15,8 @@ import cutlass
 from cuteattn.kernels.sm80.combine import CombineConfig
 from cuteattn.kernels.sm80.compile import (compile_bwd_with_report, compile_combine,
                                            compile_fwd_with_report)
-from cuteattn.kernels.compile_common import ptxas_report
-from cuteattn.kernels.sm80.config import decode_config, fwd_config
+from cuteattn.kernels.compile_common import first_spill_free, ptxas_report
+from cuteattn.kernels.sm80.config import decode_config, fwd_configs
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # what the PTX must (not) hold: the sm_80 instructions, and none of Hopper's
@@ -63,9 +63,13 @@ def main():
             cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
                                 varlen_q="varlen" in flags, has_seqused_q="varlen" in flags)
-        else:  # the forward, varlen or not
-            cfg = fwd_config(DTYPES[dtype], d, d, *masks, form, form, smem_limit=smem)
-        compiled, info = compile_fwd_with_report(cfg, keep_ptx=True)
+        else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
+            cfg = fwd_configs(DTYPES[dtype], d, d, *masks, form, form, smem_limit=smem)
+        if isinstance(cfg, list):
+            cfg, compiled, info = first_spill_free(
+                cfg, lambda c: compile_fwd_with_report(c, keep_ptx=True))
+        else:
+            compiled, info = compile_fwd_with_report(cfg, keep_ptx=True)
         ptx = compiled.__ptx__
         out.append(dict(variant=[dtype, d, mask, form], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],
                         smem=cfg.smem_bytes(), targets=re.findall(r"\.target (\S+)", ptx),

@@ -213,7 +213,7 @@ def test_paged_prefill_is_served_with_key_blocks_inside_pages(page, d):
     spec = make_spec(head_dim=d, head_dim_v=d, varlen_q=True, varlen_k=True, paged_kv=True,
                      page_size=page, causal=True)
     assert sm80_launch.FORWARD.can_implement(spec) is None
-    cfg = sm80_launch.sm80_config(spec)
+    cfg, = sm80_launch.sm80_configs(spec)  # (one candidate: the decode tiles)
     assert cfg.paged_kv and cfg.varlen_q and not cfg.varlen_k and cfg.has_seqused_k
     assert page % cfg.tile_n == 0 and cfg.pack_gqa == 1
     FlashFwdSm80(cfg)
@@ -300,3 +300,28 @@ def test_backward_declines_what_sm120_cannot_build_spill_free(monkeypatch):
     assert launch_bwd.bwd_config(make_spec(kind="bwd"), 12).q_parts == 4
     monkeypatch.setattr(launch_bwd, "_major", lambda spec: 8)
     assert launch_bwd.BACKWARD.can_implement(packed) is None
+
+
+def test_the_first_spill_free_candidate_is_taken():
+    """compile_common.first_spill_free: the first candidate whose compile reports no spill; the
+    last candidate when every one spills; candidates after the choice are not compiled."""
+    from cuteattn.kernels.compile_common import first_spill_free
+    spills = {"a": 8, "b": 0, "c": 0}
+    compiled = []
+
+    def compile_with_report(cfg):
+        compiled.append(cfg)
+        return f"kernel {cfg}", {"registers": 255, "spill_store_bytes": spills[cfg]}
+
+    assert first_spill_free(["a", "b", "c"], compile_with_report)[:2] == ("b", "kernel b")
+    assert compiled == ["a", "b"]
+    spills.update(b=4, c=16)
+    assert first_spill_free(["a", "b", "c"], compile_with_report)[0] == "c"
+    assert first_spill_free(["a"], compile_with_report)[0] == "a"
+
+
+def test_d256_prefers_64_key_blocks_and_lists_narrower_ones():
+    """d = 256: 64-key blocks first (faster where they compile spill-free), then 32 and 16."""
+    configs = config.fwd_configs(cutlass.BFloat16, 256, 256, False, False, False, False, False,
+                                 smem_limit=99 * 1024)
+    assert [(c.tile_m, c.tile_n, c.num_warps) for c in configs] == [(64, 64, 4), (64, 32, 4), (64, 16, 4)]

@@ -53,3 +53,15 @@ def ptxas_report(compile_fn):
         info["spill_store_bytes"] = max(int(a) for a, _ in spill)
         info["spill_load_bytes"] = max(int(b) for _, b in spill)
     return compiled, info
+
+
+def first_spill_free(candidates: list, compile_with_report):
+    """(config, compiled, report) of the first candidate config whose compile reports no
+    register spill (the last candidate whatever it reports). compile_with_report(config) ->
+    (compiled, report) with ptxas_report's keys. Tiles near the register limit spill on some
+    targets and not on others; this lets the target's own compiler decide, per variant."""
+    for i, cfg in enumerate(candidates):
+        compiled, report = compile_with_report(cfg)
+        if not report.get("spill_store_bytes") or i == len(candidates) - 1:
+            return cfg, compiled, report
+    raise ValueError("first_spill_free: no candidate config")

@@ -4,11 +4,13 @@ Shared memory per block (opt-in): sm_80 (A100) 163 KB, sm_86/sm_89/sm_120 99 KB,
 (the path runs on Hopper for testing). A config that does not fit is never chosen: each head dim
 lists its tiles from the preferred one down, and the first that fits is taken.
 
-Every listed (tile_m, tile_n, warps) compiles without spills for every mask kind and varlen
-(tests/test_compile_sm80.py, per target arch), except where LOCAL_TILES narrows it: the sliding
-window keeps two column limits per row live, and at d = 192 that spilled 4 bytes.
-The preference order is FlashAttention-2's (128-row tiles; 64-key blocks past d = 64); measuring
-it on the GPU is the next step (docs/perf-log.md).
+The launch takes the first listed tile that fits and compiles without register spills for the
+target (compile_common.first_spill_free: the target's compiler decides, per variant; the last
+tile is taken whatever it reports), and tests/test_compile_sm80.py checks that every variant's
+choice is spill-free on every target. LOCAL_TILES narrows the list with a sliding window (two
+column limits per row live: at d = 192 the 128-row tile spilled 4 bytes).
+Measured on an H200 (docs/perf-log.md): 16 rows per warp (8 warps on 128 rows) costs ldmatrix
+traffic; 32 rows per warp is faster even with spills, but does not compile spill-free yet.
 """
 import dataclasses
 import math
@@ -21,11 +23,11 @@ TILES = {  # head_dim -> [(tile_m, tile_n, num_warps), ...], preferred first
     96: [(128, 64, 8), (64, 64, 4)],
     128: [(128, 64, 8), (64, 64, 4)],
     192: [(128, 64, 8), (64, 64, 4)],
-    # At d = 256 each warp's output is 128 registers whatever the tile (16 rows x 256); wider
-    # key blocks (128x64 with 8 warps, 64x64 and 64x32 with 4) reached 253-255 registers and
-    # spilled 4-76 bytes on some targets (sm_80 fp16 varlen, sm_120a fp16 causal). 16-key
-    # blocks stay near 225 on every target.
-    256: [(64, 16, 4)],
+    # At d = 256 each warp's output is 128 registers whatever the tile (16 rows x 256). 64-key
+    # blocks ran 1.45x faster than 16-key blocks on an H200 (254 registers, no spill there) but
+    # spilled 4-76 bytes on some targets' variants (sm_80 fp16 varlen, sm_120a fp16 causal):
+    # those take the next tile that compiles spill-free. 16-key blocks stay near 225 everywhere.
+    256: [(64, 64, 4), (64, 32, 4), (64, 16, 4)],
 }
 LOCAL_TILES = {  # with a sliding window
     192: [(64, 64, 4)],
@@ -39,21 +41,27 @@ SMEM_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
                       (12, 1): 99 * 1024}
 
 
-def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
-               has_softcap: bool, varlen_q: bool, varlen_k: bool, has_seqused_q: bool = False,
-               has_seqused_k: bool = False, smem_limit: int = 99 * 1024) -> Sm80FwdConfig:
-    """The preferred config that fits `smem_limit` bytes; ValueError if none does."""
+def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
+                has_softcap: bool, varlen_q: bool, varlen_k: bool, has_seqused_q: bool = False,
+                has_seqused_k: bool = False, smem_limit: int = 99 * 1024) -> list:
+    """The configs of the listed tiles that fit `smem_limit` bytes, preferred first (the launch
+    takes the first that compiles spill-free); ValueError if none fits."""
     tiles = LOCAL_TILES.get(head_dim, TILES[head_dim]) if local else TILES[head_dim]
-    for tile_m, tile_n, warps in tiles:
-        cfg = Sm80FwdConfig(
-            dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_m=tile_m, tile_n=tile_n,
-            num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
-            varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
-            has_seqused_k=has_seqused_k)
-        if cfg.smem_bytes() <= smem_limit:
-            return cfg
-    raise ValueError(f"no sm80 forward tile for head_dim {head_dim} fits {smem_limit} bytes of "
-                     "shared memory")
+    configs = [Sm80FwdConfig(
+        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_m=tile_m, tile_n=tile_n,
+        num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
+        varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
+        has_seqused_k=has_seqused_k) for tile_m, tile_n, warps in tiles]
+    configs = [cfg for cfg in configs if cfg.smem_bytes() <= smem_limit]
+    if not configs:
+        raise ValueError(f"no sm80 forward tile for head_dim {head_dim} fits {smem_limit} bytes "
+                         "of shared memory")
+    return configs
+
+
+def fwd_config(*args, **kwargs) -> Sm80FwdConfig:
+    """The preferred config that fits (fwd_configs' first)."""
+    return fwd_configs(*args, **kwargs)[0]
 
 
 # Decoding (flash_attn_with_kvcache): a few query rows against a long cache, bound by memory.

@@ -22,6 +22,7 @@ from ..common.arguments import Binder, group_names
 from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, to_runtime,
                              unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments, config
+from ..compile_common import first_spill_free
 from .combine import CombineConfig
 
 ARCH, KIND = "sm80", "fwd"
@@ -68,16 +69,26 @@ def _device_smem(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
-def sm80_config(spec: AttentionSpec):
+def sm80_configs(spec: AttentionSpec) -> list:
+    """The candidate configs, preferred first (ValueError if no tile fits the device)."""
     if spec.paged_kv:  # the paged prefill (packed q, keys in pages): the decode kernel's tiles
-        return config.decode_config(
+        return [config.decode_config(
             CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
             spec.has_softcap, False, False, spec.page_size, False, varlen_q=spec.varlen_q,
-            has_seqused_q=spec.has_seqused_q)
-    return config.fwd_config(
+            has_seqused_q=spec.has_seqused_q)]
+    return config.fwd_configs(
         CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
         smem_limit=smem_limit(spec.device_index))
+
+
+def compiled_forward(spec: AttentionSpec, tvm_ffi: bool):
+    """(config, kernel): the first candidate config that compiles without register spills for
+    this target (a spilling candidate is compiled, or loaded from the disk cache, to learn it)."""
+    compile_with_report = lambda cfg: (_compiled(cfg, tvm_ffi),
+                                       compile_cache.kernel_info((ARCH, KIND, tvm_ffi, cfg)))
+    cfg, fn, _ = first_spill_free(sm80_configs(spec), compile_with_report)
+    return cfg, fn
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,7 +138,7 @@ class Launch:
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
         self.tvm_ffi = use_tvm_ffi()
-        self.fn = _compiled(sm80_config(spec), self.tvm_ffi)
+        self.cfg, self.fn = compiled_forward(spec, self.tvm_ffi)
         self.bind = Binder(PER_CALL, {**launch_scalars(spec), "num_splits": 1},
                            arguments.ARGUMENTS, None if self.tvm_ffi else to_runtime)
 
@@ -221,7 +232,7 @@ class Sm80Forward:
         if reason is not None:
             return reason
         try:
-            sm80_config(spec)
+            sm80_configs(spec)
         except ValueError as e:  # no tile fits this device's shared memory
             return str(e)
         if spec.paged_kv:
