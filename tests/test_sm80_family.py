@@ -146,11 +146,20 @@ def test_decode_reasons(fields, reason):
 
 @pytest.mark.parametrize("page", [16, 32, 48, 128, 256, 1024])
 @pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
-def test_decode_key_blocks_divide_the_page(page, d):
-    """A paged key block lies inside one page (one lookup per block)."""
+def test_decode_key_blocks_read_whole_pages(page, d):
+    """A paged key block lies inside one page (one lookup per block), or, gathering pages, each
+    of its copy passes does (one lookup per pass): the block stays as wide as the tile's."""
+    from cuteattn.kernels.sm80 import mma
     from cuteattn.kernels.sm80.fwd import FlashFwdSm80
     cfg = config.decode_config(cutlass.BFloat16, d, d, False, False, False, False, False, page, True)
-    assert page % cfg.tile_n == 0 and cfg.tile_n % 16 == 0 and cfg.paged_kv and cfg.split_kv
+    assert cfg.tile_n % 16 == 0 and cfg.paged_kv and cfg.split_kv
+    if cfg.gather_pages:
+        assert page % cfg.tile_n != 0 and cfg.tile_n == config.DECODE_TILES[d][1]
+        assert page % mma.rows_per_copy_pass(cfg.dtype, cfg.num_threads, d) == 0
+    else:
+        assert page % cfg.tile_n == 0
+    if d in (64, 128):  # 64-key blocks at every page size
+        assert cfg.tile_n == 64
     assert cfg.has_seqused_k and not cfg.varlen_q and not cfg.varlen_k
     FlashFwdSm80(cfg)  # its copy passes fit the tile (asserted at construction)
 
@@ -207,7 +216,7 @@ def test_pack_gqa_group(ratio, group):
 
 @pytest.mark.parametrize("page", [16, 48, 128])
 @pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
-def test_paged_prefill_is_served_with_key_blocks_inside_pages(page, d):
+def test_paged_prefill_is_served_with_pages_read_whole(page, d):
     """flash_attn_varlen_func(block_table=): packed q, keys in pages (lengths as seqused_k)."""
     from cuteattn.kernels.sm80.fwd import FlashFwdSm80
     spec = make_spec(head_dim=d, head_dim_v=d, varlen_q=True, varlen_k=True, paged_kv=True,
@@ -215,7 +224,7 @@ def test_paged_prefill_is_served_with_key_blocks_inside_pages(page, d):
     assert sm80_launch.FORWARD.can_implement(spec) is None
     cfg, = sm80_launch.sm80_configs(spec)  # (one candidate: the decode tiles)
     assert cfg.paged_kv and cfg.varlen_q and not cfg.varlen_k and cfg.has_seqused_k
-    assert page % cfg.tile_n == 0 and cfg.pack_gqa == 1
+    assert (page % cfg.tile_n == 0 or cfg.gather_pages) and cfg.pack_gqa == 1
     FlashFwdSm80(cfg)
     assert "learnable attention sinks" in sm80_launch.FORWARD.can_implement(
         make_spec(varlen_q=True, varlen_k=True, paged_kv=True, page_size=page, has_sink=True))

@@ -66,8 +66,9 @@ def fwd_config(*args, **kwargs) -> Sm80FwdConfig:
 
 # Decoding (flash_attn_with_kvcache): a few query rows against a long cache, bound by memory.
 # 64-row tiles (4 warps) waste less on one-row queries than 128; wide key blocks keep more of
-# the cache in flight per barrier (as register room allows). A paged cache narrows the key block to a divisor of the page
-# size (one page lookup per block).
+# the cache in flight per barrier (as register room allows). A paged cache keeps the key block
+# wide when each copy pass's rows fit a page (a page lookup per pass), else narrows it to a
+# divisor of the page size (one page lookup per block).
 DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
     64: (64, 64, 4),
     96: (64, 64, 4),
@@ -104,12 +105,17 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
     flash_attn_varlen_func(block_table=)) the same tiles, without pack-GQA."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
-    if page_size:
-        tile_n = math.gcd(tile_n, page_size)  # pages are multiples of 16 keys
-        warps = warps_for_key_block(dtype, head_dim, head_dim_v, tile_n, warps)
+    gather = False
+    if page_size % tile_n:  # (a contiguous cache has page_size 0) a block would span pages
+        passes = [mma.rows_per_copy_pass(dtype, 32 * warps, cols) for cols in (head_dim, head_dim_v)]
+        if all(page_size % rows == 0 for rows in passes):
+            gather = True  # a page lookup per copy pass (FlashFwdSm80.load_block_pages)
+        else:
+            tile_n = math.gcd(tile_n, page_size)  # pages are multiples of 16 keys
+            warps = warps_for_key_block(dtype, head_dim, head_dim_v, tile_n, warps)
     cfg = fwd_config(dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q, False,
                      has_seqused_q=has_seqused_q, has_seqused_k=True, smem_limit=1 << 30)
     return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, num_warps=warps,
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
-                               paged_kv=page_size > 0, split_kv=split_kv,
+                               paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m))

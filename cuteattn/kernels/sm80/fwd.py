@@ -55,11 +55,14 @@ class Sm80FwdConfig:
     has_seqused_k: bool = False
     # KV-cache forms (flash_attn_with_kvcache): k/v rows of batch kv_batch_idx[b]; keys starting
     # at leftpad_k[b]; k/v in pages of a cache, one page lookup per key block (tile_n divides the
-    # page size); keys in num_splits ranges written as float32 partial outputs with their LSE
-    # (merged afterwards by their LSE).
+    # page size) or, with gather_pages, per copy pass of the block's rows (a block spans pages:
+    # the pass's rows, rows_per_copy_pass of them, must divide the page size); keys in
+    # num_splits ranges written as float32 partial outputs with their LSE (merged afterwards
+    # by their LSE).
     kv_batch_idx: bool = False
     leftpad_k: bool = False
     paged_kv: bool = False
+    gather_pages: bool = False
     split_kv: bool = False
     # Pack-GQA: the query heads sharing a kv head (this many, a divisor of tile_m) are rows of
     # one tile, so a tile reads its K/V once for all of them (decoding: one query row per head).
@@ -382,6 +385,9 @@ class FlashFwdSm80:
         mX: the (keys, cols) rows of this head; or, paged, the cache's (page_size, cols, pages)
         with `pages` the sequence's row of the page table (tile_n divides the page size, so a
         block lies in one page: one lookup, clamped into the table and the cache)."""
+        if const_expr(self.cfg.gather_pages):
+            self.load_block_pages(thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols, n_block, bounded)
+            return
         if const_expr(self.cfg.paged_kv):
             page_size = mX.shape[0]
             first_key = n_block * self.tile_n
@@ -393,6 +399,31 @@ class FlashFwdSm80:
             gX = cute.local_tile(mX, (self.tile_n, cols), (n_block, 0))
         mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
                        seqlen_k - n_block * self.tile_n, bounded)
+
+    @cute.jit
+    def load_block_pages(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
+                         n_block, bounded: cutlass.Constexpr):
+        """load_block for a key block that spans pages: each copy pass (a run of
+        rows_per_copy_pass keys, all in one page since that run divides the page size) looks up
+        its own page, clamped into the table and the cache. Keeps key blocks wide at small
+        pages (one barrier per 64 keys at page 16, not per 16)."""
+        page_size = mX.shape[0]
+        rows_per_pass = self.tile_n // cute.size(tXsX, mode=[1])
+        rows_left = seqlen_k - n_block * self.tile_n
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            key = n_block * self.tile_n + m * rows_per_pass
+            slot = cutlass.min(key // page_size, pages.shape[0] - 1)
+            page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
+            gX = cute.local_tile(mX[None, None, page], (rows_per_pass, cols),
+                                 ((key % page_size) // rows_per_pass, 0))
+            src = thr_copy.partition_S(gX)
+            if const_expr(bounded):
+                if tXcX[0, m, 0][0] < rows_left:
+                    cute.copy(thr_copy, src[None, 0, None], tXsX[None, m, None])
+                else:
+                    tXsX[None, m, None].fill(0)
+            else:
+                cute.copy(thr_copy, src[None, 0, None], tXsX[None, m, None])
 
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
