@@ -39,3 +39,15 @@ def test_summary_ratio_range_geomean_and_target_count():
     assert math.isclose(s["fwd"]["geomean"], math.sqrt(0.9 * 1.1))
     assert (s["fwd"]["min"], s["fwd"]["max"]) == (0.9, 1.1)
     assert s["varlen"] == {"cells": 1, "min": 0.5, "max": 0.5, "geomean": 0.5, "at_least_1x": 0}
+
+
+def test_graph_replay_rates_are_compared_among_themselves():
+    """Decode cells carry rates timed as CUDA-graph replays ("<impl> graph"): queued calls are
+    compared with queued calls, replays with replays, each with its own summary line."""
+    rates = {"cuteattn": 2000.0, "fa4": 2500.0, "cuteattn graph": 3000.0, "fa4 graph": 2400.0,
+             "sdpa graph": 1000.0}
+    assert report.ratio_to_best_peer(rates) == 0.8
+    assert report.ratio_to_best_peer(rates, graph=True) == 1.25
+    assert report.ratio_to_best_peer({"cuteattn": 1.0, "cuteattn graph": 2.0}, graph=True) is None
+    s = report.summary([{"cell": {"kind": "decode"}, "rates": rates}])
+    assert s["decode"]["min"] == 0.8 and s["decode (CUDA-graph replays)"]["min"] == 1.25

@@ -14,7 +14,7 @@ import torch
 from cuteattn import compile_cache
 from cuteattn.bench import report, shapes
 from cuteattn.bench.peers import check, implementations, make_inputs
-from cuteattn.bench.timing import first_call, median_ms
+from cuteattn.bench.timing import first_call, graph_replay_ms, median_ms
 
 
 def parse_args(argv=None):
@@ -91,6 +91,12 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
             result["skipped"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
         result["rates"][name] = float(f"{cell.rate(ms):.4g}")  # 4 significant digits, never 0
+        if cell.kind == "decode" and device.type == "cuda":  # also as a CUDA-graph replay
+            try:
+                ms = graph_replay_ms(fn, device, iters=iters)
+                result["rates"][name + report.GRAPH] = float(f"{cell.rate(ms):.4g}")
+            except Exception as e:  # a peer that cannot be captured
+                result["skipped"][name + report.GRAPH] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     del x
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -40,3 +40,19 @@ def median_ms(fn, device: torch.device, warmup: int = 5, iters: int = 20) -> flo
         end.record()
     torch.cuda.synchronize(device)
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def graph_replay_ms(fn, device: torch.device, warmup: int = 3, iters: int = 20) -> float:
+    """Median milliseconds of one replay of a CUDA graph holding one call of fn, captured after
+    warm-up calls on a side stream: the launch cost a serving engine pays when it replays its
+    decoding step (raises if fn cannot be captured, e.g. it reads a device value on the host)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, device, warmup=warmup, iters=iters)
