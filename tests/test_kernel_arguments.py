@@ -27,6 +27,7 @@ from cuteattn.kernels.sm90.arguments import VarlenMetadata  # noqa: E402
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 from cuteattn.kernels.sm90.fwd import FlashFwdSm90  # noqa: E402
+from cuteattn.kernels.launch_common import BWD_PER_CALL  # noqa: E402
 from cuteattn.kernels.launch_common import to_cute as _to_cute  # noqa: E402
 
 
@@ -247,7 +248,7 @@ def test_bwd_declaration_matches_kernel_and_probe():
     names = list(arguments.names(arguments.BWD_ARGUMENTS))
     assert names + [arguments.STREAM] == parameter_names(FlashBwdSm90.__call__)
     assert parameter_names(probe_bwd) == names + ["info"]
-    assert list(launch_bwd.PER_CALL) == [n for n in names if n in launch_bwd.PER_CALL]
+    assert list(BWD_PER_CALL) == [n for n in names if n in BWD_PER_CALL]
 
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])

@@ -287,7 +287,8 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
 def test_backward_declaration_matches_kernel_signature():
     import inspect
     from cuteattn.kernels.common import arguments as common
-    from cuteattn.kernels.sm80 import arguments, launch_bwd
+    from cuteattn.kernels.launch_common import BWD_PER_CALL
+    from cuteattn.kernels.sm80 import arguments
     from cuteattn.kernels.sm80.bwd import FlashBwdSm80
     params = [p for p in inspect.signature(inspect.unwrap(FlashBwdSm80.__call__)).parameters
               if p != "self"]
@@ -297,7 +298,7 @@ def test_backward_declaration_matches_kernel_signature():
     # both backward kernels take the same list (the common declaration)
     from cuteattn.kernels.sm90 import arguments as sm90_arguments
     assert common.names(arguments.BWD_ARGUMENTS) == sm90_arguments.names(sm90_arguments.BWD_ARGUMENTS)
-    assert set(launch_bwd.PER_CALL) | fixed == set(common.names(arguments.BWD_ARGUMENTS))
+    assert set(BWD_PER_CALL) | fixed == set(common.names(arguments.BWD_ARGUMENTS))
 
 
 def test_backward_declines_what_sm120_cannot_build_spill_free(monkeypatch):

@@ -35,6 +35,16 @@ def use_tvm_ffi() -> bool:
     return True
 
 
+def call_kernel(fn, tvm_ffi: bool, args: tuple, device: torch.device) -> None:
+    """Run a compiled kernel on the current stream: TVM-FFI takes torch's stream itself; the
+    DLPack path passes it last."""
+    if tvm_ffi:
+        fn(*args)
+    else:
+        import cuda.bindings.driver as cuda
+        fn(*args, cuda.CUstream(torch.cuda.current_stream(device).cuda_stream))
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -214,3 +224,45 @@ def bwd_postprocess(dq_acc, dk, dv, q, k, ratio: int):
         dk = dk.view(group).sum(-2)
         dv = dv.view(group).sum(-2)
     return dq, dk, dv
+
+
+# What each backward call passes, in this order (the scalars fixed per spec come from the launch)
+BWD_PER_CALL = ("mQ", "mK", "mV", "mdO", "mLSE2", "mD", "mdQacc", "mdK", "mdV",
+                *arguments.group_names("varlen", arguments.backward_arguments()), "mSemaphore",
+                "num_n_blocks")
+
+
+class BackwardLaunch:
+    """A compiled backward kernel for one spec (either family: the kernels share their
+    arguments, common/arguments.backward_arguments, and their tiling facts tile_m, tile_n and
+    deterministic). A call runs the three steps on the current stream, no host sync:
+    bwd_preprocess, the kernel (one CTA per key block), bwd_postprocess."""
+
+    def __init__(self, spec: AttentionSpec, cfg, fn, tvm_ffi: bool, entries):
+        self.spec, self.cfg, self.fn, self.tvm_ffi = spec, cfg, fn, tvm_ffi
+        score_scale, scale_log2, left, right = kernel_scalars(spec)
+        fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
+                     score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
+                     window_right=right)
+        self.bind = arguments.Binder(BWD_PER_CALL, fixed, entries, None if tvm_ffi else to_runtime)
+
+    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None):
+        spec, cfg = self.spec, self.cfg
+        q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
+        lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
+        dq_acc, dk, dv = bwd_buffers(spec, q, k)
+        if cu_seqlens_q is not None:
+            batch = cu_seqlens_q.shape[0] - 1
+            n_blocks = k.shape[0] // cfg.tile_n + batch  # bounds sum_b ceil(len_b / tile_n)
+            slots = q.shape[0] // cfg.tile_m + 2 * batch + 1  # (common/dq_order.semaphore_slot)
+        else:
+            n_blocks = -(-k.shape[1] // cfg.tile_n)
+            slots = q.shape[0] * -(-q.shape[1] // cfg.tile_m)
+        semaphore = torch.zeros((spec.nheads, slots if cfg.deterministic else 1), dtype=torch.int32,
+                                device=q.device)
+        if n_blocks > 0:
+            args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
+                             cu_seqlens_k, seqused_q, seqused_k, semaphore, n_blocks)
+            call_kernel(self.fn, self.tvm_ffi, args, q.device)
+        return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)

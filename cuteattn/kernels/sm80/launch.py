@@ -19,7 +19,7 @@ import torch
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ..common.arguments import Binder, group_names
-from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, to_runtime,
+from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scalars, l2_groups, to_runtime,
                              unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments, config
 from ..compile_common import first_spill_free
@@ -151,17 +151,9 @@ class Launch:
         out_k = aligned16(out)
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                          None, None, page_table, None, None)
-        _call(self.fn, self.tvm_ffi, args, q.device)
+        call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
-
-
-def _call(fn, tvm_ffi: bool, args: tuple, device) -> None:
-    if tvm_ffi:
-        fn(*args)
-    else:
-        import cuda.bindings.driver as cuda
-        fn(*args, cuda.CUstream(torch.cuda.current_stream(device).cuda_stream))
 
 
 class DecodeLaunch:
@@ -214,10 +206,10 @@ class DecodeLaunch:
             lse_part = torch.empty(num_splits, b, h, sq, dtype=torch.float32, device=q.device)
         args = self.bind(q, k_cache, v_cache, out_k, lse, None, None, None, seqused_k,
                          kv_batch_idx, leftpad_k, page_table, o_part, lse_part, num_splits)
-        _call(self._fn(partials), self.tvm_ffi, args, q.device)
+        call_kernel(self._fn(partials), self.tvm_ffi, args, q.device)
         if partials:  # the combine: the exact merge of the splits (and the sink) by their LSE
             fn, bind = self._combine(learnable_sink is not None)
-            _call(fn, self.tvm_ffi, bind(o_part, lse_part, learnable_sink, out_k, lse, num_splits),
+            call_kernel(fn, self.tvm_ffi, bind(o_part, lse_part, learnable_sink, out_k, lse, num_splits),
                   q.device)
         if out_k is not out:
             out.copy_(out_k)

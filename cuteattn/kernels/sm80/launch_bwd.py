@@ -10,17 +10,14 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ..common.arguments import Binder, group_names
-from ..launch_common import (CUTLASS_DTYPES, aligned16, bwd_buffers, bwd_postprocess,
-                             bwd_preprocess, kernel_scalars, to_runtime, unserved_dtype_or_dims,
+from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, unserved_dtype_or_dims,
                              unserved_form, use_tvm_ffi)
 from . import arguments
 from .bwd import Sm80BwdConfig
-from .launch import ARCH, COMPILE_MODULE, _call, target_capability
+from .launch import ARCH, COMPILE_MODULE, target_capability
 
 KIND = "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -78,45 +75,12 @@ def _compiled(cfg: Sm80BwdConfig, tvm_ffi: bool):
                                         sources=sources())
 
 
-PER_CALL = ("mQ", "mK", "mV", "mdO", "mLSE2", "mD", "mdQacc", "mdK", "mdV",
-            *group_names("varlen", arguments.BWD_ARGUMENTS), "mSemaphore", "num_n_blocks")
-
-
-class BwdLaunch:
+class BwdLaunch(BackwardLaunch):
     """The compiled backward for one spec; calling it runs the three steps."""
 
     def __init__(self, spec: AttentionSpec):
-        self.spec = spec
-        self.cfg = bwd_config(spec, _major(spec))
-        self.tvm_ffi = use_tvm_ffi()
-        self.fn = _compiled(self.cfg, self.tvm_ffi)
-        score_scale, scale_log2, left, right = kernel_scalars(spec)
-        fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
-                     score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
-                     window_right=right)
-        self.bind = Binder(PER_CALL, fixed, arguments.BWD_ARGUMENTS,
-                           None if self.tvm_ffi else to_runtime)
-
-    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None):
-        cfg = self.cfg
-        q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
-        lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
-        dq_acc, dk, dv = bwd_buffers(self.spec, q, k)
-        if cu_seqlens_k is not None:
-            batch = cu_seqlens_k.shape[0] - 1
-            n_blocks = k.shape[0] // cfg.tile_n + batch  # a packed bound
-            slots = q.shape[0] // cfg.tile_m + 2 * batch + 1  # (common/dq_order.semaphore_slot)
-        else:
-            n_blocks = -(-k.shape[1] // cfg.tile_n)
-            slots = q.shape[0] * -(-q.shape[1] // cfg.tile_m)
-        semaphore = torch.zeros((self.spec.nheads, slots if cfg.deterministic else 1),
-                                dtype=torch.int32, device=q.device)
-        if n_blocks > 0:
-            args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
-                             cu_seqlens_k, seqused_q, seqused_k, semaphore, n_blocks)
-            _call(self.fn, self.tvm_ffi, args, q.device)
-        return bwd_postprocess(dq_acc, dk, dv, q, k, self.spec.qhead_per_kvhead)
+        cfg, tvm_ffi = bwd_config(spec, _major(spec)), use_tvm_ffi()
+        super().__init__(spec, cfg, _compiled(cfg, tvm_ffi), tvm_ffi, arguments.BWD_ARGUMENTS)
 
 
 class Sm80Backward:

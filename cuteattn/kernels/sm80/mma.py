@@ -32,7 +32,13 @@ def smem_layout_atom(dtype, row_elems: int) -> cute.ComposedLayout:
 
 
 def smem_layout(dtype, rows: int, cols: int, stages: int = 0) -> cute.ComposedLayout:
-    """A (rows, cols) tile, or with `stages` a (rows, cols, stages) ring of them."""
+    """A (rows, cols) tile, or with `stages` a (rows, cols, stages) ring of them.
+
+    Views of part of such a tile (local_tile, domain offsets) address correctly only when they
+    start on a whole swizzle atom (8 rows; a multiple of the atom's row width in columns): the
+    DSL adds the swizzled offset of the view's origin to the swizzled offsets inside it, and the
+    XOR does not distribute over that sum. Slicing a thread's partition of the whole tile is
+    always right (bwd.copy_column_part)."""
     atom = smem_layout_atom(dtype, cols)
     if stages:
         return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2))

@@ -16,7 +16,7 @@ import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ..launch_common import (CUTLASS_DTYPES, aligned16, kernel_scalars, l2_groups, sm_count,
+from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scalars, l2_groups, sm_count,
                             to_runtime, unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments, config
 from .arguments import NO_VARLEN, VarlenMetadata
@@ -138,11 +138,7 @@ class Launch:
         # the varlen values in VarlenMetadata's order, as PER_CALL has them
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                          counter)
-        if self.tvm_ffi:
-            self.fn(*args)
-        else:
-            import cuda.bindings.driver as cuda
-            self.fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+        call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
 

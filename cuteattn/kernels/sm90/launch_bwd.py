@@ -13,14 +13,12 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
-from ..launch_common import (CUTLASS_DTYPES, aligned16, bwd_buffers, bwd_postprocess,
-                            bwd_preprocess, kernel_scalars, to_runtime, unserved_dtype_or_dims,
+from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, unserved_dtype_or_dims,
                             unserved_form, use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
@@ -58,53 +56,12 @@ def _compiled(cfg: Sm90BwdConfig, tvm_ffi: bool):
                                         sources=sources())
 
 
-# What each call passes (in this order); the scalars fixed per spec come from BwdLaunch.
-PER_CALL = ("mQ", "mK", "mV", "mdO", "mLSE2", "mD", "mdQacc", "mdK", "mdV",
-            *arguments.group_names("varlen", arguments.BWD_ARGUMENTS), "mSemaphore",
-            "num_n_blocks")
-
-
-class BwdLaunch:
+class BwdLaunch(BackwardLaunch):
     """The compiled backward for one spec; calling it runs the three steps."""
 
     def __init__(self, spec: AttentionSpec):
-        self.spec = spec
-        self.cfg = bwd_config(spec)
-        self.tvm_ffi = use_tvm_ffi()
-        self.fn = _compiled(self.cfg, self.tvm_ffi)
-        score_scale, scale_log2, left, right = kernel_scalars(spec)
-        fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
-                     score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
-                     window_right=right)
-        self.bind = arguments.Binder(PER_CALL, fixed, None if self.tvm_ffi else to_runtime,
-                                     entries=arguments.BWD_ARGUMENTS)
-
-    def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None):
-        spec, cfg = self.spec, self.cfg
-        packed = cu_seqlens_q is not None
-        q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
-        lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
-        dq_acc, dk, dv = bwd_buffers(spec, q, k)
-        if packed:
-            batch = cu_seqlens_q.shape[0] - 1
-            n_blocks = k.shape[0] // cfg.tile_n + batch  # bounds sum_b ceil(len_b / tile_n)
-            slots = q.shape[0] // cfg.tile_m + 2 * batch + 1
-        else:
-            batch = q.shape[0]
-            n_blocks = -(-k.shape[1] // cfg.tile_n)
-            slots = batch * -(-q.shape[1] // cfg.tile_m)
-        semaphore = torch.zeros((spec.nheads, slots if cfg.deterministic else 1), dtype=torch.int32,
-                                device=q.device)
-        if n_blocks > 0:
-            args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
-                             cu_seqlens_k, seqused_q, seqused_k, semaphore, n_blocks)
-            if self.tvm_ffi:
-                self.fn(*args)
-            else:
-                import cuda.bindings.driver as cuda
-                self.fn(*args, cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
-        return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)
+        cfg, tvm_ffi = bwd_config(spec), use_tvm_ffi()
+        super().__init__(spec, cfg, _compiled(cfg, tvm_ffi), tvm_ffi, arguments.BWD_ARGUMENTS)
 
 
 class Sm90Backward:
