@@ -62,7 +62,8 @@ def main():
             flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
             cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
-                                varlen_q="varlen" in flags, has_seqused_q="varlen" in flags)
+                                varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
+                                smem_limit=smem)
         else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
             cfg = fwd_configs(DTYPES[dtype], d, d, *masks, form, form, smem_limit=smem)
         if isinstance(cfg, list):

@@ -1,5 +1,7 @@
 """The sm80 family on the CPU: its tiles fit each arch's shared memory, the preferred tile is
 taken where it fits, and the family's reasons for what it does not serve."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -335,3 +337,23 @@ def test_d256_prefers_64_key_blocks_and_lists_narrower_ones():
     configs = config.fwd_configs(cutlass.BFloat16, 256, 256, False, False, False, False, False,
                                  smem_limit=99 * 1024)
     assert [(c.tile_m, c.tile_n, c.num_warps) for c in configs] == [(64, 64, 4), (64, 32, 4), (64, 16, 4)]
+
+
+@pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("capability", sorted(config.SMEM_BY_CAPABILITY))
+def test_decode_ring_fits_the_device(d, capability):
+    """The decode kernel keeps kv_stages K/V blocks in flight: as many (up to 4) as fit half the
+    device's shared memory (two CTAs per SM), else as many as fit."""
+    smem = config.SMEM_BY_CAPABILITY[capability]
+    cfg = config.decode_config(cutlass.BFloat16, d, d, False, False, False, False, False, 16, True,
+                               4, smem_limit=smem)
+    size = lambda stages: dataclasses.replace(cfg, kv_stages=stages).smem_bytes()
+    assert 1 <= cfg.kv_stages <= 4 and cfg.smem_bytes() <= smem
+    if size(2) <= smem // 2:  # two CTAs per SM: the most stages that keep them
+        assert cfg.smem_bytes() <= smem // 2 and (cfg.kv_stages == 4 or size(cfg.kv_stages + 1) > smem // 2)
+    elif size(2) <= smem:  # one CTA: the most stages that fit
+        assert cfg.kv_stages == 4 or size(cfg.kv_stages + 1) > smem
+    else:
+        assert cfg.kv_stages == 1
+    if d in (64, 128, 256):  # the common head dims get a ring everywhere
+        assert cfg.kv_stages >= 2

@@ -99,7 +99,7 @@ def pack_gqa_group(qhead_per_kvhead: int, tile_m: int) -> int:
 def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
-                  has_seqused_q: bool = False) -> Sm80FwdConfig:
+                  has_seqused_q: bool = False, smem_limit: int = 99 * 1024) -> Sm80FwdConfig:
     """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
@@ -115,7 +115,19 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
             warps = warps_for_key_block(dtype, head_dim, head_dim_v, tile_n, warps)
     cfg = fwd_config(dtype, head_dim, head_dim_v, causal, local, has_softcap, varlen_q, False,
                      has_seqused_q=has_seqused_q, has_seqused_k=True, smem_limit=1 << 30)
-    return dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, num_warps=warps,
+    cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, num_warps=warps,
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m))
+    return dataclasses.replace(cfg, kv_stages=decode_stages(cfg, smem_limit))
+
+
+def decode_stages(cfg: Sm80FwdConfig, smem_limit: int) -> int:
+    """K/V blocks in flight for decoding (bound by reading the cache): the most of 4, 3, 2 whose
+    ring fits half the shared memory (two CTAs per SM), else the most that fit, else 1."""
+    fits = lambda stages, budget: dataclasses.replace(cfg, kv_stages=stages).smem_bytes() <= budget
+    for budget in (smem_limit // 2, smem_limit):
+        for stages in (4, 3, 2):
+            if fits(stages, budget):
+                return stages
+    return 1

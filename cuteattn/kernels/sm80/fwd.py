@@ -67,15 +67,20 @@ class Sm80FwdConfig:
     # Pack-GQA: the query heads sharing a kv head (this many, a divisor of tile_m) are rows of
     # one tile, so a tile reads its K/V once for all of them (decoding: one query row per head).
     pack_gqa: int = 1
+    # K/V blocks in flight: 1 is FlashAttention-2's pipeline (V loads under S = Q K^T, the next K
+    # under O += P V); kv_stages >= 2 is a ring of that many K/V buffers, kv_stages - 1 blocks
+    # loading ahead of the one computed (decoding, bound by reading the cache, needs them).
+    kv_stages: int = 1
 
     @property
     def num_threads(self) -> int:
         return 32 * self.num_warps
 
     def smem_bytes(self) -> int:
-        """Q (reused for O), one K and one V block."""
+        """Q (reused for O), kv_stages K and V blocks."""
         elem = self.dtype.width // 8
-        return (self.tile_m * self.head_dim + self.tile_n * (self.head_dim + self.head_dim_v)) * elem
+        return (self.tile_m * self.head_dim
+                + self.kv_stages * self.tile_n * (self.head_dim + self.head_dim_v)) * elem
 
 
 class FlashFwdSm80:
@@ -144,8 +149,9 @@ class FlashFwdSm80:
                 mLSEPartial = pack_heads_into_rows(mLSEPartial, self.group, 1)
 
         sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d)
-        sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d)
-        sV_layout = mma.smem_layout(self.dtype, self.tile_n, self.dv)
+        ring = cfg.kv_stages if const_expr(cfg.kv_stages > 1) else 0  # a stage mode, or none
+        sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d, stages=ring)
+        sV_layout = mma.smem_layout(self.dtype, self.tile_n, self.dv, stages=ring)
 
         @cute.struct
         class SharedStorage:
@@ -270,7 +276,7 @@ class FlashFwdSm80:
         copy_v = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.dv).get_slice(tidx)
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (m_block, 0))
         tQgQ, tQsQ = copy_q.partition_S(gQ), copy_q.partition_D(sQ)
-        tKsK, tVsV = copy_k.partition_D(sK), copy_v.partition_D(sV)
+        tKsK, tVsV = copy_k.partition_D(sK), copy_v.partition_D(sV)  # (with a ring: per stage)
         tQcQ = copy_q.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
         tKcK = copy_k.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
         tVcV = copy_v.partition_S(cute.make_identity_tensor((self.tile_n, self.dv)))
@@ -284,18 +290,22 @@ class FlashFwdSm80:
             pages = None
         load_k = partial(self.load_block, copy_k, kv_k, pages, tKsK, tKcK, seqlen.seqlen_k, self.d)
         load_v = partial(self.load_block, copy_v, kv_v, pages, tVsV, tVcV, seqlen.seqlen_k, self.dv)
+        ring = cfg.kv_stages > 1
+        # the stage-0 views build the MMA fragments (a stage is a whole tile: swizzle-safe)
+        sK0 = sK[None, None, 0] if const_expr(ring) else sK
+        sV0 = sV[None, None, 0] if const_expr(ring) else sV
 
         # MMA partitions: S = Q K^T from shared memory, O += P V with P in registers.
         tiled_mma = mma.tiled_mma(self.dtype, cfg.num_warps)
         thr_mma = tiled_mma.get_slice(tidx)
-        sVt = transposed_view(sV)
+        sVt = transposed_view(sV0)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK0))
         tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
         ld_q = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
         ld_k = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
         ld_v = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(tidx)
-        tSsQ, tSsK, tOsVt = ld_q.partition_S(sQ), ld_k.partition_S(sK), ld_v.partition_S(sVt)
+        tSsQ, tSsK, tOsVt = ld_q.partition_S(sQ), ld_k.partition_S(sK0), ld_v.partition_S(sVt)
 
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.dv)), Float32)
@@ -309,18 +319,31 @@ class FlashFwdSm80:
         ops = SimpleNamespace(
             tiled_mma=tiled_mma, acc_S=acc_S, acc_O=acc_O, acc_S_mn=acc_S_mn, acc_O_mn=acc_O_mn,
             coord_S_mn=coord_S_mn, tOrP=tOrP, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
-            tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v)
-        block = partial(self.key_block, ops=ops, softmax=softmax, load_k=load_k, load_v=load_v,
+            tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v, sK=sK, sV=sV)
+        block = partial(self.key_block_ring if const_expr(ring) else self.key_block, ops=ops,
+                        softmax=softmax, load_k=load_k, load_v=load_v,
                         block_info=block_info, seqlen=seqlen, row_start=row_start,
-                        q_start=q_start, n_min=n_min,
+                        q_start=q_start, n_min=n_min, n_max=n_max,
                         score_scale=score_scale, window_left=window_left,
                         window_right=window_right)
 
         if n_max > n_min:
             # Q and the first (top) key block, bounded by the sequence ends.
             mma.load_rows(copy_q, tQgQ, tQsQ, tQcQ, rows_q - row_start, True)
-            load_k(n_max - 1, True)
-            cute.arch.cp_async_commit_group()
+            if const_expr(ring):
+                # the top block (K and V) then kv_stages - 2 more, a commit group each (empty past
+                # n_min, so that every iteration can wait for "all but the newest kv_stages - 2")
+                load_k(n_max - 1, True, 0)
+                load_v(n_max - 1, True, 0)
+                cute.arch.cp_async_commit_group()
+                for i in cutlass.range_constexpr(1, cfg.kv_stages - 1):
+                    if n_max - 1 - i >= n_min:
+                        load_k(n_max - 1 - i, False, i)
+                        load_v(n_max - 1 - i, False, i)
+                    cute.arch.cp_async_commit_group()
+            else:
+                load_k(n_max - 1, True)
+                cute.arch.cp_async_commit_group()
             block(n_max - 1, mask=None, top=True)
             runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, q_start,
                                              self.tile_q, n_min, n_max)
@@ -330,6 +353,8 @@ class FlashFwdSm80:
                     block(n_max - 1 - i, mask=mask, top=False)
 
         # Epilogue: rows that saw no key get O = 0 and LSE = -inf (softmax.finalize).
+        if const_expr(ring):
+            cute.arch.cp_async_wait_group(0)  # (the last groups are empty; none left in flight)
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
         if const_expr(cfg.split_kv):
@@ -354,8 +379,9 @@ class FlashFwdSm80:
 
     @cute.jit
     def key_block(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
-                  block_info: BlockInfo, seqlen: SeqlenInfo, row_start, q_start, n_min, score_scale,
-                  window_left, window_right, mask: cutlass.Constexpr, top: cutlass.Constexpr):
+                  block_info: BlockInfo, seqlen: SeqlenInfo, row_start, q_start, n_min, n_max,
+                  score_scale, window_left, window_right, mask: cutlass.Constexpr,
+                  top: cutlass.Constexpr):
         """One key block (K[n_block] has landed or is in flight): V loads under S = Q K^T, the
         next K under O += P V. `mask` as in scores_to_probs; `top`: the first block visited, the
         only one that can hold the sequence end (its V rows past the end are zeroed)."""
@@ -379,12 +405,46 @@ class FlashFwdSm80:
                  a_in_registers=True)
 
     @cute.jit
+    def key_block_ring(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
+                       block_info: BlockInfo, seqlen: SeqlenInfo, row_start, q_start, n_min,
+                       n_max, score_scale, window_left, window_right, mask: cutlass.Constexpr,
+                       top: cutlass.Constexpr):
+        """key_block with a ring of kv_stages K/V buffers: block n_block (the j-th visited, in
+        stage j % kv_stages) has landed once all but the newest kv_stages - 2 commit groups have;
+        after the barrier every warp is past the previous block's reads, so its stage takes the
+        block kv_stages - 1 ahead. One barrier per block."""
+        stages = self.cfg.kv_stages
+        j = n_max - 1 - n_block
+        stage = j % stages
+        cute.arch.cp_async_wait_group(stages - 2)
+        cute.arch.barrier()
+        ahead = n_block - (stages - 1)
+        if ahead >= n_min:
+            load_k(ahead, False, (j + stages - 1) % stages)
+            load_v(ahead, False, (j + stages - 1) % stages)
+        cute.arch.cp_async_commit_group()
+        sK, sV = ops.sK[None, None, stage], ops.sV[None, None, stage]
+        tSsK = ops.ld_k.partition_S(sK)
+        tOsVt = ops.ld_v.partition_S(transposed_view(sV))
+        ops.acc_S.fill(0.0)
+        mma.gemm(ops.tiled_mma, ops.acc_S, ops.tSrQ, ops.tSrK, ops.tSsQ, tSsK, ops.ld_q, ops.ld_k)
+        self.scores_to_probs(ops.acc_S, ops.acc_S_mn, ops.coord_S_mn, softmax, block_info, seqlen,
+                             row_start, q_start, n_block, score_scale, window_left, window_right,
+                             mask)
+        softmax.rescale(ops.acc_O_mn)
+        convert_fragment(ops.acc_S, ops.tOrP)
+        mma.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP, ops.tOrVt, None, tOsVt, None, ops.ld_v,
+                 a_in_registers=True)
+
+    @cute.jit
     def load_block(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
-                   n_block, bounded: cutlass.Constexpr):
+                   n_block, bounded: cutlass.Constexpr, stage=None):
         """K or V block n_block into its shared buffer (rows past seqlen_k zeroed if `bounded`).
         mX: the (keys, cols) rows of this head; or, paged, the cache's (page_size, cols, pages)
         with `pages` the sequence's row of the page table (tile_n divides the page size, so a
         block lies in one page: one lookup, clamped into the table and the cache)."""
+        if const_expr(self.cfg.kv_stages > 1):
+            tXsX = tXsX[None, None, None, stage]
         if const_expr(self.cfg.gather_pages):
             self.load_block_pages(thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols, n_block, bounded)
             return

@@ -75,7 +75,7 @@ def sm80_configs(spec: AttentionSpec) -> list:
         return [config.decode_config(
             CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
             spec.has_softcap, False, False, spec.page_size, False, varlen_q=spec.varlen_q,
-            has_seqused_q=spec.has_seqused_q)]
+            has_seqused_q=spec.has_seqused_q, smem_limit=smem_limit(spec.device_index))]
     return config.fwd_configs(
         CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
@@ -188,7 +188,8 @@ class DecodeLaunch:
             cfg = config.decode_config(
                 CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal,
                 spec.local, spec.has_softcap, spec.has_kv_batch_idx, spec.has_leftpad_k,
-                spec.page_size if spec.paged_kv else 0, split_kv, spec.qhead_per_kvhead)
+                spec.page_size if spec.paged_kv else 0, split_kv, spec.qhead_per_kvhead,
+                smem_limit=smem_limit(spec.device_index))
             fn = self.fns[split_kv] = _compiled(cfg, self.tvm_ffi)
         return fn
 
