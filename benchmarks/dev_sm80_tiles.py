@@ -15,10 +15,10 @@ import torch
 
 os.environ["CUTEATTN_PATH"] = "sm80"
 
-CANDIDATES = {  # head_dim -> [(tile_m, tile_n, warps)], the current choice first
-    64: [(128, 128, 8), (128, 64, 4), (128, 128, 4), (64, 128, 4), (128, 64, 8)],
-    128: [(128, 64, 8), (128, 32, 4), (128, 64, 4), (64, 64, 4), (128, 128, 8), (64, 128, 4)],
-    256: [(64, 16, 4), (64, 32, 4), (128, 32, 8), (64, 64, 4), (128, 64, 8), (128, 16, 8)],
+CANDIDATES = {  # head_dim -> [(tile_m, tile_n, warps[, kv_stages])], the current choice first
+    64: [(128, 64, 4, 2), (128, 128, 8), (128, 64, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
+    128: [(128, 64, 8), (128, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2), (128, 64, 4), (64, 64, 4)],
+    256: [(64, 64, 4), (64, 64, 4, 2), (128, 64, 8), (64, 32, 4, 2)],
 }
 SHAPES = [(4, 4096, False), (4, 4096, True)]  # (batch, seqlen, causal) at 2048 / d heads
 
@@ -31,7 +31,7 @@ def inputs(d, batch, seqlen):
 def use_tile(d, tile):
     from cuteattn import api
     from cuteattn.kernels.sm80 import config
-    config.TILES[d] = [tile]
+    config.TILES[d] = [tile]  # (a 4th element: kv_stages)
     config.LOCAL_TILES.pop(d, None)
     api._launches.clear()
 
@@ -48,7 +48,7 @@ def compile_only(d, tile):
 def main():
     args = sys.argv[1:]
     if args and args[0] == "--compile-only":
-        compile_only(int(args[1]), tuple(int(x) for x in args[2:5]))
+        compile_only(int(args[1]), tuple(int(x) for x in args[2:]))
         return
     jobs = int(args[args.index("--jobs") + 1]) if "--jobs" in args else 12
     todo = [(d, t) for d, tiles in CANDIDATES.items() for t in tiles]

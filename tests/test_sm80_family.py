@@ -52,18 +52,19 @@ def test_a_tile_fits_every_arch(capability, d, local):
     assert cfg.tile_m % (16 * cfg.num_warps) == 0 and cfg.tile_n % 16 == 0
     # the first listed tile that fits is the one taken
     tiles = config.LOCAL_TILES.get(d, config.TILES[d]) if local else config.TILES[d]
+    stages = lambda t: t[3] if len(t) > 3 else 1
     fitting = [t for t in tiles
-               if (t[0] * d + t[1] * 2 * d) * 2 <= smem]
-    assert (cfg.tile_m, cfg.tile_n, cfg.num_warps) == fitting[0]
+               if (t[0] * d + stages(t) * t[1] * 2 * d) * 2 <= smem]
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_stages) == (*fitting[0][:3], stages(fitting[0]))
 
 
-def test_d64_takes_the_large_tile_only_where_it_fits():
-    big = config.fwd_config(cutlass.BFloat16, 64, 64, False, False, False, False, False,
-                            smem_limit=99 * 1024)
-    small = config.fwd_config(cutlass.BFloat16, 64, 64, False, False, False, False, False,
-                              smem_limit=40 * 1024)
-    assert (big.tile_m, big.tile_n, big.num_warps) == (128, 128, 8)
-    assert (small.tile_m, small.tile_n, small.num_warps) == (128, 64, 4)
+def test_d64_prefers_32_rows_per_warp_with_a_ring():
+    """d = 64: 128 x 64 on 4 warps with two K/V stages first; where a fitting tile spills, the
+    launch moves on to the 8-warp tile (compile_common.first_spill_free)."""
+    configs = config.fwd_configs(cutlass.BFloat16, 64, 64, False, False, False, False, False,
+                                 smem_limit=99 * 1024)
+    assert [(c.tile_m, c.tile_n, c.num_warps, c.kv_stages) for c in configs] == [
+        (128, 64, 4, 2), (128, 128, 8, 1), (128, 64, 4, 1)]
 
 
 def test_no_tile_fits_a_tiny_shared_memory(monkeypatch):
