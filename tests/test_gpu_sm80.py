@@ -201,7 +201,7 @@ def test_combine_kernel_equals_the_reference_merge(seed, dv, sink):
     from cuteattn.kernels.sm80.combine import CombineConfig
     from cuteattn.kernels.sm80 import arguments
     from cuteattn.kernels.common.arguments import Binder
-    from cuteattn.kernels.launch_common import to_runtime, use_tvm_ffi
+    from cuteattn.kernels.launch_common import call_kernel, to_runtime, use_tvm_ffi
     from cuteattn.reference import merge_partials
     splits, b, sq, h = 5, 2, 3, 8
     o_part = torch.randn(splits, b, sq, h, dv, device="cuda")
@@ -215,7 +215,7 @@ def test_combine_kernel_equals_the_reference_merge(seed, dv, sink):
     fn = sm80_launch._compiled_combine(CombineConfig(cutlass_bf16(), dv, sink), tvm)
     bind = Binder(("mOPartial", "mLSEPartial", "mSink", "mO", "mLSE", "num_splits"), {},
                   arguments.COMBINE_ARGUMENTS, None if tvm else to_runtime)
-    sm80_launch._call(fn, tvm, bind(o_part, lse_part, sink_t, out, lse, splits), out.device)
+    call_kernel(fn, tvm, bind(o_part, lse_part, sink_t, out, lse, splits), out.device)
     want, want_lse = merge_partials(o_part, lse_part, sink_t)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
