@@ -173,3 +173,40 @@ def test_compile_o_paths(path, d, mask, varlen, seqlen, capfd, tmp_path, monkeyp
     assert ("fence.proxy.async" in ptx) == (path == "v_stage")
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
+
+
+# FlashAttention's forward surface beyond the compiled widths: head_dim_v != head_dim, head dims
+# padded to the next width (the O store then clips its columns), one side packed, seqused on
+# batched q/k. (d, dv, mask, varlen_q, varlen_k, seqused, softcap)
+SURFACE_CASES = [(192, 128, "causal", False, False, False, True), (192, 128, "local", True, True, False, True),
+                 (128, 64, "none", False, False, False, False), (128, 64, "local", False, False, False, True),
+                 (80, 80, "causal", False, False, False, True), (80, 80, "local", True, True, True, True),
+                 (72, 40, "none", True, True, False, False), (8, 8, "causal", False, False, False, False),
+                 (200, 200, "local", False, False, False, True), (256, 128, "causal", True, True, False, True),
+                 (128, 128, "causal", True, False, True, True), (128, 128, "local", False, True, True, True),
+                 (64, 64, "causal", False, False, True, True)]
+
+
+@pytest.mark.parametrize(
+    "d,dv,mask,varlen_q,varlen_k,seqused,softcap", SURFACE_CASES,
+    ids=[f"d{d}v{dv}-{m}{'-q' if vq else ''}{'-k' if vk else ''}{'-used' if u else ''}{'-cap' if c else ''}"
+         for d, dv, m, vq, vk, u, c in SURFACE_CASES])
+def test_compile_surface_variants(d, dv, mask, varlen_q, varlen_k, seqused, softcap, capfd,
+                                  tmp_path, monkeypatch):
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    spec = AttentionSpec(
+        dtype=torch.float16, head_dim=d, head_dim_v=dv, causal=mask == "causal",
+        local=mask == "local", has_softcap=softcap, varlen_q=varlen_q, varlen_k=varlen_k,
+        has_seqused_q=seqused, has_seqused_k=seqused, softmax_scale=d ** -0.5, seqlen_q=4096,
+        seqlen_k=4096, window_left=64 if mask == "local" else None,
+        window_right=-16 if mask == "local" else None, softcap=20.0 if softcap else 0.0)
+    assert sm90_launch.FORWARD.can_implement(spec) is None
+    cfg = sm90_launch.sm90_config(spec)
+    assert (cfg.head_dim, cfg.head_dim_v) == tuple(
+        min(w for w in SUPPORTED_HEAD_DIMS if w >= x) for x in (d, dv))
+    assert cfg.clip_o == (dv not in SUPPORTED_HEAD_DIMS) and cfg.smem_bytes() <= config.SMEM_LIMIT
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"

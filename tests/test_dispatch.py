@@ -138,15 +138,10 @@ def test_family_that_cannot_be_imported_gives_a_reason(gpu, registry, monkeypatc
 # ---- the sm90 forward's reasons ----
 
 SM90_REASONS = [
-    (dict(head_dim=80, head_dim_v=80),
-     "head_dim 80 is not supported by the sm90 forward (supported: 64, 96, 128, 192, 256)"),
-    (dict(head_dim_v=64), "head_dim_v 64 != head_dim 128 is not supported by the sm90 forward"),
-    (dict(varlen_q=True), "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"),
-    (dict(varlen_k=True), "the sm90 forward needs q and k both packed (cu_seqlens) or both batched"),
+    (dict(head_dim=264, head_dim_v=264), "head_dim 264 is wider than the sm90 forward's widest (256)"),
+    (dict(head_dim=64, head_dim_v=128),
+     "head_dim_v 128 > head_dim 64 is not supported by the sm90 forward (head_dim_v <= head_dim)"),
     (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm90 forward"),
-    (dict(local=True, window_left=None, window_right=-1), "window_size (None, -1) has a negative edge"),
-    (dict(local=True, window_left=-4, window_right=9), "window_size (-4, 9) has a negative edge"),
-    (dict(has_seqused_q=True), "seqused with batched (not packed) q and k"),
     (dict(has_sink=True), "learnable attention sinks: no sm90 forward takes them yet"),
     (dict(dtype=torch.float8_e4m3fn), "dtype torch.float8_e4m3fn is not supported by the sm90 forward"),
 ]
@@ -162,16 +157,38 @@ def test_sm90_forward_reasons(gpu, fields, reason):
 def test_sm90_forward_serves_supported_problems(gpu, d):
     pytest.importorskip("cutlass")
     for fields in (dict(), dict(causal=True), dict(varlen_q=True, varlen_k=True, has_seqused_k=True),
-                   dict(local=True, window_left=8, window_right=0, dtype=torch.float16)):
+                   dict(local=True, window_left=8, window_right=0, dtype=torch.float16),
+                   # FlashAttention-4's forms: one side packed, seqused on batched q/k, negative edges
+                   dict(varlen_q=True), dict(varlen_k=True, has_seqused_q=True),
+                   dict(has_seqused_q=True, has_seqused_k=True),
+                   dict(local=True, window_left=None, window_right=-1),
+                   dict(local=True, window_left=-4, window_right=9)):
         assert dispatch.can_implement(make_spec(head_dim=d, head_dim_v=d, **fields), CUDA) is None
+
+
+@pytest.mark.parametrize("d,dv", [(80, 80), (8, 8), (200, 200), (192, 128), (128, 64), (72, 40),
+                                  (256, 8)])
+def test_sm90_forward_pads_other_head_dims(gpu, d, dv):
+    """Any head dim up to 256 (a multiple of 8) and any head_dim_v up to it run on the next
+    compiled widths; the O store leaves out the padded columns exactly when v's is padded."""
+    pytest.importorskip("cutlass")
+    from cuteattn.kernels.sm90 import launch as sm90_launch
+    spec = make_spec(head_dim=d, head_dim_v=dv)
+    assert dispatch.can_implement(spec, CUDA) is None
+    cfg = sm90_launch.sm90_config(spec)
+    widths = (64, 96, 128, 192, 256)
+    assert cfg.head_dim == min(w for w in widths if w >= d)
+    assert cfg.head_dim_v == min(w for w in widths if w >= dv)
+    assert cfg.clip_o == (dv not in widths)
+    assert cfg.smem_bytes() <= 227 * 1024
 
 
 def test_api_quotes_the_reason(gpu):
     """The API falls back (or raises in strict mode) with the family's reason."""
     pytest.importorskip("cutlass")
-    launch, reason = api._select_kernel(make_spec(head_dim=80, head_dim_v=80), CUDA)
-    assert launch is None and reason.startswith("head_dim 80 is not supported by the sm90 forward")
-    with pytest.raises(RuntimeError, match="head_dim 80 is not supported by the sm90 forward"):
+    launch, reason = api._select_kernel(make_spec(head_dim=64, head_dim_v=128), CUDA)
+    assert launch is None and reason.startswith("head_dim_v 128 > head_dim 64 is not supported")
+    with pytest.raises(RuntimeError, match="head_dim_v 128 > head_dim 64 is not supported"):
         api._fall_back(reason, strict=True)
 
 

@@ -44,23 +44,13 @@ def fp8_call():
 
 
 CASES = {
-    "head_dim 80": (flash_attn_func, lambda: fixed(d=80, dv=80), "head_dim 80"),
-    "head_dim_v 64 of 128": (flash_attn_func, lambda: fixed(d=128, dv=64), "head_dim_v 64"),
-    "negative edge": (flash_attn_func, lambda: dict(fixed(), window_size=(None, -2)), "negative edge"),
+    "head_dim_v 128 over 64": (flash_attn_func, lambda: fixed(d=64, dv=128), "head_dim_v 128 > head_dim 64"),
     "sink": (flash_attn_func, lambda: dict(fixed(), learnable_sink=torch.randn(4)), "sinks"),
     "fp8": (flash_attn_func, fp8_call, "float8_e4m3fn"),
     "mask_mod": (flash_attn_func, lambda: dict(fixed(), mask_mod=lambda b, h, i, j: (i - j).abs() < 5),
                  "modifiers"),
     "block sparse": (flash_attn_func, lambda: dict(fixed(sq=64, sk=64), block_sparse=sparse.from_topk(
         torch.tensor([[[[0], [1]]]]), 2, 32, 32)), "modifiers"),
-    "one-sided varlen": (flash_attn_varlen_func, lambda: dict(
-        q=torch.randn(20, 4, 64, dtype=BF16), k=torch.randn(3, 9, 2, 64, dtype=BF16),
-        v=torch.randn(3, 9, 2, 64, dtype=BF16), cu_seqlens_q=cu([5, 0, 15]), cu_seqlens_k=None,
-        max_seqlen_q=15, max_seqlen_k=9, causal=True), "both packed"),
-    "seqused only": (flash_attn_varlen_func, lambda: dict(
-        fixed(), cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=37, max_seqlen_k=41,
-        seqused_q=torch.tensor([30, 2], dtype=torch.int32),
-        seqused_k=torch.tensor([41, 9], dtype=torch.int32)), "seqused with batched"),
     "paged prefill": (flash_attn_varlen_func, lambda: dict(
         q=torch.randn(12, 4, 64, dtype=BF16), k=torch.randn(5, 16, 2, 64, dtype=BF16),
         v=torch.randn(5, 16, 2, 64, dtype=BF16), cu_seqlens_q=cu([4, 8]),

@@ -82,7 +82,6 @@ def test_no_tile_fits_a_tiny_shared_memory(monkeypatch):
      "head_dim 80 is not supported by the sm80 forward (supported: 64, 96, 128, 192, 256)"),
     (dict(head_dim_v=64), "head_dim_v 64 != head_dim 128 is not supported by the sm80 forward"),
     (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm80 forward (fp16, bf16)"),
-    (dict(varlen_q=True), "the sm80 forward needs q and k both packed (cu_seqlens) or both batched"),
     (dict(has_sink=True), "learnable attention sinks: no sm80 forward takes them yet"),
 ])
 def test_sm80_forward_reasons(fields, reason):

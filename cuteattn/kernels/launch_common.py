@@ -119,9 +119,19 @@ def to_runtime(arg: arguments.Arg, value):
     return to_cute(value, arg.align)
 
 
-def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims) -> Optional[str]:
+def compiled_width(d: int, widths) -> Optional[int]:
+    """The narrowest compiled head-dim width at least d (None: wider than every width). A head
+    dim between widths runs on the next one up: TMA fills the columns past the tensor's head dim
+    with zeros (so q.k and p.v are exact) and the O store leaves them out."""
+    return min((w for w in widths if w >= d), default=None)
+
+
+def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
+                           padded_dims: bool = False) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's dtype or head
-    dims (q's among `head_dims`, v's equal to q's), or None."""
+    dims, or None. Without `padded_dims`, q's head dim must be one of `head_dims` and v's equal
+    to it; with it (a kernel that pads, see compiled_width) any head dim up to the widest, and
+    v's any up to q's."""
     if spec.dtype not in CUTLASS_DTYPES:
         return f"dtype {spec.dtype} is not supported by the {arch} {who} (fp16, bf16)"
     supported = ", ".join(map(str, head_dims))
@@ -129,6 +139,14 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims) 
         if spec.head_dim not in head_dims or spec.head_dim_v != spec.head_dim:
             return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no {arch} "
                     f"backward kernel yet (supported: {supported})")
+        return None
+    if padded_dims:
+        if compiled_width(spec.head_dim, head_dims) is None:
+            return (f"head_dim {spec.head_dim} is wider than the {arch} {who}'s widest "
+                    f"({max(head_dims)})")
+        if spec.head_dim_v > spec.head_dim:
+            return (f"head_dim_v {spec.head_dim_v} > head_dim {spec.head_dim} is not supported by "
+                    f"the {arch} {who} (head_dim_v <= head_dim)")
         return None
     if spec.head_dim not in head_dims:
         return (f"head_dim {spec.head_dim} is not supported by the {arch} {who} "
@@ -141,14 +159,17 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims) 
 
 def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
-    one side packed and the other batched; a learnable sink; paged keys; seqused on batched q/k; a window
-    edge past the diagonal. (Their kernel code is written for every case, but no GPU test has run these.)"""
-    if spec.varlen_q != spec.varlen_k:
-        return f"the {arch} {who} needs q and k both packed (cu_seqlens) or both batched"
+    a learnable sink; paged keys; and for the backward, the forms only the forwards have run on
+    a GPU (one side packed and the other batched, seqused on batched q/k, a window edge past the
+    diagonal: the backward's kernel code is written for them, but no GPU test has run them)."""
     if spec.has_sink:
         return f"learnable attention sinks: no {arch} {who} takes them yet"
     if spec.paged_kv:
         return f"paged keys (block_table): no {arch} {who} reads pages yet"
+    if who == "forward":
+        return None
+    if spec.varlen_q != spec.varlen_k:
+        return f"the {arch} {who} needs q and k both packed (cu_seqlens) or both batched"
     if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
         return f"seqused with batched (not packed) q and k: no GPU-tested {arch} {who} for that form yet"
     if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):

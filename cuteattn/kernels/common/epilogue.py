@@ -68,9 +68,10 @@ def stage_o(acc_O: cute.Tensor, sO: cute.Tensor, tiled_mma_pv, tidx, dtype: cutl
 @cute.jit
 def store_o(sO: cute.Tensor, gO: cute.Tensor, row_start, seqlen_q, tidx,
             dtype: cutlass.Constexpr, head_dim_v: cutlass.Constexpr, rows: cutlass.Constexpr,
-            threads: cutlass.Constexpr):
+            threads: cutlass.Constexpr, cols=None):
     """sO (rows, d_v) -> gO (the block of O at row_start), by `threads` threads, 16 bytes per
-    thread per copy, rows at or past seqlen_q skipped."""
+    thread per copy, rows at or past seqlen_q skipped; with `cols` (out's head dim, narrower
+    than d_v when it is padded; a multiple of the 16-byte vector) columns from there too."""
     vec = 128 // dtype.width
     # The thread layout must tile (rows, d_v) exactly: d_v = 96 has 12 vectors per row, so 4
     # threads share a row and each stores 3 vectors.
@@ -90,7 +91,12 @@ def store_o(sO: cute.Tensor, gO: cute.Tensor, row_start, seqlen_q, tidx,
     cute.autovec_copy(tOsO, tOrO)
     for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
         if row_start + tOcO[0, m, 0][0] < seqlen_q:
-            cute.copy(copy_atom, tOrO[None, m, None], tOgO[None, m, None])
+            if cutlass.const_expr(cols is None):
+                cute.copy(copy_atom, tOrO[None, m, None], tOgO[None, m, None])
+            else:
+                for k in cutlass.range_constexpr(cute.size(tOrO, mode=[2])):
+                    if tOcO[0, m, k][1] < cols:
+                        cute.copy(copy_atom, tOrO[None, m, k], tOgO[None, m, k])
 
 
 def lse_view(mLSE: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:

@@ -2,6 +2,7 @@
 registers per consumer thread; see docs/perf-log.md for how they were chosen)."""
 import dataclasses
 
+from ..launch_common import compiled_width
 from .fwd import Sm90FwdConfig
 
 # head_dim -> (consumer warpgroups, keys per block, K/V stages). P is converted to 16 bits with
@@ -55,15 +56,22 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
                max_seqlen_q: int | None = None) -> Sm90FwdConfig:
-    """max_seqlen_q (the longest query sequence, when known) picks the short-sequence tiles."""
+    """head_dim / head_dim_v: the tensors' (any multiple of 8 up to 256, head_dim_v <= head_dim);
+    the kernel runs on the next compiled widths (launch_common.compiled_width). max_seqlen_q (the
+    longest query sequence, when known) picks the short-sequence tiles."""
+    true_dv = head_dim_v
+    head_dim, head_dim_v = (compiled_width(x, SUPPORTED_HEAD_DIMS) for x in (head_dim, head_dim_v))
     num_wg, tile_n, stages = TILES[head_dim]
     if head_dim in SHORT_TILES and max_seqlen_q is not None and max_seqlen_q <= SHORT_SEQLEN:
         num_wg, tile_n, stages = SHORT_TILES[head_dim]
-    caps = TILE_N_CAPS.get((head_dim, local, varlen_q or varlen_k))
+    # (seqused on batched q/k keeps lengths live as packing does: the varlen caps serve it)
+    packed = varlen_q or varlen_k or has_seqused_q or has_seqused_k
+    caps = TILE_N_CAPS.get((head_dim, local, packed))
     if caps is not None:
         tile_n = min(tile_n, caps[1] if has_softcap else caps[0])
     cfg = Sm90FwdConfig(
-        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_n=tile_n, num_wg=num_wg,
+        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,
+        tile_n=tile_n, num_wg=num_wg,
         num_stages=stages, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
         has_seqused_k=has_seqused_k,

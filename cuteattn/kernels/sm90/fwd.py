@@ -77,6 +77,10 @@ class Sm90FwdConfig:
     # ring stage of the tile's last V block. The last two free Q's buffer after the tile's last
     # QK GEMM, so the next tile's Q loads under this one's last P V GEMM and epilogue.
     o_path: str = "q_buffer"
+    # out's head dim may be narrower than head_dim_v (a head dim padded to the next compiled
+    # width: launch_common.compiled_width): O's columns past it are not stored. q, k and v need
+    # nothing: TMA fills the columns past their head dim with zeros.
+    clip_o: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -92,8 +96,9 @@ class Sm90FwdConfig:
 
 class FlashFwdSm90:
     def __init__(self, cfg: Sm90FwdConfig):
-        assert cfg.head_dim == cfg.head_dim_v, "head_dim_v != head_dim is not supported yet"
-        assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0
+        # O is staged in Q's buffer, each warpgroup's rows inside its own Q slice: dv <= d
+        assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
+        assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0 and cfg.head_dim_v % 16 == 0
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
@@ -147,6 +152,9 @@ class FlashFwdSm90:
             LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.d), self.dtype, cfg.num_stages)
         sVt_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.COL_MAJOR, (WG_ROWS, self.dv, self.tile_n), self.dtype, cfg.num_stages)
+        # O's staging: one (64, dv) slice per consumer warpgroup (Q's layout when dv == d)
+        sO_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.dv), self.dtype, self.num_wg)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
@@ -158,7 +166,7 @@ class FlashFwdSm90:
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
-        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sVt_layout)
+        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sVt_layout, sO_layout)
 
         num_heads = mQ.shape[2]
         if const_expr(cfg.varlen_q):
@@ -176,7 +184,7 @@ class FlashFwdSm90:
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
-            tiled_mma_pv, sQ_layout, sK_layout, sVt_layout,
+            tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
         ).launch(
             grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -190,7 +198,7 @@ class FlashFwdSm90:
             Float32, (1, 1, 1), (WG_ROWS, self.tile_n),
         )
 
-    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout):
+    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout, sO_layout):
         """The shared-memory layout (plain Python: the O buffer is a compile-time option)."""
         q_elems, k_elems, v_elems = (cute.cosize(x) for x in (sQ_layout, sK_layout, sVt_layout))
         stages = self.cfg.num_stages
@@ -205,7 +213,8 @@ class FlashFwdSm90:
             "next_tile": cute.struct.MemRange[Int32, 1],  # the tile hand-off slot (TileWalk)
         }
         if self.cfg.o_path == "own_buffer":
-            fields["sO"] = cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024]
+            fields["sO"] = cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
@@ -227,7 +236,7 @@ class FlashFwdSm90:
         window_left: Int32, window_right: Int32,
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
-        sVt_layout: cute.ComposedLayout,
+        sVt_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -253,16 +262,21 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
         # O's staging buffer (Sm90FwdConfig.o_path): Q's, its own, or, as a function of the
-        # ring stage, the V stage of the tile's last block seen with Q's layout.
-        sO = sQ
+        # ring stage, the V stage of the tile's last block; (64, dv) slices in sO_layout.
+        sO_q = sQ  # O over Q's buffer (also the v_stage path's, for a tile without keys)
+        if const_expr(self.dv != self.d):
+            # each warpgroup's O inside its own Q slice: a warpgroup stages O while the others
+            # may still read their Q
+            sO_q = self.o_in_q_slices(storage, sQ_layout, sO_layout)
+        sO = sO_q
         if const_expr(cfg.o_path == "own_buffer"):
-            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         if const_expr(cfg.o_path == "v_stage"):
             v_stage_elems = self.v_bytes * 8 // self.dtype.width
             # (stages start on 1024-byte boundaries, as the 128-byte swizzle needs)
             sO = lambda stage: cute.make_tensor(
                 cute.recast_ptr(storage.sVt.data_ptr() + cute.assume(stage * v_stage_elems, divby=512),
-                                sQ_layout.inner, dtype=self.dtype), sQ_layout.outer)
+                                sO_layout.inner, dtype=self.dtype), sO_layout.outer)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
@@ -286,7 +300,7 @@ class FlashFwdSm90:
             wg = (warp_idx // 4) - 1
             self.pingpong.start(wg)
             consume_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.consume(
-                tiled_mma_pv, sQ, sK, sVt, sO, mO, mLSE,
+                tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                 block_info, score_scale, softmax_scale_log2, window_left, window_right,
                 m_block, head_idx, batch_idx, wg, tidx % WG_THREADS)
@@ -294,6 +308,14 @@ class FlashFwdSm90:
             walk.walk(False, tile_info, consume_tile,
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages))
+
+    def o_in_q_slices(self, storage, sQ_layout, sO_layout):
+        """(64, dv, num_wg) O staging over Q's buffer with Q's slice stride, so that warpgroup
+        wg's O lies in wg's Q slice (dv < d: O's own layout would pack the slices closer)."""
+        one = cute.slice_(sO_layout, (None, None, 0))
+        q_slice = cute.cosize(cute.slice_(sQ_layout, (None, None, 0)))
+        outer = cute.make_layout((*one.outer.shape, self.num_wg), stride=(*one.outer.stride, q_slice))
+        return storage.sQ.get_tensor(outer, swizzle=sO_layout.inner)
 
     # Tile order (the linear tile index a CTA walks): common/tile_scheduler.py.
     @cute.jit
@@ -364,7 +386,7 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, mO, mLSE,
+    def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo,
                 score_scale, softmax_scale_log2, window_left, window_right,
@@ -470,7 +492,7 @@ class FlashFwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 pipeline_v.consumer_release(v_state)
             else:  # no V block held: O goes through Q's buffer, which no GEMM read
-                store(sQ, *own)
+                store(sO_q, *own)
                 pipeline_q.consumer_release(q_state)
         else:
             if const_expr(cfg.o_path == "own_buffer"):
@@ -516,4 +538,4 @@ class FlashFwdSm90:
         gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (WG_ROWS, self.dv),
                              (row_start // WG_ROWS, 0))
         epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.dtype, self.dv, WG_ROWS,
-                         WG_THREADS)
+                         WG_THREADS, cols=mO.shape[1] if const_expr(self.cfg.clip_o) else None)

@@ -154,7 +154,8 @@ class Sm90Forward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS)
+        return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
+                                       padded_dims=True)
                 or unserved_form(spec, ARCH, "forward"))
 
     def launch(self, spec: AttentionSpec) -> Launch:
