@@ -10,6 +10,8 @@ Groups of cases (each case a few calls of a few hundred tokens at most, racechec
   bwd     the backward (dq, dk, dv through autograd), d 64/96/128 with the fixed group's masks,
           deterministic, varlen with seqused
   bad     tests/test_gpu_guard.py's bad metadata (validate=False) on its three configs
+  surface padded head dims, head_dim_v < head_dim, negative window edges, one side packed,
+          seqused on batched q/k (tests/test_gpu_surface.py's varlen helper)
   portable  the mma.sync path (CUTEATTN_PATH=sm80): the fixed group's forward cases, varlen with
           seqused, the decode kernel's cases (tests/test_gpu_sm80.DECODE_CASES), a paged
           prefill, the backward (d 64/128, the fixed masks, deterministic, varlen), bad metadata
@@ -98,6 +100,21 @@ def cases() -> dict:
     for i, cfg in enumerate(g.BAD_CONFIGS):
         for name, case in g.BAD_CASES.items():
             out[f"bad{i}_{name}"] = lambda case=case, cfg=cfg: g.run_bad(case, **cfg)
+    # the forward surface: padded head dims and head_dim_v < head_dim (outputs end where their
+    # allocation ends, so a store past the head dim is an access memcheck sees), negative window
+    # edges, one side packed, seqused on batched q/k
+    import test_gpu_surface as su
+    small_q, small_k = [1, 0, 63, 129, 300], [129, 65, 0, 300, 64]
+    for d, dv in ((80, 80), (72, 40), (192, 128), (8, 8)):
+        out[f"surface_varlen_d{d}v{dv}_causal"] = lambda d=d, dv=dv: su.run_varlen(
+            small_q, small_k, 8, 2, d, dv, bf16, causal=True)
+    out["surface_window_negative"] = lambda: su.run_varlen(
+        small_q, small_k, 8, 2, 64, 64, fp16, window_size=(None, -5))
+    out["surface_one_side_packed"] = lambda: su.run_varlen(
+        small_q, small_k, 8, 2, 128, 128, bf16, batched_k=True, causal=True)
+    out["surface_seqused_only"] = lambda: su.run_varlen(
+        small_q, small_k, 8, 2, 128, 128, bf16, batched_q=True, batched_k=True,
+        seqused_q=su.used([1, 0, 20, 129, 250]), seqused_k=su.used([100, 3, 0, 300, 1]))
     # the portable (mma.sync) path, chosen with CUTEATTN_PATH=sm80: the forward, the decode
     # kernel (flash_attn_with_kvcache), the paged prefill, and the bad-metadata cases
     import test_gpu_sm80 as ts
@@ -267,7 +284,7 @@ def main() -> int:
     ap.add_argument("--no-guards", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tool", choices=TOOLS + ("all",), default="all",
                     help="all = " + ", ".join(ALL_TOOLS))
-    ap.add_argument("--groups", default="fixed,varlen,bwd,bad,portable", help="comma-separated subset")
+    ap.add_argument("--groups", default="fixed,varlen,bwd,bad,surface,portable", help="comma-separated subset")
     ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
     ap.add_argument("--jobs", type=int, default=3, help="processes at once (warm-up and sanitizer)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="log directory (default $OUT)")
