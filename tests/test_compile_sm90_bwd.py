@@ -80,20 +80,3 @@ def test_d96_takes_dq_in_one_warpgroup():
     a 32-byte swizzle, so one warpgroup computes all of dQ there; d=64 and 128 split it."""
     cfg = lambda d: launch_bwd.bwd_config(make_spec(torch.bfloat16, d, "none"))
     assert cfg(96).dq_single_wg and not cfg(128).dq_single_wg and not cfg(64).dq_single_wg
-
-
-@pytest.mark.parametrize("d,det", [(128, False), (96, True), (64, False)])
-def test_compile_staged_bulk_dq_store(d, det, capfd, tmp_path, monkeypatch):
-    """The staged dQ path (dq_store "bulk", not yet launched: an A/B on the GPU decides): dQ by
-    bulk reductions from shared memory, none by per-thread reductions, no spills."""
-    import dataclasses
-    monkeypatch.chdir(tmp_path)
-    cfg = dataclasses.replace(
-        launch_bwd.bwd_config(make_spec(torch.bfloat16, d, "causal", deterministic=det)),
-        dq_store="bulk")
-    assert cfg.smem_bytes() <= 227 * 1024
-    ptx = compile_bwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
-    assert "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
-    assert "red.global.add.v2.f32" not in ptx
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
-    assert spills and max(spills) == 0

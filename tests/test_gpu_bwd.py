@@ -207,31 +207,3 @@ def test_bwd_varlen_deterministic(seed):
     ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu_q, cu_q, **a)
     ref, low = reference_grads(ref_fn, (q, k, v), dout, causal=True)
     check_grads(grads[0], ref, low)
-
-
-# ---- the staged dQ path (bwd.Sm90BwdConfig.dq_store = "bulk"), until an A/B decides ----
-
-BULK_CASES = [c for c in CASES if c[4] in ((63, 63), (700, 700), (1031, 1031))][::3]
-
-
-@pytest.mark.parametrize("case", BULK_CASES, ids=case_id)
-def test_bwd_bulk_dq_store(seed, case, monkeypatch):
-    from cuteattn.kernels.sm90 import launch_bwd
-    monkeypatch.setattr(launch_bwd, "DQ_STORE", "bulk")
-    dtype, d, (h, hk), mask, (sq, sk) = case
-    inputs, dout, got = run_fixed(dtype, d, h, hk, sq, sk, **MASKS[mask])
-    ref, low = reference_grads(attention_ref, inputs, dout, **MASKS[mask])
-    check_grads(got, ref, low)
-
-
-def test_bwd_bulk_dq_store_deterministic_and_varlen(seed, monkeypatch):
-    from cuteattn.kernels.sm90 import launch_bwd
-    monkeypatch.setattr(launch_bwd, "DQ_STORE", "bulk")
-    inputs, dout, first = run_fixed(torch.bfloat16, 128, 8, 2, 1031, 1031, deterministic=True,
-                                    causal=True)
-    q, k, v = inputs
-    out = flash_attn_func(q, k, v, deterministic=True, strict=True, causal=True)
-    again = torch.autograd.grad(out, (q, k, v), dout)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-    got, ref, low = run_varlen(LENS_Q, LENS_K, 8, 2, 96, torch.bfloat16, causal=True)
-    check_grads(got, ref, low)

@@ -1,6 +1,5 @@
-"""Global-memory atomics the DSL has no wrapper for: float32 pair reductions and bulk
-reductions from shared memory (the backward's dQ accumulation), and the acquire/release pair of
-a semaphore (its deterministic mode)."""
+"""Global-memory atomics the DSL has no wrapper for: float32 pair reductions (the backward's dQ
+accumulation) and the acquire/release pair of a semaphore (its deterministic mode)."""
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
@@ -39,14 +38,3 @@ def red_release(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
     """*ptr += value with release semantics at GPU scope (a semaphore's signal)."""
     _asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
          "red.release.gpu.global.add.s32 [$0], $1;", "l,r")
-
-
-@dsl_user_op
-def bulk_reduce_add_f32(smem: cute.Pointer, gmem: cute.Pointer, num_bytes: int, *, loc=None,
-                        ip=None) -> None:
-    """gmem[i] += smem[i] for num_bytes / 4 float32, one asynchronous bulk operation (both
-    addresses and the size 16-byte aligned); completes with cp.async.bulk.commit_group /
-    wait_group, like a TMA store."""
-    _asm(None, [gmem.toint(loc=loc, ip=ip).ir_value(), smem.toint(loc=loc, ip=ip).ir_value(),
-                Int32(num_bytes).ir_value(loc=loc, ip=ip)],
-         "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r")

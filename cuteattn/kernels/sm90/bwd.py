@@ -16,8 +16,8 @@ In each CTA:
     dQ needs dS with the queries as rows, so dS^T is also written to shared memory (a double
     buffer, so one barrier per block suffices) and both warpgroups compute half of dQ's columns
     (or warpgroup 0 all of them: `dq_single_wg`) from it and K, then add their float32 share to
-    the dQ accumulator: with vector reductions (red.global.add.v2.f32, `dq_store` "red"), or
-    staged in shared memory and added by one bulk reduction per row ("bulk", staged for an A/B).
+    the dQ accumulator with vector reductions (red.global.add.v2.f32; staging them in shared
+    memory for one bulk reduction per row, FA3's way, measured 0.59-1.06x of this: perf-log).
 Deterministic mode orders those additions: the key blocks of a (batch, head) add into a query
 block one after the other, in key-block order, through a semaphore per query block (the CTAs
 of lower key blocks are launched first, so waiting on them cannot deadlock).
@@ -45,7 +45,7 @@ from ..common import epilogue, named_barriers
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
 from ..common.dq_order import in_turn, semaphore_slot
-from ..common.global_atomics import bulk_reduce_add_f32, red_add_f32x2
+from ..common.global_atomics import red_add_f32x2
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
 from ..common.mask import apply_mask_transposed
 from ..common.score_mod import softcap_scores
@@ -66,7 +66,6 @@ class BwdBarrier(enum.IntEnum):
     KV_FREE = 2    # both are past their last dQ GEMM (K's buffer may stage dK)
     DQ_ORDER = 3   # deterministic: the turn of this key block to add into a query block
     DQ_DONE = 4    # deterministic: every consumer's additions are issued and fenced
-    DQ_STAGE = 5   # + dQ warpgroup: its dQ staging buffer is free / written (dq_store "bulk")
 
 
 @dataclass(frozen=True)
@@ -86,11 +85,6 @@ class Sm90BwdConfig:
     has_seqused_k: bool = False
     deterministic: bool = False
     dq_single_wg: bool = False   # warpgroup 0 computes all of dQ (d=96: halves would be 48 wide)
-    # How dQ's float32 share reaches global memory: "red", vector reductions from every thread
-    # (GPU-verified); "bulk", staged in shared memory and added by one bulk reduction per row
-    # (cp.reduce.async.bulk, FA3's way: far fewer L2 atomic operations). Staged for an A/B on
-    # the GPU: the loser is deleted after it (docs/perf-log.md).
-    dq_store: str = "red"
 
     @property
     def dq_cols(self) -> int:
@@ -102,19 +96,12 @@ class Sm90BwdConfig:
         """Consumer warpgroups that compute dQ."""
         return 1 if self.dq_single_wg else NUM_CONSUMER_WG
 
-    @property
-    def dq_stage_stride(self) -> int:
-        """Floats per row of the dQ staging buffer: 8 beyond the columns, so that the 8 rows a
-        warp writes at once fall in different banks (16-byte aligned rows, as bulk copies need)."""
-        return self.dq_cols + 8
-
     def smem_bytes(self) -> int:
         elem = self.dtype.width // 8
         qdo = 2 * self.num_stages * self.tile_m * self.head_dim
         kv = 2 * self.tile_n * self.head_dim
         ds = 2 * self.tile_m * self.tile_n
-        dq = self.dq_wgs * self.tile_m * self.dq_stage_stride * 4 if self.dq_store == "bulk" else 0
-        return (qdo + kv + ds) * elem + dq + 1024
+        return (qdo + kv + ds) * elem + 1024
 
 
 def _k_major_layout(dtype, rows: int, cols: int, stages: int, major: int):
@@ -253,9 +240,6 @@ class FlashBwdSm90:
             "sLSE2": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128],
             "sD": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128],
         }
-        if self.cfg.dq_store == "bulk":
-            size = self.cfg.dq_wgs * self.tile_m * self.cfg.dq_stage_stride
-            fields["sdQ"] = cute.struct.Align[cute.struct.MemRange[Float32, size], 1024]
         return cute.struct(type("BwdSharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
@@ -303,14 +287,9 @@ class FlashBwdSm90:
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
         sLSE2, sD = storage.sLSE2.get_tensor(sRow_layout), storage.sD.get_tensor(sRow_layout)
-        sdQ = None  # dq_store "bulk": (rows, columns, dQ warpgroup) float32 staging, padded rows
-        if const_expr(cfg.dq_store == "bulk"):
-            stride = cfg.dq_stage_stride
-            sdQ = storage.sdQ.get_tensor(cute.make_layout(
-                (self.tile_m, cfg.dq_cols, cfg.dq_wgs), stride=(stride, 1, self.tile_m * stride)))
         views = (sQ, sdO, sK, sV, sdS, _transposed(storage.sQ, sQ_layout),
                  _transposed(storage.sdO, sQ_layout), _transposed(storage.sK, sK_layout),
-                 _transposed(storage.sdS, sdS_layout), sdQ)
+                 _transposed(storage.sdS, sdS_layout))
 
         # Which key block, head and batch this CTA owns.
         n_block, head_idx, batch_idx = cute.arch.block_idx()
@@ -399,7 +378,7 @@ class FlashBwdSm90:
         """Both consumer warpgroups (tidx in [0, 256)): the walk over the query blocks, then dK
         and dV out."""
         cfg = self.cfg
-        sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt, sdQ = views
+        sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt = views
         wg = tidx // WG_THREADS
         wg_slice = wg * WG_THREADS
         wg_sdp, wg_dkv, wg_dq = (sdp.get_slice(wg_slice), dkv.get_slice(wg_slice),
@@ -507,23 +486,17 @@ class FlashBwdSm90:
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
             if const_expr(cfg.dq_single_wg):
                 if wg == 0:
-                    self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, sdQ, order, seqlen.seqlen_q,
+                    self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
                                  softmax_scale, m_block, tidx)
                 else:
                     warpgroup.wait_group(0)
                     self.dq_order(order, m_block, tidx, None)
             else:
-                self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, sdQ, order, seqlen.seqlen_q,
+                self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
                              softmax_scale, m_block, tidx)
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             state.advance()
-        if const_expr(cfg.dq_store == "bulk"):
-            # the issuing warps' last bulk reductions must be done with shared memory before the
-            # CTA may end (or the buffers below be reused)
-            if (tidx % WG_THREADS) // 32 == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -543,10 +516,10 @@ class FlashBwdSm90:
                              self.dtype, self.d, WG_ROWS, WG_THREADS)
 
     @cute.jit
-    def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, sdQ, order, seqlen_q, softmax_scale,
+    def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
                 m_block, tidx):
         """dQ's share of this key block for query block m_block: dS K, scaled, added to the
-        float32 accumulator (rows inside the sequence only), as dq_store says."""
+        float32 accumulator (rows inside the sequence only)."""
         thr_dq = dq.get_slice(tidx)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         fresh = sm90_utils.make_trivial_tiled_mma(
@@ -556,47 +529,8 @@ class FlashBwdSm90:
         warpgroup.wait_group(0)
         coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         acc_mn = acc_mn_view(acc_dQ)
-        if const_expr(self.cfg.dq_store == "bulk"):
-            wg_dq = tidx // WG_THREADS
-            self.dq_order(order, m_block, tidx, lambda: self.bulk_add_dq(
-                acc_mn, coord, gdQ, sdQ[None, None, wg_dq], wg_dq, m_block, seqlen_q,
-                softmax_scale, tidx % WG_THREADS))
-        else:
-            self.dq_order(order, m_block, tidx,
-                          lambda: self.add_dq(acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale))
-
-    @cute.jit
-    def bulk_add_dq(self, acc_mn, coord, gdQ, sdQ, wg_dq, m_block, seqlen_q, softmax_scale,
-                    tidx_wg):
-        """dq_store "bulk": this warpgroup's (64, dq_cols) share staged in shared memory, then
-        one bulk reduce-add per row issued by its first warp (a lane per row). The buffer is
-        reused every block, so staging waits until the previous block's reductions have read
-        it; in deterministic mode they must also have landed before the turn is passed on."""
-        cfg = self.cfg
-        q_start = m_block * self.tile_m
-        col0 = wg_dq * cfg.dq_cols
-        issuer = tidx_wg // 32 == 0
-        if issuer:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        named_barriers.sync(BwdBarrier.DQ_STAGE + wg_dq, WG_THREADS)
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            row = coord[r, 0][0]
-            for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                sdQ[row, coord[r, c][1] - col0] = acc_mn[r, c] * softmax_scale
-        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes -> bulk copy reads
-        named_barriers.sync(BwdBarrier.DQ_STAGE + wg_dq, WG_THREADS)
-        if issuer:
-            lane = tidx_wg % 32
-            for half in cutlass.range_constexpr(self.tile_m // 32):
-                row = lane + 32 * half
-                if q_start + row < seqlen_q:
-                    bulk_reduce_add_f32(
-                        sdQ.iterator + cute.crd2idx((row, 0), sdQ.layout),
-                        gdQ.iterator + cute.crd2idx((q_start + row, col0), gdQ.layout),
-                        cfg.dq_cols * 4)
-            cute.arch.cp_async_bulk_commit_group()
-            if const_expr(cfg.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
+        self.dq_order(order, m_block, tidx,
+                      lambda: self.add_dq(acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale))
 
     @cute.jit
     def add_dq(self, acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale):

@@ -26,11 +26,6 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128)
 COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 
 
-# bwd.Sm90BwdConfig.dq_store for launches: "red" is GPU-verified; "bulk" is staged for an A/B
-# (set here, or per config in a benchmark process, then delete the loser).
-DQ_STORE = "red"
-
-
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     return Sm90BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=spec.head_dim, causal=spec.causal,
@@ -39,7 +34,6 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
         # halves of 48 columns would need a 32-byte swizzle on K: one warpgroup takes all of dQ
         dq_single_wg=spec.head_dim % (NUM_CONSUMER_WG * 64) != 0 and spec.head_dim != 64,
-        dq_store=DQ_STORE,
     )
 
 
