@@ -260,7 +260,7 @@ def flash_attn_func(
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     if block_sparse is not None or mask_mod is not None or score_mod is not None:
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
-                           learnable_sink, block_sparse, mask_mod, score_mod)
+                           learnable_sink, block_sparse, mask_mod, score_mod, out=out, lse=lse)
         return (out, lse) if return_lse else out
     descales = (q_descale, k_descale, v_descale)
     if _through_op(q, k, v, out, lse, learnable_sink):
@@ -291,11 +291,13 @@ def flash_attn_func(
 
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
-            mask_mod, score_mod, varlen: dict | None = None):
+            mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None):
     """flash_attn_func / flash_attn_varlen_func (varlen: its metadata, max lengths included)
-    with FlexAttention's modifiers: checked, then (no kernel takes them yet) the reference,
-    differentiated by torch autograd itself (a score_mod's own tensors get gradients too); the
-    fallback warning or the strict error as usual."""
+    with FlexAttention's modifiers: checked, then the block-sparse kernel where one serves the
+    call (_sparse_kernel), else the reference, differentiated by torch autograd itself (a
+    score_mod's own tensors get gradients too); the fallback warning or the strict error as
+    usual. out / lse (fixed length): preallocated buffers, written in place (not under autograd,
+    whose results are new tensors)."""
     from cuteattn import sparse
     if varlen is None:
         spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -309,14 +311,27 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
             raise TypeError(f"{name} must be callable; got {type(mod)}")
     if block_sparse is not None:
         sparse.check(block_sparse, spec.batch, spec.nheads, spec.seqlen_q, spec.seqlen_k, q.device)
-        if not torch.compiler.is_compiling():
-            sparse.check_values(block_sparse)
-    _fall_back("block-sparse attention and score/mask modifiers: no kernel takes them yet",
-               strict)
+    if varlen is None and (out is not None or lse is not None):
+        if _needs_grad(q, k, v):
+            raise ValueError("out= / lse= buffers take no gradient: call without them to differentiate")
+        out, lse = _checks.output_buffers(q, out, lse, out_shape=(*q.shape[:3], v.shape[-1]),
+                                          lse_shape=(spec.batch, spec.nheads, spec.seqlen_q))
+    reason = "score/mask modifiers: no kernel takes them yet"
+    if block_sparse is not None and mask_mod is None and score_mod is None:
+        served, reason = _sparse_kernel(q, k, v, spec, block_sparse, varlen, sink, out, lse)
+        if served is not None:
+            return served
+    if block_sparse is not None and not torch.compiler.is_compiling():
+        sparse.check_values(block_sparse)
+    _fall_back(reason, strict)
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse)
     if varlen is None:
-        out, lse = attention_ref(q, k, v, **_reference_kwargs(spec, sink), **mods)
-        return out.to(q.dtype), lse
+        o, l = attention_ref(q, k, v, **_reference_kwargs(spec, sink), **mods)
+        if out is None:
+            return o.to(q.dtype), l
+        out.copy_(o)
+        lse.copy_(l)
+        return out, lse
     meta = {n: varlen[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")}
     host = _varlen_host_values(q, k, spec, meta)
     packed = [_checks.batched_as_packed(x, meta[cu])[0] for x, cu in
@@ -325,6 +340,60 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
     if not spec.varlen_q:  # batched q: lse (h, b * sq) -> (b, h, sq)
         lse = lse.view(spec.nheads, q.shape[0], q.shape[1]).permute(1, 0, 2)
     return out.view(*q.shape[:-1], v.shape[-1]).to(q.dtype), lse
+
+
+def _sparse_spec(spec: AttentionSpec, mask) -> tuple:
+    """(the spec of the block-sparse kernel for mask, the lists at the block shape it takes):
+    a logical mask coarser than every kernel block (VSA's 256x256) is expanded on the GPU to the
+    largest one that divides it (sparse.expand: the same token pairs)."""
+    from cuteattn import sparse
+    if (mask.q_block, mask.kv_block) not in sparse.KERNEL_BLOCKS:
+        fits = [b for b in sparse.KERNEL_BLOCKS
+                if mask.q_block % b[0] == 0 and mask.kv_block % b[1] == 0]
+        if fits:
+            mask = sparse.expand(mask, *fits[0])
+    return dataclasses.replace(spec, sparse_q_block=mask.q_block, sparse_kv_block=mask.kv_block), mask
+
+
+def _sparse_reason(q, k, v, varlen, sink):
+    """Why no block-sparse kernel serves this call whatever the GPU (None: one may)."""
+    if q.device.type != "cuda":
+        return f"no kernel for {q.device.type} tensors"
+    if varlen is not None:
+        return "no kernel for packed sequences yet"
+    if sink is not None:
+        return "no kernel with a learnable sink yet"
+    if _needs_grad(q, k, v):
+        return "no backward kernel yet (without gradients the forward runs on the GPU)"
+    if torch.compiler.is_compiling():
+        return "no kernel under torch.compile yet"
+    return None
+
+
+def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None):
+    """((out, lse), None) from the block-sparse kernel, or (None, the reason none serves the
+    call). Its lists' values are not read on the host (no sync): the kernel keeps every load
+    inside k/v whatever they hold (kernels/common/block_sparse.py); the reference path checks
+    them."""
+    reason = _sparse_reason(q, k, v, varlen, sink)
+    if reason is not None:
+        return None, "block-sparse attention: " + reason
+    if spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+        return None, "block-sparse attention: an empty problem (the reference's results)"
+    kspec, mask = _sparse_spec(spec, mask)
+    launch, reason = _select_kernel(kspec, q.device)
+    if launch is None:
+        return None, "block-sparse attention: " + reason
+    if out is None:
+        out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
+                          device=q.device)
+    # (a mode of extent 1 broadcasts in the kernel; an expanded view's zero strides do not pass
+    # every call path, so such a view is copied)
+    lists = [t if t.stride(-1) == 1 and 0 not in t.stride() else t.contiguous() for t in
+             (mask.full_count, mask.full_index, mask.partial_count, mask.partial_index)]
+    launch(q, k, v, out, lse, sparse=tuple(lists))
+    return (out, lse), None
 
 
 def _through_op(q, k, v, out, lse, sink=None) -> bool:

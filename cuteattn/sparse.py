@@ -23,6 +23,11 @@ from typing import Callable, Optional
 import torch
 
 
+# The (query, key) block shapes the GPU kernel (sm90) takes: its tile is the block. A coarser
+# mask whose blocks these divide (VSA's 256x256) is expanded to the largest that fits.
+KERNEL_BLOCKS = ((128, 128), (128, 64), (64, 64))
+
+
 @dataclass(frozen=True)
 class BlockSparseMask:
     q_block: int

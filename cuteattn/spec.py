@@ -39,6 +39,9 @@ class AttentionSpec:
     paged_kv: bool = False        # k/v in pages of a cache, through a block table
     has_kv_batch_idx: bool = False  # decode: k/v rows picked per sequence (cache_batch_idx)
     has_leftpad_k: bool = False   # decode: keys start at a per-sequence offset (cache_leftpad)
+    # block-sparse (cuteattn.sparse): the (query, key) block shape of its lists; 0: dense
+    sparse_q_block: int = 0
+    sparse_kv_block: int = 0
     # dynamic: not in the key (one kernel serves every value)
     batch: int = 0
     seqlen_q: int = 0             # max_seqlen_q for varlen
@@ -79,4 +82,6 @@ class AttentionSpec:
             self.paged_kv,
             self.has_kv_batch_idx,
             self.has_leftpad_k,
+            self.sparse_q_block,
+            self.sparse_kv_block,
         )

@@ -12,6 +12,7 @@ Groups of cases (each case a few calls of a few hundred tokens at most, racechec
   bad     tests/test_gpu_guard.py's bad metadata (validate=False) on its three configs
   surface padded head dims, head_dim_v < head_dim, negative window edges, one side packed,
           seqused on batched q/k (tests/test_gpu_surface.py's varlen helper)
+  sparse  block-sparse lists at every physical block shape, a causal mask on top, lying lists
   portable  the mma.sync path (CUTEATTN_PATH=sm80): the fixed group's forward cases, varlen with
           seqused, the decode kernel's cases (tests/test_gpu_sm80.DECODE_CASES), a paged
           prefill, the backward (d 64/128, the fixed masks, deterministic, varlen), bad metadata
@@ -112,6 +113,15 @@ def cases() -> dict:
         small_q, small_k, 8, 2, 64, 64, fp16, window_size=(None, -5))
     out["surface_one_side_packed"] = lambda: su.run_varlen(
         small_q, small_k, 8, 2, 128, 128, bf16, batched_k=True, causal=True)
+    # block-sparse: every physical block shape, mixed lists, a causal mask on top, lying lists
+    import test_gpu_sparse as sp
+    for bq, bk in sp.BLOCKS:
+        out[f"sparse_{bq}x{bk}"] = lambda bq=bq, bk=bk: sp.check(
+            *sp.inputs(1, 333, 400, 4, 2, 128, bf16), sp.random_lists(1, 4, 333, 400, (bq, bk), 3))
+    out["sparse_causal_d64"] = lambda: sp.check(
+        *sp.inputs(2, 300, 300, 4, 4, 64, fp16), sp.random_lists(2, 4, 300, 300, (128, 64), 2),
+        causal=True)
+    out["sparse_lying_lists"] = lambda: sp.test_lying_lists_stay_inside_the_tensors(0)
     out["surface_seqused_only"] = lambda: su.run_varlen(
         small_q, small_k, 8, 2, 128, 128, bf16, batched_q=True, batched_k=True,
         seqused_q=su.used([1, 0, 20, 129, 250]), seqused_k=su.used([100, 3, 0, 300, 1]))
@@ -284,7 +294,7 @@ def main() -> int:
     ap.add_argument("--no-guards", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tool", choices=TOOLS + ("all",), default="all",
                     help="all = " + ", ".join(ALL_TOOLS))
-    ap.add_argument("--groups", default="fixed,varlen,bwd,bad,surface,portable", help="comma-separated subset")
+    ap.add_argument("--groups", default="fixed,varlen,bwd,bad,surface,sparse,portable", help="comma-separated subset")
     ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
     ap.add_argument("--jobs", type=int, default=3, help="processes at once (warm-up and sanitizer)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="log directory (default $OUT)")

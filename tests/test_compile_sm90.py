@@ -210,3 +210,45 @@ def test_compile_surface_variants(d, dv, mask, varlen_q, varlen_k, seqused, soft
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
+
+
+# Block-sparse variants (config.sparse_config): every physical block shape, both head dims the
+# issue asks for, each mask kind, fp16 (the register-hungrier dtype). (d, q_block, kv_block, mask)
+SPARSE_CASES = [(d, bq, bk, m) for (bq, bk), d, m in
+                [((128, 128), 128, "none"), ((128, 128), 64, "causal"), ((128, 128), 128, "softcap"),
+                 ((128, 64), 128, "local"), ((128, 64), 64, "none"), ((128, 64), 128, "softcap"),
+                 ((64, 64), 128, "causal"), ((64, 64), 64, "local"), ((64, 64), 80, "softcap")]]
+
+
+@pytest.mark.parametrize("d,bq,bk,mask", SPARSE_CASES,
+                         ids=[f"d{d}-{bq}x{bk}-{m}" for d, bq, bk, m in SPARSE_CASES])
+def test_compile_block_sparse(d, bq, bk, mask, capfd, tmp_path, monkeypatch):
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    spec = AttentionSpec(
+        dtype=torch.float16, head_dim=d, head_dim_v=d, causal=mask == "causal",
+        local=mask == "local", has_softcap=mask == "softcap", varlen_q=False, varlen_k=False,
+        softmax_scale=d ** -0.5, seqlen_q=4096, seqlen_k=4096,
+        window_left=64 if mask == "local" else None, window_right=0 if mask == "local" else None,
+        softcap=20.0 if mask == "softcap" else 0.0, sparse_q_block=bq, sparse_kv_block=bk)
+    assert sm90_launch.FORWARD.can_implement(spec) is None
+    cfg = sm90_launch.sm90_config(spec)
+    assert cfg.sparse and (cfg.tile_m, cfg.tile_n) == (bq, bk) and cfg.dynamic_tiles
+    assert cfg.smem_bytes() <= config.SMEM_LIMIT
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
+
+
+def test_block_sparse_reasons():
+    """What the block-sparse kernel declines, each with its reason (the API then falls back)."""
+    base = dict(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=False, local=False,
+                has_softcap=False, varlen_q=False, varlen_k=False, softmax_scale=0.1,
+                sparse_q_block=128, sparse_kv_block=128)
+    can = lambda **kw: sm90_launch.FORWARD.can_implement(AttentionSpec(**{**base, **kw}))
+    assert can() is None
+    assert can(sparse_q_block=256, sparse_kv_block=256).startswith(
+        "block-sparse blocks of 256x256: the sm90 kernel takes 128x128, 128x64, 64x64")
+    assert can(head_dim=192, head_dim_v=192).startswith("block-sparse at head_dim 192")
+    assert can(varlen_q=True, varlen_k=True).startswith("block-sparse with packed sequences")

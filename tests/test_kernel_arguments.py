@@ -23,7 +23,7 @@ from cutlass import Float32, Int32, Int64  # noqa: E402
 
 from cuteattn.spec import AttentionSpec  # noqa: E402
 from cuteattn.kernels.sm90 import arguments, launch  # noqa: E402
-from cuteattn.kernels.sm90.arguments import VarlenMetadata  # noqa: E402
+from cuteattn.kernels.sm90.arguments import SparseMetadata, VarlenMetadata  # noqa: E402
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 from cuteattn.kernels.sm90.fwd import FlashFwdSm90  # noqa: E402
@@ -37,17 +37,20 @@ from cuteattn.kernels.launch_common import to_cute as _to_cute  # noqa: E402
 def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
           mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
           mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+          mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
+          mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
           mTileCounter: cute.Tensor,
           qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
           window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
           l2_small_groups: Int32,
           info: cute.Tensor):
     i = 0
-    for t in (mQ, mK, mV, mO, mLSE):
-        for m in cutlass.range_constexpr(cute.rank(t)):
-            info[i] = Int64(t.shape[m])
-            info[i + 1] = Int64(t.stride[m])
-            i += 2
+    for t in (mQ, mK, mV, mO, mLSE, mFullCount, mFullIndex, mPartialCount, mPartialIndex):
+        if cutlass.const_expr(t is not None):
+            for m in cutlass.range_constexpr(cute.rank(t)):
+                info[i] = Int64(t.shape[m])
+                info[i + 1] = Int64(t.stride[m])
+                i += 2
     for t in (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter):
         if cutlass.const_expr(t is not None):
             info[i] = Int64(t.shape[0])
@@ -61,9 +64,9 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
         i += 1
 
 
-def expected(tensors, spec):
+def expected(tensors, spec, sparse=()):
     out = []
-    for t in tensors[:5]:
+    for t in (*tensors[:5], *sparse):
         for n, st in zip(t.shape, t.stride()):
             out += [n, st]
     for t in tensors[5:]:
@@ -86,15 +89,22 @@ def qkv_views(b, s, h, d):
 
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
-@pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused"])
+@pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused",
+                                    "block-sparse"])
 def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     if tvm_ffi:
         pytest.importorskip("tvm_ffi")
     varlen = layout.startswith("varlen")
     seqused = layout == "varlen-seqused"
+    block = (128, 64) if layout == "block-sparse" else None
     cfg = fwd_config(cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
-                     has_seqused_q=seqused, has_seqused_k=seqused)
-    if layout == "fixed":
+                     has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block)
+    # block-sparse lists: counts broadcast over the batch, index lists per (batch, head)
+    sparse = (torch.tensor([[[1, 2]]], dtype=torch.int32),
+              torch.zeros(2, 4, 2, 5, dtype=torch.int32)[..., :4],  # a padded last mode
+              torch.tensor([[[0, 1]], [[1, 0]]], dtype=torch.int32).repeat(1, 4, 1),
+              torch.zeros(1, 4, 2, 4, dtype=torch.int32)) if block else ()
+    if layout in ("fixed", "block-sparse"):
         q, k, v = (torch.randn(2, 96, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     elif layout == "fixed-qkv-views":
         q, k, v = qkv_views(3, 40, 4, 128)
@@ -120,21 +130,22 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
                          window_left=17, window_right=None, softcap=30.0)
     counter = torch.tensor([0, 7], dtype=torch.int32)  # [1] is what the probe reads back
     tensors = (q, k, v, o, lse, cu_q, cu_k, *used, counter)
-    info = torch.full((80,), -1, dtype=torch.int64)
+    info = torch.full((128,), -1, dtype=torch.int64)
     varlen_args = VarlenMetadata(cu_q, cu_k, *used)
     if tvm_ffi:
         from cutlass.cute.typing import AddressSpace
         fakes = fake_arguments(cfg, memspace=AddressSpace.generic)
-        fake_info = cute.runtime.make_fake_tensor(Int64, (80,), (1,), assumed_align=8,
+        fake_info = cute.runtime.make_fake_tensor(Int64, (128,), (1,), assumed_align=8,
                                                   memspace=AddressSpace.generic)
         compiled = cute.compile(probe, *fakes, fake_info, options="--enable-tvm-ffi")
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, tvm_ffi=True,
-                                          counter=counter), info)
+                                          counter=counter, sparse=SparseMetadata(*sparse)), info)
     else:
         compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
-        compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter),
+        compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter,
+                                          sparse=SparseMetadata(*sparse)),
                  _to_cute(info, 8))
-    want = expected(tensors, spec)
+    want = expected(tensors, spec, sparse)
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
     # the two float32 scalars (in micro-units): equal up to float32 rounding
@@ -167,7 +178,8 @@ def test_declaration_drives_fakes_and_launch_arguments():
     declared = arguments.flat()
     assert len(fakes) == len(declared)
     optional = {a.name: f for a, f in zip(declared, fakes) if a.kind == arguments.OPTIONAL_TENSOR}
-    assert [name for name, f in optional.items() if f is None] == ["mSeqUsedQ"]
+    assert [name for name, f in optional.items() if f is None] == [
+        "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex"]
     q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 10, 20], dtype=torch.int32)

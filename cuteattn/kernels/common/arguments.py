@@ -45,6 +45,18 @@ class VarlenMetadata(NamedTuple):
 NO_VARLEN = VarlenMetadata()
 
 
+class SparseMetadata(NamedTuple):
+    """Block-sparse lists (cuteattn.sparse.BlockSparseMask), the kernel's four parameters: per
+    (batch|1, head|1, query block) a count and an index list of full and of partial key blocks."""
+    full_count: Any = None     # int32 (B|1, H|1, nq)
+    full_index: Any = None     # int32 (B|1, H|1, nq, nk)
+    partial_count: Any = None
+    partial_index: Any = None
+
+
+NO_SPARSE = SparseMetadata()
+
+
 class Arg(NamedTuple):
     """One kernel parameter. `fake(cfg, symbols, align, memspace)` builds its compile-time stand-in
     (tensors only; None where the config has no such tensor); `align` is the byte alignment its
@@ -137,6 +149,30 @@ VARLEN = Group("varlen", VarlenMetadata, (
 ))
 
 
+def block_counts(cfg, sym, align, memspace):
+    """int32 (B|1, H|1, nq): a block-sparse kernel's counts (None when dense). Extents of their
+    own: the full and partial lists may broadcast over different modes."""
+    if not cfg.sparse:
+        return None
+    return fake_tensor(Int32, tuple(cute.sym_int() for _ in range(3)), align, memspace)
+
+
+def block_lists(cfg, sym, align, memspace):
+    """int32 (B|1, H|1, nq, nk): a block-sparse kernel's index lists (None when dense)."""
+    if not cfg.sparse:
+        return None
+    return fake_tensor(Int32, tuple(cute.sym_int() for _ in range(4)), align, memspace)
+
+
+# the block-sparse lists, in the sm90 forward's parameter list
+SPARSE = Group("sparse", SparseMetadata, (
+    Arg("mFullCount", OPTIONAL_TENSOR, block_counts, align=4),
+    Arg("mFullIndex", OPTIONAL_TENSOR, block_lists, align=4),
+    Arg("mPartialCount", OPTIONAL_TENSOR, block_counts, align=4),
+    Arg("mPartialIndex", OPTIONAL_TENSOR, block_lists, align=4),
+))
+
+
 # ---- the backward kernels' (sm90 and sm80) ----
 
 def key_side_per_query_head(cfg, sym, align, memspace):
@@ -193,6 +229,7 @@ def backward_arguments(extra: tuple = ()) -> tuple:
 
 # a group's members pair with its NamedTuple's fields by position
 assert len(VARLEN.members) == len(VARLEN.type._fields)
+assert len(SPARSE.members) == len(SPARSE.type._fields)
 
 
 def flat(entries) -> tuple:

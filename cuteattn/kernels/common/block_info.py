@@ -134,3 +134,28 @@ class BlockInfo:
             if cutlass.const_expr(self.local):
                 masked = masked | (key_start < q_last + off - self.window_left)
         return masked
+
+
+@dataclass(frozen=True)
+class DenseBlocks:
+    """The key blocks of a dense tile, [n_min, n_max), visited from the last down (the masked
+    blocks at the sequence end and the diagonal first). block_sparse.SparseBlocks is the other
+    visit order with these methods."""
+    n_min: Int32
+    n_max: Int32
+
+    def count(self):
+        return self.n_max - self.n_min
+
+    def any(self):
+        return self.n_max > self.n_min
+
+    def none(self):
+        return self.n_max <= self.n_min
+
+    def first(self):
+        return self.n_max - 1
+
+    def block(self, i):
+        """The i-th block visited (i from 0)."""
+        return self.n_max - 1 - i

@@ -10,12 +10,14 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from ..common import arguments as common
-from ..common.arguments import (FLOAT32, INT32, NO_VARLEN, OPTIONAL_TENSOR, SCALAR_TYPES, STREAM,
-                                TENSOR, VARLEN, Arg, Group, VarlenMetadata, int32_vector,
-                                key_side, lse_rows, query_side)
+from ..common.arguments import (FLOAT32, INT32, NO_SPARSE, NO_VARLEN, OPTIONAL_TENSOR,
+                                SCALAR_TYPES, SPARSE, STREAM, TENSOR, VARLEN, Arg, Group,
+                                SparseMetadata, VarlenMetadata, int32_vector, key_side, lse_rows,
+                                query_side)
 
 __all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Group", "INT32",
-           "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR", "VarlenMetadata",
+           "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
+           "SparseMetadata", "VarlenMetadata",
            "fakes", "flat", "group_names", "names"]
 
 ARGUMENTS = (
@@ -25,6 +27,7 @@ ARGUMENTS = (
     Arg("mO", TENSOR, query_side("head_dim_v")),
     Arg("mLSE", TENSOR, lse_rows, align=4),
     VARLEN,
+    SPARSE,
     # int32 (2,), zero between launches: the dynamic tile scheduler's counter (fwd.py)
     Arg("mTileCounter", TENSOR, int32_vector(), align=4),
     Arg("qhead_per_kvhead", INT32),

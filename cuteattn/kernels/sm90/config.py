@@ -2,6 +2,7 @@
 registers per consumer thread; see docs/perf-log.md for how they were chosen)."""
 import dataclasses
 
+from ...sparse import KERNEL_BLOCKS
 from ..launch_common import compiled_width
 from .fwd import Sm90FwdConfig
 
@@ -52,10 +53,16 @@ TILE_N_CAPS = {
 }
 
 
+# Block-sparse lists' (query, key) block shapes the kernel takes: its tile is the block (FA4's
+# and VSA's physical shapes). Wider head dims than SPARSE_MAX_HEAD_DIM do not fit the ring.
+SPARSE_BLOCKS = KERNEL_BLOCKS
+SPARSE_MAX_HEAD_DIM = 128
+
+
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
-               max_seqlen_q: int | None = None) -> Sm90FwdConfig:
+               max_seqlen_q: int | None = None, sparse_block: tuple | None = None) -> Sm90FwdConfig:
     """head_dim / head_dim_v: the tensors' (any multiple of 8 up to 256, head_dim_v <= head_dim);
     the kernel runs on the next compiled widths (launch_common.compiled_width). max_seqlen_q (the
     longest query sequence, when known) picks the short-sequence tiles."""
@@ -81,7 +88,21 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
     )
+    if sparse_block is not None:
+        return sparse_config(cfg, *sparse_block)
     return with_o_path(cfg)
+
+
+def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
+    """The block-sparse variant of a dense config: the tile is the lists' block, the K/V ring as
+    deep as shared memory allows (up to 4), tiles from the counter (their costs differ)."""
+    for stages in (4, 3, 2):
+        cfg = with_o_path(dataclasses.replace(
+            dense, sparse=True, num_wg=q_block // 64, tile_n=kv_block, num_stages=stages,
+            pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer"))
+        if cfg.smem_bytes() <= SMEM_LIMIT:
+            return cfg
+    raise ValueError(f"no K/V ring for block-sparse {q_block}x{kv_block} at head_dim {dense.head_dim}")
 
 
 def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:

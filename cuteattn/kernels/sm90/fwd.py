@@ -32,7 +32,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import epilogue, named_barriers
-from ..common.block_info import BlockInfo
+from ..common.block_info import BlockInfo, DenseBlocks
+from ..common.block_sparse import SparseBlocks
 from ..common.convert import convert_fragment
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
                              seq_major_transposed)
@@ -81,6 +82,10 @@ class Sm90FwdConfig:
     # width: launch_common.compiled_width): O's columns past it are not stored. q, k and v need
     # nothing: TMA fills the columns past their head dim with zeros.
     clip_o: bool = False
+    # block-sparse (common/block_sparse.py): the tile visits the key blocks its lists name, the
+    # full ones then the partial ones (a partial block's element mask is the call's masks: no
+    # mask_mod is compiled in yet); tile_m and tile_n are the lists' block shape
+    sparse: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -125,6 +130,10 @@ class FlashFwdSm90:
         mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
+        mFullCount: Optional[cute.Tensor],     # block-sparse lists (cfg.sparse), see
+        mFullIndex: Optional[cute.Tensor],     # common/arguments.SparseMetadata
+        mPartialCount: Optional[cute.Tensor],
+        mPartialIndex: Optional[cute.Tensor],
         mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -181,7 +190,8 @@ class FlashFwdSm90:
 
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
-            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter,
+            mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
+            mFullCount, mFullIndex, mPartialCount, mPartialIndex, mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
@@ -229,6 +239,8 @@ class FlashFwdSm90:
         mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
+        mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
+        mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
         mTileCounter: cute.Tensor,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
@@ -285,12 +297,17 @@ class FlashFwdSm90:
         tile_info = lambda tile: self.tile_info(
             tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
             rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        # the key blocks a tile visits (DenseBlocks or SparseBlocks)
+        visit = lambda seqlen, m_block, head_idx, batch_idx: self.visit_order(
+            block_info, seqlen, m_block, head_idx, batch_idx,
+            (mFullCount, mFullIndex, mPartialCount, mPartialIndex))
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load(
                     tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen, block_info,
+                    pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
+                    lambda: visit(seqlen, m_block, head_idx, batch_idx),
                     m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx)
                 walk.walk(True, tile_info, load_tile,
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
@@ -302,12 +319,22 @@ class FlashFwdSm90:
             consume_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.consume(
                 tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
-                block_info, score_scale, softmax_scale_log2, window_left, window_right,
+                block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
+                softmax_scale_log2, window_left, window_right,
                 m_block, head_idx, batch_idx, wg, tidx % WG_THREADS)
             # K and V advance together over a whole tile: one state carries both across tiles
             walk.walk(False, tile_info, consume_tile,
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages))
+
+    def visit_order(self, block_info: BlockInfo, seqlen: SeqlenInfo, m_block, head_idx,
+                    batch_idx, sparse_lists: tuple):
+        """The key blocks the tile visits: a dense tile its block range from the last block
+        down (DenseBlocks), a block-sparse one its full blocks, then its partial ones."""
+        if const_expr(self.cfg.sparse):
+            return SparseBlocks.create(*sparse_lists, batch_idx, head_idx, m_block,
+                                       seqlen.seqlen_k, self.tile_n)
+        return DenseBlocks(*block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block))
 
     def o_in_q_slices(self, storage, sQ_layout, sO_layout):
         """(64, dv, num_wg) O staging over Q's buffer with Q's slice stride, so that warpgroup
@@ -345,7 +372,7 @@ class FlashFwdSm90:
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
              pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen: SeqlenInfo,
-             block_info: BlockInfo, m_block, head_idx, head_idx_kv, batch_idx):
+             visit, m_block, head_idx, head_idx_kv, batch_idx):
         """Producer warp, one tile: the first K and V block, then Q (one TMA per consumer
         warpgroup), then the other K and V blocks. The first block goes before Q because its
         ring slots free up during the previous tile's last GEMMs, while Q's buffer is only free
@@ -360,17 +387,17 @@ class FlashFwdSm90:
         load_kv = lambda state, n_block: self.load_kv(
             tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipeline_k, pipeline_v, state, n_block)
 
-        n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
-        n_blocks = n_max - n_min
+        visit = visit()  # (built here: where it is computed sets the code's order)
+        n_blocks = visit.count()
         if n_blocks > 0:
-            kv_state = load_kv(kv_state, n_max - 1)
+            kv_state = load_kv(kv_state, visit.first())
         pipeline_q.producer_acquire(q_state)
         for wg in cutlass.range_constexpr(self.num_wg):
             cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         q_state.advance()
         for i in cutlass.range(1, n_blocks, unroll=1):
-            kv_state = load_kv(kv_state, n_max - 1 - i)
+            kv_state = load_kv(kv_state, visit.block(i))
         return q_state, kv_state
 
     @cute.jit
@@ -388,13 +415,13 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
-                seqlen: SeqlenInfo, block_info: BlockInfo,
+                seqlen: SeqlenInfo, block_info: BlockInfo, visit,
                 score_scale, softmax_scale_log2, window_left, window_right,
                 m_block, head_idx, batch_idx, wg, tidx):
         """One consumer warpgroup, one tile: 64 query rows against every visible key block, then
         the epilogue. Returns the advanced pipeline states."""
         cfg = self.cfg
-        n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+        visit = visit()
         thr_mma_qk = self.make_tiled_mma_qk().get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))[None, None, None, wg]
@@ -428,7 +455,7 @@ class FlashFwdSm90:
         v_state = kv_state.clone()
         # Q is loaded for every tile, even one without keys: its buffer may stage O.
         pipeline_q.consumer_wait(q_state)
-        if n_max > n_min:
+        if visit.any():
             # First block: S = Q K^T alone.
             pipeline_k.consumer_wait(k_state)
             self.pingpong.wait(wg)
@@ -437,18 +464,21 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
             k_state.advance()
-            scores_to_probs(n_max - 1, None)
+            scores_to_probs(visit.first(), None)
             convert_fragment(acc_S, tOrP)
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
             # under the P V GEMM (intra-warpgroup overlap). The ping-pong turns make the consumer
             # warpgroups issue their GEMMs in turn, so one's softmax hides under the others' GEMMs.
-            runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, row_start, WG_ROWS,
-                                             n_min, n_max)
+            if const_expr(cfg.sparse):  # listed blocks: each checks whether it needs the mask
+                runs = [(Int32(1), visit.count(), None)]
+            else:
+                runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
+                                                 WG_ROWS, visit.n_min, visit.n_max)
             for run in cutlass.range_constexpr(len(runs)):
                 first, stop, mask = runs[run]
                 for i in cutlass.range(first, stop, unroll=1):
-                    # one key block: block n_max - 1 - i
+                    # one key block: visit.block(i)
                     pipeline_k.consumer_wait(k_state)
                     self.pingpong.wait(wg)
                     gemm_qk(k_state.index)
@@ -458,7 +488,7 @@ class FlashFwdSm90:
                     warpgroup.wait_group(1)
                     pipeline_k.consumer_release(k_state)
                     k_state.advance()
-                    scores_to_probs(n_max - 1 - i, mask)
+                    scores_to_probs(visit.block(i), mask)
                     warpgroup.wait_group(0)
                     pipeline_v.consumer_release(v_state)
                     v_state.advance()
@@ -485,7 +515,7 @@ class FlashFwdSm90:
             wait_barrier, wait_threads)
         own = (FwdBarrier.EPILOGUE + wg, WG_THREADS)
         if const_expr(cfg.o_path == "v_stage"):
-            if n_max > n_min:
+            if visit.any():
                 # every consumer read this V stage in its last GEMM: all must be past it
                 store(sO(v_state.index), FwdBarrier.ALL_CONSUMERS, WG_THREADS * self.num_wg)
                 # the generic-proxy reads of O must be ordered before TMA rewrites the stage
@@ -496,7 +526,7 @@ class FlashFwdSm90:
                 pipeline_q.consumer_release(q_state)
         else:
             if const_expr(cfg.o_path == "own_buffer"):
-                if n_max <= n_min:  # no GEMM read Q
+                if visit.none():  # no GEMM read Q
                     pipeline_q.consumer_release(q_state)
             store(sO, *own)
             if const_expr(cfg.o_path == "q_buffer"):

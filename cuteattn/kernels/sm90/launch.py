@@ -19,7 +19,7 @@ from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scalars, l2_groups, sm_count,
                             to_runtime, unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments, config
-from .arguments import NO_VARLEN, VarlenMetadata
+from .arguments import NO_SPARSE, NO_VARLEN, SparseMetadata, VarlenMetadata
 
 ARCH, KIND = "sm90", "fwd"
 
@@ -31,6 +31,7 @@ def sm90_config(spec: AttentionSpec):
         CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
         max_seqlen_q=spec.seqlen_q,
+        sparse_block=(spec.sparse_q_block, spec.sparse_kv_block) if spec.sparse_q_block else None,
     )
 
 
@@ -97,7 +98,8 @@ def launch_scalars(spec: AttentionSpec) -> dict:
 # The kernel's arguments each call passes, in the order a launch passes them (the varlen group
 # as its VarlenMetadata fields); the scalars come from launch_scalars. arguments.Binder puts
 # both in the kernel's order.
-PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *arguments.group_names("varlen"), "mTileCounter")
+PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *arguments.group_names("varlen"),
+            *arguments.group_names("sparse"), "mTileCounter")
 
 
 def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
@@ -106,14 +108,15 @@ def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
 
 def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, varlen: VarlenMetadata = NO_VARLEN,
                      tvm_ffi: bool = False, scalars: Optional[dict] = None,
-                     counter: Optional[torch.Tensor] = None) -> tuple:
+                     counter: Optional[torch.Tensor] = None,
+                     sparse: SparseMetadata = NO_SPARSE) -> tuple:
     """The compiled kernel's arguments, less the stream, in the order arguments.ARGUMENTS
     declares: cute runtime tensors and scalars, or for TVM-FFI as they are.
     `scalars`: launch_scalars(spec), when the caller kept them."""
     if counter is None:
         counter = tile_counter(spec.device_index, per_stream=False)
     bind = _binder(launch_scalars(spec) if scalars is None else scalars, tvm_ffi)
-    return bind(q, k, v, out, lse, *varlen, counter)
+    return bind(q, k, v, out, lse, *varlen, *sparse, counter)
 
 
 class Launch:
@@ -131,13 +134,15 @@ class Launch:
         self.dynamic_tiles = cfg.dynamic_tiles
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                 seqused_k=None) -> None:
+                 seqused_k=None, sparse: SparseMetadata = NO_SPARSE) -> None:
+        """sparse: the block-sparse lists (int32, contiguous in their last mode) when the spec
+        is block-sparse."""
         q, k, v = aligned16(q), aligned16(k), aligned16(v)
         out_k = aligned16(out)
         counter = tile_counter(self.spec.device_index, per_stream=self.dynamic_tiles)
         # the varlen values in VarlenMetadata's order, as PER_CALL has them
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         counter)
+                         *sparse, counter)
         call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
@@ -156,10 +161,26 @@ class Sm90Forward:
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
                                        padded_dims=True)
-                or unserved_form(spec, ARCH, "forward"))
+                or unserved_form(spec, ARCH, "forward") or unserved_sparse(spec))
 
     def launch(self, spec: AttentionSpec) -> Launch:
         return Launch(spec)
+
+
+def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
+    """The reason the block-sparse kernel does not take spec, or None (also for dense specs)."""
+    if not spec.sparse_q_block:
+        return None
+    block = (spec.sparse_q_block, spec.sparse_kv_block)
+    if block not in config.SPARSE_BLOCKS:
+        shapes = ", ".join(f"{q}x{k}" for q, k in config.SPARSE_BLOCKS)
+        return f"block-sparse blocks of {block[0]}x{block[1]}: the sm90 kernel takes {shapes}"
+    if spec.head_dim > config.SPARSE_MAX_HEAD_DIM:
+        return (f"block-sparse at head_dim {spec.head_dim}: the sm90 kernel takes head dims up "
+                f"to {config.SPARSE_MAX_HEAD_DIM}")
+    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
+        return "block-sparse with packed sequences or seqused: no sm90 kernel yet"
+    return None
 
 
 FORWARD = Sm90Forward()

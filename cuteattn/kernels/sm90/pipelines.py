@@ -24,7 +24,8 @@ def register_split(num_consumer_wg: int, busy_producer: bool) -> tuple:
     setmaxnreg can only redistribute what the CTA was launched with (ptxas caps a thread at
     65536 / threads, rounded down to 8): asking for more makes the consumers' increase wait
     forever (2 consumer warpgroups with a 32-register producer hung), hence the check."""
-    producer, consumer = {2: (40, 232) if busy_producer else (24, 240), 3: (32, 160)}[num_consumer_wg]
+    producer, consumer = {1: (40, 232) if busy_producer else (24, 240),
+                          2: (40, 232) if busy_producer else (24, 240), 3: (32, 160)}[num_consumer_wg]
     threads = WG_THREADS * (1 + num_consumer_wg)
     launch = (65536 // threads) // 8 * 8
     assert WG_THREADS * (producer + num_consumer_wg * consumer) <= launch * threads, \

@@ -1,0 +1,67 @@
+"""The key blocks a query tile visits under block-sparse attention (cuteattn.sparse's lists):
+its full blocks, then its partial ones, read from the (batch|1, head|1, query block) lists.
+
+The block iterator of a dense tile is a range (block_info.n_block_range); this is the other
+iterator of the same shape: a count and "the i-th block". A listed block past the sequence's
+end (an expansion of a coarser mask lists some) holds no key: it is visited as the block just
+past the end, which TMA fills with zeros and the sequence-end mask removes, so it adds nothing;
+so is any index outside [0, nk). Counts are clamped into [0, nk]. As in seqlen_info, lying lists
+can give wrong values but never a load outside k/v.
+"""
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+def _clamp(x, lo, hi):  # (plain min/max: no branch)
+    return cutlass.max(cutlass.min(x, hi), lo)
+
+
+@dataclass(frozen=True)
+class SparseBlocks:
+    full_index: cute.Tensor     # (nk,) this tile's full blocks (the first num_full entries)
+    partial_index: cute.Tensor  # (nk,) its partial blocks
+    num_full: Int32
+    num_blocks: Int32           # full + partial
+    end_block: Int32            # the first key block past the sequence's end
+
+    @staticmethod
+    def create(mFullCount: cute.Tensor, mFullIndex: cute.Tensor, mPartialCount: cute.Tensor,
+               mPartialIndex: cute.Tensor, batch_idx: Int32, head_idx: Int32, m_block: Int32,
+               seqlen_k: Int32, tile_n: int):
+        """The lists of query block m_block of (batch_idx, head_idx); a batch or head mode of
+        extent 1 is broadcast."""
+        b = cutlass.min(batch_idx, mFullCount.shape[0] - 1)
+        h = cutlass.min(head_idx, mFullCount.shape[1] - 1)
+        m = cutlass.min(m_block, mFullCount.shape[2] - 1)
+        nk = mFullIndex.shape[3]
+        num_full = _clamp(mFullCount[b, h, m], 0, nk)
+        num_partial = _clamp(mPartialCount[b, h, m], 0, nk)
+        return SparseBlocks(mFullIndex[b, h, m, None], mPartialIndex[b, h, m, None], num_full,
+                            num_full + num_partial, (seqlen_k + tile_n - 1) // tile_n)
+
+    def count(self):
+        return self.num_blocks
+
+    def any(self):
+        return self.num_blocks > 0
+
+    def none(self):
+        return self.num_blocks <= 0
+
+    def first(self):
+        return self.block(Int32(0))
+
+    @cute.jit
+    def block(self, i: Int32) -> Int32:
+        """The i-th key block to visit (0 <= i < num_blocks)."""
+        n = Int32(0)
+        if i < self.num_full:
+            n = self.full_index[i]
+        else:
+            n = self.partial_index[i - self.num_full]
+        if (n < 0) | (n > self.end_block):
+            n = self.end_block
+        return n

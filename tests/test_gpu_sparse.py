@@ -1,0 +1,151 @@
+"""GPU block-sparse forward (flash_attn_func(block_sparse=...)) against the float32 reference with
+the dense mask the block lists imply, FlashAttention's rule.
+
+strict=True: a call the kernel does not serve fails. Outputs are NaN-poisoned (out= / lse=), so a
+row the kernel leaves unwritten fails. Covers every physical block shape, selected counts 0..5
+and all, rows with no block (out 0, lse -inf), full-only / partial-only / mixed lists, odd
+lengths, GQA, both dtypes, the call's own masks on top, broadcast lists, and the exact-expansion
+identity (a 256x256 logical mask gives the reference's output at every physical shape).
+"""
+import itertools
+
+import pytest
+import torch
+
+from cuteattn import flash_attn_func, sparse
+from cuteattn.reference import attention_ref
+from cuteattn.testing import assert_close_fa, assert_lse_close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+BLOCKS = list(sparse.KERNEL_BLOCKS)
+MASKS = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(300, 100)),
+         "softcap": dict(softcap=20.0)}
+SEQLENS = [(1000, 1000), (700, 1100), (129, 65), (1, 300), (2048, 2048)]
+KEEP = [0, 1, 2, 3, 5, "all"]
+
+
+def check(q, k, v, mask, **kw):
+    b, sq, h, _ = q.shape
+    out = torch.full((b, sq, h, v.shape[-1]), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    got, got_lse = flash_attn_func(q, k, v, block_sparse=mask, return_lse=True, strict=True,
+                                   out=out, lse=lse, **kw)
+    assert got is out and got_lse is lse
+    ref, ref_lse = attention_ref(q, k, v, block_sparse=mask, **kw)
+    lowprec, _ = attention_ref(q, k, v, block_sparse=mask, upcast=False, **kw)
+    assert_close_fa(out, ref, lowprec)
+    assert_lse_close(lse, ref_lse)
+    return out
+
+
+def inputs(b, sq, sk, h, hk, d, dtype):
+    return (torch.randn(b, sq, h, d, device="cuda", dtype=dtype),
+            torch.randn(b, sk, hk, d, device="cuda", dtype=dtype),
+            torch.randn(b, sk, hk, d, device="cuda", dtype=dtype))
+
+
+def random_lists(b, h, sq, sk, block, keep, partial_share=0.5):
+    """Every query block keeps `keep` random key blocks (all of them for "all"), about
+    partial_share of them listed as partial."""
+    nq, nk = -(-sq // block[0]), -(-sk // block[1])
+    n = nk if keep == "all" else min(keep, nk)
+    chosen = torch.rand(b, h, nq, nk, device="cuda").argsort(-1)[..., :n]
+    selected = torch.zeros(b, h, nq, nk, dtype=torch.bool, device="cuda")
+    selected.scatter_(-1, chosen, True)
+    partial = selected & (torch.rand(b, h, nq, nk, device="cuda") < partial_share)
+    return sparse.from_block_mask(selected, *block, partial)
+
+
+def cases():
+    out = []
+    for (i_b, block), (i_m, mask), (i_k, keep) in itertools.product(
+            enumerate(BLOCKS), enumerate(MASKS), enumerate(KEEP)):
+        sl = SEQLENS[(i_b + i_m + i_k) % len(SEQLENS)]
+        d = (64, 128)[(i_b + i_k) % 2]
+        dtype = (torch.bfloat16, torch.float16)[(i_m + i_k) % 2]
+        heads = [(4, 4), (8, 2), (6, 1)][(i_b + 2 * i_m + i_k) % 3]
+        out.append((block, mask, keep, sl, d, dtype, heads))
+    return out
+
+
+CASES = cases()
+
+
+def case_id(c):
+    (bq, bk), mask, keep, (sq, sk), d, dtype, (h, hk) = c
+    return f"{bq}x{bk}-{mask}-keep{keep}-{sq}x{sk}-d{d}-{str(dtype)[6:]}-h{h}:{hk}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_block_sparse(seed, case):
+    block, mask, keep, (sq, sk), d, dtype, (h, hk) = case
+    q, k, v = inputs(2, sq, sk, h, hk, d, dtype)
+    check(q, k, v, random_lists(2, h, sq, sk, block, keep), **MASKS[mask])
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+@pytest.mark.parametrize("share", [0.0, 1.0], ids=["full-only", "partial-only"])
+def test_full_only_and_partial_only(seed, block, share):
+    q, k, v = inputs(1, 777, 913, 8, 2, 128, torch.bfloat16)
+    check(q, k, v, random_lists(1, 8, 777, 913, block, 3, partial_share=share))
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: f"{b[0]}x{b[1]}")
+def test_broadcast_lists(seed, block):
+    """Lists with a batch mode of 1 (shared by the batch) and a head mode of 1 (by the heads)."""
+    q, k, v = inputs(3, 500, 600, 4, 2, 64, torch.float16)
+    check(q, k, v, random_lists(1, 4, 500, 600, block, 2))
+    check(q, k, v, random_lists(3, 1, 500, 600, block, "all", partial_share=0.3))
+
+
+def test_empty_rows(seed):
+    """Query blocks with no key block: out 0, lse -inf (the reference says so); the others
+    normal."""
+    q, k, v = inputs(2, 600, 600, 4, 4, 128, torch.bfloat16)
+    lists = random_lists(2, 4, 600, 600, (128, 64), 2)
+    counts = lists.full_count.clone()
+    counts[:, :, ::2] = 0
+    partial = lists.partial_count.clone()
+    partial[:, :, ::2] = 0
+    check(q, k, v, sparse.BlockSparseMask(128, 64, counts, lists.full_index, partial,
+                                          lists.partial_index))
+
+
+@pytest.mark.parametrize("seqlen", [8192, 8192 + 100])
+@pytest.mark.parametrize("keep", [1, 4])
+def test_exact_expansion(seed, seqlen, keep):
+    """VSA's 256x256 logical top-k mask: passed as it is (the call expands it to 128x128) and
+    expanded to every physical shape, each gives the reference's output for the logical mask."""
+    q, k, v = inputs(1, seqlen, seqlen, 4, 4, 128, torch.bfloat16)
+    n = -(-seqlen // 256)
+    top = torch.rand(1, 4, n, n, device="cuda").topk(keep, dim=-1).indices
+    logical = sparse.from_topk(top, n, 256, 256)
+    outs = [check(q, k, v, logical)]
+    for block in BLOCKS:
+        outs.append(check(q, k, v, sparse.expand(logical, *block)))
+    # the same token pairs in a different block order: equal up to float32 summation order
+    for o in outs[1:]:
+        assert (o.float() - outs[0].float()).abs().max().item() < 2e-2
+
+
+def test_lying_lists_stay_inside_the_tensors(seed):
+    """Counts above nk and indices outside [0, nk) (validated only on the reference path): the
+    kernel clamps them, so the call returns (any values) without touching memory outside k/v;
+    a block past the sequence's end adds nothing."""
+    q, k, v = inputs(1, 300, 300, 2, 2, 64, torch.bfloat16)
+    lists = random_lists(1, 2, 300, 300, (64, 64), 2)
+    bad = sparse.BlockSparseMask(64, 64, lists.full_count + 100, lists.full_index * 1000 - 7,
+                                 lists.partial_count - 50, lists.partial_index)
+    out = flash_attn_func(q, k, v, block_sparse=bad, strict=True)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape
+
+
+def test_gradients_fall_back_to_the_reference(seed):
+    """No block-sparse backward kernel yet: a call that needs gradients runs on the reference
+    (strict mode says so)."""
+    q, k, v = (x.requires_grad_() for x in inputs(1, 256, 256, 2, 2, 64, torch.bfloat16))
+    lists = random_lists(1, 2, 256, 256, (128, 128), 1)
+    with pytest.raises(RuntimeError, match="no backward kernel yet"):
+        flash_attn_func(q, k, v, block_sparse=lists, strict=True)
