@@ -381,9 +381,14 @@ def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None):
     if spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return None, "block-sparse attention: an empty problem (the reference's results)"
     kspec, mask = _sparse_spec(spec, mask)
-    launch, reason = _select_kernel(kspec, q.device)
+    launch = _launches.get(("sparse", kspec, q.device))  # (the spec holds every static choice)
     if launch is None:
-        return None, "block-sparse attention: " + reason
+        launch, reason = _select_kernel(kspec, q.device)
+        if launch is None:
+            return None, "block-sparse attention: " + reason
+        _remember(("sparse", kspec, q.device), kspec, launch)
+    else:
+        launch = launch[1]
     if out is None:
         out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
