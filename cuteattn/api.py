@@ -259,8 +259,18 @@ def flash_attn_func(
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
     if block_sparse is not None or mask_mod is not None or score_mod is not None:
+        sig = None
+        if (mask_mod is None and score_mod is None and out is None and lse is None
+                and learnable_sink is None and type(window_size) is tuple):
+            sig = _sparse_signature(q, k, v, block_sparse, softmax_scale, causal, window_size,
+                                    softcap)
+            hit = _launches.get(sig) if sig is not None else None
+            if hit is not None and not _needs_grad(q, k, v) and not torch.compiler.is_compiling():
+                out, lse = _launch_sparse(q, k, v, *hit, block_sparse)
+                return (out, lse) if return_lse else out
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
-                           learnable_sink, block_sparse, mask_mod, score_mod, out=out, lse=lse)
+                           learnable_sink, block_sparse, mask_mod, score_mod, out=out, lse=lse,
+                           sparse_sig=sig)
         return (out, lse) if return_lse else out
     descales = (q_descale, k_descale, v_descale)
     if _through_op(q, k, v, out, lse, learnable_sink):
@@ -291,13 +301,14 @@ def flash_attn_func(
 
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
-            mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None):
+            mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None, sparse_sig=None):
     """flash_attn_func / flash_attn_varlen_func (varlen: its metadata, max lengths included)
     with FlexAttention's modifiers: checked, then the block-sparse kernel where one serves the
     call (_sparse_kernel), else the reference, differentiated by torch autograd itself (a
     score_mod's own tensors get gradients too); the fallback warning or the strict error as
     usual. out / lse (fixed length): preallocated buffers, written in place (not under autograd,
-    whose results are new tensors)."""
+    whose results are new tensors). sparse_sig: the call's _sparse_signature, under which a
+    block-sparse launch is kept for the next such call."""
     from cuteattn import sparse
     if varlen is None:
         spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -318,7 +329,8 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
                                           lse_shape=(spec.batch, spec.nheads, spec.seqlen_q))
     reason = "score/mask modifiers: no kernel takes them yet"
     if block_sparse is not None and mask_mod is None and score_mod is None:
-        served, reason = _sparse_kernel(q, k, v, spec, block_sparse, varlen, sink, out, lse)
+        served, reason = _sparse_kernel(q, k, v, spec, block_sparse, varlen, sink, out, lse,
+                                        sparse_sig)
         if served is not None:
             return served
     if block_sparse is not None and not torch.compiler.is_compiling():
@@ -370,25 +382,22 @@ def _sparse_reason(q, k, v, varlen, sink):
     return None
 
 
-def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None):
-    """((out, lse), None) from the block-sparse kernel, or (None, the reason none serves the
-    call). Its lists' values are not read on the host (no sync): the kernel keeps every load
-    inside k/v whatever they hold (kernels/common/block_sparse.py); the reference path checks
-    them."""
-    reason = _sparse_reason(q, k, v, varlen, sink)
-    if reason is not None:
-        return None, "block-sparse attention: " + reason
-    if spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
-        return None, "block-sparse attention: an empty problem (the reference's results)"
-    kspec, mask = _sparse_spec(spec, mask)
-    launch = _launches.get(("sparse", kspec, q.device))  # (the spec holds every static choice)
-    if launch is None:
-        launch, reason = _select_kernel(kspec, q.device)
-        if launch is None:
-            return None, "block-sparse attention: " + reason
-        _remember(("sparse", kspec, q.device), kspec, launch)
-    else:
-        launch = launch[1]
+def _sparse_signature(q, k, v, mask, *args):
+    """_signature of a block-sparse call: the lists' block shape, and their tensors' shapes,
+    strides, dtypes and devices (what sparse.check reads); None when it does not qualify."""
+    try:
+        lists = tuple((t.shape, t.stride(), t.dtype, t.device) for t in
+                      (mask.full_count, mask.full_index, mask.partial_count, mask.partial_index))
+        sig = _signature(q, k, v, *args, *map(type, args[2]), "sparse", mask.q_block,
+                         mask.kv_block, lists)
+        hash(sig)
+    except (AttributeError, TypeError):  # not a BlockSparseMask: the checks say so
+        return None
+    return sig
+
+
+def _launch_sparse(q, k, v, spec, launch, mask, out=None, lse=None):
+    """The block-sparse kernel on mask's lists (in launch's block shape)."""
     if out is None:
         out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
@@ -398,7 +407,31 @@ def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None):
     lists = [t if t.stride(-1) == 1 and 0 not in t.stride() else t.contiguous() for t in
              (mask.full_count, mask.full_index, mask.partial_count, mask.partial_index)]
     launch(q, k, v, out, lse, sparse=tuple(lists))
-    return (out, lse), None
+    return out, lse
+
+
+def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None, sig=None):
+    """((out, lse), None) from the block-sparse kernel, or (None, the reason none serves the
+    call). Its lists' values are not read on the host (no sync): the kernel keeps every load
+    inside k/v whatever they hold (kernels/common/block_sparse.py); the reference path checks
+    them."""
+    reason = _sparse_reason(q, k, v, varlen, sink)
+    if reason is not None:
+        return None, "block-sparse attention: " + reason
+    if spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+        return None, "block-sparse attention: an empty problem (the reference's results)"
+    kspec, physical = _sparse_spec(spec, mask)
+    hit = _launches.get(("sparse", kspec, q.device))  # (the spec holds every static choice)
+    if hit is None:
+        launch, reason = _select_kernel(kspec, q.device)
+        if launch is None:
+            return None, "block-sparse attention: " + reason
+        _remember(("sparse", kspec, q.device), kspec, launch)
+    else:
+        launch = hit[1]
+    if physical is mask:  # (an expanded mask is expanded again on every call: not kept)
+        _remember(sig, kspec, launch)
+    return _launch_sparse(q, k, v, kspec, launch, physical, out, lse), None
 
 
 def _through_op(q, k, v, out, lse, sink=None) -> bool:

@@ -169,3 +169,41 @@ def test_full_blocks_skip_the_mask_mod(seed):
     partial = flash_attn_func(q, k, v, block_sparse=sparse.from_block_mask(every, 32, 32, every),
                               mask_mod=never)
     assert torch.all(partial == 0)
+
+
+def test_block_sparse_calls_reach_the_kernel_once_dispatched(monkeypatch):
+    """Host side of the block-sparse kernel path, with a stand-in for the kernel: the first call
+    dispatches (the kernel's spec carries the lists' block shape), a repeated call with the same
+    signature reuses the launch without dispatching again, a coarser mask is expanded to a
+    kernel block shape first, and a call that needs gradients never reaches the kernel."""
+    from cuteattn import api
+    launched, dispatched = [], []
+
+    def launch(q, k, v, out, lse, sparse=None):
+        launched.append(sparse)
+        out.zero_()
+        lse.zero_()
+
+    def select(spec, device):
+        dispatched.append((spec.sparse_q_block, spec.sparse_kv_block))
+        return launch, None
+
+    monkeypatch.setattr(api, "_select_kernel", select)
+    # the real rule's GPU-free part: a call that records a gradient is declined
+    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink:
+                        "no backward kernel yet" if api._needs_grad(q, k, v) else None)
+    monkeypatch.setattr(api, "_launches", {})
+    q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
+    lists = sparse.from_topk(torch.tensor([[[[0], [1]]]]).expand(1, 2, 2, 1), 2, 128, 128)
+    for _ in range(3):
+        out = flash_attn_func(q, q, q, block_sparse=lists)
+        assert out.shape == q.shape and bool((out == 0).all())
+    assert dispatched == [(128, 128)] and len(launched) == 3
+    assert launched[0][1] is lists.full_index  # the caller's lists, not copies
+    logical = sparse.from_topk(torch.tensor([[[[0]]]]), 1, 256, 256)
+    flash_attn_func(q, q, q, block_sparse=logical)
+    assert dispatched[-1] == (128, 128) and launched[-1][1].shape[-2:] == (2, 2)
+    n = len(launched)
+    with pytest.raises(RuntimeError, match="no backward kernel yet"):  # not the kept launch
+        flash_attn_func(q.requires_grad_(), q, q, block_sparse=lists, strict=True)
+    assert len(launched) == n

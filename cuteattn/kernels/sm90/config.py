@@ -57,9 +57,6 @@ TILE_N_CAPS = {
 # and VSA's physical shapes). Wider head dims than SPARSE_MAX_HEAD_DIM do not fit the ring.
 SPARSE_BLOCKS = KERNEL_BLOCKS
 SPARSE_MAX_HEAD_DIM = 128
-# 64-row block-sparse tiles (one consumer warpgroup) run two CTAs per SM (being measured)
-SPARSE_CTAS_PER_SM = 2
-SMEM_PER_SM = 228 * 1024  # what an SM's resident CTAs share (each also reserves 1 KB)
 
 
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
@@ -99,13 +96,11 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
 def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
     """The block-sparse variant of a dense config: the tile is the lists' block, the K/V ring as
     deep as shared memory allows (up to 4), tiles from the counter (their costs differ)."""
-    ctas = SPARSE_CTAS_PER_SM if q_block == 64 else 1
     for stages in (4, 3, 2):
         cfg = with_o_path(dataclasses.replace(
             dense, sparse=True, num_wg=q_block // 64, tile_n=kv_block, num_stages=stages,
-            pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer",
-            ctas_per_sm=ctas))
-        if ctas * (cfg.smem_bytes() + 1024) <= SMEM_PER_SM:
+            pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer"))
+        if cfg.smem_bytes() <= SMEM_LIMIT:
             return cfg
     raise ValueError(f"no K/V ring for block-sparse {q_block}x{kv_block} at head_dim {dense.head_dim}")
 

@@ -86,9 +86,6 @@ class Sm90FwdConfig:
     # full ones then the partial ones (a partial block's element mask is the call's masks: no
     # mask_mod is compiled in yet); tile_m and tile_n are the lists' block shape
     sparse: bool = False
-    # CTAs resident per SM: 2 lets a one-warpgroup tile's CTA (64 rows) share its SM with a
-    # second, whose GEMMs then hide its softmax and loads (register_split halves the budget)
-    ctas_per_sm: int = 1
 
     @property
     def tile_m(self) -> int:
@@ -114,7 +111,7 @@ class FlashFwdSm90:
         self.num_wg = cfg.num_wg
         self.num_threads = WG_THREADS * (1 + cfg.num_wg)
         self.producer_regs, self.consumer_regs = register_split(
-            cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k, ctas_per_sm=cfg.ctas_per_sm)
+            cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k)
         self.pingpong = PingPong(cfg.pingpong, cfg.num_wg, FwdBarrier.TURN)
 
     # ------------------------------------------------------------------------------------------
@@ -202,10 +199,7 @@ class FlashFwdSm90:
             grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
-            min_blocks_per_mp=cfg.ctas_per_sm,
-            # two CTAs per SM need the whole carveout as shared memory (said here, not asked
-            # of the device: the compile runs without one)
-            **({"preferred_smem_carveout": 100} if cfg.ctas_per_sm > 1 else {}),
+            min_blocks_per_mp=1,
         )
 
     def make_tiled_mma_qk(self):

@@ -86,15 +86,13 @@ def tile_counter(device_index: int, per_stream: bool) -> torch.Tensor:
     return counter
 
 
-def launch_scalars(spec: AttentionSpec, ctas_per_sm: int = 1) -> dict:
-    """The kernel's scalar arguments by name (arguments.SCALARS), as Python numbers;
-    ctas_per_sm: the config's (the persistent grid has that many CTAs per SM)."""
+def launch_scalars(spec: AttentionSpec) -> dict:
+    """The kernel's scalar arguments by name (arguments.SCALARS), as Python numbers."""
     score_scale, scale_log2, left, right = kernel_scalars(spec)
     small, num_small = l2_groups(spec)
     return dict(qhead_per_kvhead=spec.qhead_per_kvhead, score_scale=score_scale,
                 softmax_scale_log2=scale_log2, window_left=left, window_right=right,
-                max_ctas=min(max_ctas(spec) * ctas_per_sm, _ONE_CTA_PER_TILE), l2_group=small,
-                l2_small_groups=num_small)
+                max_ctas=max_ctas(spec), l2_group=small, l2_small_groups=num_small)
 
 
 # The kernel's arguments each call passes, in the order a launch passes them (the varlen group
@@ -131,7 +129,7 @@ class Launch:
         self.tvm_ffi = use_tvm_ffi()
         cfg = sm90_config(spec)
         self.fn = _compiled(cfg, self.tvm_ffi)
-        self.scalars = launch_scalars(spec, cfg.ctas_per_sm)
+        self.scalars = launch_scalars(spec)
         self.bind = _binder(self.scalars, self.tvm_ffi)
         self.dynamic_tiles = cfg.dynamic_tiles
 
