@@ -40,7 +40,9 @@ CASES = (
        (torch.bfloat16, 128, "causal", True, False, False),
        (torch.bfloat16, 64, "softcap", True, False, False),
        (torch.bfloat16, 96, "none", True, True, False),
-       (torch.bfloat16, 128, "local", True, True, True)]
+       (torch.bfloat16, 128, "local", True, True, True),
+       # batched q/k with seqused only (FlashAttention-4's form)
+       (torch.float16, 128, "causal", False, True, False), (torch.bfloat16, 64, "local", False, True, True)]
 )
 
 # Variants ptxas spills a few bytes in (measured, all packed-sequence ones: the sequence offsets

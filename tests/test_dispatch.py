@@ -112,8 +112,11 @@ def test_sm90_serves_the_backward(gpu, registry):
     pytest.importorskip("cutlass")
     assert dispatch.can_implement(make_spec(kind="bwd"), CUDA) is None
     for fields, reason in ((dict(head_dim=192, head_dim_v=192), "head_dim 192"),
-                           (dict(local=True, window_left=None, window_right=-2), "negative edge")):
+                           (dict(varlen_q=True), "needs q and k both packed")):
         assert reason in dispatch.can_implement(make_spec(kind="bwd", **fields), CUDA)
+    for fields in (dict(local=True, window_left=None, window_right=-2),
+                   dict(has_seqused_q=True, has_seqused_k=True)):
+        assert dispatch.can_implement(make_spec(kind="bwd", **fields), CUDA) is None
 
 
 def test_registered_family_serves_its_kind(gpu, registry):

@@ -207,3 +207,43 @@ def test_bwd_varlen_deterministic(seed):
     ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu_q, cu_q, **a)
     ref, low = reference_grads(ref_fn, (q, k, v), dout, causal=True)
     check_grads(grads[0], ref, low)
+
+
+# ---- FlashAttention-4's forms: negative window edges, batched q/k with seqused only ----
+
+NEGATIVE_WINDOWS = [(None, -7), (-7, None), (20, -4), (130, -129)]
+
+
+@pytest.mark.parametrize("window", NEGATIVE_WINDOWS, ids=str)
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_negative_window_edges(seed, window, d):
+    """Rows and keys whose window is empty get gradient 0 (never NaN)."""
+    for dtype, (sq, sk) in ((torch.bfloat16, (113, 203)), (torch.float16, (203, 113))):
+        inputs, dout, got = run_fixed(dtype, d, 8, 2, sq, sk, window_size=window)
+        ref, low = reference_grads(attention_ref, inputs, dout, window_size=window)
+        check_grads(got, ref, low)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_seqused_only(seed, mask, d):
+    """flash_attn_varlen_func on batched q/k/v whose true lengths are seqused_q/k: gradients of
+    the used rows; the unused rows of q, k and v get 0."""
+    b, sq, sk, h, hk = 4, 300, 257, 8, 2
+    used_q = torch.tensor([300, 1, 0, 150], dtype=torch.int32, device="cuda")
+    used_k = torch.tensor([257, 64, 10, 0], dtype=torch.int32, device="cuda")
+    kw = MASKS[mask]
+    leaves = [torch.randn(b * s, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for s, n in ((sq, h), (sk, hk), (sk, hk))]
+    q, k, v = leaves[0].view(b, sq, h, d), leaves[1].view(b, sk, hk, d), leaves[2].view(b, sk, hk, d)
+    out = flash_attn_varlen_func(q, k, v, None, None, sq, sk, seqused_q=used_q, seqused_k=used_k,
+                                 strict=True, **kw)
+    dout = torch.randn_like(out)
+    poison_allocator()
+    got = torch.autograd.grad(out, leaves, dout)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device="cuda") * sq
+    cu_k = torch.arange(b + 1, dtype=torch.int32, device="cuda") * sk
+    ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu_q, cu_k, used_q, used_k, **a)
+    # the reference's rows past seqused_q have out 0: their dout does not matter
+    ref, low = reference_grads(ref_fn, leaves, dout.reshape(b * sq, h, d), **kw)
+    check_grads(got, ref, low)

@@ -159,9 +159,8 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
 
 def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
-    a learnable sink; paged keys; and for the backward, the forms only the forwards have run on
-    a GPU (one side packed and the other batched, seqused on batched q/k, a window edge past the
-    diagonal: the backward's kernel code is written for them, but no GPU test has run them)."""
+    a learnable sink; paged keys; and for the backward one side packed and the other batched
+    (BackwardLaunch sizes its grid from packed k when q is packed)."""
     if spec.has_sink:
         return f"learnable attention sinks: no {arch} {who} takes them yet"
     if spec.paged_kv:
@@ -170,11 +169,6 @@ def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
         return None
     if spec.varlen_q != spec.varlen_k:
         return f"the {arch} {who} needs q and k both packed (cu_seqlens) or both batched"
-    if (spec.has_seqused_q or spec.has_seqused_k) and not spec.varlen_q:
-        return f"seqused with batched (not packed) q and k: no GPU-tested {arch} {who} for that form yet"
-    if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
-        return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
-                f"{arch} {who} serves it yet")
     return None
 
 
