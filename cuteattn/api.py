@@ -359,11 +359,9 @@ def _sparse_spec(spec: AttentionSpec, mask) -> tuple:
     a logical mask coarser than every kernel block (VSA's 256x256) is expanded on the GPU to the
     largest one that divides it (sparse.expand: the same token pairs)."""
     from cuteattn import sparse
-    if (mask.q_block, mask.kv_block) not in sparse.KERNEL_BLOCKS:
-        fits = [b for b in sparse.KERNEL_BLOCKS
-                if mask.q_block % b[0] == 0 and mask.kv_block % b[1] == 0]
-        if fits:
-            mask = sparse.expand(mask, *fits[0])
+    block = sparse.kernel_block(mask.q_block, mask.kv_block)
+    if block != (mask.q_block, mask.kv_block):
+        mask = sparse.expand(mask, *block)
     return dataclasses.replace(spec, sparse_q_block=mask.q_block, sparse_kv_block=mask.kv_block), mask
 
 

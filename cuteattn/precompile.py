@@ -2,6 +2,8 @@
 before the first step, so that no process stalls compiling (3-7 s a variant) when it starts.
 
     python -m cuteattn.precompile --head-dim 128 --dtype bf16 --mask causal --varlen --backward
+    python -m cuteattn.precompile --head-dim 192 --head-dim-v 128 --mask causal   (MLA prefill)
+    python -m cuteattn.precompile --head-dim 128 --sparse 128x128 --mask none     (block-sparse)
 
 Works on a machine without a GPU: the kernels are compiled for the target architecture
 (`--arch`, default sm_90a there, sm_86 with `--path sm80`; the GPU's own where there is one;
@@ -9,8 +11,10 @@ Works on a machine without a GPU: the kernels are compiled for the target archit
 (CUTEATTN_CACHE_DIR, default ~/.cache/cuteattn) can then be copied to the GPU machines of the same
 architecture and package versions. The variants: every combination of the given head dims,
 dtypes and masks, batched and (with --varlen) packed, each forward tile class (short and long
-sequences), and with --backward the backward (deterministic too with --deterministic); sizes,
-head counts and GQA ratios never need a variant of their own.
+sequences), and with --backward the backward (deterministic too with --deterministic); with
+--sparse the block-sparse forward for those block shapes (a coarser one, such as 256x256, as the
+kernel block it is expanded to); sizes, head counts and GQA ratios never need a variant of their
+own. Head dims between the compiled widths (80, 112, ...) compile the padded kernel they run on.
 """
 from __future__ import annotations
 
@@ -27,6 +31,10 @@ def parse_args(argv=None):
                                 description=__doc__.splitlines()[0])
     p.add_argument("--head-dim", type=int, action="append", required=True,
                    help="head dim of q/k/v (repeat for several)")
+    p.add_argument("--head-dim-v", type=int,
+                   help="v's head dim, when it differs from q/k's (at most the head dim)")
+    p.add_argument("--sparse", action="append", metavar="QxK",
+                   help="also block-sparse forwards with lists of QxK blocks (repeat for several)")
     p.add_argument("--dtype", action="append", choices=("bf16", "fp16"),
                    help="repeat for several (default: bf16)")
     p.add_argument("--mask", action="append", choices=MASKS,
@@ -53,21 +61,25 @@ def variants(args) -> list:
     # the GPU's, where there is one: configs that depend on the device (the portable path's
     # tiles follow its shared memory) are then the ones its calls will use
     device_index = 0 if torch.cuda.is_available() else -1
+    from cuteattn import sparse
+    blocks = [sparse.kernel_block(*_block_shape(b)) for b in args.sparse or []]
     out = []
     layouts = [(False, False)] + ([(True, args.seqused)] if args.varlen else [])
     for d in args.head_dim:
+        dv = args.head_dim_v or d
         for dt in args.dtype or ["bf16"]:
             for mask in args.mask or ["none", "causal"]:
                 for varlen, seqused in layouts:
                     base = dict(
-                        dtype=dtypes[dt], head_dim=d, head_dim_v=d, causal=mask == "causal",
+                        dtype=dtypes[dt], head_dim=d, head_dim_v=dv, causal=mask == "causal",
                         local=mask == "local", has_softcap=mask == "softcap", varlen_q=varlen,
                         varlen_k=varlen, has_seqused_q=seqused, has_seqused_k=seqused, batch=1,
                         nheads=1, nheads_k=1, softmax_scale=d ** -0.5,
                         window_left=128 if mask == "local" else None,
                         window_right=0 if mask == "local" else None,
                         softcap=30.0 if mask == "softcap" else 0.0, device_index=device_index)
-                    name = f"d{d} {dt} {mask}{' varlen' if varlen else ''}{' seqused' if seqused else ''}"
+                    name = (f"d{d}{f'v{dv}' if dv != d else ''} {dt} {mask}{' varlen' if varlen else ''}"
+                            f"{' seqused' if seqused else ''}")
                     for seqlen in (1024, 1 << 20):  # the short and the long tile class
                         out.append((f"fwd {name} {'short' if seqlen == 1024 else 'long'}",
                                     AttentionSpec(**base, seqlen_q=seqlen, seqlen_k=seqlen)))
@@ -75,7 +87,19 @@ def variants(args) -> list:
                         for det in (False, True) if args.deterministic else (False,):
                             out.append((f"bwd {name}{' deterministic' if det else ''}",
                                         AttentionSpec(**base, kind="bwd", deterministic=det)))
+                    for bq, bk in ([] if varlen else blocks):
+                        out.append((f"sparse {bq}x{bk} {name}", AttentionSpec(
+                            **base, seqlen_q=1 << 16, seqlen_k=1 << 16, sparse_q_block=bq,
+                            sparse_kv_block=bk)))
     return out
+
+
+def _block_shape(text: str) -> tuple:
+    try:
+        q, k = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--sparse takes QxK block shapes, such as 128x128; got {text!r}")
+    return q, k
 
 
 def main(argv=None) -> int:

@@ -28,6 +28,16 @@ import torch
 KERNEL_BLOCKS = ((128, 128), (128, 64), (64, 64))
 
 
+def kernel_block(q_block: int, kv_block: int) -> tuple:
+    """The block shape the GPU kernel runs lists of q_block x kv_block on: theirs when it takes
+    it, else the largest of KERNEL_BLOCKS that divides it (the lists expanded, `expand`), else
+    theirs (no kernel takes it: the call falls back, saying so)."""
+    if (q_block, kv_block) in KERNEL_BLOCKS:
+        return q_block, kv_block
+    fits = [b for b in KERNEL_BLOCKS if q_block % b[0] == 0 and kv_block % b[1] == 0]
+    return fits[0] if fits else (q_block, kv_block)
+
+
 @dataclass(frozen=True)
 class BlockSparseMask:
     q_block: int

@@ -26,6 +26,21 @@ def test_variants_cover_the_options():
     assert specs["bwd d64 bf16 causal"].kind == "bwd" and specs["fwd d64 bf16 none long"].seqlen_q > 2048
 
 
+def test_surface_and_block_sparse_variants():
+    """--head-dim-v and --sparse: the MLA-style pair and block-sparse forwards (a coarser block
+    shape as the kernel block its lists run on); none for packed layouts, no backward."""
+    specs = dict(precompile.variants(precompile.parse_args(
+        ["--head-dim", "192", "--head-dim-v", "128", "--mask", "causal", "--sparse", "256x256",
+         "--sparse", "128x64", "--varlen", "--backward"])))
+    assert "fwd d192v128 bf16 causal long" in specs and "bwd d192v128 bf16 causal varlen" in specs
+    sparse = {label: s for label, s in specs.items() if label.startswith("sparse")}
+    assert sorted(sparse) == ["sparse 128x128 d192v128 bf16 causal", "sparse 128x64 d192v128 bf16 causal"]
+    s = sparse["sparse 128x128 d192v128 bf16 causal"]
+    assert (s.head_dim, s.head_dim_v, s.sparse_q_block, s.sparse_kv_block, s.kind) == (192, 128, 128, 128, "fwd")
+    with pytest.raises(SystemExit, match="QxK"):
+        precompile.variants(precompile.parse_args(["--head-dim", "64", "--sparse", "big"]))
+
+
 def test_head_dim_is_required():
     with pytest.raises(SystemExit):
         precompile.parse_args([])
@@ -45,6 +60,21 @@ def test_fills_the_cache_then_loads_from_it(tmp_path):
     assert len(list(tmp_path.rglob("*.o"))) == 3
     second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "0 compiled, 3 already on disk" in second.stdout, second.stdout
+
+
+@pytest.mark.compile
+def test_fills_surface_and_block_sparse_variants(tmp_path):
+    """A padded head dim with a narrower v (d=80 runs on the d=96 kernel, one variant for both
+    tile classes) and a block-sparse forward, compiled into the cache."""
+    pytest.importorskip("tvm_ffi")
+    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
+    env.pop("CUTE_DSL_ARCH", None)
+    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "80", "--head-dim-v", "64",
+           "--mask", "causal", "--sparse", "128x64"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 compiled, 0 already on disk" in run.stdout, run.stdout
+    assert "sparse 128x64 d80v64 bf16 causal: compiled" in run.stdout, run.stdout
 
 
 @pytest.mark.compile
