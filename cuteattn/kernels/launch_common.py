@@ -159,16 +159,11 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
 
 def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
-    a learnable sink; paged keys; and for the backward one side packed and the other batched
-    (BackwardLaunch sizes its grid from packed k when q is packed)."""
+    a learnable sink; paged keys."""
     if spec.has_sink:
         return f"learnable attention sinks: no {arch} {who} takes them yet"
     if spec.paged_kv:
         return f"paged keys (block_table): no {arch} {who} reads pages yet"
-    if who == "forward":
-        return None
-    if spec.varlen_q != spec.varlen_k:
-        return f"the {arch} {who} needs q and k both packed (cu_seqlens) or both batched"
     return None
 
 
@@ -267,12 +262,14 @@ class BackwardLaunch:
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
         dq_acc, dk, dv = bwd_buffers(spec, q, k)
-        if cu_seqlens_q is not None:
-            batch = cu_seqlens_q.shape[0] - 1
-            n_blocks = k.shape[0] // cfg.tile_n + batch  # bounds sum_b ceil(len_b / tile_n)
-            slots = q.shape[0] // cfg.tile_m + 2 * batch + 1  # (common/dq_order.semaphore_slot)
+        # the grid's key blocks from k's layout, the semaphores from q's (one side may be packed)
+        if cu_seqlens_k is not None:
+            n_blocks = k.shape[0] // cfg.tile_n + cu_seqlens_k.shape[0] - 1  # >= sum ceil(len / tile_n)
         else:
             n_blocks = -(-k.shape[1] // cfg.tile_n)
+        if cu_seqlens_q is not None:
+            slots = q.shape[0] // cfg.tile_m + 2 * (cu_seqlens_q.shape[0] - 1) + 1  # (dq_order)
+        else:
             slots = q.shape[0] * -(-q.shape[1] // cfg.tile_m)
         semaphore = torch.zeros((spec.nheads, slots if cfg.deterministic else 1), dtype=torch.int32,
                                 device=q.device)
