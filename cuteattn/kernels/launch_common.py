@@ -254,10 +254,16 @@ class BackwardLaunch:
         fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
                      score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
                      window_right=right)
-        self.bind = arguments.Binder(BWD_PER_CALL, fixed, entries, None if tvm_ffi else to_runtime)
+        # a family whose kernel takes block-sparse lists (sm90) is passed them after mSemaphore
+        self.sparse_names = tuple(n for n in ("mFullCount", "mFullIndex", "mPartialCount",
+                                              "mPartialIndex") if n in arguments.names(entries))
+        per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, BWD_PER_CALL[-1])
+        self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None):
+                 seqused_q=None, seqused_k=None, sparse: tuple = ()):
+        """sparse: a block-sparse spec's transposed lists (sparse.transpose of the forward's:
+        per key block, the query blocks that see it), in SparseMetadata's order."""
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
@@ -274,7 +280,8 @@ class BackwardLaunch:
         semaphore = torch.zeros((spec.nheads, slots if cfg.deterministic else 1), dtype=torch.int32,
                                 device=q.device)
         if n_blocks > 0:
+            lists = tuple(sparse) or (None,) * len(self.sparse_names)
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
-                             cu_seqlens_k, seqused_q, seqused_k, semaphore, n_blocks)
+                             cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
         return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)
