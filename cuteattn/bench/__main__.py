@@ -33,7 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--sparse", action="store_true",
                    help="block-sparse forward (B=1, H=12, d=128, S 8k/32k; dense, 50%% and 90%% of "
                         "256x256 logical blocks left out; physical 128x128, 128x64, 64x64) beside "
-                        "flash-attn-4's block-sparse path, instead of the forward grid")
+                        "flash-attn-4's block-sparse path, instead of the forward grid; with "
+                        "--bwd the backward alone at 128x128 (cells of kind 'sparse_bwd')")
     p.add_argument("--fp8", action="store_true",
                    help="the forward grid on float8_e4m3fn inputs with descales, our bf16 forward "
                         "on the same values beside it, instead of the forward grid")
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
         elif args.fp8:
             grid = shapes.fp8_grid(quick=args.quick)
         elif args.sparse:
-            grid = shapes.sparse_grid(quick=args.quick)
+            grid = shapes.sparse_grid(quick=args.quick, bwd=args.bwd)
         elif args.bwd:
             grid = shapes.bwd_grid(quick=args.quick)
         else:
