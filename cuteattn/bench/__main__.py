@@ -92,12 +92,18 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
             result["skipped"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
         result["rates"][name] = float(f"{cell.rate(ms):.4g}")  # 4 significant digits, never 0
+        result.setdefault("cell_ms", {})[name] = round(ms, 4)  # the median time itself
         if cell.kind == "decode" and device.type == "cuda":  # also as a CUDA-graph replay
             try:
                 ms = graph_replay_ms(fn, device, iters=iters)
                 result["rates"][name + report.GRAPH] = float(f"{cell.rate(ms):.4g}")
             except Exception as e:  # a peer that cannot be captured
                 result["skipped"][name + report.GRAPH] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if "builders" in x:  # block-sparse: the metadata builders, on the GPU, apart from the kernel
+        try:
+            result["builder_ms"] = round(median_ms(x["builders"], device, iters=iters), 4)
+        except Exception as e:
+            result["skipped"]["builders"] = f"{type(e).__name__}: {str(e)[:200]}"
     del x
     if device.type == "cuda":
         torch.cuda.empty_cache()
