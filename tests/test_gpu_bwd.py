@@ -247,3 +247,33 @@ def test_bwd_seqused_only(seed, mask, d):
     # the reference's rows past seqused_q have out 0: their dout does not matter
     ref, low = reference_grads(ref_fn, leaves, dout.reshape(b * sq, h, d), **kw)
     check_grads(got, ref, low)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("side", ["q packed", "k packed"])
+def test_bwd_one_side_packed(seed, mask, side):
+    """cu_seqlens on one side only, the other batched (max length rows per sequence)."""
+    lens_q, lens_k = [1, 0, 63, 129, 300], [129, 65, 0, 300, 64]
+    b, h, hk, d = len(lens_q), 8, 2, 128
+    if side == "k packed":
+        lens_q = [max(lens_q)] * b
+    else:
+        lens_k = [max(lens_k)] * b
+    sq, sk = max(lens_q), max(lens_k)
+    kw = MASKS[mask] if mask != "window" else dict(window_size=(40, 10))
+    leaves = [torch.randn(sum(lens), n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for lens, n in ((lens_q, h), (lens_k, hk), (lens_k, hk))]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device="cuda")
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    if side == "k packed":
+        call = (leaves[0].view(b, sq, h, d), leaves[1], leaves[2], None, cu_k)
+    else:
+        call = (leaves[0], leaves[1].view(b, sk, hk, d), leaves[2].view(b, sk, hk, d), cu_q, None)
+    out = flash_attn_varlen_func(*call, sq, sk, strict=True, **kw)
+    dout = torch.randn_like(out)
+    poison_allocator()
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu_q, cu_k, **a)
+    ref, low = reference_grads(ref_fn, leaves, dout.reshape(-1, h, d), **kw)
+    check_grads(got, ref, low)
