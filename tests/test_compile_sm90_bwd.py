@@ -82,3 +82,20 @@ def test_d96_takes_dq_in_one_warpgroup():
     a 32-byte swizzle, so one warpgroup computes all of dQ there; d=64 and 128 split it."""
     cfg = lambda d: launch_bwd.bwd_config(make_spec(torch.bfloat16, d, "none"))
     assert cfg(96).dq_single_wg and not cfg(128).dq_single_wg and not cfg(64).dq_single_wg
+
+
+@pytest.mark.parametrize("dv,varlen,seqused", [(64, False, False), (96, True, True), (128, False, True),
+                                               (128, True, False), (192, False, False), (256, True, True)])
+def test_compile_bwd_preprocess(dv, varlen, seqused, capfd, tmp_path, monkeypatch):
+    """The backward's preprocess kernel (one pass: D and the LSE in log2 units): 16-byte loads of
+    dO and O, butterfly sums, no spills."""
+    from cuteattn.kernels.common import arguments
+    from cuteattn.kernels.common.bwd_preprocess import BwdPreprocess, PreprocessConfig
+    from cuteattn.kernels.compile_common import compile_kernel
+    monkeypatch.chdir(tmp_path)
+    cfg = PreprocessConfig(cutlass.Float16, dv, 64, varlen_q=varlen, has_seqused_q=seqused)
+    ptx = compile_kernel(BwdPreprocess(cfg), arguments.fakes(cfg, arguments.PREPROCESS_ARGUMENTS),
+                         options="--keep-ptx remarks{ptx}").__ptx__
+    assert "ld.global.v4" in ptx and "shfl.sync.bfly" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
