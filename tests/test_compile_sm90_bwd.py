@@ -113,3 +113,20 @@ def test_block_sparse_backward_reasons():
     assert can(sparse_kv_block=64).startswith("block-sparse backward of 128x64 blocks")
     assert can(deterministic=True).startswith("block-sparse backward with deterministic=True")
     assert can(varlen_q=True, varlen_k=True).startswith("block-sparse backward with packed")
+
+
+@pytest.mark.parametrize("dv,varlen,seqused", [(64, False, False), (96, True, True), (128, False, True),
+                                               (128, True, False), (192, False, False), (256, True, True)])
+def test_compile_bwd_preprocess(dv, varlen, seqused, capfd, tmp_path, monkeypatch):
+    """The backward's preprocess kernel (one pass: D and the LSE in log2 units): 16-byte loads of
+    dO and O, butterfly sums, no spills."""
+    from cuteattn.kernels.common import arguments
+    from cuteattn.kernels.common.bwd_preprocess import BwdPreprocess, PreprocessConfig
+    from cuteattn.kernels.compile_common import compile_kernel
+    monkeypatch.chdir(tmp_path)
+    cfg = PreprocessConfig(cutlass.Float16, dv, 64, varlen_q=varlen, has_seqused_q=seqused)
+    ptx = compile_kernel(BwdPreprocess(cfg), arguments.fakes(cfg, arguments.PREPROCESS_ARGUMENTS),
+                         options="--keep-ptx remarks{ptx}").__ptx__
+    assert "ld.global.v4" in ptx and "shfl.sync.bfly" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0

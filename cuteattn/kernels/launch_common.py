@@ -174,6 +174,47 @@ def _rows_padded(rows: int) -> int:
 
 
 def bwd_preprocess(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 64):
+    """bwd_preprocess_torch's results, by one CuTe kernel on a GPU (common/bwd_preprocess.py:
+    one pass over dO and O, where the PyTorch steps make float32 copies of both)."""
+    if not out.is_cuda or out.dtype not in CUTLASS_DTYPES:
+        return bwd_preprocess_torch(dout, out, lse, cu_seqlens_q, seqused_q, tile_m)
+    if cu_seqlens_q is None:
+        shape = (*lse.shape[:-1], _rows_padded(lse.shape[-1]))
+    else:
+        batch = cu_seqlens_q.shape[0] - 1
+        shape = (lse.shape[0], _rows_padded(lse.shape[1] + tile_m * (batch + 1)) + 4)
+    lse2 = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+    dsum = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+    from .common.bwd_preprocess import PreprocessConfig
+    cfg = PreprocessConfig(CUTLASS_DTYPES[out.dtype], out.shape[-1], tile_m,
+                           varlen_q=cu_seqlens_q is not None, has_seqused_q=seqused_q is not None)
+    tvm_ffi = use_tvm_ffi()
+    values = (aligned16(out), aligned16(dout), lse, lse2, dsum, cu_seqlens_q, seqused_q)
+    args = values if tvm_ffi else tuple(
+        to_runtime(a, v) for a, v in zip(arguments.PREPROCESS_ARGUMENTS, values))
+    call_kernel(_compiled_preprocess(cfg, tvm_ffi), tvm_ffi, args, out.device)
+    return lse2, dsum
+
+
+@functools.lru_cache(maxsize=None)
+def _preprocess_sources() -> tuple:
+    from .. import compile_cache
+    return compile_cache.module_sources("cuteattn.kernels.common.bwd_preprocess")
+
+
+def _compiled_preprocess(cfg, tvm_ffi: bool):
+    from .. import compile_cache
+
+    def build():
+        from .common.bwd_preprocess import BwdPreprocess
+        from .compile_common import compile_kernel
+        return compile_kernel(BwdPreprocess(cfg), arguments.fakes(cfg, arguments.PREPROCESS_ARGUMENTS),
+                              tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("common", "bwd_preprocess", tvm_ffi, cfg), build,
+                                        persist=tvm_ffi, sources=_preprocess_sources())
+
+
+def bwd_preprocess_torch(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 64):
     """(lse_log2, dsum), float32 (b, h, s_pad) with s_pad = s rounded up to a multiple of 4, pad
     rows 0. Packed (cu_seqlens_q given): (h, rows) with sequence b's rows starting at row
     (cu_seqlens_q[b] // tile_m + b) * tile_m (the backward kernels' row_view; for sm90 TMA tiles of
