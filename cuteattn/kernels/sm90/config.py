@@ -2,7 +2,6 @@
 registers per consumer thread; see docs/perf-log.md for how they were chosen)."""
 import dataclasses
 
-from ...sparse import KERNEL_BLOCKS
 from ..launch_common import compiled_width
 from .fwd import Sm90FwdConfig
 
@@ -53,9 +52,8 @@ TILE_N_CAPS = {
 }
 
 
-# Block-sparse lists' (query, key) block shapes the kernel takes: its tile is the block (FA4's
+# Block-sparse lists take the block shapes of sparse.KERNEL_BLOCKS (the tile is the block: FA4's
 # and VSA's physical shapes). Wider head dims than SPARSE_MAX_HEAD_DIM do not fit the ring.
-SPARSE_BLOCKS = KERNEL_BLOCKS
 SPARSE_MAX_HEAD_DIM = 128
 
 

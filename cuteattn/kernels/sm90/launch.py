@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from ... import compile_cache
+from ...sparse import KERNEL_BLOCKS
 from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scalars, l2_groups, sm_count,
                             to_runtime, unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
@@ -172,8 +173,8 @@ def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
     if not spec.sparse_q_block:
         return None
     block = (spec.sparse_q_block, spec.sparse_kv_block)
-    if block not in config.SPARSE_BLOCKS:
-        shapes = ", ".join(f"{q}x{k}" for q, k in config.SPARSE_BLOCKS)
+    if block not in KERNEL_BLOCKS:
+        shapes = ", ".join(f"{q}x{k}" for q, k in KERNEL_BLOCKS)
         return f"block-sparse blocks of {block[0]}x{block[1]}: the sm90 kernel takes {shapes}"
     if spec.head_dim > config.SPARSE_MAX_HEAD_DIM:
         return (f"block-sparse at head_dim {spec.head_dim}: the sm90 kernel takes head dims up "
