@@ -17,7 +17,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Float64, Int32, const_expr
 
 from .layout import lse_seq_major, seq_major
 from .seqlen_info import sequence_range
@@ -120,18 +120,23 @@ class BwdPreprocess:
         first_row = m_block * cfg.rows
         for m in cutlass.range_constexpr(cute.size(tOgO, mode=[1])):
             row = first_row + tOcO[0, m, 0][0]
-            acc = Float32(0.0)
+            # The sum in float64, rounded to float32 once: D is subtracted from dP (a float32
+            # wgmma sum of the same products) in dS = P * (dP - D), where the two cancel when a
+            # row's probability sits on few keys; a float32 sum here adds its own rounding
+            # (~ulp of |D|) to that difference. Each product of two 16-bit floats is exact in
+            # float32; the kernel is bound by memory, so the wider adds cost nothing measurable.
+            acc = Float64(0.0)
             if row < length:
                 cute.autovec_copy(tOgO[None, m, None], rO)
                 cute.autovec_copy(tOgdO[None, m, None], rdO)
-                prod = rO.load().to(Float32) * rdO.load().to(Float32)
-                acc = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                prod = (rO.load().to(Float32) * rdO.load().to(Float32)).to(Float64)
+                acc = prod.reduce(cute.ReductionOp.ADD, Float64(0.0), 0)
             acc = cute.arch.warp_reduction_sum(acc, threads_in_group=self.lanes_per_row)
             if (tidx % self.lanes_per_row == 0) & (row < length):
                 d = Float32(0.0)
                 l2 = Float32.inf
                 if row < used:
-                    d = acc
+                    d = acc.to(Float32)
                     if lse[row] != -Float32.inf:
                         l2 = lse[row] * LOG2E
                 dsum[row] = d
