@@ -373,8 +373,6 @@ def _sparse_reason(q, k, v, varlen, sink):
         return "no kernel for packed sequences yet"
     if sink is not None:
         return "no kernel with a learnable sink yet"
-    if _needs_grad(q, k, v):
-        return "no backward kernel yet (without gradients the forward runs on the GPU)"
     if torch.compiler.is_compiling():
         return "no kernel under torch.compile yet"
     return None
@@ -400,12 +398,47 @@ def _launch_sparse(q, k, v, spec, launch, mask, out=None, lse=None):
         out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
                           device=q.device)
-    # (a mode of extent 1 broadcasts in the kernel; an expanded view's zero strides do not pass
-    # every call path, so such a view is copied)
-    lists = [t if t.stride(-1) == 1 and 0 not in t.stride() else t.contiguous() for t in
-             (mask.full_count, mask.full_index, mask.partial_count, mask.partial_index)]
-    launch(q, k, v, out, lse, sparse=tuple(lists))
+    launch(q, k, v, out, lse, sparse=_kernel_lists(mask))
     return out, lse
+
+
+def _kernel_lists(mask) -> tuple:
+    """A mask's four list tensors as the kernels take them (a mode of extent 1 broadcasts in the
+    kernel; an expanded view's zero strides do not pass every call path, so such a view is
+    copied)."""
+    return tuple(t if t.stride(-1) == 1 and 0 not in t.stride() else t.contiguous() for t in
+                 (mask.full_count, mask.full_index, mask.partial_count, mask.partial_index))
+
+
+class _BlockSparse(torch.autograd.Function):
+    """Block-sparse attention on the kernels, forward and backward. The backward's key blocks
+    walk the transposed lists (sparse.transpose, built on the device when the backward runs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask):
+        out, lse = _launch_sparse(q, k, v, spec, forward_launch, mask)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backward_launch, ctx.mask = backward_launch, mask
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from cuteattn import sparse
+        q, k, v, out, lse = ctx.saved_tensors
+        lists = _kernel_lists(sparse.transpose(ctx.mask))
+        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse, sparse=lists)
+        return dq, dk, dv, None, None, None, None
+
+
+def _cached_launch(spec, device):
+    """(launch, None) of the family serving spec, kept per spec; else (None, reason)."""
+    hit = _launches.get(("sparse", spec, device))  # (the spec holds every static choice)
+    if hit is not None:
+        return hit[1], None
+    launch, reason = _select_kernel(spec, device)
+    _remember(("sparse", spec, device), spec, launch)
+    return launch, reason
 
 
 def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None, sig=None):
@@ -419,14 +452,14 @@ def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None, sig=No
     if spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return None, "block-sparse attention: an empty problem (the reference's results)"
     kspec, physical = _sparse_spec(spec, mask)
-    hit = _launches.get(("sparse", kspec, q.device))  # (the spec holds every static choice)
-    if hit is None:
-        launch, reason = _select_kernel(kspec, q.device)
-        if launch is None:
-            return None, "block-sparse attention: " + reason
-        _remember(("sparse", kspec, q.device), kspec, launch)
-    else:
-        launch = hit[1]
+    launch, reason = _cached_launch(kspec, q.device)
+    if launch is None:
+        return None, "block-sparse attention: " + reason
+    if _needs_grad(q, k, v):
+        backward, reason = _cached_launch(dataclasses.replace(kspec, kind="bwd"), q.device)
+        if backward is None:
+            return None, "block-sparse attention: backward: " + reason
+        return _BlockSparse.apply(q, k, v, kspec, launch, backward, physical), None
     if physical is mask:  # (an expanded mask is expanded again on every call: not kept)
         _remember(sig, kspec, launch)
     return _launch_sparse(q, k, v, kspec, launch, physical, out, lse), None

@@ -113,6 +113,15 @@ def from_block_mask(block_mask: torch.Tensor, q_block: int, kv_block: int,
     return BlockSparseMask(q_block, kv_block, full_count, full_index, partial_count, partial_index)
 
 
+def transpose(mask: BlockSparseMask) -> BlockSparseMask:
+    """The same token pairs seen from the keys: per (batch|1, head|1, key block), the query
+    blocks that attend it (full or partial as in mask), blocks of kv_block x q_block. What the
+    backward's key blocks walk; built on the device, no host sync."""
+    full, partial = mask.block_masks()
+    partial = (partial & ~full).transpose(-1, -2)
+    return from_block_mask(full.transpose(-1, -2) | partial, mask.kv_block, mask.q_block, partial)
+
+
 def from_topk(indices: torch.Tensor, num_kv_blocks: int, q_block: int, kv_block: int,
               partial: bool = False) -> BlockSparseMask:
     """From (B|1, H|1, nq, k) selected key block indices per query block (VSA's top-k form;

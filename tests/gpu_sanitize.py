@@ -12,7 +12,8 @@ Groups of cases (each case a few calls of a few hundred tokens at most, racechec
   bad     tests/test_gpu_guard.py's bad metadata (validate=False) on its three configs
   surface padded head dims, head_dim_v < head_dim, negative window edges, one side packed,
           seqused on batched q/k (tests/test_gpu_surface.py's varlen helper)
-  sparse  block-sparse lists at every physical block shape, a causal mask on top, lying lists
+  sparse  block-sparse lists at every physical block shape, a causal mask on top, lying lists,
+          the backward (128x128 lists)
   portable  the mma.sync path (CUTEATTN_PATH=sm80): the fixed group's forward cases, varlen with
           seqused, the decode kernel's cases (tests/test_gpu_sm80.DECODE_CASES), a paged
           prefill, the backward (d 64/128, the fixed masks, deterministic, varlen), bad metadata
@@ -122,6 +123,9 @@ def cases() -> dict:
         *sp.inputs(2, 300, 300, 4, 4, 64, fp16), sp.random_lists(2, 4, 300, 300, (128, 64), 2),
         causal=True)
     out["sparse_lying_lists"] = lambda: sp.test_lying_lists_stay_inside_the_tensors(0)
+    out["sparse_backward_causal"] = lambda: sp.check_grads(
+        *sp.inputs(1, 333, 400, 4, 2, 128, bf16), sp.random_lists(1, 4, 333, 400, (128, 128), 2),
+        causal=True)
     out["surface_seqused_only"] = lambda: su.run_varlen(
         small_q, small_k, 8, 2, 128, 128, bf16, batched_q=True, batched_k=True,
         seqused_q=su.used([1, 0, 20, 129, 250]), seqused_k=su.used([100, 3, 0, 300, 1]))

@@ -65,7 +65,9 @@ def main():
                                 varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
                                 smem_limit=smem)
         else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
-            cfg = fwd_configs(DTYPES[dtype], d, d, *masks, form, form, smem_limit=smem)
+            # (d may be "d/dv": head dims the kernel pads, or v narrower than q/k)
+            dq, dv = map(int, d.split("/")) if isinstance(d, str) else (d, d)
+            cfg = fwd_configs(DTYPES[dtype], dq, dv, *masks, form, form, smem_limit=smem)
         if isinstance(cfg, list):
             cfg, compiled, info = first_spill_free(
                 cfg, lambda c: compile_fwd_with_report(c, keep_ptx=True))

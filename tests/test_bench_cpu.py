@@ -51,3 +51,13 @@ def test_graph_replay_rates_are_compared_among_themselves():
     assert report.ratio_to_best_peer({"cuteattn": 1.0, "cuteattn graph": 2.0}, graph=True) is None
     s = report.summary([{"cell": {"kind": "decode"}, "rates": rates}])
     assert s["decode"]["min"] == 0.8 and s["decode (CUDA-graph replays)"]["min"] == 1.25
+
+
+def test_block_sparse_builders_are_reported_as_a_share_of_the_kernel():
+    """The sparse cells' builder time (top-k lists, expanded) against cuteattn's median time."""
+    from cuteattn.bench import report
+    cell = dict(rates={"cuteattn": 640.0}, cell_ms={"cuteattn": 2.0}, check={}, metric="tflops",
+                cell={"kind": "sparse"}, skipped={}, first_call_s={})
+    results = [dict(cell, label="a", builder_ms=0.05), dict(cell, label="b"),
+               dict(cell, label="c", builder_ms=0.1, rates={})]
+    assert report.builder_shares(results) == [("a", 0.025)]

@@ -33,7 +33,11 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
             + [["bf16", 192, "local", False], ["bf16", 192, "none", True],
                ["bf16", 256, "local", False], ["fp16", 256, "causal", False],
                ["fp16", 64, "causal", False], ["bf16", 128, "causal", True],
-               ["fp16", 256, "none", True]]
+               ["fp16", 256, "none", True],
+               # head dims between the compiled widths (padded) and v narrower than q/k
+               ["bf16", "80/80", "causal", False], ["fp16", "192/128", "local", True],
+               ["bf16", "72/40", "softcap", False], ["bf16", "256/128", "none", False],
+               ["fp16", "112/112", "none", True]]
             # the decode kernel (flash_attn_with_kvcache): contiguous and paged caches, splits
             + [["bf16", 128, "none", "decode"], ["bf16", 128, "causal", "decode,split,bidx,leftpad"],
                ["fp16", 64, "local", "decode,page=16,split"], ["bf16", 96, "softcap", "decode,page=128"],

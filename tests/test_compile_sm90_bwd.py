@@ -82,3 +82,51 @@ def test_d96_takes_dq_in_one_warpgroup():
     a 32-byte swizzle, so one warpgroup computes all of dQ there; d=64 and 128 split it."""
     cfg = lambda d: launch_bwd.bwd_config(make_spec(torch.bfloat16, d, "none"))
     assert cfg(96).dq_single_wg and not cfg(128).dq_single_wg and not cfg(64).dq_single_wg
+
+
+# The block-sparse backward: a key block walks the query blocks of the transposed lists.
+# (d, q_block, mask), fp16 (the register-hungrier dtype)
+SPARSE_CASES = [(128, 128, "none"), (64, 128, "causal"), (96, 128, "softcap"), (128, 128, "local"),
+                (128, 64, "causal"), (64, 64, "softcap")]
+
+
+@pytest.mark.parametrize("d,q_block,mask", SPARSE_CASES, ids=[f"d{d}-{q}x128-{m}" for d, q, m in SPARSE_CASES])
+def test_compile_block_sparse_backward(d, q_block, mask, capfd, tmp_path, monkeypatch):
+    import dataclasses
+    monkeypatch.chdir(tmp_path)
+    spec = dataclasses.replace(make_spec(torch.float16, d, mask), sparse_q_block=q_block,
+                               sparse_kv_block=128)
+    assert launch_bwd.BACKWARD.can_implement(spec) is None
+    cfg = launch_bwd.bwd_config(spec)
+    assert cfg.sparse and cfg.sparse_q_block == q_block
+    ptx = compile_bwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
+
+
+def test_block_sparse_backward_reasons():
+    import dataclasses
+    can = lambda **kw: launch_bwd.BACKWARD.can_implement(dataclasses.replace(
+        make_spec(torch.bfloat16, 128, "none"), **{"sparse_q_block": 128, "sparse_kv_block": 128, **kw}))
+    assert can() is None and can(sparse_q_block=64) is None
+    assert can(sparse_kv_block=64).startswith("block-sparse backward of 128x64 blocks")
+    assert can(deterministic=True).startswith("block-sparse backward with deterministic=True")
+    assert can(varlen_q=True, varlen_k=True).startswith("block-sparse backward with packed")
+
+
+@pytest.mark.parametrize("dv,varlen,seqused", [(64, False, False), (96, True, True), (128, False, True),
+                                               (128, True, False), (192, False, False), (256, True, True)])
+def test_compile_bwd_preprocess(dv, varlen, seqused, capfd, tmp_path, monkeypatch):
+    """The backward's preprocess kernel (one pass: D and the LSE in log2 units): 16-byte loads of
+    dO and O, butterfly sums, no spills."""
+    from cuteattn.kernels.common import arguments
+    from cuteattn.kernels.common.bwd_preprocess import BwdPreprocess, PreprocessConfig
+    from cuteattn.kernels.compile_common import compile_kernel
+    monkeypatch.chdir(tmp_path)
+    cfg = PreprocessConfig(cutlass.Float16, dv, 64, varlen_q=varlen, has_seqused_q=seqused)
+    ptx = compile_kernel(BwdPreprocess(cfg), arguments.fakes(cfg, arguments.PREPROCESS_ARGUMENTS),
+                         options="--keep-ptx remarks{ptx}").__ptx__
+    assert "ld.global.v4" in ptx and "shfl.sync.bfly" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0

@@ -247,3 +247,74 @@ def test_bwd_seqused_only(seed, mask, d):
     # the reference's rows past seqused_q have out 0: their dout does not matter
     ref, low = reference_grads(ref_fn, leaves, dout.reshape(b * sq, h, d), **kw)
     check_grads(got, ref, low)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("side", ["q packed", "k packed"])
+def test_bwd_one_side_packed(seed, mask, side):
+    """cu_seqlens on one side only, the other batched (max length rows per sequence)."""
+    lens_q, lens_k = [1, 0, 63, 129, 300], [129, 65, 0, 300, 64]
+    b, h, hk, d = len(lens_q), 8, 2, 128
+    if side == "k packed":
+        lens_q = [max(lens_q)] * b
+    else:
+        lens_k = [max(lens_k)] * b
+    sq, sk = max(lens_q), max(lens_k)
+    kw = MASKS[mask] if mask != "window" else dict(window_size=(40, 10))
+    leaves = [torch.randn(sum(lens), n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for lens, n in ((lens_q, h), (lens_k, hk), (lens_k, hk))]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device="cuda")
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    if side == "k packed":
+        call = (leaves[0].view(b, sq, h, d), leaves[1], leaves[2], None, cu_k)
+    else:
+        call = (leaves[0], leaves[1].view(b, sk, hk, d), leaves[2].view(b, sk, hk, d), cu_q, None)
+    out = flash_attn_varlen_func(*call, sq, sk, strict=True, **kw)
+    dout = torch.randn_like(out)
+    poison_allocator()
+    got = torch.autograd.grad(out, leaves, dout)
+    ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu_q, cu_k, **a)
+    ref, low = reference_grads(ref_fn, leaves, dout.reshape(-1, h, d), **kw)
+    check_grads(got, ref, low)
+
+
+# ---- the preprocess kernel against its PyTorch reference ----
+
+@pytest.mark.parametrize("form", ["fixed", "fixed-seqused", "packed", "packed-seqused"])
+@pytest.mark.parametrize("dv", [64, 96, 128])
+def test_preprocess_kernel_equals_the_pytorch_steps(seed, form, dv):
+    """launch_common.bwd_preprocess (the CuTe kernel on a GPU) against bwd_preprocess_torch: the
+    same LSE in log2 units (+inf where the forward's was -inf or past seqused) and the same D
+    (float32 sums in another order), pad rows 0; rows past seqused hold NaN in out, as a forward
+    may leave them, and must not leak."""
+    from cuteattn.kernels import launch_common
+    packed, used = form.startswith("packed"), form.endswith("seqused")
+    lens = [1, 0, 63, 64, 130, 700]
+    b, h = len(lens), 4
+    if packed:
+        out = torch.randn(sum(lens), h, dv, device="cuda", dtype=torch.bfloat16)
+        lse = torch.randn(h, sum(lens), device="cuda") * 3
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    else:
+        out = torch.randn(b, 700, h, dv, device="cuda", dtype=torch.float16)
+        lse = torch.randn(b, h, 700, device="cuda") * 3
+        cu = None
+    dout = torch.randn_like(out)
+    lse.view(-1)[::7] = float("-inf")  # rows that saw no key
+    seqused = None
+    if used:
+        seqused = torch.tensor([1, 0, 10, 64, 0, 333], dtype=torch.int32, device="cuda")
+        if packed:
+            for i, (start, n) in enumerate(zip(cu.tolist(), seqused.tolist())):
+                out[start + n:start + lens[i]] = float("nan")
+        else:
+            for i, n in enumerate(seqused.tolist()):
+                out[i, n:] = float("nan")
+    got = launch_common.bwd_preprocess(dout, out, lse, cu, seqused, 64)
+    want = launch_common.bwd_preprocess_torch(dout, out, lse, cu, seqused, 64)
+    for g, w, name in zip(got, want, ("lse2", "dsum")):
+        assert g.shape == w.shape and not torch.isnan(g).any(), name
+        assert torch.equal(torch.isinf(g), torch.isinf(w)), name
+        finite = torch.isfinite(w)
+        torch.testing.assert_close(g[finite], w[finite], rtol=1e-5, atol=1e-4, msg=name)

@@ -142,10 +142,44 @@ def test_lying_lists_stay_inside_the_tensors(seed):
     assert out.shape == q.shape
 
 
-def test_gradients_fall_back_to_the_reference(seed):
-    """No block-sparse backward kernel yet: a call that needs gradients runs on the reference
-    (strict mode says so)."""
+# ---- the backward (lists of 128x128 blocks, or coarser ones expanded to them) ----
+
+def check_grads(q, k, v, mask, **kw):
+    """dq, dk, dv through autograd against the reference's autograd on the dense mask."""
+    from test_gpu_bwd import check_grads as check, poison_allocator, reference_grads
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_func(*leaves, block_sparse=mask, strict=True, **kw)
+    dout = torch.randn_like(out)
+    poison_allocator()
+    got = torch.autograd.grad(out, leaves, dout)
+    ref, low = reference_grads(attention_ref, (q, k, v), dout, block_sparse=mask, **kw)
+    check(got, ref, low)
+
+
+BWD_CASES = [(mask, keep, sl, d, dtype, heads) for (i, (mask, keep)) in enumerate(
+    itertools.product(MASKS, [0, 2, 5, "all"]))
+    for sl, d, dtype, heads in [(SEQLENS[i % len(SEQLENS)], (64, 96, 128)[i % 3],
+                                 (torch.bfloat16, torch.float16)[i % 2], [(4, 4), (8, 2)][i % 2])]]
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: f"{c[0]}-keep{c[1]}-{c[2][0]}x{c[2][1]}-d{c[3]}")
+def test_block_sparse_backward(seed, case):
+    mask, keep, (sq, sk), d, dtype, (h, hk) = case
+    q, k, v = inputs(2, sq, sk, h, hk, d, dtype)
+    check_grads(q, k, v, random_lists(2, h, sq, sk, (128, 128), keep), **MASKS[mask])
+
+
+def test_block_sparse_backward_of_a_logical_mask(seed):
+    """VSA's 256x256 top-k mask (expanded to 128x128 for both passes), sequence not a multiple
+    of the block, lists broadcast over the batch."""
+    q, k, v = inputs(2, 1000, 1000, 4, 2, 128, torch.bfloat16)
+    top = torch.rand(1, 4, 4, 4, device="cuda").topk(2, dim=-1).indices
+    check_grads(q, k, v, sparse.from_topk(top, 4, 256, 256))
+
+
+def test_backward_of_other_blocks_falls_back(seed):
+    """Lists of 64-key blocks have no backward kernel yet: strict mode names the reason."""
     q, k, v = (x.requires_grad_() for x in inputs(1, 256, 256, 2, 2, 64, torch.bfloat16))
-    lists = random_lists(1, 2, 256, 256, (128, 128), 1)
-    with pytest.raises(RuntimeError, match="no backward kernel yet"):
+    lists = random_lists(1, 2, 256, 256, (64, 64), 1)
+    with pytest.raises(RuntimeError, match="backward"):
         flash_attn_func(q, k, v, block_sparse=lists, strict=True)

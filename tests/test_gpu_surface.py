@@ -77,8 +77,8 @@ def path(request, monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_head_dims(seed, case):
-    """head_dim_v != head_dim and padded head dims, on the device's own forward."""
+def test_head_dims(seed, path, case):
+    """head_dim_v != head_dim and padded head dims, on both forward paths."""
     dtype, (d, dv), (h, hk), mask, (sq, sk) = case
     q = torch.randn(2, sq, h, d, device="cuda", dtype=dtype)
     k = torch.randn(2, sk, hk, d, device="cuda", dtype=dtype)
@@ -86,7 +86,7 @@ def test_head_dims(seed, case):
     check_fixed(q, k, v, **MASKS[mask])
 
 
-def test_head_dims_strided_and_scaled(seed):
+def test_head_dims_strided_and_scaled(seed, path):
     """A padded head dim in views of one packed qkv tensor, with a custom scale."""
     qkv = torch.randn(2, 333, 3, 8, 80, device="cuda", dtype=torch.bfloat16)
     check_fixed(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], softmax_scale=0.3, causal=True)
@@ -94,7 +94,7 @@ def test_head_dims_strided_and_scaled(seed):
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (80, 80), (128, 64)])
 @pytest.mark.parametrize("mask", ["none", "causal"])
-def test_head_dims_varlen(seed, d, dv, mask):
+def test_head_dims_varlen(seed, path, d, dv, mask):
     lens_q, lens_k = [1, 0, 63, 129, 700], [129, 65, 0, 700, 64]
     run_varlen(lens_q, lens_k, 8, 2, d, dv, torch.bfloat16, **MASKS[mask])
 

@@ -78,14 +78,28 @@ def test_no_tile_fits_a_tiny_shared_memory(monkeypatch):
 
 
 @pytest.mark.parametrize("fields,reason", [
-    (dict(head_dim=80, head_dim_v=80),
+    (dict(head_dim=264, head_dim_v=264), "head_dim 264 is wider than the sm80 forward's widest (256)"),
+    (dict(head_dim=64, head_dim_v=128),
+     "head_dim_v 128 > head_dim 64 is not supported by the sm80 forward (head_dim_v <= head_dim)"),
+    (dict(head_dim=80, head_dim_v=80, paged_kv=True, varlen_q=True, page_size=16),
      "head_dim 80 is not supported by the sm80 forward (supported: 64, 96, 128, 192, 256)"),
-    (dict(head_dim_v=64), "head_dim_v 64 != head_dim 128 is not supported by the sm80 forward"),
     (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm80 forward (fp16, bf16)"),
     (dict(has_sink=True), "learnable attention sinks: no sm80 forward takes them yet"),
 ])
 def test_sm80_forward_reasons(fields, reason):
     assert sm80_launch.FORWARD.can_implement(make_spec(**fields)) == reason
+
+
+@pytest.mark.parametrize("d,dv", [(80, 80), (192, 128), (72, 40), (8, 8), (256, 128)])
+def test_sm80_forward_pads_other_head_dims(d, dv):
+    """Any head dim up to 256 (a multiple of 8) and any head_dim_v up to it run on the next
+    compiled widths, padded in the kernel (flag `padded`) exactly when a tensor's is narrower."""
+    assert sm80_launch.FORWARD.can_implement(make_spec(head_dim=d, head_dim_v=dv)) is None
+    cfg = config.fwd_config(cutlass.BFloat16, d, dv, False, False, False, False, False,
+                            smem_limit=163 * 1024)
+    widths = config.SUPPORTED_HEAD_DIMS
+    assert (cfg.head_dim, cfg.head_dim_v) == tuple(min(w for w in widths if w >= x) for x in (d, dv))
+    assert cfg.padded == ((d, dv) != (cfg.head_dim, cfg.head_dim_v))
 
 
 @pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
@@ -297,9 +311,11 @@ def test_backward_declaration_matches_kernel_signature():
     assert list(common.names(arguments.BWD_ARGUMENTS)) + [common.STREAM] == params
     fixed = {"qhead_per_kvhead", "softmax_scale", "score_scale", "softmax_scale_log2",
              "window_left", "window_right"}
-    # both backward kernels take the same list (the common declaration)
+    # both backward kernels take the common list; sm90's has the block-sparse lists too
     from cuteattn.kernels.sm90 import arguments as sm90_arguments
-    assert common.names(arguments.BWD_ARGUMENTS) == sm90_arguments.names(sm90_arguments.BWD_ARGUMENTS)
+    sparse = common.group_names("sparse", (common.SPARSE,))
+    assert common.names(arguments.BWD_ARGUMENTS) == tuple(
+        n for n in sm90_arguments.names(sm90_arguments.BWD_ARGUMENTS) if n not in sparse)
     assert set(BWD_PER_CALL) | fixed == set(common.names(arguments.BWD_ARGUMENTS))
 
 

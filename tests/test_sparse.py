@@ -172,38 +172,62 @@ def test_full_blocks_skip_the_mask_mod(seed):
 
 
 def test_block_sparse_calls_reach_the_kernel_once_dispatched(monkeypatch):
-    """Host side of the block-sparse kernel path, with a stand-in for the kernel: the first call
+    """Host side of the block-sparse kernel path, with stand-ins for the kernels: the first call
     dispatches (the kernel's spec carries the lists' block shape), a repeated call with the same
     signature reuses the launch without dispatching again, a coarser mask is expanded to a
-    kernel block shape first, and a call that needs gradients never reaches the kernel."""
+    kernel block shape first, and a call that needs gradients runs the forward kernel under an
+    autograd function whose backward launch gets the transposed lists."""
     from cuteattn import api
-    launched, dispatched = [], []
+    launched, dispatched, backward_lists = [], [], []
 
     def launch(q, k, v, out, lse, sparse=None):
         launched.append(sparse)
         out.zero_()
         lse.zero_()
 
+    def backward(dout, q, k, v, out, lse, sparse=()):
+        backward_lists.append(sparse)
+        return torch.ones_like(q), torch.ones_like(k), torch.ones_like(v)
+
     def select(spec, device):
-        dispatched.append((spec.sparse_q_block, spec.sparse_kv_block))
-        return launch, None
+        dispatched.append((spec.kind, spec.sparse_q_block, spec.sparse_kv_block))
+        return (backward if spec.kind == "bwd" else launch), None
 
     monkeypatch.setattr(api, "_select_kernel", select)
-    # the real rule's GPU-free part: a call that records a gradient is declined
-    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink:
-                        "no backward kernel yet" if api._needs_grad(q, k, v) else None)
+    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink: None)
     monkeypatch.setattr(api, "_launches", {})
     q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
     lists = sparse.from_topk(torch.tensor([[[[0], [1]]]]).expand(1, 2, 2, 1), 2, 128, 128)
     for _ in range(3):
         out = flash_attn_func(q, q, q, block_sparse=lists)
         assert out.shape == q.shape and bool((out == 0).all())
-    assert dispatched == [(128, 128)] and len(launched) == 3
+    assert dispatched == [("fwd", 128, 128)] and len(launched) == 3
     assert launched[0][1] is lists.full_index  # the caller's lists, not copies
     logical = sparse.from_topk(torch.tensor([[[[0]]]]), 1, 256, 256)
     flash_attn_func(q, q, q, block_sparse=logical)
-    assert dispatched[-1] == (128, 128) and launched[-1][1].shape[-2:] == (2, 2)
-    n = len(launched)
-    with pytest.raises(RuntimeError, match="no backward kernel yet"):  # not the kept launch
-        flash_attn_func(q.requires_grad_(), q, q, block_sparse=lists, strict=True)
-    assert len(launched) == n
+    assert dispatched[-1] == ("fwd", 128, 128) and launched[-1][1].shape[-2:] == (2, 2)
+    # gradients: the kept launch is not taken for them; the backward is dispatched too
+    qg = q.clone().requires_grad_()
+    out = flash_attn_func(qg, q, q, block_sparse=lists)
+    assert ("bwd", 128, 128) in dispatched and out.requires_grad
+    out.sum().backward()
+    assert bool((qg.grad == 1).all())
+    (full_count, full_index, partial_count, partial_index), = backward_lists
+    # query block b attends key block b: transposed, key block n is seen by query block n
+    assert full_count.tolist() == [[[1, 1], [1, 1]]] and full_index[..., 0].tolist() == [[[0, 1], [0, 1]]]
+    assert int(partial_count.sum()) == 0
+
+
+def test_transpose_lists_the_same_pairs():
+    """sparse.transpose: per key block the query blocks that attend it, full and partial kept
+    apart; the dense mask it implies is the original's, transposed."""
+    torch.manual_seed(0)
+    selected = torch.rand(2, 3, 5, 4) < 0.5
+    partial = selected & (torch.rand(2, 3, 5, 4) < 0.4)
+    mask = sparse.from_block_mask(selected, 64, 128, partial)
+    t = sparse.transpose(mask)
+    assert (t.q_block, t.kv_block) == (128, 64)
+    full, part = mask.block_masks()
+    t_full, t_part = t.block_masks()
+    assert torch.equal(t_full, full.transpose(-1, -2)) and torch.equal(t_part, part.transpose(-1, -2))
+    assert torch.equal(t.dense(500, 300), mask.dense(300, 500).transpose(-1, -2))

@@ -33,7 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--sparse", action="store_true",
                    help="block-sparse forward (B=1, H=12, d=128, S 8k/32k; dense, 50%% and 90%% of "
                         "256x256 logical blocks left out; physical 128x128, 128x64, 64x64) beside "
-                        "flash-attn-4's block-sparse path, instead of the forward grid")
+                        "flash-attn-4's block-sparse path, instead of the forward grid; with "
+                        "--bwd the backward alone at 128x128 (cells of kind 'sparse_bwd')")
     p.add_argument("--fp8", action="store_true",
                    help="the forward grid on float8_e4m3fn inputs with descales, our bf16 forward "
                         "on the same values beside it, instead of the forward grid")
@@ -91,12 +92,18 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
             result["skipped"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             continue
         result["rates"][name] = float(f"{cell.rate(ms):.4g}")  # 4 significant digits, never 0
+        result.setdefault("cell_ms", {})[name] = round(ms, 4)  # the median time itself
         if cell.kind == "decode" and device.type == "cuda":  # also as a CUDA-graph replay
             try:
                 ms = graph_replay_ms(fn, device, iters=iters)
                 result["rates"][name + report.GRAPH] = float(f"{cell.rate(ms):.4g}")
             except Exception as e:  # a peer that cannot be captured
                 result["skipped"][name + report.GRAPH] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    if "builders" in x:  # block-sparse: the metadata builders, on the GPU, apart from the kernel
+        try:
+            result["builder_ms"] = round(median_ms(x["builders"], device, iters=iters), 4)
+        except Exception as e:
+            result["skipped"]["builders"] = f"{type(e).__name__}: {str(e)[:200]}"
     del x
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
         elif args.fp8:
             grid = shapes.fp8_grid(quick=args.quick)
         elif args.sparse:
-            grid = shapes.sparse_grid(quick=args.quick)
+            grid = shapes.sparse_grid(quick=args.quick, bwd=args.bwd)
         elif args.bwd:
             grid = shapes.bwd_grid(quick=args.quick)
         else:

@@ -17,8 +17,8 @@ def make_inputs(cell: Cell, device: torch.device) -> dict:
         return _decode_inputs(cell, device, dtype)
     if cell.kind == "fp8":
         return _fp8_inputs(cell, device)
-    if cell.kind == "sparse":
-        return _sparse_inputs(cell, device, dtype)
+    if cell.kind in ("sparse", "sparse_bwd"):
+        return _sparse_inputs(cell, device, dtype, grad=cell.kind == "sparse_bwd")
     grad = cell.kind == "bwd"
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
     if cell.lens is None:
@@ -74,18 +74,21 @@ def _fp8_inputs(cell: Cell, device) -> dict:
     return x
 
 
-def _sparse_inputs(cell: Cell, device, dtype) -> dict:
+def _sparse_inputs(cell: Cell, device, dtype, grad: bool = False) -> dict:
     """q, k, v and an exact logical mask: every 256-row query block keeps the same number of
     the 256-key blocks (chosen at random), expanded to the cell's physical blocks."""
     from cuteattn import sparse
     from cuteattn.bench.shapes import LOGICAL_BLOCK
-    x = {n: torch.randn(cell.batch, cell.seqlen_q, cell.nheads, cell.d, device=device, dtype=dtype)
-         for n in ("q", "k", "v")}
+    x = {n: torch.randn(cell.batch, cell.seqlen_q, cell.nheads, cell.d, device=device, dtype=dtype,
+                        requires_grad=grad) for n in ("q", "k", "v")}
     keep, n = cell.kept_blocks()
     ranks = torch.rand(cell.batch, cell.nheads, -(-cell.seqlen_q // LOGICAL_BLOCK), n, device=device)
     top = ranks.topk(keep, dim=-1).indices
     logical = sparse.from_topk(top, n, LOGICAL_BLOCK, LOGICAL_BLOCK)
     x["blocks"] = sparse.expand(logical, cell.block_q, cell.block_k)
+    # what a model runs each step to make the lists (timed apart: bench "builder_ms")
+    x["builders"] = lambda: sparse.expand(sparse.from_topk(top, n, LOGICAL_BLOCK, LOGICAL_BLOCK),
+                                          cell.block_q, cell.block_k)
     return x
 
 
@@ -218,6 +221,9 @@ def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
         return _fp8(cell, x, device)
     if cell.kind == "sparse":
         return _sparse(cell, x, device)
+    if cell.kind == "sparse_bwd":
+        return {name: fn if isinstance(fn, str) else _backward_of(fn, x)
+                for name, fn in _sparse(cell, x, device).items()}
     if device.type != "cuda":
         return {"cuteattn (reference)": _cuteattn(cell, x, strict=False)}
     forwards = {
@@ -258,6 +264,8 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
         return _check_fp8(cell, x, out, r)
     if cell.kind == "sparse":
         return _check_sparse(cell, x, out)
+    if cell.kind == "sparse_bwd":
+        return _check_sparse_dq(cell, x, out[0], dout)
     if cell.kind == "decode":  # batch 0, kv head 0's query heads, against its whole cache
         k0, v0 = _decode_keys(x, 0)
         q, k, v, o = x["q"][:1, :, :r], k0[None, :, :1], v0[None, :, :1], out[:1, :, :r]
@@ -322,6 +330,26 @@ def fp8_gemm_tflops(device, n: int = 8192, iters: int = 20) -> float:
     run = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
     run()
     return 2 * n ** 3 / (median_ms(run, device, iters=iters) * 1e-3) / 1e12
+
+
+def _check_sparse_dq(cell, x, dq, dout, rows: int = 256):
+    """dq of the first query rows of batch 0, head 0 (it depends on those rows alone) against
+    float32 autograd under the dense mask the block lists mean; dk and dv, which need every
+    row, are checked by the GPU tests."""
+    m = x["blocks"]
+    mask = m.dense(cell.seqlen_q, cell.seqlen_k, rows=(0, rows))[0, 0]
+    sl = lambda t, n: t.detach()[:1, :n, :1]
+    q, k, v, g = sl(x["q"], rows), sl(x["k"], cell.seqlen_k), sl(x["v"], cell.seqlen_k), sl(dout, rows)
+
+    def dq_of(dtype):
+        leaf = q.to(dtype).requires_grad_()
+        s = torch.einsum("bqhd,bkhd->bhqk", leaf, k.to(dtype)) / cell.d ** 0.5
+        p = torch.nan_to_num(torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1))
+        torch.einsum("bhqk,bkhd->bqhd", p, v.to(dtype)).backward(g.to(dtype))
+        return leaf.grad
+    err, base = fa_error(dq[:1, :rows, :1], dq_of(torch.float32), dq_of(q.dtype))
+    bound = 2 * base + FA_FLOOR
+    return dict(ok=bool(err <= bound), err=err, bound=bound)
 
 
 def _check_sparse(cell, x, out, rows: int = 256):

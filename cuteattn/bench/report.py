@@ -53,6 +53,23 @@ def print_table(results: list[dict], impls: list[str]) -> None:
     for kind, s in summary(results).items():
         print(f"{kind}: {s['cells']} cells, ratio to the best peer {s['min']:.2f}-{s['max']:.2f}x, "
               f"geometric mean {s['geomean']:.2f}x, {s['at_least_1x']} at or above 1.00x")
+    shares = builder_shares(results)
+    if shares:
+        print("block-sparse builders (top-k lists, expanded; GPU time) as a share of cuteattn's "
+              "kernel time: " + ", ".join(f"{label} {share:.1%}" for label, share in shares))
+
+
+def builder_shares(results: list[dict]) -> list:
+    """(label, builder time / cuteattn's time) of the block-sparse cells that timed both."""
+    out = []
+    for r in results:
+        ours = r["rates"].get("cuteattn")
+        if r.get("builder_ms") is None or not ours:
+            continue
+        cell_ms = r.get("cell_ms", {}).get("cuteattn")  # (the median time behind its rate)
+        if cell_ms:
+            out.append((r["label"], r["builder_ms"] / cell_ms))
+    return out
 
 
 def summary(results: list[dict]) -> dict:
@@ -106,7 +123,8 @@ def write_json(path: str, meta: dict, results: list[dict]) -> None:
     cells = [dict(r["cell"], **{r["metric"]: r["rates"]}, check=r["check"], skipped=r["skipped"],
                   first_call_s=r["first_call_s"], compiles=r.get("compiles"),
                   disk_loads=r.get("disk_loads"), kernels=r.get("kernels"),
-                  **({"path": r["path"]} if "path" in r else {})) for r in results]
+                  **({"path": r["path"]} if "path" in r else {}),
+                  **({"builder_ms": r["builder_ms"]} if "builder_ms" in r else {})) for r in results]
     with open(path, "w") as f:
         json.dump(dict(meta, summary=summary(results), cells=cells), f, indent=1)
         f.write("\n")

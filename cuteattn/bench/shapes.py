@@ -69,7 +69,7 @@ class Cell:
     def flops(self) -> float:
         """Forward FLOPs: 4 * heads * d per attended (query, key) pair (two GEMMs, 2 flops a MAC);
         the backward's are 2.5 times that (five GEMMs against two)."""
-        if self.kind == "sparse":  # only the selected pairs count
+        if self.kind in ("sparse", "sparse_bwd"):  # only the selected pairs count
             keep, blocks = self.kept_blocks()
             pairs = self.batch * self.seqlen_q * self.seqlen_k * keep / blocks
         elif self.lens is None:
@@ -78,12 +78,12 @@ class Cell:
             pairs = sum(attended_pairs(n, n, self.causal) for n in self.lens)
         # 2 flops per MAC in each GEMM: Q K^T over d, P V over dv
         dims = self.d + (self.d if self.dv is None else self.dv)
-        return (2.5 if self.kind == "bwd" else 1.0) * 2.0 * self.nheads * dims * pairs
+        return (2.5 if self.kind in ("bwd", "sparse_bwd") else 1.0) * 2.0 * self.nheads * dims * pairs
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        if self.kind == "sparse":
-            return (f"sparse d{self.d} h{self.nheads} S{self.seqlen_q} {self.sparsity:.0%} "
+        if self.kind in ("sparse", "sparse_bwd"):
+            return (f"{self.kind.replace('_', ' ')} d{self.d} h{self.nheads} S{self.seqlen_q} {self.sparsity:.0%} "
                     f"{self.block_q}x{self.block_k}")
         if self.kind == "decode":
             cache = f"page {self.page_size}" if self.page_size else "contiguous"
@@ -132,13 +132,15 @@ def bwd_grid(quick: bool = False) -> list[Cell]:
 LOGICAL_BLOCK = 256  # VSA's logical block; physical blocks divide it
 
 
-def sparse_grid(quick: bool = False) -> list[Cell]:
+def sparse_grid(quick: bool = False, bwd: bool = False) -> list[Cell]:
     """FastVideo's shape: bf16, B=1, H=12, d=128, S in {8192, 32768}; dense, 50% and 90% of the
-    logical 256x256 blocks left out; physical blocks 128x128, 128x64, 64x64."""
+    logical 256x256 blocks left out; physical blocks 128x128, 128x64, 64x64. With bwd the
+    backward alone ("sparse_bwd" cells), at 128x128: the blocks its kernel takes."""
     seqlens = (8192,) if quick else (8192, 32768)
-    return [Cell("sparse", 128, 1, 12, 12, s, s, False, sparsity=p, block_q=bq, block_k=bk)
-            for s in seqlens for p in (0.0, 0.5, 0.9)
-            for bq, bk in ((128, 128), (128, 64), (64, 64))]
+    blocks = ((128, 128),) if bwd else ((128, 128), (128, 64), (64, 64))
+    return [Cell("sparse_bwd" if bwd else "sparse", 128, 1, 12, 12, s, s, False, sparsity=p,
+                 block_q=bq, block_k=bk)
+            for s in seqlens for p in (0.0, 0.5, 0.9) for bq, bk in blocks]
 
 
 def surface_grid() -> list[Cell]:

@@ -159,16 +159,11 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
 
 def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
-    a learnable sink; paged keys; and for the backward one side packed and the other batched
-    (BackwardLaunch sizes its grid from packed k when q is packed)."""
+    a learnable sink; paged keys."""
     if spec.has_sink:
         return f"learnable attention sinks: no {arch} {who} takes them yet"
     if spec.paged_kv:
         return f"paged keys (block_table): no {arch} {who} reads pages yet"
-    if who == "forward":
-        return None
-    if spec.varlen_q != spec.varlen_k:
-        return f"the {arch} {who} needs q and k both packed (cu_seqlens) or both batched"
     return None
 
 
@@ -179,6 +174,47 @@ def _rows_padded(rows: int) -> int:
 
 
 def bwd_preprocess(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 64):
+    """bwd_preprocess_torch's results, by one CuTe kernel on a GPU (common/bwd_preprocess.py:
+    one pass over dO and O, where the PyTorch steps make float32 copies of both)."""
+    if not out.is_cuda or out.dtype not in CUTLASS_DTYPES:
+        return bwd_preprocess_torch(dout, out, lse, cu_seqlens_q, seqused_q, tile_m)
+    if cu_seqlens_q is None:
+        shape = (*lse.shape[:-1], _rows_padded(lse.shape[-1]))
+    else:
+        batch = cu_seqlens_q.shape[0] - 1
+        shape = (lse.shape[0], _rows_padded(lse.shape[1] + tile_m * (batch + 1)) + 4)
+    lse2 = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+    dsum = torch.zeros(shape, dtype=torch.float32, device=lse.device)
+    from .common.bwd_preprocess import PreprocessConfig
+    cfg = PreprocessConfig(CUTLASS_DTYPES[out.dtype], out.shape[-1], tile_m,
+                           varlen_q=cu_seqlens_q is not None, has_seqused_q=seqused_q is not None)
+    tvm_ffi = use_tvm_ffi()
+    values = (aligned16(out), aligned16(dout), lse, lse2, dsum, cu_seqlens_q, seqused_q)
+    args = values if tvm_ffi else tuple(
+        to_runtime(a, v) for a, v in zip(arguments.PREPROCESS_ARGUMENTS, values))
+    call_kernel(_compiled_preprocess(cfg, tvm_ffi), tvm_ffi, args, out.device)
+    return lse2, dsum
+
+
+@functools.lru_cache(maxsize=None)
+def _preprocess_sources() -> tuple:
+    from .. import compile_cache
+    return compile_cache.module_sources("cuteattn.kernels.common.bwd_preprocess")
+
+
+def _compiled_preprocess(cfg, tvm_ffi: bool):
+    from .. import compile_cache
+
+    def build():
+        from .common.bwd_preprocess import BwdPreprocess
+        from .compile_common import compile_kernel
+        return compile_kernel(BwdPreprocess(cfg), arguments.fakes(cfg, arguments.PREPROCESS_ARGUMENTS),
+                              tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("common", "bwd_preprocess", tvm_ffi, cfg), build,
+                                        persist=tvm_ffi, sources=_preprocess_sources())
+
+
+def bwd_preprocess_torch(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile_m: int = 64):
     """(lse_log2, dsum), float32 (b, h, s_pad) with s_pad = s rounded up to a multiple of 4, pad
     rows 0. Packed (cu_seqlens_q given): (h, rows) with sequence b's rows starting at row
     (cu_seqlens_q[b] // tile_m + b) * tile_m (the backward kernels' row_view; for sm90 TMA tiles of
@@ -259,25 +295,34 @@ class BackwardLaunch:
         fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
                      score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
                      window_right=right)
-        self.bind = arguments.Binder(BWD_PER_CALL, fixed, entries, None if tvm_ffi else to_runtime)
+        # a family whose kernel takes block-sparse lists (sm90) is passed them after mSemaphore
+        self.sparse_names = tuple(n for n in ("mFullCount", "mFullIndex", "mPartialCount",
+                                              "mPartialIndex") if n in arguments.names(entries))
+        per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, BWD_PER_CALL[-1])
+        self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None):
+                 seqused_q=None, seqused_k=None, sparse: tuple = ()):
+        """sparse: a block-sparse spec's transposed lists (sparse.transpose of the forward's:
+        per key block, the query blocks that see it), in SparseMetadata's order."""
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
         dq_acc, dk, dv = bwd_buffers(spec, q, k)
-        if cu_seqlens_q is not None:
-            batch = cu_seqlens_q.shape[0] - 1
-            n_blocks = k.shape[0] // cfg.tile_n + batch  # bounds sum_b ceil(len_b / tile_n)
-            slots = q.shape[0] // cfg.tile_m + 2 * batch + 1  # (common/dq_order.semaphore_slot)
+        # the grid's key blocks from k's layout, the semaphores from q's (one side may be packed)
+        if cu_seqlens_k is not None:
+            n_blocks = k.shape[0] // cfg.tile_n + cu_seqlens_k.shape[0] - 1  # >= sum ceil(len / tile_n)
         else:
             n_blocks = -(-k.shape[1] // cfg.tile_n)
+        if cu_seqlens_q is not None:
+            slots = q.shape[0] // cfg.tile_m + 2 * (cu_seqlens_q.shape[0] - 1) + 1  # (dq_order)
+        else:
             slots = q.shape[0] * -(-q.shape[1] // cfg.tile_m)
         semaphore = torch.zeros((spec.nheads, slots if cfg.deterministic else 1), dtype=torch.int32,
                                 device=q.device)
         if n_blocks > 0:
+            lists = tuple(sparse) or (None,) * len(self.sparse_names)
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
-                             cu_seqlens_k, seqused_q, seqused_k, semaphore, n_blocks)
+                             cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
         return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)

@@ -227,6 +227,18 @@ def backward_arguments(extra: tuple = ()) -> tuple:
     )
 
 
+# the backward's preprocess (common/bwd_preprocess.py), for both families
+PREPROCESS_ARGUMENTS = (
+    Arg("mO", TENSOR, query_side("head_dim_v")),
+    Arg("mdO", TENSOR, query_side("head_dim_v")),
+    Arg("mLSE", TENSOR, lse_rows, align=4),
+    Arg("mLSE2", TENSOR, rows_padded, align=4),
+    Arg("mD", TENSOR, rows_padded, align=4),
+    Arg("mCuSeqlensQ", OPTIONAL_TENSOR, int32_vector("varlen_q"), align=4),
+    Arg("mSeqUsedQ", OPTIONAL_TENSOR, int32_vector("has_seqused_q"), align=4),
+)
+
+
 # a group's members pair with its NamedTuple's fields by position
 assert len(VARLEN.members) == len(VARLEN.type._fields)
 assert len(SPARSE.members) == len(SPARSE.type._fields)

@@ -159,3 +159,25 @@ class DenseBlocks:
     def block(self, i):
         """The i-th block visited (i from 0)."""
         return self.n_max - 1 - i
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """The backward's query steps of a dense key block: m_block in [m_min, m_max), each its own
+    step (block_sparse.SparseRows is the other order with these methods). The loop runs
+    `for it in range(start(), stop())` with m_block = block(it)."""
+    m_min: Int32
+    m_max: Int32
+
+    def start(self):
+        return self.m_min
+
+    def stop(self):
+        return self.m_max
+
+    def block(self, it):
+        return it
+
+    def stage(self, it):
+        """Which of two alternating buffers step `it` uses."""
+        return (it - self.m_min) % 2

@@ -55,6 +55,14 @@ class SparseBlocks:
         return self.block(Int32(0))
 
     @cute.jit
+    def step(self, i: Int32, parts: cutlass.Constexpr) -> Int32:
+        """The i-th of the listed blocks' `parts` equal sub-blocks, in order (the backward's
+        64-row steps through 128-row query blocks)."""
+        if cutlass.const_expr(parts == 1):
+            return self.block(i)
+        return self.block(i // parts) * parts + i % parts
+
+    @cute.jit
     def block(self, i: Int32) -> Int32:
         """The i-th key block to visit (0 <= i < num_blocks)."""
         n = Int32(0)
@@ -65,3 +73,24 @@ class SparseBlocks:
         if (n < 0) | (n > self.end_block):
             n = self.end_block
         return n
+
+
+@dataclass(frozen=True)
+class SparseRows:
+    """The backward's query steps of a key block under block-sparse attention: the query blocks
+    its transposed lists name (sparse.transpose), each as `parts` steps of the kernel's rows
+    (block_info.DenseRows is the dense order with these methods)."""
+    lists: SparseBlocks
+    parts: int
+
+    def start(self):
+        return Int32(0)
+
+    def stop(self):
+        return self.lists.num_blocks * self.parts
+
+    def block(self, it):
+        return self.lists.step(it, self.parts)
+
+    def stage(self, it):
+        return it % 2

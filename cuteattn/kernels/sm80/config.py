@@ -15,6 +15,7 @@ traffic; 32 rows per warp is faster even with spills, but does not compile spill
 import dataclasses
 import math
 
+from ..launch_common import compiled_width
 from . import mma
 from .fwd import Sm80FwdConfig
 
@@ -47,10 +48,16 @@ def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool
                 has_softcap: bool, varlen_q: bool, varlen_k: bool, has_seqused_q: bool = False,
                 has_seqused_k: bool = False, smem_limit: int = 99 * 1024) -> list:
     """The configs of the listed tiles that fit `smem_limit` bytes, preferred first (the launch
-    takes the first that compiles spill-free); ValueError if none fits."""
+    takes the first that compiles spill-free); ValueError if none fits. head_dim / head_dim_v:
+    the tensors' (a multiple of 8 up to 256, head_dim_v <= head_dim), run on the next compiled
+    widths (launch_common.compiled_width), the kernel padding them."""
+    true_dims = (head_dim, head_dim_v)
+    head_dim, head_dim_v = (compiled_width(x, SUPPORTED_HEAD_DIMS) for x in true_dims)
+    padded = true_dims != (head_dim, head_dim_v)
     tiles = LOCAL_TILES.get(head_dim, TILES[head_dim]) if local else TILES[head_dim]
     configs = [Sm80FwdConfig(
-        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, tile_m=tile_m, tile_n=tile_n,
+        dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, padded=padded, tile_m=tile_m,
+        tile_n=tile_n,
         num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
         has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1)

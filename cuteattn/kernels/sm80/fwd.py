@@ -71,6 +71,9 @@ class Sm80FwdConfig:
     # under O += P V); kv_stages >= 2 is a ring of that many K/V buffers, kv_stages - 1 blocks
     # loading ahead of the one computed (decoding, bound by reading the cache, needs them).
     kv_stages: int = 1
+    # q/k/v's head dims may be narrower than head_dim / head_dim_v (padded to these compiled
+    # widths): their loads zero-fill the columns past them and the O store leaves those out
+    padded: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -85,7 +88,9 @@ class Sm80FwdConfig:
 
 class FlashFwdSm80:
     def __init__(self, cfg: Sm80FwdConfig):
-        assert cfg.head_dim == cfg.head_dim_v, "head_dim_v != head_dim is not supported yet"
+        # O is staged in Q's buffer: dv <= d
+        assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
+        assert not (cfg.padded and (cfg.paged_kv or cfg.pack_gqa > 1)), "padded: forward only"
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
         assert cfg.tile_m % (mma.MMA_ROWS * cfg.num_warps) == 0
         assert cfg.tile_m % cfg.pack_gqa == 0 and not (cfg.pack_gqa > 1 and cfg.varlen_q)
@@ -329,7 +334,8 @@ class FlashFwdSm80:
 
         if n_max > n_min:
             # Q and the first (top) key block, bounded by the sequence ends.
-            mma.load_rows(copy_q, tQgQ, tQsQ, tQcQ, rows_q - row_start, True)
+            mma.load_rows(copy_q, tQgQ, tQsQ, tQcQ, rows_q - row_start, True,
+                          cols=mQ.shape[1] if const_expr(cfg.padded) else None)
             if const_expr(ring):
                 # the top block (K and V) then kv_stages - 2 more, a commit group each (empty past
                 # n_min, so that every iteration can wait for "all but the newest kv_stages - 2")
@@ -370,12 +376,15 @@ class FlashFwdSm80:
                                self.dv, row_start, rows_q, self.tile_m)
             cute.arch.barrier()  # every warp is past its reads of Q's buffer: O is staged there
             sO = cute.make_tensor(sQ.iterator, sQ.layout)
+            if const_expr(self.dv != self.d):  # (tile_m, dv) over Q's buffer
+                sO = cute.make_tensor(sQ.iterator, mma.smem_layout(self.dtype, self.tile_m, self.dv))
             epilogue.stage_o(acc_O, sO, tiled_mma, tidx, self.dtype, stmatrix=False)
             cute.arch.barrier()
             gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (self.tile_m, self.dv),
                                  (m_block, 0))
             epilogue.store_o(sO, gO, row_start, rows_q, tidx, self.dtype, self.dv,
-                             self.tile_m, self.num_threads)
+                             self.tile_m, self.num_threads,
+                             cols=mO.shape[1] if const_expr(cfg.padded) else None)
 
     @cute.jit
     def key_block(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
@@ -458,7 +467,8 @@ class FlashFwdSm80:
         else:
             gX = cute.local_tile(mX, (self.tile_n, cols), (n_block, 0))
         mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
-                       seqlen_k - n_block * self.tile_n, bounded)
+                       seqlen_k - n_block * self.tile_n, bounded,
+                       cols=mX.shape[1] if const_expr(self.cfg.padded) else None)
 
     @cute.jit
     def load_block_pages(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,

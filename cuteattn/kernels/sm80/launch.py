@@ -221,7 +221,9 @@ class Sm80Forward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        reason = unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS)
+        # (the paged prefill runs the decode kernel's tiles, which take compiled widths only)
+        reason = unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
+                                        padded_dims=not spec.paged_kv)
         if reason is not None:
             return reason
         try:

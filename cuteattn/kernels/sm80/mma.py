@@ -106,12 +106,25 @@ def gemm(tiled_mma, acc, frag_a, frag_b, smem_a, smem_b, copy_a, copy_b,
 
 
 @cute.jit
-def load_rows(thr_copy, tXgX, tXsX, tXcX, rows_left, bounded: cutlass.Constexpr = True):
+def load_rows(thr_copy, tXgX, tXsX, tXcX, rows_left, bounded: cutlass.Constexpr = True,
+              cols=None):
     """cp.async of one tile's rows into shared memory (tXgX/tXsX/tXcX: the thread's partitions
     of the source, the buffer and the tile's identity). `bounded`: only rows below `rows_left`
     (the sequence's rows from the tile's first) are read; the others are zeroed, so no value
-    past the sequence (garbage, NaN) reaches an MMA operand."""
-    if cutlass.const_expr(bounded):
+    past the sequence (garbage, NaN) reaches an MMA operand. `cols` (the tensor's head dim,
+    narrower than the tile's when padded; a multiple of the 16-byte vector): only columns below
+    it are read, the others zeroed, so q.k and p.v stay exact."""
+    if cutlass.const_expr(cols is not None):
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                inside = tXcX[0, m, k][1] < cols
+                if cutlass.const_expr(bounded):
+                    inside = inside & (tXcX[0, m, k][0] < rows_left)
+                if inside:
+                    cute.copy(thr_copy, tXgX[None, m, k], tXsX[None, m, k])
+                else:
+                    tXsX[None, m, k].fill(0)
+    elif cutlass.const_expr(bounded):
         for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
             if tXcX[0, m, 0][0] < rows_left:
                 cute.copy(thr_copy, tXgX[None, m, None], tXsX[None, m, None])

@@ -43,7 +43,7 @@ ARGUMENTS = (
 
 # ---- the backward's: the common list ----
 
-BWD_ARGUMENTS = common.backward_arguments()
+BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE,))  # (the transposed block-sparse lists)
 
 
 def flat(entries=ARGUMENTS) -> tuple:

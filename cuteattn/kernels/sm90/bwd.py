@@ -42,7 +42,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common import epilogue, named_barriers
-from ..common.block_info import BlockInfo
+from ..common.block_info import BlockInfo, DenseRows
+from ..common.block_sparse import SparseBlocks, SparseRows
 from ..common.convert import convert_fragment
 from ..common.dq_order import in_turn, semaphore_slot
 from ..common.global_atomics import red_add_f32x2
@@ -85,6 +86,13 @@ class Sm90BwdConfig:
     has_seqused_k: bool = False
     deterministic: bool = False
     dq_single_wg: bool = False   # warpgroup 0 computes all of dQ (d=96: halves would be 48 wide)
+    # block-sparse: the query block of the transposed lists (a key block, tile_n keys, visits
+    # the query blocks they name, each as sparse_q_block // tile_m steps); 0: dense
+    sparse_q_block: int = 0
+
+    @property
+    def sparse(self) -> bool:
+        return self.sparse_q_block > 0
 
     @property
     def dq_cols(self) -> int:
@@ -170,6 +178,10 @@ class FlashBwdSm90:
         mSeqUsedQ: Optional[cute.Tensor],
         mSeqUsedK: Optional[cute.Tensor],
         mSemaphore: cute.Tensor,   # int32 (h, slots), zeroed (deterministic only)
+        mFullCount: Optional[cute.Tensor],     # block-sparse (cfg.sparse): the transposed lists,
+        mFullIndex: Optional[cute.Tensor],     # per key block the query blocks that see it
+        mPartialCount: Optional[cute.Tensor],  # (common/arguments.SparseMetadata)
+        mPartialIndex: Optional[cute.Tensor],
         qhead_per_kvhead: Int32,
         softmax_scale: Float32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -215,7 +227,8 @@ class FlashBwdSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dsum, tma_dsum, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            mSemaphore, mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
+            mSemaphore, mFullCount, mFullIndex, mPartialCount, mPartialIndex,
+            mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
             sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
         ).launch(
@@ -258,6 +271,8 @@ class FlashBwdSm90:
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         mSemaphore: cute.Tensor,
+        mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
+        mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32, batch: Int32,
         softmax_scale: Float32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
@@ -305,6 +320,12 @@ class FlashBwdSm90:
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
         m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
+        # the query steps this key block visits
+        rows = DenseRows(m_min, m_max)
+        if const_expr(cfg.sparse):
+            rows = SparseRows(SparseBlocks.create(
+                mFullCount, mFullIndex, mPartialCount, mPartialIndex, batch_idx, head_idx,
+                n_block, seqlen.seqlen_q, cfg.sparse_q_block), cfg.sparse_q_block // self.tile_m)
 
         if in_range:
             if warp_idx < 4:
@@ -313,20 +334,19 @@ class FlashBwdSm90:
                     self.load(tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
                               tma_atom_lse, mLSE2, tma_atom_dsum, mD,
                               sQ, sdO, sK, sV, sLSE2, sD, pipeline_q, pipeline_do, pipeline_kv, seqlen,
-                              n_block, head_idx, head_idx // qhead_per_kvhead, batch_idx,
-                              m_min, m_max)
+                              n_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, rows)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,
                              pipeline_q, pipeline_do, pipeline_kv, seqlen, block_info,
                              softmax_scale, score_scale, softmax_scale_log2,
                              window_left, window_right, n_block, head_idx, batch_idx,
-                             m_min, m_max, rows_q, tidx - WG_THREADS)
+                             rows, rows_q, tidx - WG_THREADS)
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
              tma_atom_lse, mLSE2, tma_atom_dsum, mD, sQ, sdO, sK, sV, sLSE2, sD, pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo,
-             n_block, head_idx, head_idx_kv, batch_idx, m_min, m_max):
+             n_block, head_idx, head_idx_kv, batch_idx, rows):
         """Producer warp: K and V of this CTA's key block, then Q and dO of each query block."""
         one = cute.make_layout(1)
         gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
@@ -347,7 +367,8 @@ class FlashBwdSm90:
         cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
         cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
+        for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
+            m_block = rows.block(it)
             pipeline_q.producer_acquire(state)
             cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(state))
@@ -374,7 +395,7 @@ class FlashBwdSm90:
     def consume(self, sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,
                 pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo, block_info: BlockInfo,
                 softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
-                n_block, head_idx, batch_idx, m_min, m_max, rows_q, tidx):
+                n_block, head_idx, batch_idx, rows, rows_q, tidx):
         """Both consumer warpgroups (tidx in [0, 256)): the walk over the query blocks, then dK
         and dV out."""
         cfg = self.cfg
@@ -427,9 +448,10 @@ class FlashBwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)  # always: K's buffer stages dK at the end
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
+        for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
+            m_block = rows.block(it)
             q_start = m_block * self.tile_m
-            ds_stage = (m_block - m_min) % 2
+            ds_stage = rows.stage(it)
             # this block's LSE and D by the query column c of the thread's fragment
             # (rows past the sequence hold +inf and 0, or another sequence's values, never
             # NaN: launch_common.bwd_preprocess; their P is 0 by the mask)

@@ -34,6 +34,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
         # halves of 48 columns would need a 32-byte swizzle on K: one warpgroup takes all of dQ
         dq_single_wg=spec.head_dim % (NUM_CONSUMER_WG * 64) != 0 and spec.head_dim != 64,
+        sparse_q_block=spec.sparse_q_block,
     )
 
 
@@ -64,10 +65,24 @@ class Sm90Backward:
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS)
-                or unserved_form(spec, ARCH, "backward"))
+                or unserved_form(spec, ARCH, "backward") or unserved_sparse(spec))
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
         return BwdLaunch(spec)
+
+
+def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
+    """The reason the block-sparse backward does not take spec, or None (also when dense)."""
+    if not spec.sparse_q_block:
+        return None
+    if spec.sparse_kv_block != Sm90BwdConfig.tile_n or spec.sparse_q_block not in (64, 128):
+        return (f"block-sparse backward of {spec.sparse_q_block}x{spec.sparse_kv_block} blocks: "
+                f"the sm90 kernel takes 128x{Sm90BwdConfig.tile_n} and 64x{Sm90BwdConfig.tile_n}")
+    if spec.deterministic:
+        return "block-sparse backward with deterministic=True: no sm90 kernel yet"
+    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
+        return "block-sparse backward with packed sequences or seqused: no sm90 kernel yet"
+    return None
 
 
 BACKWARD = Sm90Backward()
