@@ -95,6 +95,9 @@ def cases() -> dict:
     out["bwd_d128_causal_deterministic"] = lambda: _bwd_fixed(
         tb, bf16, 128, 8, 2, 257, 257, deterministic=True, causal=True)
     out["bwd_varlen_d128_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, causal=True)
+    # padded head dims: the 96 kernel at 80 (q/k/v/dO read zero-filled, buffers at 96)
+    out["bwd_d80_causal_padded"] = lambda: _bwd_fixed(tb, bf16, 80, 8, 2, 257, 257, causal=True)
+    out["bwd_varlen_d80_padded"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=80)
     out["bwd_varlen_d64_window_seqused_deterministic"] = lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=64, deterministic=True, window_size=(64, 0),
         seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),

@@ -116,7 +116,9 @@ def test_block_sparse_backward_reasons():
 
 
 @pytest.mark.parametrize("dv,varlen,seqused", [(64, False, False), (96, True, True), (128, False, True),
-                                               (128, True, False), (192, False, False), (256, True, True)])
+                                               (128, True, False), (192, False, False), (256, True, True),
+                                               # padded head dims: 2 lanes a row (80), one (40, 120)
+                                               (80, False, False), (40, True, False), (120, False, True)])
 def test_compile_bwd_preprocess(dv, varlen, seqused, capfd, tmp_path, monkeypatch):
     """The backward's preprocess kernel (one pass: D and the LSE in log2 units): 16-byte loads of
     dO and O, butterfly sums, no spills."""

@@ -111,12 +111,47 @@ def test_sm90_decodes_with_the_portable_decode_kernel(gpu, registry):
 def test_sm90_serves_the_backward(gpu, registry):
     pytest.importorskip("cutlass")
     assert dispatch.can_implement(make_spec(kind="bwd"), CUDA) is None
-    for fields, reason in ((dict(head_dim=192, head_dim_v=192), "head_dim 192"),):
+    for fields, reason in ((dict(head_dim=192, head_dim_v=192), "head_dim 192"),
+                           (dict(head_dim=136, head_dim_v=136), "head_dim 136"),
+                           (dict(head_dim=128, head_dim_v=96), "head_dim_v 96")):
         assert reason in dispatch.can_implement(make_spec(kind="bwd", **fields), CUDA)
     for fields in (dict(local=True, window_left=None, window_right=-2),
                    dict(has_seqused_q=True, has_seqused_k=True), dict(varlen_q=True),
                    dict(varlen_k=True, has_seqused_k=True)):
         assert dispatch.can_implement(make_spec(kind="bwd", **fields), CUDA) is None
+
+
+def test_sm90_backward_pads_head_dims_between_widths(gpu, registry):
+    """A head dim between the compiled widths runs the next width's kernel (the same compiled
+    kernel as that width: TMA zero-fills the columns past the tensors' head dim), with gradient
+    buffers of that width that the postprocess cuts back."""
+    pytest.importorskip("cutlass")
+    from cuteattn.kernels.sm90 import launch_bwd
+    for d, width in ((8, 64), (40, 64), (72, 96), (80, 96), (112, 128), (120, 128)):
+        spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d)
+        assert dispatch.can_implement(spec, CUDA) is None
+        cfg = launch_bwd.bwd_config(spec)
+        assert cfg == launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=width, head_dim_v=width))
+
+
+def test_backward_buffers_at_the_kernel_width_and_cut_back():
+    """bwd_buffers sizes dQ's accumulator and dK/dV by the kernel's width; bwd_postprocess
+    returns contiguous gradients at the tensors' head dim (GQA sums taken first)."""
+    from cuteattn.kernels.launch_common import bwd_buffers, bwd_postprocess
+    q = torch.randn(2, 5, 4, 80)
+    k = torch.randn(2, 7, 2, 80)
+    spec = make_spec(kind="bwd", head_dim=80, head_dim_v=80, nheads=4, nheads_k=2)
+    dq_acc, dk, dv = bwd_buffers(spec, q, k, 96)
+    assert dq_acc.shape == (2, 5, 4, 96) and dk.shape == dv.shape == (2, 7, 4, 96)
+    dq_acc.copy_(torch.randn_like(dq_acc))
+    dk.copy_(torch.randn_like(dk))
+    dv.copy_(torch.randn_like(dv))
+    dq, dk2, dv2 = bwd_postprocess(dq_acc, dk, dv, q, k, ratio=2)
+    assert dq.shape == q.shape and dk2.shape == dv2.shape == k.shape
+    assert all(t.is_contiguous() for t in (dq, dk2, dv2))
+    assert torch.equal(dq, dq_acc[..., :80])
+    assert torch.equal(dk2, dk.view(2, 7, 2, 2, 96).sum(-2)[..., :80])
+    assert torch.equal(dv2, dv.view(2, 7, 2, 2, 96).sum(-2)[..., :80])
 
 
 def test_registered_family_serves_its_kind(gpu, registry):

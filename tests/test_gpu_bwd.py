@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from cuteattn import flash_attn_func, flash_attn_varlen_func
+from cuteattn import dispatch, flash_attn_func, flash_attn_varlen_func
 from cuteattn.reference import attention_ref, attention_varlen_ref
 from cuteattn.testing import assert_close_fa
 
@@ -282,7 +282,7 @@ def test_bwd_one_side_packed(seed, mask, side):
 # ---- the preprocess kernel against its PyTorch reference ----
 
 @pytest.mark.parametrize("form", ["fixed", "fixed-seqused", "packed", "packed-seqused"])
-@pytest.mark.parametrize("dv", [64, 96, 128])
+@pytest.mark.parametrize("dv", [64, 96, 128, 40, 80, 120])  # (40, 120: one lane a row; 80: two)
 def test_preprocess_kernel_equals_the_pytorch_steps(seed, form, dv):
     """launch_common.bwd_preprocess (the CuTe kernel on a GPU) against bwd_preprocess_torch: the
     same LSE in log2 units (+inf where the forward's was -inf or past seqused) and the same D
@@ -318,3 +318,62 @@ def test_preprocess_kernel_equals_the_pytorch_steps(seed, form, dv):
         assert torch.equal(torch.isinf(g), torch.isinf(w)), name
         finite = torch.isfinite(w)
         torch.testing.assert_close(g[finite], w[finite], rtol=1e-5, atol=1e-4, msg=name)
+
+
+# ---- head dims between the compiled widths (sm90: the next width's kernel, padded) ----
+
+# (head_dim, mask, (h, hk), (sq, sk)): widths 64, 96 and 128, each with another mask
+PADDED = [(80, "none", (4, 4), (113, 203)), (80, "causal", (8, 2), (700, 700)),
+          (40, "window", (6, 1), (203, 113)), (8, "causal", (4, 4), (65, 129)),
+          (112, "softcap", (4, 2), (1023, 1023)), (72, "right", (4, 4), (1, 64)),
+          (120, "none", (6, 3), (129, 65))]
+
+
+def padded_id(case):
+    d, mask, (h, hk), (sq, sk) = case
+    return f"d{d}-{mask}-h{h}:{hk}-{sq}x{sk}"
+
+
+def _padded_served():
+    from cuteattn.spec import AttentionSpec
+    spec = AttentionSpec(dtype=torch.bfloat16, head_dim=80, head_dim_v=80, causal=False,
+                         local=False, has_softcap=False, varlen_q=False, varlen_k=False, batch=1,
+                         seqlen_q=64, seqlen_k=64, nheads=1, nheads_k=1, softmax_scale=0.1,
+                         device_index=torch.cuda.current_device(), kind="bwd")
+    return dispatch.can_implement(spec, torch.device("cuda")) is None
+
+
+@pytest.mark.parametrize("case", PADDED, ids=padded_id)
+def test_bwd_padded_head_dims(seed, case):
+    """Gradients at a head dim between the compiled widths: the kernel reads q, k, v and dO
+    zero-filled to the next width, its buffers have that width, and the gradients come back at
+    the tensors' head dim, contiguous, against the float32 reference. On a path that does not
+    pad its backward (the portable one), strict mode names the head dim instead."""
+    d, mask, (h, hk), (sq, sk) = case
+    if not _padded_served():
+        with pytest.raises(Exception, match=f"head_dim {d}"):
+            run_fixed(torch.bfloat16, d, h, hk, sq, sk, **MASKS[mask])
+        return
+    dtype = DTYPES[PADDED.index(case) % 2]
+    inputs, dout, got = run_fixed(dtype, d, h, hk, sq, sk, **MASKS[mask])
+    assert all(g.shape == t.shape and g.is_contiguous() for g, t in zip(got, inputs))
+    ref, low = reference_grads(attention_ref, inputs, dout, **MASKS[mask])
+    check_grads(got, ref, low)
+
+
+def test_bwd_padded_varlen_deterministic(seed):
+    """A padded head dim (80 on the 96 kernel) with packed sequences (empty ones included) and
+    deterministic=True: bitwise-equal over repeats, and right."""
+    if not _padded_served():
+        pytest.skip("this path's backward does not pad head dims (test_bwd_padded_head_dims "
+                    "checks it declines them)")
+    runs = []
+    for _ in range(3):
+        torch.manual_seed(seed)  # the same inputs each time
+        runs.append(run_varlen(LENS_Q, LENS_K, 8, 2, 80, torch.bfloat16, deterministic=True,
+                               causal=True))
+    got, ref, low = runs[0]
+    for again, _, _ in runs[1:]:
+        for a, b in zip(got, again):
+            assert torch.equal(a, b)
+    check_grads(got, ref, low)

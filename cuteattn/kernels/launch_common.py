@@ -136,9 +136,15 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
         return f"dtype {spec.dtype} is not supported by the {arch} {who} (fp16, bf16)"
     supported = ", ".join(map(str, head_dims))
     if who == "backward":
-        if spec.head_dim not in head_dims or spec.head_dim_v != spec.head_dim:
+        # a padding backward (sm90) runs a head dim between widths on the next one up, with
+        # its gradient buffers at that width (BackwardLaunch); v's head dim equal to q's
+        served = (compiled_width(spec.head_dim, head_dims) is not None if padded_dims
+                  else spec.head_dim in head_dims)
+        if not served or spec.head_dim_v != spec.head_dim:
             return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no {arch} "
-                    f"backward kernel yet (supported: {supported})")
+                    f"backward kernel yet (supported: {supported}"
+                    f"{', and head dims between them padded to the next' if padded_dims else ''}"
+                    f"; head_dim_v equal to head_dim)")
         return None
     if padded_dims:
         if compiled_width(spec.head_dim, head_dims) is None:
@@ -257,23 +263,30 @@ def bwd_preprocess_torch(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile
     return lse2_p, dsum_p
 
 
-def bwd_buffers(spec: AttentionSpec, q, k):
+def bwd_buffers(spec: AttentionSpec, q, k, width: int):
     """(dQ accumulator float32 like q, zeroed; dK and dV per query head in q's dtype: zeroed
-    where some rows are written by no key block (packed sequences, seqused))."""
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv_shape = (*k.shape[:-2], spec.nheads, k.shape[-1])
+    where some rows are written by no key block (packed sequences, seqused)), all with the
+    kernel's head-dim width: a head dim between compiled widths gets buffers at the next width,
+    whose extra columns the kernel fills (with zeros: q, k, v and dO are read zero-filled past
+    their head dim) and bwd_postprocess drops."""
+    dq_acc = torch.zeros((*q.shape[:-1], width), dtype=torch.float32, device=q.device)
+    dkv_shape = (*k.shape[:-2], spec.nheads, width)
     alloc = torch.zeros if (spec.varlen_k or spec.has_seqused_k) else torch.empty
     return (dq_acc, alloc(dkv_shape, dtype=q.dtype, device=q.device),
             alloc(dkv_shape, dtype=q.dtype, device=q.device))
 
 
 def bwd_postprocess(dq_acc, dk, dv, q, k, ratio: int):
-    """(dq in q's dtype, dk and dv summed over the query heads of each kv head)."""
-    dq = dq_acc.to(q.dtype)
+    """(dq in q's dtype, dk and dv summed over the query heads of each kv head), at the
+    tensors' head dim (contiguous) when the buffers are wider (bwd_buffers)."""
+    d = q.shape[-1]
+    dq = dq_acc[..., :d].to(q.dtype).contiguous()
     if ratio > 1:
-        group = (*k.shape[:-2], k.shape[-2], ratio, k.shape[-1])
+        group = (*k.shape[:-2], k.shape[-2], ratio, dk.shape[-1])
         dk = dk.view(group).sum(-2)
         dv = dv.view(group).sum(-2)
+    if dk.shape[-1] != d:
+        dk, dv = dk[..., :d].contiguous(), dv[..., :d].contiguous()
     return dq, dk, dv
 
 
@@ -308,7 +321,7 @@ class BackwardLaunch:
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
-        dq_acc, dk, dv = bwd_buffers(spec, q, k)
+        dq_acc, dk, dv = bwd_buffers(spec, q, k, cfg.head_dim)
         # the grid's key blocks from k's layout, the semaphores from q's (one side may be packed)
         if cu_seqlens_k is not None:
             n_blocks = k.shape[0] // cfg.tile_n + cu_seqlens_k.shape[0] - 1  # >= sum ceil(len / tile_n)

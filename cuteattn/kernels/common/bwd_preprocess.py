@@ -46,7 +46,10 @@ class BwdPreprocess:
         # the lanes sharing a row: a power of two (they reduce by butterflies) that divides the
         # row's vectors (d_v = 96: 12 vectors, 4 lanes of 3)
         self.lanes_per_row = math.gcd(vectors, 16)
-        self.rows_per_pass = cfg.threads // self.lanes_per_row
+        # an odd count of vectors (a padded head dim such as 72 or 120) gives one lane a row:
+        # fewer threads, so that a pass still covers whole rows of the block
+        self.threads = min(cfg.threads, cfg.rows * self.lanes_per_row)
+        self.rows_per_pass = self.threads // self.lanes_per_row
         assert cfg.rows % self.rows_per_pass == 0 and cfg.head_dim_v % self.vec == 0
 
     @cute.jit
@@ -72,7 +75,7 @@ class BwdPreprocess:
             batch = mO.shape[3]
             grid = [(mO.shape[0] + cfg.rows - 1) // cfg.rows, heads, batch]
         self.kernel(mO, mdO, mLSE, mLSE2, mD, mCuSeqlensQ, mSeqUsedQ, batch).launch(
-            grid=grid, block=[cfg.threads, 1, 1], stream=stream)
+            grid=grid, block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,

@@ -1,9 +1,10 @@
 """The sm90 backward family: which specs it serves, and how a call becomes a launch.
 
 A backward call is three steps on the current stream, no host synchronisation:
-  1. preprocess (PyTorch, launch_common.bwd_preprocess): D = rowsum(dO * O) in float32 and the LSE in log2 units (rows that saw
-     no key get +inf, so their probabilities are 0), both laid out (batch, heads, rows) with the
-     rows padded to a multiple of 4 (the kernel loads them with TMA: 16-byte strides);
+  1. preprocess (a CuTe kernel, launch_common.bwd_preprocess): D = rowsum(dO * O) in float32
+     and the LSE in log2 units (rows that saw no key get +inf, so their probabilities are 0),
+     both laid out (batch, heads, rows) with the rows padded to a multiple of 4 (the kernel
+     loads them with TMA: 16-byte strides);
   2. the kernel (bwd.py): dK and dV (per query head when GQA), dQ accumulated in float32;
   3. postprocess (PyTorch): dQ to the input dtype; under GQA, dK and dV summed over the query
      heads that share a kv head.
@@ -18,8 +19,8 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
-from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, unserved_dtype_or_dims,
-                            unserved_form, use_tvm_ffi)
+from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
+                            unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
@@ -27,13 +28,17 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
+    """A head dim between the compiled widths runs on the next one up: TMA reads q, k, v and
+    dO zero-filled past their head dim, and the gradient buffers have the compiled width
+    (launch_common.bwd_buffers)."""
+    head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
     return Sm90BwdConfig(
-        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=spec.head_dim, causal=spec.causal,
+        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, causal=spec.causal,
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
         # halves of 48 columns would need a 32-byte swizzle on K: one warpgroup takes all of dQ
-        dq_single_wg=spec.head_dim % (NUM_CONSUMER_WG * 64) != 0 and spec.head_dim != 64,
+        dq_single_wg=head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
         sparse_q_block=spec.sparse_q_block,
     )
 
@@ -64,7 +69,7 @@ class Sm90Backward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS)
+        return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS, padded_dims=True)
                 or unserved_form(spec, ARCH, "backward") or unserved_sparse(spec))
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
