@@ -152,6 +152,8 @@ def cases() -> dict:
             (h, hk), (sq, sk) = heads[mask], sizes[mask]
             out[f"portable_bwd_d{d}_{mask}"] = _on_sm80(
                 lambda d=d, h=h, hk=hk, sq=sq, sk=sk, kw=kw: _bwd_fixed(tb, bf16, d, h, hk, sq, sk, **kw))
+    out["portable_bwd_d80_causal_padded"] = _on_sm80(lambda: _bwd_fixed(
+        tb, bf16, 80, 8, 2, 257, 257, causal=True))
     out["portable_bwd_d128_causal_deterministic"] = _on_sm80(lambda: _bwd_fixed(
         tb, bf16, 128, 8, 2, 257, 257, deterministic=True, causal=True))
     out["portable_bwd_varlen_d64_window_seqused"] = _on_sm80(lambda: _bwd_varlen(

@@ -1,7 +1,7 @@
 """Compiles sm80 forward variants for one target arch and prints what ptxas and the PTX say, as
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
-form: varlen (a bool) for the forward, "bwd[,varlen]" for the backward, "combine" for the
+form: varlen (a bool) for the forward, "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
 "sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G]"
 for the decode kernel ("decode,page=N,varlen": the paged prefill, packed q).
@@ -52,6 +52,9 @@ def main():
         if isinstance(form, str) and form.startswith("bwd"):  # "bwd[,varlen][,deterministic]"
             varlen = "varlen" in form
             cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen, "deterministic" in form)
+            if "padded" in form:  # (a narrower head dim run on this width: zero-filled loads)
+                import dataclasses
+                cfg = dataclasses.replace(cfg, padded=True)
             compiled, info = compile_bwd_with_report(cfg, keep_ptx=True)
             ptx = compiled.__ptx__
             out.append(dict(variant=[dtype, d, mask, form], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],

@@ -53,7 +53,10 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],
                ["fp16", 128, "softcap", "bwd"], ["bf16", 64, "none", "bwd,varlen"],
                ["bf16", 128, "causal", "bwd,deterministic"],
-               ["bf16", 64, "local", "bwd,varlen,deterministic"]]
+               ["bf16", 64, "local", "bwd,varlen,deterministic"],
+               # head dims between the widths, padded (80 on 96, 112 on 128, 40 on 64)
+               ["bf16", 96, "causal", "bwd,padded"], ["fp16", 128, "none", "bwd,varlen,padded"],
+               ["bf16", 64, "local", "bwd,padded,deterministic"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])

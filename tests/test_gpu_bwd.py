@@ -320,7 +320,7 @@ def test_preprocess_kernel_equals_the_pytorch_steps(seed, form, dv):
         torch.testing.assert_close(g[finite], w[finite], rtol=1e-5, atol=1e-4, msg=name)
 
 
-# ---- head dims between the compiled widths (sm90: the next width's kernel, padded) ----
+# ---- head dims between the compiled widths (the next width's kernel, padded) ----
 
 # (head_dim, mask, (h, hk), (sq, sk)): widths 64, 96 and 128, each with another mask
 PADDED = [(80, "none", (4, 4), (113, 203)), (80, "causal", (8, 2), (700, 700)),
@@ -347,8 +347,9 @@ def _padded_served():
 def test_bwd_padded_head_dims(seed, case):
     """Gradients at a head dim between the compiled widths: the kernel reads q, k, v and dO
     zero-filled to the next width, its buffers have that width, and the gradients come back at
-    the tensors' head dim, contiguous, against the float32 reference. On a path that does not
-    pad its backward (the portable one), strict mode names the head dim instead."""
+    the tensors' head dim, contiguous, against the float32 reference (both families pad; run
+    with CUTEATTN_PATH=sm80 for the portable one). Where a family does not pad, strict mode
+    must name the head dim instead."""
     d, mask, (h, hk), (sq, sk) = case
     if not _padded_served():
         with pytest.raises(Exception, match=f"head_dim {d}"):
@@ -366,7 +367,7 @@ def test_bwd_padded_varlen_deterministic(seed):
     deterministic=True: bitwise-equal over repeats, and right."""
     if not _padded_served():
         pytest.skip("this path's backward does not pad head dims (test_bwd_padded_head_dims "
-                    "checks it declines them)")
+                    "checks that it declines them)")
     runs = []
     for _ in range(3):
         torch.manual_seed(seed)  # the same inputs each time

@@ -300,6 +300,21 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
     assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd")) is None
 
 
+def test_backward_pads_head_dims_between_widths(monkeypatch):
+    """The portable backward runs a head dim between its widths on the next one up (padded
+    loads; launch_common.bwd_buffers gives the gradient buffers that width)."""
+    from cuteattn.kernels.sm80 import launch_bwd
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_86")
+    for d, width in ((8, 64), (40, 64), (80, 96), (112, 128)):
+        spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d)
+        assert launch_bwd.BACKWARD.can_implement(spec) is None
+        cfg = launch_bwd.bwd_config(spec)
+        assert cfg.head_dim == width and cfg.padded
+        assert not launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=width, head_dim_v=width)).padded
+    assert "head_dim_v 64" in launch_bwd.BACKWARD.can_implement(
+        make_spec(kind="bwd", head_dim=128, head_dim_v=64))
+
+
 def test_backward_declaration_matches_kernel_signature():
     import inspect
     from cuteattn.kernels.common import arguments as common

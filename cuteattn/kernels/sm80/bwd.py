@@ -63,6 +63,9 @@ class Sm80BwdConfig:
     q_parts: int = 1
     # dQ's shares added in key-block order (bitwise-reproducible gradients; common/dq_order)
     deterministic: bool = False
+    # q, k, v and dO's head dim may be narrower than head_dim (padded to this compiled width):
+    # their loads zero-fill the columns past it (the gradient buffers have the compiled width)
+    padded: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -206,8 +209,9 @@ class FlashBwdSm80:
         tKcK = copy.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
         tQcQ = copy.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
         keys_left = seqlen.seqlen_k - key_start
-        mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left)
-        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left)
+        cols = mQ.shape[1] if const_expr(cfg.padded) else None  # the tensors' head dim
+        mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left, cols=cols)
+        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left, cols=cols)
         cute.arch.cp_async_commit_group()
         tQgQ, tQsQ = copy.partition_S(gQ), copy.partition_D(sQ)
         tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
@@ -278,8 +282,8 @@ class FlashBwdSm80:
             q_start = m_block * self.tile_m
             rows_left = seqlen.seqlen_q - q_start
             # this block's Q, dO, LSE and D (every warp is past the previous block's reads)
-            mma.load_rows(copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, rows_left)
-            mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left)
+            mma.load_rows(copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, rows_left, cols=cols)
+            mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left, cols=cols)
             cute.arch.cp_async_commit_group()
             if tidx < self.tile_m:
                 if tidx < rows_left:

@@ -13,8 +13,8 @@ from typing import Optional
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, unserved_dtype_or_dims,
-                             unserved_form, use_tvm_ffi)
+from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
+                             unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments
 from .bwd import Sm80BwdConfig
 from .launch import ARCH, COMPILE_MODULE, target_capability
@@ -40,7 +40,7 @@ def register_parts(head_dim: int, major: int) -> tuple:
 
 def unserved_on(spec: AttentionSpec, major: int) -> Optional[str]:
     """What this arch's compiler cannot build spill-free (tests/test_compile_sm80.py)."""
-    if major >= 12 and spec.head_dim >= 128 and spec.varlen_q:
+    if major >= 12 and compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS) >= 128 and spec.varlen_q:
         return ("the sm80 backward at head_dim 128 with packed sequences spills registers on "
                 f"sm_{major}x (16-32 bytes): not served there yet")
     return None
@@ -51,15 +51,17 @@ def _major(spec: AttentionSpec) -> int:
 
 
 def bwd_config(spec: AttentionSpec, major: int = 8) -> Sm80BwdConfig:
-    """major: the compute capability's, whose compiler the register parts are chosen for."""
+    """major: the compute capability's, whose compiler the register parts are chosen for. A
+    head dim between the compiled widths runs on the next one up (`padded`)."""
     tile_m, tile_n, warps = TILE
-    kv_parts, q_parts = register_parts(spec.head_dim, major)
+    head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
+    kv_parts, q_parts = register_parts(head_dim, major)
     return Sm80BwdConfig(
-        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=spec.head_dim, tile_m=tile_m, tile_n=tile_n,
+        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,
         num_warps=warps, causal=spec.causal, local=spec.local, has_softcap=spec.has_softcap,
         varlen_q=spec.varlen_q, varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts,
-        deterministic=spec.deterministic)
+        deterministic=spec.deterministic, padded=head_dim != spec.head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,7 +90,8 @@ class Sm80Backward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        reason = unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS)
+        reason = unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS,
+                                        padded_dims=True)
         if reason is not None:
             return reason
         reason = unserved_on(spec, _major(spec))
