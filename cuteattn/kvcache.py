@@ -274,12 +274,10 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         paged_kv=block_table is not None, has_kv_batch_idx=cache_batch_idx is not None,
         has_leftpad_k=cache_leftpad is not None,
         page_size=k_cache.shape[1] if block_table is not None else 0,
-        device_index=q.device.index if q.device.type == "cuda" else -1)
+        device_index=q.device.index if q.device.type == "cuda" else -1,
+        kv_dtype=k_cache.dtype if fp8 else None)
     spec = _checks.with_sink(spec, learnable_sink, q)
-    if fp8:
-        launch, reason = None, "an fp8 KV cache: no decode kernel reads one yet"
-    else:
-        launch, reason = _decode_launch(spec, q.device)
+    launch, reason = _decode_launch(spec, q.device)
     if launch is not None:
         if validate:
             _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -287,12 +285,13 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         with torch.no_grad():
             q_rot, seqused_k = append_and_rotate(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                block_table, causal or local, rotary_interleaved, capacity)
+                block_table, causal or local, rotary_interleaved, capacity, descales)
             out = torch.empty(*q.shape[:3], v_cache.shape[-1], dtype=q.dtype, device=q.device)
             lse = torch.empty(batch, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+            extra = dict(k_descale=descales[0], v_descale=descales[1]) if fp8 else {}
             launch(q_rot, k_cache, v_cache, out, lse, seqused_k, cache_batch_idx, cache_leftpad,
                    block_table, _splits(num_splits, spec, q.device, capacity),
-                   learnable_sink=learnable_sink)
+                   learnable_sink=learnable_sink, **extra)
         return out, lse
     api._fall_back(reason, strict)
     # the reference reads the index values anyway: hold them to validate=True's rules always
@@ -332,12 +331,14 @@ def _decode_launch(spec: AttentionSpec, device):
 
 def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                       cache_batch_idx, block_table, positional: bool, interleaved: bool,
-                      capacity: int):
+                      capacity: int, descales=(None, None)):
     """The KV-cache update before a decode kernel attends, on the device with no sync: new k
     (rotated) and v written into the caches in place at positions [cache_seqlens[b],
     cache_seqlens[b] + seqlen_new) of cache row cache_batch_idx[b] (or b; paged: of sequence
     b's pages), and q rotated (at positions cache_seqlens[b] + i when `positional`, causal or
     windowed; at cache_seqlens[b] otherwise), as reference.attention_kvcache_ref does.
+    An fp8 cache takes the new tokens quantized, value / descale (descales: (k's, v's), (batch,
+    nheads_k) float32 or None = 1.0), as the reference stores them.
     Returns (rotated q, the used length per sequence: int32 (batch,) cache_seqlens + seqlen_new)."""
     b, sq = q.shape[:2]
     device = q.device
@@ -364,9 +365,17 @@ def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         else:
             page = k_cache.shape[1]
             where = (block_table.long().gather(1, pos // page), pos % page)
-        k_cache[where] = k.to(k_cache.dtype)
-        v_cache[where] = v.to(v_cache.dtype)
+        k_cache[where] = _quantized(k, k_cache.dtype, descales[0])
+        v_cache[where] = _quantized(v, v_cache.dtype, descales[1])
     return q, (old + s_new).to(torch.int32)
+
+
+def _quantized(x, dtype, descale):
+    """New tokens (batch, s_new, h_k, d) as a cache of `dtype` holds them: for an fp8 cache
+    x / descale (per batch and kv head) rounded to it, else x in the cache's dtype."""
+    if dtype in FP8_CACHE and descale is not None:
+        return (x.float() / descale.float()[:, None, :, None]).to(dtype)
+    return x.to(dtype)
 
 
 def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:

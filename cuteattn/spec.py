@@ -13,7 +13,8 @@ from typing import Optional
 
 import torch
 
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3"}
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8_e4m3",
+               torch.float8_e5m2: "fp8_e5m2"}
 
 # What a spec asks for: the forward now; the backward, decode (a few queries against a long
 # cache) and the combine of split results later. Each kind has its own kernel families.
@@ -39,6 +40,9 @@ class AttentionSpec:
     paged_kv: bool = False        # k/v in pages of a cache, through a block table
     has_kv_batch_idx: bool = False  # decode: k/v rows picked per sequence (cache_batch_idx)
     has_leftpad_k: bool = False   # decode: keys start at a per-sequence offset (cache_leftpad)
+    # decode: the cache's dtype where it differs from q's (an fp8 cache, with per-(batch, kv
+    # head) descales); None: q's
+    kv_dtype: Optional[torch.dtype] = None
     # block-sparse (cuteattn.sparse): the (query, key) block shape of its lists; 0: dense
     sparse_q_block: int = 0
     sparse_kv_block: int = 0
@@ -82,6 +86,7 @@ class AttentionSpec:
             self.paged_kv,
             self.has_kv_batch_idx,
             self.has_leftpad_k,
+            None if self.kv_dtype is None else DTYPE_NAMES[self.kv_dtype],
             self.sparse_q_block,
             self.sparse_kv_block,
         )

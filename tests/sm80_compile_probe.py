@@ -3,8 +3,8 @@ JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
 form: varlen (a bool) for the forward, "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
-"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G]"
-for the decode kernel ("decode,page=N,varlen": the paged prefill, packed q).
+"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2]"
+for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
 import re
@@ -21,7 +21,9 @@ from cuteattn.kernels.sm80.config import decode_config, fwd_configs
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # what the PTX must (not) hold: the sm_80 instructions, and none of Hopper's
 MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "wgmma",
-         "stmatrix", "cp.async.bulk", "setmaxnreg", "tanh.approx")
+         "stmatrix", "cp.async.bulk", "setmaxnreg", "tanh.approx", "cvt.rn.f16x2.e4m3x2",
+         "cvt.rn.f16x2.e5m2x2")
+FP8 = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 
 
 def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False):
@@ -66,7 +68,7 @@ def main():
             cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
                                 varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
-                                smem_limit=smem)
+                                smem_limit=smem, kv_fp8=FP8.get(flags.get("fp8")))
         else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
             # (d may be "d/dv": head dims the kernel pads, or v narrower than q/k)
             dq, dv = map(int, d.split("/")) if isinstance(d, str) else (d, d)

@@ -22,6 +22,7 @@ pytest.importorskip("cutlass")
 pytestmark = pytest.mark.compile
 
 from cuteattn.kernels.sm80 import config  # noqa: E402
+from cuteattn.kernels.sm80 import launch as sm80_launch  # noqa: E402
 
 PROBE = Path(__file__).with_name("sm80_compile_probe.py")
 TARGETS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_120a": (12, 0)}
@@ -47,7 +48,13 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["fp16", 256, "local", "decode,split,gqa=2"], ["bf16", 64, "softcap", "decode,page=64,split,gqa=16"],
                # 16-key blocks of d = 96 (two warps), and the paged prefill (packed q)
                ["bf16", 96, "causal", "decode,page=16,gqa=4"], ["bf16", 128, "causal", "decode,page=16,varlen"],
-               ["fp16", 192, "local", "decode,page=128,varlen"]]
+               ["fp16", 192, "local", "decode,page=128,varlen"],
+               # an fp8 cache (sm_89 on: its conversion is in hardware)
+               ["bf16", 128, "none", "decode,split,gqa=4,fp8=e4m3"],
+               ["bf16", 128, "causal", "decode,page=16,gqa=8,fp8=e4m3"],
+               ["fp16", 64, "softcap", "decode,page=128,split,fp8=e5m2"],
+               ["bf16", 192, "local", "decode,page=32,split,gqa=2,fp8=e4m3"],
+               ["bf16", 256, "none", "decode,split,bidx,leftpad,fp8=e5m2"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],
@@ -75,6 +82,8 @@ def test_compile_sm80_fwd(target, tmp_path):
         AttentionSpec(dtype=None, head_dim=v[1], head_dim_v=v[1], causal=False, local=False,
                       has_softcap=False, varlen_q="varlen" in v[3], varlen_k="varlen" in v[3]),
         TARGETS[target][0]))]
+    if TARGETS[target] < sm80_launch.FP8_MIN_CAPABILITY:  # (the decode family declines fp8)
+        served = [v for v in served if "fp8" not in str(v[3])]
     run = subprocess.run([sys.executable, str(PROBE), json.dumps(served), str(smem)], env=env,
                          cwd=tmp_path, capture_output=True, text=True, timeout=1200)
     lines = [x for x in run.stdout.splitlines() if x.startswith("RESULT ")]
@@ -93,6 +102,9 @@ def test_compile_sm80_fwd(target, tmp_path):
         for hopper in ("wgmma", "stmatrix", "cp.async.bulk", "setmaxnreg"):
             assert not marks[hopper], f"{where}: uses {hopper}"
         assert marks["tanh.approx"] == (r["variant"][2] == "softcap"), where
+        fp8 = next((f[4:] for f in str(r["variant"][3]).split(",") if f.startswith("fp8=")), None)
+        for fmt in ("e4m3", "e5m2"):  # an fp8 cache converted in hardware, in its format
+            assert marks[f"cvt.rn.f16x2.{fmt}x2"] == (fp8 == fmt), where
         if combine:
             continue
         assert "registers" in r and r["registers"] <= 255, where

@@ -79,10 +79,11 @@ def test_varlen_seqused(seed, mask):
 
 def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=False,
                 window=(-1, -1), softcap=0.0, rotary=None, batch_idx=False, leftpad=None,
-                dtype=torch.bfloat16, sink=False):
+                dtype=torch.bfloat16, sink=False, cache_dtype=None, descales=True):
     """flash_attn_with_kvcache (strict: the kernel must serve it) against the reference on a
     copy of the caches: the output by FlashAttention's rule, the LSE, and the caches after the
-    append compared exactly."""
+    append compared exactly. cache_dtype: an fp8 cache (values / descale, random per-(batch, kv
+    head) descales, or none with descales=False), the new tokens quantized into it."""
     from cuteattn import flash_attn_with_kvcache
     from cuteattn.reference import attention_kvcache_ref
     from cuteattn.testing import assert_close_fa, assert_lse_close
@@ -103,6 +104,14 @@ def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=F
         if batch_idx:
             idx = torch.randperm(b + 2, device=dev)[:b].int()
     v_cache = torch.randn_like(k_cache)
+    k_descale = v_descale = None
+    if cache_dtype is not None:
+        # stored values up to ~16; with descales up to 8.5 the real values reach ~140 (scores
+        # far outside bf16's comfortable range if the descales were applied before the MMA)
+        k_cache, v_cache = (k_cache * 4).to(cache_dtype), (v_cache * 4).to(cache_dtype)
+        if descales:
+            k_descale = torch.rand(b, hk, device=dev) * 8 + 0.5
+            v_descale = torch.rand(b, hk, device=dev) * 8 + 0.5
     cos = sin = None
     if rotary is not None:
         rd = d // 2
@@ -117,12 +126,13 @@ def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=F
     out, lse = flash_attn_with_kvcache(
         q, k_cache, v_cache, k_new, v_new, cos, sin, lens_t, idx, pad, block_table,
         rotary_interleaved=rotary == "interleaved", num_splits=splits, return_softmax_lse=True,
-        strict=True, validate=True, **kw)
+        strict=True, validate=True, k_descale=k_descale, v_descale=v_descale, **kw)
     common = (q, None, None, k_new, v_new, cos, sin, lens_t, idx, pad, block_table)
-    ref, ref_lse = attention_kvcache_ref(*common[:1], ref_k, ref_v, *common[3:],
-                                         rotary_interleaved=rotary == "interleaved", **kw)
-    lowprec, _ = attention_kvcache_ref(*common[:1], low_k, low_v, *common[3:],
-                                       rotary_interleaved=rotary == "interleaved", upcast=False, **kw)
+    ref_kw = dict(kw, descales=(k_descale, v_descale), rotary_interleaved=rotary == "interleaved")
+    ref, ref_lse = attention_kvcache_ref(*common[:1], ref_k, ref_v, *common[3:], **ref_kw)
+    lowprec, _ = attention_kvcache_ref(*common[:1], low_k, low_v, *common[3:], upcast=False,
+                                       **ref_kw)
+    assert not torch.isnan(out).any() and not torch.isinf(out).any()
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "the append differs"
     assert_close_fa(out, ref, lowprec)
     assert_lse_close(lse, ref_lse)
@@ -150,6 +160,32 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[f"case{i}" for i in range(len(DECODE_CASES))])
 def test_kvcache(seed, case):
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
+
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_DECODE_CASES = [  # the decode cases' forms over an fp8 cache (with bf16 or fp16 q)
+    (4, 1, 1, 32, 8, 128, 1024, [0, 1, 517, 1023], dict(cache_dtype=E4M3)),
+    (4, 1, 1, 32, 8, 128, 1024, [0, 1, 517, 1023], dict(cache_dtype=E4M3, page=16)),
+    (4, 1, 1, 32, 8, 128, 1024, [0, 1, 517, 1023], dict(cache_dtype=E5M2, page=128, splits=3)),
+    (2, 1, 1, 16, 1, 64, 4096, [4095, 2000], dict(cache_dtype=E4M3, page=48, splits=0)),
+    (2, 4, 4, 16, 4, 128, 700, [7, 696], dict(cache_dtype=E4M3, causal=True, rotary="neox")),
+    (3, 300, 0, 8, 8, 96, 2048, [300, 1000, 2048], dict(cache_dtype=E4M3, causal=True, splits=2)),
+    (2, 5, 2, 8, 2, 256, 512, [100, 300], dict(cache_dtype=E4M3, window=(64, 0), softcap=20.0)),
+    (2, 5, 2, 8, 2, 192, 512, [100, 300], dict(cache_dtype=E5M2, page=32, splits=4, causal=True)),
+    (3, 2, 1, 8, 2, 128, 600, [50, 200, 400], dict(cache_dtype=E4M3, batch_idx=True,
+                                                   leftpad=[0, 7, 399])),
+    (2, 1, 1, 8, 2, 64, 256, [255, 0], dict(cache_dtype=E4M3, dtype=torch.float16, splits=8)),
+    (3, 1, 1, 32, 4, 128, 2048, [0, 900, 2047], dict(cache_dtype=E4M3, sink=True)),
+    (2, 1, 1, 32, 8, 128, 333, [1, 332], dict(cache_dtype=E4M3, descales=False)),
+]
+
+
+@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
+def test_kvcache_fp8(seed, case):
+    """An fp8 cache read by the decode kernel (converted in shared memory, descales folded into
+    the scores' scale and the output), against the reference on the dequantized cache."""
     b, sq, s_new, h, hk, d, cap, lens, extra = case
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 

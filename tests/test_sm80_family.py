@@ -160,6 +160,34 @@ def test_decode_reasons(fields, reason):
     assert sm80_launch.DECODE.can_implement(decode_spec(**fields)).startswith(reason)
 
 
+@pytest.mark.parametrize("target,served", [("sm_80", False), ("sm_86", False), ("sm_89", True),
+                                           ("sm_90a", True), ("sm_120a", True)])
+@pytest.mark.parametrize("cache", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_decode_reads_an_fp8_cache_from_sm89(monkeypatch, target, served, cache):
+    """An fp8 cache is converted in hardware (cvt ...e4m3x2 / e5m2x2, sm_89 on): older targets
+    decline it with the reason; its spec's compile key holds the cache's dtype."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", target)
+    spec = decode_spec(kv_dtype=cache)
+    reason = sm80_launch.DECODE.can_implement(spec)
+    assert (reason is None) if served else "needs sm_89 or later" in reason
+    assert spec.compile_key() != decode_spec().compile_key()
+    assert "a torch.float16 cache" in sm80_launch.DECODE.can_implement(decode_spec(kv_dtype=torch.float16))
+
+
+@pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
+def test_decode_fp8_ring_fits_and_counts_its_bytes(d):
+    """An fp8 cache's config: a ring of at least 2 stages of bytes plus one converted K/V block,
+    counted in smem_bytes, within sm_86's 99 KB (and half of it when 2 CTAs fit)."""
+    cfg = config.decode_config(cutlass.BFloat16, d, d, False, False, False, False, False, 16, True,
+                               4, kv_fp8=cutlass.Float8E4M3FN)
+    dense = config.decode_config(cutlass.BFloat16, d, d, False, False, False, False, False, 16,
+                                 True, 4)
+    kv_block = cfg.tile_n * 2 * d
+    assert cfg.kv_stages >= 2 and cfg.smem_bytes() <= 99 * 1024
+    assert cfg.smem_bytes() == cfg.tile_m * d * 2 + cfg.kv_stages * kv_block + kv_block * 2
+    assert cfg.kv_stages >= dense.kv_stages  # (bytes: at least as deep a ring)
+
+
 @pytest.mark.parametrize("page", [16, 32, 48, 128, 256, 1024])
 @pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
 def test_decode_key_blocks_read_whole_pages(page, d):
@@ -178,6 +206,36 @@ def test_decode_key_blocks_read_whole_pages(page, d):
         assert cfg.tile_n == 64
     assert cfg.has_seqused_k and not cfg.varlen_q and not cfg.varlen_k
     FlashFwdSm80(cfg)  # its copy passes fit the tile (asserted at construction)
+
+
+def test_kvcache_hands_an_fp8_cache_and_its_descales_to_the_kernel(monkeypatch):
+    """With an fp8 cache the decode spec carries the cache's dtype, the new tokens are appended
+    quantized (value / descale, as the reference stores them) and the launch gets the descales."""
+    from cuteattn import api, flash_attn_with_kvcache, kvcache
+    from cuteattn.reference import _store
+    seen = {}
+
+    class Recorder:
+        def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, kv_batch_idx, leftpad,
+                     page_table, num_splits, learnable_sink=None, k_descale=None, v_descale=None):
+            seen.update(k_descale=k_descale, v_descale=v_descale, k_cache=k_cache)
+            out.zero_()
+            lse.zero_()
+
+    monkeypatch.setattr(api, "_select_kernel", lambda spec, device: (seen.update(spec=spec) or Recorder(), None))
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    k_cache = (torch.randn(2, 32, 2, 64) * 3).to(torch.float8_e4m3fn)
+    v_cache = k_cache.clone()
+    k, v = torch.randn(2, 1, 2, 64, dtype=torch.bfloat16), torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
+    kd, vd = torch.rand(2, 2) + 0.5, torch.rand(2, 2) + 0.5
+    flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor([3, 30], dtype=torch.int32),
+                            k_descale=kd, v_descale=vd)
+    assert seen["spec"].kv_dtype == torch.float8_e4m3fn and seen["spec"].dtype == torch.bfloat16
+    assert seen["k_descale"] is kd and seen["v_descale"] is vd and seen["k_cache"] is k_cache
+    for i, n in enumerate((3, 30)):
+        assert torch.equal(k_cache[i, n], _store(k[i, 0], torch.float8_e4m3fn, kd[i].view(2, 1)))
+        assert torch.equal(v_cache[i, n], _store(v[i, 0], torch.float8_e4m3fn, vd[i].view(2, 1)))
 
 
 def test_kvcache_dispatches_to_the_decode_family(monkeypatch):

@@ -42,6 +42,10 @@ def parse_args(argv=None):
                    help="decoding over a KV cache (GB/s of K/V read): bf16, 32 query heads over 8, "
                         "d=128, one new row, pages of 16 and 128 and contiguous, instead of the "
                         "forward grid")
+    p.add_argument("--fp8-kv", action="store_true",
+                   help="with --decode: the caches in float8_e4m3fn with per-(batch, kv head) "
+                        "descales, GQA 32/8 and 32/4, our bf16-cache decode of the same values "
+                        "beside it (cells' kv_dtype; GB/s count the fp8 bytes for both)")
     p.add_argument("--path", choices=["sm80"],
                    help="run cuteattn's calls on this kernel path on any GPU that can (sm80: the "
                         "portable mma.sync path; sets CUTEATTN_PATH); cells record it as 'path'")
@@ -117,7 +121,7 @@ def main(argv=None) -> int:
     if cuda:
         device = torch.device("cuda")
         if args.decode:
-            grid = shapes.decode_grid(quick=args.quick)
+            grid = shapes.decode_grid(quick=args.quick, fp8_kv=args.fp8_kv)
         elif args.fp8:
             grid = shapes.fp8_grid(quick=args.quick)
         elif args.sparse:

@@ -49,11 +49,24 @@ def _decode_inputs(cell: Cell, device, dtype) -> dict:
     if cell.page_size is None:
         x["k"] = torch.randn(b, n, hk, d, device=device, dtype=dtype)
         x["v"] = torch.randn(b, n, hk, d, device=device, dtype=dtype)
-        return x
-    pages = b * n // cell.page_size
-    x["k"] = torch.randn(pages, cell.page_size, hk, d, device=device, dtype=dtype)
-    x["v"] = torch.randn(pages, cell.page_size, hk, d, device=device, dtype=dtype)
-    x["table"] = torch.randperm(pages, device=device).to(torch.int32).view(b, -1)
+    else:
+        pages = b * n // cell.page_size
+        x["k"] = torch.randn(pages, cell.page_size, hk, d, device=device, dtype=dtype)
+        x["v"] = torch.randn(pages, cell.page_size, hk, d, device=device, dtype=dtype)
+        x["table"] = torch.randperm(pages, device=device).to(torch.int32).view(b, -1)
+    if cell.kv_dtype:  # an fp8 cache with descales, and its values in bf16 (dequantized)
+        for name in ("k", "v"):
+            x[name] = (x[name] * 2).to(torch.float8_e4m3fn)
+            x[f"{name}_descale"] = torch.rand(b, hk, device=device) + 0.5
+        # the sequence each cache row belongs to (with pages: the table's row holding the page)
+        owner = torch.arange(b, device=device)
+        if x["table"] is not None:
+            owner = torch.empty(x["k"].shape[0], dtype=torch.long, device=device)
+            owner[x["table"].long().flatten()] = torch.arange(b, device=device).repeat_interleave(
+                x["table"].shape[1])
+        for name in ("k", "v"):
+            scale = x[f"{name}_descale"][owner][:, None, :, None]
+            x[f"{name}_bf16"] = (x[name].float() * scale).to(dtype)
     return x
 
 
@@ -143,11 +156,18 @@ def _decode(cell, x, device):
     varlen (or its plain call on a contiguous cache), SDPA on a contiguous cache."""
     from cuteattn import flash_attn_with_kvcache
     strict = device.type == "cuda"
+    descales = dict(k_descale=x["k_descale"], v_descale=x["v_descale"]) if cell.kv_dtype else {}
     ours = lambda: flash_attn_with_kvcache(x["q"], x["k"], x["v"], cache_seqlens=x["lens"],
-                                           block_table=x["table"], strict=strict)
+                                           block_table=x["table"], strict=strict, **descales)
     if device.type != "cuda":
         return {"cuteattn (reference)": ours}
     impls = {"cuteattn": ours}
+    if cell.kv_dtype:  # our decode of the same values from a bf16 cache; no peer reads fp8
+        impls["cuteattn-bf16-cache"] = lambda: flash_attn_with_kvcache(
+            x["q"], x["k_bf16"], x["v_bf16"], cache_seqlens=x["lens"], block_table=x["table"],
+            strict=True)
+        impls["fa4"] = impls["sdpa"] = "no fp8 KV cache"
+        return impls
     if x["table"] is None:
         from torch.nn.functional import scaled_dot_product_attention
         q, k, v = (x[n].transpose(1, 2) for n in ("q", "k", "v"))
@@ -268,6 +288,15 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
         return _check_sparse_dq(cell, x, out[0], dout)
     if cell.kind == "decode":  # batch 0, kv head 0's query heads, against its whole cache
         k0, v0 = _decode_keys(x, 0)
+        if cell.kv_dtype:  # the real values: stored x descale, in float32 for the reference
+            k0, v0 = (t.float() * x[f"{n}_descale"][0][None, :, None] for t, n in ((k0, "k"), (v0, "v")))
+            q, o = x["q"][:1, :, :r].float(), out[:1, :, :r]
+            k, v = k0[None, :, :1], v0[None, :, :1]
+            ref, _ = attention_ref(q, k, v)
+            lowprec, _ = attention_ref(*(t.to(x["q"].dtype) for t in (q, k, v)), upcast=False)
+            err, base = fa_error(o, ref, lowprec)
+            bound = 2 * base + FA_FLOOR
+            return dict(ok=bool(err <= bound), err=err, bound=bound)
         q, k, v, o = x["q"][:1, :, :r], k0[None, :, :1], v0[None, :, :1], out[:1, :, :r]
     elif cell.lens is None:
         q, k, v, o = x["q"][:1, :, :r], x["k"][:1, :, :1], x["v"][:1, :, :1], out[:1, :, :r]

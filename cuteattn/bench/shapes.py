@@ -45,6 +45,7 @@ class Cell:
     block_q: int | None = None            # sparse: the physical block (the logical one is 256)
     block_k: int | None = None
     dv: int | None = None                 # v's head dim where it differs from d
+    kv_dtype: str | None = None           # decode: "fp8_e4m3" for an fp8 cache (None: bf16)
 
     def kept_blocks(self) -> tuple:
         """Sparse: (logical key blocks each query block keeps, logical key blocks)."""
@@ -57,8 +58,11 @@ class Cell:
         return "gbps" if self.kind == "decode" else "tflops"
 
     def kv_bytes(self) -> int:
-        """Decode: the bytes of K and V one call reads (the whole cache of every sequence)."""
-        return 2 * self.batch * self.seqlen_k * self.nheads_k * self.d * 2
+        """Decode: the bytes of K and V one call reads (the whole cache of every sequence), in
+        the cell's cache dtype (an fp8 cell's bf16 comparison is rated on the same bytes, so
+        its rate ratio is the inverse of the time ratio)."""
+        elem = 1 if self.kv_dtype else 2
+        return 2 * self.batch * self.seqlen_k * self.nheads_k * self.d * elem
 
     def rate(self, ms: float) -> float:
         """TFLOP/s, or for decode GB/s of K/V read, of one call taking ms milliseconds."""
@@ -87,7 +91,8 @@ class Cell:
                     f"{self.block_q}x{self.block_k}")
         if self.kind == "decode":
             cache = f"page {self.page_size}" if self.page_size else "contiguous"
-            return f"decode b{self.batch} L{self.seqlen_k} h{self.nheads}/{self.nheads_k} {cache}"
+            fp8 = " fp8 cache" if self.kv_dtype else ""
+            return f"decode b{self.batch} L{self.seqlen_k} h{self.nheads}/{self.nheads_k} {cache}{fp8}"
         if self.lens is not None:
             shape = "x".join(map(str, self.lens)) if len(set(self.lens)) > 1 else f"{len(self.lens)}x{self.lens[0]}"
             return f"varlen d{self.d} h{self.nheads} [{shape}] {mask}"
@@ -105,6 +110,10 @@ class Cell:
                 del out[name]
         if self.dv is None:
             del out["dv"]
+        if self.kind == "decode":
+            out["kv_dtype"] = self.kv_dtype or self.dtype
+        else:
+            del out["kv_dtype"]
         if self.lens is None:
             del out["lens"]
         else:
@@ -177,10 +186,14 @@ def varlen_grid() -> list[Cell]:
 DECODE_SHAPES = ((1, 131072), (8, 32768), (64, 8192), (128, 4096))  # (batch, cache length)
 
 
-def decode_grid(quick: bool = False) -> list[Cell]:
+def decode_grid(quick: bool = False, fp8_kv: bool = False) -> list[Cell]:
     """One new query row over a full cache: bf16, 32 query heads over 8 kv heads, d=128, pages of
-    16 and 128 tokens and a contiguous cache."""
+    16 and 128 tokens and a contiguous cache. fp8_kv: the caches in float8_e4m3fn (with
+    descales), at GQA ratios 4 and 8 (the issue's targets differ by ratio)."""
     shapes = DECODE_SHAPES[1:2] if quick else DECODE_SHAPES
+    if fp8_kv:
+        return [Cell("decode", 128, b, 32, hk, 1, n, False, page_size=p, kv_dtype="fp8_e4m3")
+                for b, n in shapes for hk in (8, 4) for p in (16, 128, None)]
     return [Cell("decode", 128, b, 32, 8, 1, n, False, page_size=p)
             for b, n in shapes for p in (16, 128, None)]
 
@@ -190,6 +203,7 @@ def cpu_grid() -> list[Cell]:
     return [Cell("fwd", 64, 1, 2, 2, 128, 128, c) for c in (False, True)] + [
         Cell("varlen", 64, 3, 2, 2, 96, 96, True, lens=(32, 96, 64)),
         Cell("decode", 64, 2, 4, 2, 1, 64, False, page_size=16),
+        Cell("decode", 64, 2, 4, 2, 1, 64, False, kv_dtype="fp8_e4m3"),
         Cell("fp8", 64, 1, 2, 2, 64, 64, True),
         Cell("sparse", 64, 1, 2, 2, 512, 512, False, sparsity=0.5, block_q=128, block_k=64),
     ]

@@ -1,9 +1,10 @@
 """The sm80 forward's runtime arguments, declared once (common/arguments.py says what derives
 from a declaration). `FlashFwdSm80.__call__` takes ARGUMENTS, in this order, then the stream."""
+import dataclasses
 from typing import Any, NamedTuple
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint8
 
 from ..common import arguments as common
 from ..common.arguments import (FLOAT32, INT32, OPTIONAL_TENSOR, TENSOR, VARLEN, Arg, Group,
@@ -11,13 +12,16 @@ from ..common.arguments import (FLOAT32, INT32, OPTIONAL_TENSOR, TENSOR, VARLEN,
 
 
 class CacheMetadata(NamedTuple):
-    """A KV cache's index tensors and the split-KV outputs (flash_attn_with_kvcache), None where
-    not used; the kernel takes them as five positional parameters."""
+    """A KV cache's index tensors, the split-KV outputs and an fp8 cache's descales
+    (flash_attn_with_kvcache), None where not used; the kernel takes them as seven positional
+    parameters."""
     kv_batch_idx: Any = None  # int32 (b,): cache_batch_idx
     leftpad_k: Any = None     # int32 (b,): cache_leftpad
     page_table: Any = None    # int32 (b, max_pages): block_table
     o_partial: Any = None     # float32 (splits, b, s_q, h, d_v)
     lse_partial: Any = None   # float32 (splits, b, h, s_q)
+    k_descale: Any = None     # float32 (b, h_k): an fp8 cache's k descales
+    v_descale: Any = None     # float32 (b, h_k): its v descales
 
 
 NO_CACHE = CacheMetadata()
@@ -42,19 +46,39 @@ def _lse_partial(cfg, sym, align, memspace):
     return fake_tensor(Float32, (sym["splits"], sym["b"], sym["h"], sym["sq"]), align, memspace)
 
 
+def _descale(cfg, sym, align, memspace):
+    if cfg.kv_fp8 is None:
+        return None
+    return fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), align, memspace)  # (b, h_k)
+
+
+def cache_side(head_dim_field):
+    """k and v as key_side declares them; an fp8 cache's as its bytes (uint8: torch tensors of
+    fp8 cross into the kernel as their storage, the kernel reads them as cfg.kv_fp8)."""
+    declared = key_side(head_dim_field)
+
+    def fake(cfg, sym, align, memspace):
+        if cfg.kv_fp8 is None:
+            return declared(cfg, sym, align, memspace)
+        return declared(dataclasses.replace(cfg, dtype=Uint8), sym, align, memspace)
+    return fake
+
+
 CACHE = Group("cache", CacheMetadata, (
     Arg("mKvBatchIdx", OPTIONAL_TENSOR, int32_vector("kv_batch_idx"), align=4),
     Arg("mLeftpadK", OPTIONAL_TENSOR, int32_vector("leftpad_k"), align=4),
     Arg("mPageTable", OPTIONAL_TENSOR, _page_table, align=4),
     Arg("mOPartial", OPTIONAL_TENSOR, _o_partial),
     Arg("mLSEPartial", OPTIONAL_TENSOR, _lse_partial, align=4),
+    Arg("mKDescale", OPTIONAL_TENSOR, _descale, align=4),
+    Arg("mVDescale", OPTIONAL_TENSOR, _descale, align=4),
 ))
 assert len(CACHE.members) == len(CACHE.type._fields)
 
 ARGUMENTS = (
     Arg("mQ", TENSOR, query_side("head_dim")),
-    Arg("mK", TENSOR, key_side("head_dim")),      # or paged: (pages, page_size, h_k, d)
-    Arg("mV", TENSOR, key_side("head_dim_v")),
+    Arg("mK", TENSOR, cache_side("head_dim")),    # or paged: (pages, page_size, h_k, d)
+    Arg("mV", TENSOR, cache_side("head_dim_v")),
     Arg("mO", TENSOR, query_side("head_dim_v")),
     Arg("mLSE", TENSOR, lse_rows, align=4),
     VARLEN,

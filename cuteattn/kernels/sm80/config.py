@@ -109,11 +109,13 @@ def pack_gqa_group(qhead_per_kvhead: int, tile_m: int) -> int:
 def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
-                  has_seqused_q: bool = False, smem_limit: int = 99 * 1024) -> Sm80FwdConfig:
+                  has_seqused_q: bool = False, smem_limit: int = 99 * 1024,
+                  kv_fp8=None) -> Sm80FwdConfig:
     """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
-    flash_attn_varlen_func(block_table=)) the same tiles, without pack-GQA."""
+    flash_attn_varlen_func(block_table=)) the same tiles, without pack-GQA. kv_fp8: an fp8
+    cache's format (Sm80FwdConfig.kv_fp8; its ring has at least 2 stages)."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     gather = False
     if page_size % tile_n:  # (a contiguous cache has page_size 0) a block would span pages
@@ -128,8 +130,21 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, num_warps=warps,
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
-                               pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m))
-    return dataclasses.replace(cfg, kv_stages=decode_stages(cfg, smem_limit))
+                               pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
+                               kv_fp8=kv_fp8)
+    stages = decode_stages(cfg, smem_limit)
+    while kv_fp8 is not None and stages < 2 and cfg.tile_n > 16:
+        # an fp8 cache's ring needs 2 stages besides its converted block: narrower key blocks
+        # (d = 192 in 99 KB; a page that held whole blocks still does, and a gathered block's
+        # copy passes only get fewer rows)
+        tile_n = cfg.tile_n // 2
+        warps = warps_for_key_block(dtype, head_dim, head_dim_v, tile_n, cfg.num_warps)
+        cfg = dataclasses.replace(cfg, tile_n=tile_n, num_warps=warps)
+        stages = decode_stages(cfg, smem_limit)
+    if kv_fp8 is not None and stages < 2:
+        raise ValueError(f"an fp8 cache at head_dim {head_dim}: its K/V ring does not fit "
+                         f"{smem_limit} bytes of shared memory")
+    return dataclasses.replace(cfg, kv_stages=stages)
 
 
 def decode_stages(cfg: Sm80FwdConfig, smem_limit: int) -> int:

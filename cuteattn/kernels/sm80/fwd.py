@@ -22,7 +22,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint8, const_expr
 
 from ..common import epilogue
 from ..common.block_info import BlockInfo
@@ -74,16 +74,28 @@ class Sm80FwdConfig:
     # q/k/v's head dims may be narrower than head_dim / head_dim_v (padded to these compiled
     # widths): their loads zero-fill the columns past them and the O store leaves those out
     padded: bool = False
+    # An fp8 KV cache (decoding): cutlass.Float8E4M3FN or Float8E5M2, the format of k/v's bytes
+    # (passed as uint8). The ring of kv_stages blocks holds the bytes as loaded; each block is
+    # converted to `dtype` in one K/V buffer before its MMAs; the per-(batch, kv head) descales
+    # scale the scores (k's, folded into the softmax scale) and the output (v's).
+    kv_fp8: Optional[type] = None
+
+    @property
+    def kv_elem_bytes(self) -> int:
+        return 1 if self.kv_fp8 is not None else self.dtype.width // 8
 
     @property
     def num_threads(self) -> int:
         return 32 * self.num_warps
 
     def smem_bytes(self) -> int:
-        """Q (reused for O), kv_stages K and V blocks."""
+        """Q (reused for O), kv_stages K and V blocks (with kv_fp8: of bytes, and one K/V block
+        converted to `dtype`)."""
         elem = self.dtype.width // 8
-        return (self.tile_m * self.head_dim
-                + self.kv_stages * self.tile_n * (self.head_dim + self.head_dim_v)) * elem
+        kv_block = self.tile_n * (self.head_dim + self.head_dim_v)
+        converted = kv_block * elem if self.kv_fp8 is not None else 0
+        return (self.tile_m * self.head_dim * elem + self.kv_stages * kv_block * self.kv_elem_bytes
+                + converted)
 
 
 class FlashFwdSm80:
@@ -91,6 +103,7 @@ class FlashFwdSm80:
         # O is staged in Q's buffer: dv <= d
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert not (cfg.padded and (cfg.paged_kv or cfg.pack_gqa > 1)), "padded: forward only"
+        assert cfg.kv_fp8 is None or (cfg.kv_stages >= 2 and not cfg.padded), "fp8: a decode ring"
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
         assert cfg.tile_m % (mma.MMA_ROWS * cfg.num_warps) == 0
         assert cfg.tile_m % cfg.pack_gqa == 0 and not (cfg.pack_gqa > 1 and cfg.varlen_q)
@@ -104,6 +117,7 @@ class FlashFwdSm80:
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.num_threads = cfg.num_threads
         self.group = cfg.pack_gqa      # query rows per query position (pack-GQA)
+        self.fp8 = cfg.kv_fp8 is not None  # an fp8 cache (decoding)
         self.tile_q = cfg.tile_m // cfg.pack_gqa  # query positions per tile
 
     # ------------------------------------------------------------------------------------------
@@ -126,6 +140,8 @@ class FlashFwdSm80:
         mPageTable: Optional[cute.Tensor],    # int32 (b, max_pages); k/v (pages, page_size, h_k, d)
         mOPartial: Optional[cute.Tensor],     # float32 (splits, b, s_q, h, d_v) (split_kv)
         mLSEPartial: Optional[cute.Tensor],   # float32 (splits, b, h, s_q) (split_kv)
+        mKDescale: Optional[cute.Tensor],     # float32 (b, h_k): an fp8 cache's (kv_fp8)
+        mVDescale: Optional[cute.Tensor],
         qhead_per_kvhead: Int32,
         score_scale: Float32,
         softmax_scale_log2: Float32,
@@ -154,16 +170,12 @@ class FlashFwdSm80:
                 mLSEPartial = pack_heads_into_rows(mLSEPartial, self.group, 1)
 
         sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d)
-        ring = cfg.kv_stages if const_expr(cfg.kv_stages > 1) else 0  # a stage mode, or none
+        # a stage mode for the ring, or none (an fp8 cache's ring holds bytes, converted into
+        # one K/V buffer)
+        ring = cfg.kv_stages if const_expr(cfg.kv_stages > 1 and not self.fp8) else 0
         sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d, stages=ring)
         sV_layout = mma.smem_layout(self.dtype, self.tile_n, self.dv, stages=ring)
-
-        @cute.struct
-        class SharedStorage:
-            # 1024-byte aligned: a swizzle period (8 rows of 128 bytes) starts on a bank boundary
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+        SharedStorage = self.shared_storage(sQ_layout, sK_layout, sV_layout)
 
         num_heads = mQ.shape[2]  # kv heads with pack-GQA
         if const_expr(cfg.varlen_q):
@@ -181,7 +193,7 @@ class FlashFwdSm80:
 
         self.kernel(
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            mKvBatchIdx, mLeftpadK, mPageTable, mOPartial, mLSEPartial,
+            mKvBatchIdx, mLeftpadK, mPageTable, mOPartial, mLSEPartial, mKDescale, mVDescale,
             qhead_per_kvhead, num_m_blocks, num_heads, batch, l2_group, l2_small_groups,
             score_scale, softmax_scale_log2, window_left, window_right, num_splits,
             sQ_layout, sK_layout, sV_layout, SharedStorage,
@@ -191,6 +203,22 @@ class FlashFwdSm80:
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
+
+    def shared_storage(self, sQ_layout, sK_layout, sV_layout):
+        """The kernel's shared memory (a plain Python function: the struct's fields depend on
+        the configuration, and a jit function's `if` would be traced, not taken)."""
+        dtype, staged = self.dtype, self.cfg.kv_stages * self.tile_n  # keys an fp8 ring holds
+
+        @cute.struct
+        class SharedStorage:
+            # 1024-byte aligned: a swizzle period (8 rows of 128 bytes) starts on a bank boundary
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+            if self.fp8:
+                sK8: cute.struct.Align[cute.struct.MemRange[Uint8, staged * self.d], 128]
+                sV8: cute.struct.Align[cute.struct.MemRange[Uint8, staged * self.dv], 128]
+        return SharedStorage
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -203,7 +231,8 @@ class FlashFwdSm80:
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         mKvBatchIdx: Optional[cute.Tensor], mLeftpadK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor], mOPartial: Optional[cute.Tensor],
-        mLSEPartial: Optional[cute.Tensor],
+        mLSEPartial: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
+        mVDescale: Optional[cute.Tensor],
         qhead_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32, num_splits: Int32,
@@ -248,17 +277,36 @@ class FlashFwdSm80:
         sK = storage.sK.get_tensor(sK_layout)
         sV = storage.sV.get_tensor(sV_layout)
         head_idx_kv = head_idx // qhead_per_kvhead if const_expr(self.group == 1) else head_idx
+        staging = None
+        v_descale = None
+        if const_expr(self.fp8):
+            # the ring of bytes as loaded: (keys, cols, stage), rows of 8-byte chunks that only
+            # the thread that loaded them reads back
+            staging = (storage.sK8.get_tensor(cute.make_ordered_layout(
+                           (self.tile_n, self.d, cfg.kv_stages), order=(1, 0, 2))),
+                       storage.sV8.get_tensor(cute.make_ordered_layout(
+                           (self.tile_n, self.dv, cfg.kv_stages), order=(1, 0, 2))))
+            # the descales of this sequence's kv head: k's scales the raw scores (inside the
+            # softcap when there is one), v's the output
+            k_descale = mKDescale[batch_idx, head_idx_kv]
+            v_descale = mVDescale[batch_idx, head_idx_kv]
+            if const_expr(cfg.has_softcap):
+                score_scale = score_scale * k_descale
+            else:
+                softmax_scale_log2 = softmax_scale_log2 * k_descale
         if tile_valid & (m_block * self.tile_q < seqlen.seqlen_q):
             self.attend(mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
                         seqlen, m_block, head_idx, head_idx_kv, batch_idx,
                         kv_batch, split, num_splits, score_scale, softmax_scale_log2,
-                        window_left, window_right, tidx)
+                        window_left, window_right, tidx, staging, v_descale)
 
     @cute.jit
     def attend(self, mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
                seqlen: SeqlenInfo, m_block, head_idx, head_idx_kv, batch_idx, kv_batch, split,
-               num_splits, score_scale, softmax_scale_log2, window_left, window_right, tidx):
-        """One tile (with split_kv, one key range of it): load, the key loop, the epilogue."""
+               num_splits, score_scale, softmax_scale_log2, window_left, window_right, tidx,
+               staging=None, v_descale=None):
+        """One tile (with split_kv, one key range of it): load, the key loop, the epilogue.
+        staging, v_descale: an fp8 cache's ring of bytes (K's, V's) and v's descale."""
         cfg = self.cfg
         # the block geometry is over query positions (tile_q of them per tile with pack-GQA);
         # loads, stores and the element mask over the tile's rows
@@ -293,12 +341,28 @@ class FlashFwdSm80:
             kv_k = seqlen.k_view(mK, head_idx_kv, kv_batch)
             kv_v = seqlen.k_view(mV, head_idx_kv, kv_batch)
             pages = None
-        load_k = partial(self.load_block, copy_k, kv_k, pages, tKsK, tKcK, seqlen.seqlen_k, self.d)
-        load_v = partial(self.load_block, copy_v, kv_v, pages, tVsV, tVcV, seqlen.seqlen_k, self.dv)
         ring = cfg.kv_stages > 1
+        tKsK8 = tVsV8 = None
+        if const_expr(self.fp8):
+            # the loads fill the ring of bytes, in the converted buffer's chunks (8 keys'
+            # elements a thread): the thread that loads a chunk converts it
+            copy_k8 = mma.byte_copy_like(self.dtype, self.num_threads, self.d).get_slice(tidx)
+            copy_v8 = mma.byte_copy_like(self.dtype, self.num_threads, self.dv).get_slice(tidx)
+            tKsK8, tVsV8 = copy_k8.partition_D(staging[0]), copy_v8.partition_D(staging[1])
+            tKcK8 = copy_k8.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
+            tVcV8 = copy_v8.partition_S(cute.make_identity_tensor((self.tile_n, self.dv)))
+            load_k = partial(self.load_block, copy_k8, kv_k, pages, tKsK8, tKcK8,
+                             seqlen.seqlen_k, self.d)
+            load_v = partial(self.load_block, copy_v8, kv_v, pages, tVsV8, tVcV8,
+                             seqlen.seqlen_k, self.dv)
+        else:
+            load_k = partial(self.load_block, copy_k, kv_k, pages, tKsK, tKcK, seqlen.seqlen_k,
+                             self.d)
+            load_v = partial(self.load_block, copy_v, kv_v, pages, tVsV, tVcV, seqlen.seqlen_k,
+                             self.dv)
         # the stage-0 views build the MMA fragments (a stage is a whole tile: swizzle-safe)
-        sK0 = sK[None, None, 0] if const_expr(ring) else sK
-        sV0 = sV[None, None, 0] if const_expr(ring) else sV
+        sK0 = sK[None, None, 0] if const_expr(ring and not self.fp8) else sK
+        sV0 = sV[None, None, 0] if const_expr(ring and not self.fp8) else sV
 
         # MMA partitions: S = Q K^T from shared memory, O += P V with P in registers.
         tiled_mma = mma.tiled_mma(self.dtype, cfg.num_warps)
@@ -324,8 +388,12 @@ class FlashFwdSm80:
         ops = SimpleNamespace(
             tiled_mma=tiled_mma, acc_S=acc_S, acc_O=acc_O, acc_S_mn=acc_S_mn, acc_O_mn=acc_O_mn,
             coord_S_mn=coord_S_mn, tOrP=tOrP, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
-            tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v, sK=sK, sV=sV)
-        block = partial(self.key_block_ring if const_expr(ring) else self.key_block, ops=ops,
+            tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v, sK=sK, sV=sV,
+            tKsK=tKsK, tVsV=tVsV, tKsK8=tKsK8, tVsV8=tVsV8)
+        key_block = self.key_block
+        if const_expr(ring):
+            key_block = self.key_block_fp8 if const_expr(self.fp8) else self.key_block_ring
+        block = partial(key_block, ops=ops,
                         softmax=softmax, load_k=load_k, load_v=load_v,
                         block_info=block_info, seqlen=seqlen, row_start=row_start,
                         q_start=q_start, n_min=n_min, n_max=n_max,
@@ -363,6 +431,9 @@ class FlashFwdSm80:
             cute.arch.cp_async_wait_group(0)  # (the last groups are empty; none left in flight)
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse)
+        if const_expr(self.fp8):
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                acc_O[i] = acc_O[i] * v_descale
         if const_expr(cfg.split_kv):
             # float32 partials straight from the registers (decode tiles are a few rows)
             epilogue.store_lse(lse, epilogue.lse_view(mLSEPartial[None, None, None, split],
@@ -444,6 +515,54 @@ class FlashFwdSm80:
         convert_fragment(ops.acc_S, ops.tOrP)
         mma.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP, ops.tOrVt, None, tOsVt, None, ops.ld_v,
                  a_in_registers=True)
+
+    @cute.jit
+    def key_block_fp8(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
+                      block_info: BlockInfo, seqlen: SeqlenInfo, row_start, q_start, n_min,
+                      n_max, score_scale, window_left, window_right, mask: cutlass.Constexpr,
+                      top: cutlass.Constexpr):
+        """key_block_ring for an fp8 cache: block n_block's bytes (the j-th visited, in stage
+        j % kv_stages) have landed for this thread once all but the newest kv_stages - 2 of its
+        commit groups have; after the first barrier every warp is past the previous block's
+        reads of the converted buffer, and each thread converts the chunks it loaded. The block
+        kv_stages - 1 ahead then loads into the stage the thread converted one block ago (no
+        other thread reads a thread's chunks). The second barrier makes the conversion visible."""
+        stages = self.cfg.kv_stages
+        j = n_max - 1 - n_block
+        stage = j % stages
+        cute.arch.cp_async_wait_group(stages - 2)
+        cute.arch.barrier()
+        self.convert_chunks(ops.tKsK8[None, None, None, stage], ops.tKsK)
+        self.convert_chunks(ops.tVsV8[None, None, None, stage], ops.tVsV)
+        ahead = n_block - (stages - 1)
+        if ahead >= n_min:
+            load_k(ahead, False, (j + stages - 1) % stages)
+            load_v(ahead, False, (j + stages - 1) % stages)
+        cute.arch.cp_async_commit_group()
+        cute.arch.barrier()
+        ops.acc_S.fill(0.0)
+        mma.gemm(ops.tiled_mma, ops.acc_S, ops.tSrQ, ops.tSrK, ops.tSsQ, ops.tSsK, ops.ld_q,
+                 ops.ld_k)
+        self.scores_to_probs(ops.acc_S, ops.acc_S_mn, ops.coord_S_mn, softmax, block_info, seqlen,
+                             row_start, q_start, n_block, score_scale, window_left, window_right,
+                             mask)
+        softmax.rescale(ops.acc_O_mn)
+        convert_fragment(ops.acc_S, ops.tOrP)
+        mma.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP, ops.tOrVt, None, ops.tOsVt, None, ops.ld_v,
+                 a_in_registers=True)
+
+    @cute.jit
+    def convert_chunks(self, src, dst):
+        """This thread's chunks of one staged block (bytes in the cfg.kv_fp8 format) into the
+        converted buffer, as `dtype` (exact: every e4m3 and e5m2 value is a bf16 and an fp16
+        value; the conversion goes through f16x2, in hardware from sm_89 on)."""
+        # a copy pass's rows at a time (fewer live registers than the whole block)
+        for m in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            raw = cute.make_rmem_tensor_like(src[None, m, None])
+            cute.autovec_copy(src[None, m, None], raw)
+            values = cute.make_rmem_tensor_like(dst[None, m, None])
+            values.store(cute.recast_tensor(raw, self.cfg.kv_fp8).load().to(self.dtype))
+            cute.autovec_copy(values, dst[None, m, None])
 
     @cute.jit
     def load_block(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,

@@ -14,6 +14,7 @@ import os
 import re
 from typing import Optional
 
+import cutlass
 import torch
 
 from ... import compile_cache
@@ -26,6 +27,9 @@ from ..compile_common import first_spill_free
 from .combine import CombineConfig
 
 ARCH, KIND = "sm80", "fwd"
+# an fp8 KV cache's torch dtype -> the format its bytes are read as (decoding)
+FP8_FORMATS = {torch.float8_e4m3fn: cutlass.Float8E4M3FN, torch.float8_e5m2: cutlass.Float8E5M2}
+FP8_MIN_CAPABILITY = (8, 9)  # converting fp8 to 16-bit floats in hardware (cvt ...e4m3x2)
 COMPILE_MODULE = "cuteattn.kernels.sm80.compile"
 
 # Testing knob: CUTEATTN_SM80_CONFIGS=sm_86 (or sm_80, sm_89, sm_120a) makes a launch on any GPU
@@ -150,7 +154,7 @@ class Launch:
         q, k, v = aligned16(q), aligned16(k), aligned16(v)
         out_k = aligned16(out)
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         None, None, page_table, None, None)
+                         None, None, page_table, None, None, None, None)
         call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
@@ -173,6 +177,13 @@ class DecodeLaunch:
                            None if self.tvm_ffi else to_runtime)
         self.combine = None  # (compiled combine kernel, its binder), made on first use
 
+    def _ones(self, q):
+        """Descales of 1.0 for an fp8 cache called without them, (batch, nheads_k), kept."""
+        shape = (q.shape[0], self.spec.nheads_k)
+        if getattr(self, "ones", None) is None or self.ones.shape != shape or self.ones.device != q.device:
+            self.ones = torch.ones(shape, dtype=torch.float32, device=q.device)
+        return self.ones
+
     def _combine(self, has_sink: bool):
         if self.combine is None or self.combine[2] != has_sink:
             cfg = CombineConfig(CUTLASS_DTYPES[self.spec.dtype], self.spec.head_dim_v, has_sink)
@@ -189,13 +200,19 @@ class DecodeLaunch:
                 CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal,
                 spec.local, spec.has_softcap, spec.has_kv_batch_idx, spec.has_leftpad_k,
                 spec.page_size if spec.paged_kv else 0, split_kv, spec.qhead_per_kvhead,
-                smem_limit=smem_limit(spec.device_index))
+                smem_limit=smem_limit(spec.device_index), kv_fp8=FP8_FORMATS.get(spec.kv_dtype))
             fn = self.fns[split_kv] = _compiled(cfg, self.tvm_ffi)
         return fn
 
     def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, kv_batch_idx=None,
                  leftpad_k=None, page_table=None, num_splits: int = 1,
-                 learnable_sink=None) -> None:
+                 learnable_sink=None, k_descale=None, v_descale=None) -> None:
+        """k_descale, v_descale: an fp8 cache's (float32 (batch, nheads_k); None = 1.0)."""
+        if self.spec.kv_dtype in FP8_FORMATS:
+            # fp8 crosses into the kernel as its bytes (the kernel reads them as the format)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+            k_descale, v_descale = (self._ones(q) if x is None else x.float().contiguous()
+                                    for x in (k_descale, v_descale))
         q, k_cache, v_cache = aligned16(q), aligned16(k_cache), aligned16(v_cache)
         out_k = aligned16(out)
         o_part = lse_part = None
@@ -206,7 +223,8 @@ class DecodeLaunch:
                                  device=q.device)
             lse_part = torch.empty(num_splits, b, h, sq, dtype=torch.float32, device=q.device)
         args = self.bind(q, k_cache, v_cache, out_k, lse, None, None, None, seqused_k,
-                         kv_batch_idx, leftpad_k, page_table, o_part, lse_part, num_splits)
+                         kv_batch_idx, leftpad_k, page_table, o_part, lse_part, k_descale,
+                         v_descale, num_splits)
         call_kernel(self._fn(partials), self.tvm_ffi, args, q.device)
         if partials:  # the combine: the exact merge of the splits (and the sink) by their LSE
             fn, bind = self._combine(learnable_sink is not None)
@@ -265,6 +283,13 @@ class Sm80Decode:
         if any(side is not None and side < 0 for side in (spec.window_left, spec.window_right)):
             return (f"window_size ({spec.window_left}, {spec.window_right}) has a negative edge: no "
                     "sm80 decode kernel serves it yet")
+        if spec.kv_dtype is not None:
+            if spec.kv_dtype not in FP8_FORMATS:
+                return f"a {spec.kv_dtype} cache with {spec.dtype} q: no decode kernel reads one"
+            target = target_capability(spec.device_index)
+            if tuple(target) < FP8_MIN_CAPABILITY:
+                return (f"an fp8 KV cache needs sm_89 or later (the decode kernel converts fp8 in "
+                        f"hardware); this target is sm_{target[0]}{target[1]}")
         return None
 
     def launch(self, spec: AttentionSpec) -> DecodeLaunch:

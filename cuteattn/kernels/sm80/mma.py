@@ -78,6 +78,20 @@ def gmem_to_smem_copy(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
         cute.make_layout((1, vec)))
 
 
+def byte_copy_like(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
+    """cp.async of the bytes of a (rows, cols) tile of 8-bit elements, in the chunks
+    gmem_to_smem_copy(dtype, ...) gives each thread of a `dtype` tile: the same threads on the
+    same (row, column) coordinates, so a thread can convert the bytes it loaded into its own
+    chunks of the `dtype` tile (an fp8 KV cache). 8-byte copies (cp.async.ca)."""
+    vec = COPY_BITS // dtype.width
+    threads_per_row = atom_width_bytes(dtype, cols) * 8 // COPY_BITS
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS),
+                               cutlass.Uint8, num_bits_per_copy=8 * vec)
+    return cute.make_tiled_copy_tv(
+        atom, cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0)),
+        cute.make_layout((1, vec)))
+
+
 def ldmatrix_atom(dtype, transpose: bool) -> cute.CopyAtom:
     return cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4), dtype)
 
