@@ -244,10 +244,8 @@ def flash_attn_with_kvcache(
             cache_leftpad, block_table, scale, causal, left, right, softcap,
             bool(rotary_interleaved), learnable_sink, bool(validate), strict, int(num_splits))
     if torch.compiler.is_compiling():  # an opaque op: the cache lengths are read inside
-        if k_cache.dtype in FP8_CACHE:
-            raise NotImplementedError("an fp8 KV cache under torch.compile is not supported yet")
         from cuteattn import ops
-        out, lse = ops.kvcache(*args)
+        out, lse = ops.kvcache(*args, descales=(k_descale, v_descale))
     else:
         out, lse = kvcache_forward(*args, descales=(k_descale, v_descale))
     return (out, lse) if return_softmax_lse else out

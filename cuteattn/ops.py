@@ -183,13 +183,15 @@ def _kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v
              block_table: Optional[Tensor], softmax_scale: float, causal: bool,
              window_left: Optional[int], window_right: Optional[int], softcap: float,
              rotary_interleaved: bool, learnable_sink: Optional[Tensor], validate: bool,
-             strict: int, num_splits: int) -> tuple[Tensor, Tensor]:
+             strict: int, num_splits: int, k_descale: Optional[Tensor] = None,
+             v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     from cuteattn.kvcache import kvcache_forward
     seqlens = cache_seqlens_tensor if cache_seqlens_tensor is not None else cache_seqlens_int
     out, lse = kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens,
                                cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal,
                                window_left, window_right, softcap, rotary_interleaved,
-                               learnable_sink, validate, _strict(strict), num_splits)
+                               learnable_sink, validate, _strict(strict), num_splits,
+                               descales=(k_descale, v_descale))
     return out.contiguous(), lse.contiguous()
 
 
@@ -202,15 +204,16 @@ def _kvcache_fake(q, k_cache, v_cache, *args):
 
 def kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, softmax_scale, causal, left, right, softcap,
-            rotary_interleaved, learnable_sink, validate, strict, num_splits):
+            rotary_interleaved, learnable_sink, validate, strict, num_splits,
+            descales=(None, None)):
     """flash_attn_with_kvcache through the custom op (torch.compile): returns (out, lse); the
-    caches are written in place, as the op declares."""
+    caches are written in place, as the op declares (an fp8 cache with its descales too)."""
     as_tensor = isinstance(cache_seqlens, Tensor)
     return _kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                     cache_seqlens if as_tensor else None, None if as_tensor else cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, left,
                     right, softcap, rotary_interleaved, learnable_sink, validate,
-                    _strict_code(strict), num_splits)
+                    _strict_code(strict), num_splits, *descales)
 
 
 def _sink_grad(dsink, sink, q):

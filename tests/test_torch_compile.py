@@ -174,6 +174,28 @@ def test_fp8_inference_compiles():
     assert got.dtype == torch.bfloat16 and torch.equal(got, f(q, d))
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_kv_cache_compiles(cache_dtype):
+    """flash_attn_with_kvcache over an fp8 cache with descales, appending new tokens, under
+    torch.compile(fullgraph=True): the same output and the same caches as eager."""
+    from cuteattn import flash_attn_with_kvcache
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 4, 64, dtype=torch.bfloat16)
+    kc = (torch.randn(2, 16, 2, 64) * 3).to(cache_dtype)
+    vc = (torch.randn(2, 16, 2, 64) * 3).to(cache_dtype)
+    k, v = torch.randn(2, 1, 2, 64, dtype=torch.bfloat16), torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
+    kd, vd = torch.rand(2, 2) + 0.5, torch.rand(2, 2) + 0.5
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+    f = lambda q, kc, vc, k, v, lens, kd, vd: flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=lens, k_descale=kd, v_descale=vd, causal=True)
+    caches = [(kc.clone(), vc.clone()) for _ in range(2)]
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, *caches[0], k, v, lens, kd, vd)
+    want = f(q, *caches[1], k, v, lens, kd, vd)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(caches[0], caches[1]))
+
+
 def test_modifiers_and_block_lists_compile_fullgraph():
     """FlexAttention's modifiers (computed on the reference, differentiated by autograd) trace
     with fullgraph=True: equal to eager, gradients too (a score_mod's own tensor included)."""
