@@ -412,7 +412,9 @@ def _kernel_lists(mask) -> tuple:
 
 class _BlockSparse(torch.autograd.Function):
     """Block-sparse attention on the kernels, forward and backward. The backward's key blocks
-    walk the transposed lists (sparse.transpose, built on the device when the backward runs)."""
+    walk the transposed lists (sparse.transpose, built on the device when the backward runs;
+    for lists of 64-key blocks the pairs' lists and which half attends what,
+    sparse.transpose_paired)."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask):
@@ -426,7 +428,11 @@ class _BlockSparse(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         from cuteattn import sparse
         q, k, v, out, lse = ctx.saved_tensors
-        lists = _kernel_lists(sparse.transpose(ctx.mask))
+        if ctx.mask.kv_block < sparse.BACKWARD_KEY_BLOCK:
+            paired, halves = sparse.transpose_paired(ctx.mask)
+            lists = (*_kernel_lists(paired), halves)
+        else:
+            lists = _kernel_lists(sparse.transpose(ctx.mask))
         dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse, sparse=lists)
         return dq, dk, dv, None, None, None, None
 

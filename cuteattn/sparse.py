@@ -26,6 +26,9 @@ import torch
 # The (query, key) block shapes the GPU kernel (sm90) takes: its tile is the block. A coarser
 # mask whose blocks these divide (VSA's 256x256) is expanded to the largest that fits.
 KERNEL_BLOCKS = ((128, 128), (128, 64), (64, 64))
+# the backward kernel's key block: lists of narrower key blocks (64) are walked in pairs
+# (transpose_paired)
+BACKWARD_KEY_BLOCK = 128
 
 
 def kernel_block(q_block: int, kv_block: int) -> tuple:
@@ -111,6 +114,22 @@ def from_block_mask(block_mask: torch.Tensor, q_block: int, kv_block: int,
     full_count, full_index = _compact(block_mask & ~partial)
     partial_count, partial_index = _compact(partial)
     return BlockSparseMask(q_block, kv_block, full_count, full_index, partial_count, partial_index)
+
+
+def transpose_paired(mask: BlockSparseMask) -> tuple:
+    """transpose for a backward whose key blocks are pairs of mask's (lists of 64-key blocks
+    walked by 128-key blocks): (the lists of the pairs, naming each query block that either key
+    block of the pair attends, as partial blocks; int32 (B|1, H|1, nk, nq) whether key block
+    n attends query block m, so that each half of a pair leaves out what it does not attend).
+    Built on the device, no host sync; an odd last key block pairs with nothing."""
+    full, partial = mask.block_masks()
+    seen = (full | partial).transpose(-1, -2)  # (B|1, H|1, nk, nq)
+    b, h, nk, nq = seen.shape
+    padded = torch.zeros((b, h, nk + nk % 2, nq), dtype=torch.bool, device=seen.device)
+    padded[:, :, :nk] = seen
+    union = padded.view(b, h, (nk + 1) // 2, 2, nq).any(-2)
+    return (from_block_mask(union, 2 * mask.kv_block, mask.q_block, partial=union),
+            seen.to(torch.int32).contiguous())
 
 
 def transpose(mask: BlockSparseMask) -> BlockSparseMask:

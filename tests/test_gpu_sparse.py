@@ -177,9 +177,24 @@ def test_block_sparse_backward_of_a_logical_mask(seed):
     check_grads(q, k, v, sparse.from_topk(top, 4, 256, 256))
 
 
-def test_backward_of_other_blocks_falls_back(seed):
-    """Lists of 64-key blocks have no backward kernel yet: strict mode names the reason."""
+# lists of 64-key blocks: a 128-key block walks the union of its halves' query blocks, each
+# half leaving out what it does not attend (sparse.transpose_paired)
+PAIRED_CASES = [((64, 64), "none", 1, (256, 256), 64), ((64, 64), "causal", 3, (700, 700), 128),
+                ((128, 64), "window", 2, (333, 1000), 128), ((128, 64), "none", "all", (1000, 333), 96),
+                ((64, 64), "softcap", 0, (129, 257), 64), ((128, 64), "causal", 5, (1023, 1023), 64)]
+
+
+@pytest.mark.parametrize("case", PAIRED_CASES, ids=lambda c: f"{c[0][0]}x{c[0][1]}-{c[1]}-keep{c[2]}-{c[3][0]}x{c[3][1]}-d{c[4]}")
+def test_block_sparse_backward_of_64_key_blocks(seed, case):
+    block, mask, keep, (sq, sk), d = case
+    q, k, v = inputs(2, sq, sk, 4, 2, d, torch.bfloat16)
+    check_grads(q, k, v, random_lists(2, 4, sq, sk, block, keep), **MASKS[mask])
+
+
+def test_backward_no_kernel_serves_falls_back(seed):
+    """A block-sparse backward no kernel serves yet (deterministic=True): strict mode names the
+    reason before the forward runs."""
     q, k, v = (x.requires_grad_() for x in inputs(1, 256, 256, 2, 2, 64, torch.bfloat16))
     lists = random_lists(1, 2, 256, 256, (64, 64), 1)
-    with pytest.raises(RuntimeError, match="backward"):
-        flash_attn_func(q, k, v, block_sparse=lists, strict=True)
+    with pytest.raises(RuntimeError, match="backward with deterministic=True"):
+        flash_attn_func(q, k, v, block_sparse=lists, deterministic=True, strict=True)

@@ -218,6 +218,25 @@ def test_block_sparse_calls_reach_the_kernel_once_dispatched(monkeypatch):
     assert int(partial_count.sum()) == 0
 
 
+@pytest.mark.parametrize("nk", [6, 7])
+def test_transpose_paired_lists_the_union_and_each_half(nk):
+    """sparse.transpose_paired (lists of 64-key blocks for a backward of 128-key blocks): per
+    pair of key blocks the query blocks either attends (as partial blocks), and per 64-key
+    block exactly the query blocks it attends (an odd last block pairs with nothing)."""
+    torch.manual_seed(nk)
+    selected = torch.rand(2, 3, 5, nk) < 0.4
+    partial = selected & (torch.rand(2, 3, 5, nk) < 0.4)
+    mask = sparse.from_block_mask(selected, 128, 64, partial)
+    pairs, halves = sparse.transpose_paired(mask)
+    assert (pairs.q_block, pairs.kv_block) == (128, 128) and halves.dtype == torch.int32
+    seen = selected.transpose(-1, -2)
+    assert torch.equal(halves, seen.to(torch.int32))
+    padded = torch.cat([seen, torch.zeros(2, 3, nk % 2, 5, dtype=torch.bool)], dim=2)
+    union = padded.view(2, 3, -1, 2, 5).any(-2)
+    p_full, p_part = pairs.block_masks()
+    assert not p_full.any() and torch.equal(p_part, union)
+
+
 def test_transpose_lists_the_same_pairs():
     """sparse.transpose: per key block the query blocks that attend it, full and partial kept
     apart; the dense mask it implies is the original's, transposed."""

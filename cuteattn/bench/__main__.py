@@ -34,7 +34,7 @@ def parse_args(argv=None):
                    help="block-sparse forward (B=1, H=12, d=128, S 8k/32k; dense, 50%% and 90%% of "
                         "256x256 logical blocks left out; physical 128x128, 128x64, 64x64) beside "
                         "flash-attn-4's block-sparse path, instead of the forward grid; with "
-                        "--bwd the backward alone at 128x128 (cells of kind 'sparse_bwd')")
+                        "--bwd the backward alone (cells of kind 'sparse_bwd')")
     p.add_argument("--fp8", action="store_true",
                    help="the forward grid on float8_e4m3fn inputs with descales, our bf16 forward "
                         "on the same values beside it, instead of the forward grid")

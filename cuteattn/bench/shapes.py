@@ -144,9 +144,9 @@ LOGICAL_BLOCK = 256  # VSA's logical block; physical blocks divide it
 def sparse_grid(quick: bool = False, bwd: bool = False) -> list[Cell]:
     """FastVideo's shape: bf16, B=1, H=12, d=128, S in {8192, 32768}; dense, 50% and 90% of the
     logical 256x256 blocks left out; physical blocks 128x128, 128x64, 64x64. With bwd the
-    backward alone ("sparse_bwd" cells), at 128x128: the blocks its kernel takes."""
+    backward alone ("sparse_bwd" cells) at the same blocks (64-key lists walked in pairs)."""
     seqlens = (8192,) if quick else (8192, 32768)
-    blocks = ((128, 128),) if bwd else ((128, 128), (128, 64), (64, 64))
+    blocks = ((128, 128), (128, 64), (64, 64))
     return [Cell("sparse_bwd" if bwd else "sparse", 128, 1, 12, 12, s, s, False, sparsity=p,
                  block_q=bq, block_k=bk)
             for s in seqlens for p in (0.0, 0.5, 0.9) for bq, bk in blocks]

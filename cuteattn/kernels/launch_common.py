@@ -310,14 +310,16 @@ class BackwardLaunch:
                      window_right=right)
         # a family whose kernel takes block-sparse lists (sm90) is passed them after mSemaphore
         self.sparse_names = tuple(n for n in ("mFullCount", "mFullIndex", "mPartialCount",
-                                              "mPartialIndex") if n in arguments.names(entries))
+                                              "mPartialIndex", "mKeyHalves")
+                                  if n in arguments.names(entries))
         per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, BWD_PER_CALL[-1])
         self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, sparse: tuple = ()):
         """sparse: a block-sparse spec's transposed lists (sparse.transpose of the forward's:
-        per key block, the query blocks that see it), in SparseMetadata's order."""
+        per key block, the query blocks that see it), in SparseMetadata's order; for lists of
+        64-key blocks the pairs' lists and the halves' table (sparse.transpose_paired)."""
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
@@ -334,7 +336,7 @@ class BackwardLaunch:
         semaphore = torch.zeros((spec.nheads, slots if cfg.deterministic else 1), dtype=torch.int32,
                                 device=q.device)
         if n_blocks > 0:
-            lists = tuple(sparse) or (None,) * len(self.sparse_names)
+            lists = tuple(sparse) + (None,) * (len(self.sparse_names) - len(sparse))
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
             call_kernel(self.fn, self.tvm_ffi, args, q.device)

@@ -7,7 +7,10 @@ declaration is common/arguments.py; the helpers here default to the forward's de
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
+
+import cutlass.cute as cute
+from cutlass import Int32
 
 from ..common import arguments as common
 from ..common.arguments import (FLOAT32, INT32, NO_SPARSE, NO_VARLEN, OPTIONAL_TENSOR,
@@ -43,7 +46,24 @@ ARGUMENTS = (
 
 # ---- the backward's: the common list ----
 
-BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE,))  # (the transposed block-sparse lists)
+class KeyHalves(NamedTuple):
+    """Block-sparse lists of 64-key blocks walked by the backward's 128-key blocks: whether key
+    block n attends query block m (sparse.transpose_paired)."""
+    key_halves: Any = None  # int32 (B|1, H|1, nk, nq)
+
+
+def _key_halves(cfg, sym, align, memspace):
+    if not getattr(cfg, "sparse_kv_half", False):
+        return None
+    return common.fake_tensor(Int32, tuple(cute.sym_int() for _ in range(4)), align, memspace)
+
+
+KEY_HALVES = Group("key_halves", KeyHalves, (
+    Arg("mKeyHalves", OPTIONAL_TENSOR, _key_halves, align=4),
+))
+
+# (the transposed block-sparse lists; with 64-key lists, which half of a key block attends)
+BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE, KEY_HALVES))
 
 
 def flat(entries=ARGUMENTS) -> tuple:

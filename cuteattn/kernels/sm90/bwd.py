@@ -89,6 +89,10 @@ class Sm90BwdConfig:
     # block-sparse: the query block of the transposed lists (a key block, tile_n keys, visits
     # the query blocks they name, each as sparse_q_block // tile_m steps); 0: dense
     sparse_q_block: int = 0
+    # block-sparse lists of 64-key blocks: a key block (two of them) walks their union
+    # (sparse.transpose_paired), each warpgroup (64 keys) leaving out the query blocks its own
+    # 64-key block does not attend
+    sparse_kv_half: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -182,6 +186,7 @@ class FlashBwdSm90:
         mFullIndex: Optional[cute.Tensor],     # per key block the query blocks that see it
         mPartialCount: Optional[cute.Tensor],  # (common/arguments.SparseMetadata)
         mPartialIndex: Optional[cute.Tensor],
+        mKeyHalves: Optional[cute.Tensor],     # int32 (B|1, H|1, nk64, nq) (sparse_kv_half)
         qhead_per_kvhead: Int32,
         softmax_scale: Float32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -227,7 +232,7 @@ class FlashBwdSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dsum, tma_dsum, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            mSemaphore, mFullCount, mFullIndex, mPartialCount, mPartialIndex,
+            mSemaphore, mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
             sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
@@ -273,6 +278,7 @@ class FlashBwdSm90:
         mSemaphore: cute.Tensor,
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
+        mKeyHalves: Optional[cute.Tensor],
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32, batch: Int32,
         softmax_scale: Float32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
@@ -341,7 +347,7 @@ class FlashBwdSm90:
                              pipeline_q, pipeline_do, pipeline_kv, seqlen, block_info,
                              softmax_scale, score_scale, softmax_scale_log2,
                              window_left, window_right, n_block, head_idx, batch_idx,
-                             rows, rows_q, tidx - WG_THREADS)
+                             rows, rows_q, tidx - WG_THREADS, mKeyHalves)
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
@@ -392,12 +398,23 @@ class FlashBwdSm90:
         return mX[None, head_idx, batch_idx]
 
     @cute.jit
+    def half_attends(self, mKeyHalves: cute.Tensor, batch_idx, head_idx, key_block, query_block):
+        """Whether 64-key block key_block attends query block query_block (the table's batch and
+        head modes broadcast when of extent 1; indices clamped into it)."""
+        b = cutlass.min(batch_idx, mKeyHalves.shape[0] - 1)
+        h = cutlass.min(head_idx, mKeyHalves.shape[1] - 1)
+        n = cutlass.min(key_block, mKeyHalves.shape[2] - 1)
+        m = cutlass.max(cutlass.min(query_block, mKeyHalves.shape[3] - 1), 0)
+        return (key_block < mKeyHalves.shape[2]) & (mKeyHalves[b, h, n, m] != 0)
+
+    @cute.jit
     def consume(self, sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,
                 pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo, block_info: BlockInfo,
                 softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
-                n_block, head_idx, batch_idx, rows, rows_q, tidx):
+                n_block, head_idx, batch_idx, rows, rows_q, tidx, mKeyHalves=None):
         """Both consumer warpgroups (tidx in [0, 256)): the walk over the query blocks, then dK
-        and dV out."""
+        and dV out. mKeyHalves (sparse_kv_half): whether each 64-key block attends a listed
+        query block; a warpgroup whose block does not leaves it out (all its scores masked)."""
         cfg = self.cfg
         sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt = views
         wg = tidx // WG_THREADS
@@ -474,6 +491,10 @@ class FlashBwdSm90:
                 apply_mask_transposed(acc_S_mn, coord_st, n_block * self.tile_n, q_start,
                                       seqlen.seqlen_q, seqlen.seqlen_k, window_left,
                                       window_right, cfg.causal, cfg.local)
+            if const_expr(cfg.sparse_kv_half):
+                if not self.half_attends(mKeyHalves, batch_idx, head_idx, n_block * 2 + wg,
+                                         m_block // (cfg.sparse_q_block // self.tile_m)):
+                    acc_S.fill(-Float32.inf)  # P = 0, so dS = 0: nothing from this block
             if const_expr(cfg.has_softcap):
                 for c in cutlass.range_constexpr(num_cols):
                     lse2, dsum = lse2_of(c), dsum_of(c)

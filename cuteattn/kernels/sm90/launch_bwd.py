@@ -40,6 +40,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # halves of 48 columns would need a 32-byte swizzle on K: one warpgroup takes all of dQ
         dq_single_wg=head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
         sparse_q_block=spec.sparse_q_block,
+        sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
     )
 
 
@@ -80,9 +81,11 @@ def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
     """The reason the block-sparse backward does not take spec, or None (also when dense)."""
     if not spec.sparse_q_block:
         return None
-    if spec.sparse_kv_block != Sm90BwdConfig.tile_n or spec.sparse_q_block not in (64, 128):
+    key_blocks = (Sm90BwdConfig.tile_n, Sm90BwdConfig.tile_n // 2)  # (64: pairs of them)
+    if spec.sparse_kv_block not in key_blocks or spec.sparse_q_block not in (64, 128):
         return (f"block-sparse backward of {spec.sparse_q_block}x{spec.sparse_kv_block} blocks: "
-                f"the sm90 kernel takes 128x{Sm90BwdConfig.tile_n} and 64x{Sm90BwdConfig.tile_n}")
+                f"the sm90 kernel takes 128 or 64 query rows by {key_blocks[0]} or "
+                f"{key_blocks[1]} keys")
     if spec.deterministic:
         return "block-sparse backward with deterministic=True: no sm90 kernel yet"
     if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
