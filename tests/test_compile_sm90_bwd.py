@@ -136,6 +136,8 @@ def test_compile_bwd_preprocess(dv, varlen, seqused, capfd, tmp_path, monkeypatc
     cfg = PreprocessConfig(cutlass.Float16, dv, 64, varlen_q=varlen, has_seqused_q=seqused)
     ptx = compile_kernel(BwdPreprocess(cfg), arguments.fakes(cfg, arguments.PREPROCESS_ARGUMENTS),
                          options="--keep-ptx remarks{ptx}").__ptx__
-    assert "ld.global.v4" in ptx and "shfl.sync.bfly" in ptx
+    assert "ld.global.v4" in ptx
+    if BwdPreprocess(cfg).lanes_per_row > 1:  # (one lane a row: no butterflies)
+        assert "shfl.sync.bfly" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0
