@@ -414,13 +414,14 @@ class _BlockSparse(torch.autograd.Function):
     """Block-sparse attention on the kernels, forward and backward. The backward's key blocks
     walk the transposed lists (sparse.transpose, built on the device when the backward runs;
     for lists of 64-key blocks the pairs' lists and which half attends what,
-    sparse.transpose_paired)."""
+    sparse.transpose_paired; with deterministic=True the order of the dQ additions,
+    sparse.dq_turns)."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask):
         out, lse = _launch_sparse(q, k, v, spec, forward_launch, mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backward_launch, ctx.mask = backward_launch, mask
+        ctx.backward_launch, ctx.mask, ctx.deterministic = backward_launch, mask, spec.deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -428,12 +429,16 @@ class _BlockSparse(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         from cuteattn import sparse
         q, k, v, out, lse = ctx.saved_tensors
+        halves = None
         if ctx.mask.kv_block < sparse.BACKWARD_KEY_BLOCK:
             paired, halves = sparse.transpose_paired(ctx.mask)
-            lists = (*_kernel_lists(paired), halves)
+            lists = _kernel_lists(paired)
         else:
             lists = _kernel_lists(sparse.transpose(ctx.mask))
-        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse, sparse=lists)
+        # deterministic=True: each key block's turn to add into a query block's dQ
+        turns = sparse.dq_turns(ctx.mask) if ctx.deterministic else None
+        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse,
+                                         sparse=(*lists, halves, turns))
         return dq, dk, dv, None, None, None, None
 
 
