@@ -2,10 +2,12 @@
 computes; no kernel takes them yet): the dense mask each form means, the exact expansion of a
 logical mask to finer physical blocks, gradients, and the argument rules."""
 
+import warnings
+
 import pytest
 import torch
 
-from cuteattn import flash_attn_func, sparse
+from cuteattn import flash_attn_func, flash_attn_varlen_func, sparse
 from cuteattn.reference import attention_ref
 
 BF16 = torch.bfloat16
@@ -216,6 +218,35 @@ def test_block_sparse_calls_reach_the_kernel_once_dispatched(monkeypatch):
     # query block b attends key block b: transposed, key block n is seen by query block n
     assert full_count.tolist() == [[[1, 1], [1, 1]]] and full_index[..., 0].tolist() == [[[0, 1], [0, 1]]]
     assert int(partial_count.sum()) == 0
+
+
+def test_block_sparse_deterministic_reaches_the_backward_spec(monkeypatch):
+    """deterministic=True with block-sparse lists reaches the spec the backward kernel is chosen
+    by (a kernel that cannot promise bitwise-reproducible gradients must be able to decline it),
+    and deterministic=False leaves it off."""
+    from cuteattn import api
+    specs = []
+
+    def select(spec, device):
+        specs.append(spec)
+        return None, "stand-in: no kernel"
+
+    monkeypatch.setattr(api, "_select_kernel", select)
+    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink: None)
+    monkeypatch.setattr(api, "_launches", {})
+    q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    lists = sparse.from_topk(torch.tensor([[[[0], [1]]]]).expand(1, 2, 2, 1), 2, 128, 128)
+    cu = torch.tensor([0, 256], dtype=torch.int32)
+    calls = [lambda d: flash_attn_func(q, q, q, block_sparse=lists, deterministic=d),
+             lambda d: flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 256, 256,
+                                              block_sparse=lists, deterministic=d)]
+    for call in calls:
+        for deterministic in (True, False):
+            specs.clear()
+            with warnings.catch_warnings():  # (nothing served: the reference runs, warning once)
+                warnings.simplefilter("ignore")
+                call(deterministic)
+            assert specs and all(s.deterministic == deterministic for s in specs)
 
 
 def test_transpose_lists_the_same_pairs():
