@@ -270,7 +270,7 @@ def flash_attn_func(
                 return (out, lse) if return_lse else out
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
                            learnable_sink, block_sparse, mask_mod, score_mod, out=out, lse=lse,
-                           sparse_sig=sig)
+                           sparse_sig=sig, deterministic=deterministic)
         return (out, lse) if return_lse else out
     descales = (q_descale, k_descale, v_descale)
     if _through_op(q, k, v, out, lse, learnable_sink):
@@ -301,14 +301,16 @@ def flash_attn_func(
 
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
-            mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None, sparse_sig=None):
+            mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None, sparse_sig=None,
+            deterministic=False):
     """flash_attn_func / flash_attn_varlen_func (varlen: its metadata, max lengths included)
     with FlexAttention's modifiers: checked, then the block-sparse kernel where one serves the
     call (_sparse_kernel), else the reference, differentiated by torch autograd itself (a
     score_mod's own tensors get gradients too); the fallback warning or the strict error as
     usual. out / lse (fixed length): preallocated buffers, written in place (not under autograd,
     whose results are new tensors). sparse_sig: the call's _sparse_signature, under which a
-    block-sparse launch is kept for the next such call."""
+    block-sparse launch is kept for the next such call. deterministic: the backward's
+    (a block-sparse backward kernel that cannot promise it is not taken)."""
     from cuteattn import sparse
     if varlen is None:
         spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -316,7 +318,7 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
     else:
         spec = _checks.varlen_spec(q, k, v, **varlen, softmax_scale=softmax_scale,
                                    causal=causal, window_size=window_size, softcap=softcap)
-    spec = _checks.with_sink(spec, sink, q)
+    spec = dataclasses.replace(_checks.with_sink(spec, sink, q), deterministic=bool(deterministic))
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if mod is not None and not callable(mod):
             raise TypeError(f"{name} must be callable; got {type(mod)}")
@@ -584,7 +586,8 @@ def flash_attn_varlen_func(
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
                       seqused_k=seqused_k)
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
-                           learnable_sink, block_sparse, mask_mod, score_mod, varlen)
+                           learnable_sink, block_sparse, mask_mod, score_mod, varlen,
+                           deterministic=deterministic)
         return (out, lse) if return_lse else out
     if block_table is not None:  # paged keys (FlashAttention's paged prefill)
         from cuteattn.kvcache import paged_varlen

@@ -61,3 +61,14 @@ def test_block_sparse_builders_are_reported_as_a_share_of_the_kernel():
     results = [dict(cell, label="a", builder_ms=0.05), dict(cell, label="b"),
                dict(cell, label="c", builder_ms=0.1, rates={})]
     assert report.builder_shares(results) == [("a", 0.025)]
+
+
+def test_a_peer_that_failed_its_check_is_no_comparison():
+    """The ratio to the best peer leaves out a peer whose output failed the float32 check (FA4's
+    block-sparse backward on sm90 returned wrong gradients and was still 'the best peer')."""
+    failed = {"fa4": {"ok": False}, "sdpa": {"ok": True}}
+    assert report.ratio_to_best_peer({"cuteattn": 2.0, "fa4": 8.0, "sdpa": 1.0}, check=failed) == 2.0
+    assert report.ratio_to_best_peer({"cuteattn": 2.0, "fa4": 8.0}, check=failed) is None
+    s = report.summary([{"cell": {"kind": "sparse_bwd"}, "rates": {"cuteattn": 2.0, "fa4": 8.0},
+                         "check": failed}])
+    assert s == {}

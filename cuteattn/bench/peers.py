@@ -222,8 +222,13 @@ def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
     if cell.kind == "sparse":
         return _sparse(cell, x, device)
     if cell.kind == "sparse_bwd":
-        return {name: fn if isinstance(fn, str) else _backward_of(fn, x)
-                for name, fn in _sparse(cell, x, device).items()}
+        impls = {name: fn if isinstance(fn, str) else _backward_of(fn, x)
+                 for name, fn in _sparse(cell, x, device).items()}
+        if "fa4" in impls and cell.sparsity and torch.cuda.get_device_capability(device)[0] == 9:
+            # measured on the H200 (c3074d4): its sm90 backward runs the dense backward whatever
+            # the lists say (wrong gradients, at its dense rate); its sparse backward is sm100's
+            impls["fa4"] = "flash-attn-4's sm90 backward does not apply block-sparse lists"
+        return impls
     if device.type != "cuda":
         return {"cuteattn (reference)": _cuteattn(cell, x, strict=False)}
     forwards = {

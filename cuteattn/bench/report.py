@@ -13,13 +13,16 @@ OURS = ("cuteattn", "cuteattn (reference)", "cuteattn-deterministic")  # never p
 GRAPH = " graph"  # the suffix of a rate timed as CUDA-graph replays (decode cells)
 
 
-def ratio_to_best_peer(rates: dict, graph: bool = False) -> float | None:
-    """Ours over the best peer, queued calls against queued calls (graph: replays against replays)."""
+def ratio_to_best_peer(rates: dict, graph: bool = False, check: dict | None = None) -> float | None:
+    """Ours over the best peer, queued calls against queued calls (graph: replays against replays).
+    check: the cell's checks by implementation; a peer whose output failed its check is no
+    comparison (a wrong result is not a rate) and is left out."""
     suffix = GRAPH if graph else ""
     timed = {n[:len(n) - len(suffix)]: v for n, v in rates.items()
              if n.endswith(GRAPH) == graph and v}
     ours = next((timed[n] for n in OURS if timed.get(n)), None)
-    peers = [v for n, v in timed.items() if n not in OURS]
+    wrong = {n for n, c in (check or {}).items() if not c.get("ok", True)}
+    peers = [v for n, v in timed.items() if n not in OURS and n not in wrong]
     return ours / max(peers) if ours and peers else None
 
 
@@ -45,11 +48,11 @@ def print_table(results: list[dict], impls: list[str]) -> None:
             value = r["rates"].get(n)
             mark = "" if r["check"].get(n, {}).get("ok", True) else "!"
             cols.append(f"{'-' if value is None else fmt(value) + mark:>{w}}")
-        ratio = ratio_to_best_peer(r["rates"])
+        ratio = ratio_to_best_peer(r["rates"], check=r["check"])
         print(f"{r['label']:<{label_w}}  " + "  ".join(cols) + f"  {'-' if ratio is None else f'{ratio:.2f}x':>13}")
     units = "; ".join(UNITS[m] for m in dict.fromkeys(r["metric"] for r in results))
-    print(f"{units}; '!' = output failed the check against the float32 reference; '-' = not run "
-          "(see the JSON's 'skipped').")
+    print(f"{units}; '!' = output failed the check against the float32 reference (such a peer "
+          "is not a comparison: the ratio leaves it out); '-' = not run (see the JSON's 'skipped').")
     for kind, s in summary(results).items():
         print(f"{kind}: {s['cells']} cells, ratio to the best peer {s['min']:.2f}-{s['max']:.2f}x, "
               f"geometric mean {s['geomean']:.2f}x, {s['at_least_1x']} at or above 1.00x")
@@ -77,10 +80,10 @@ def summary(results: list[dict]) -> dict:
     its geometric mean and how many reach 1.00x (what the speed targets are stated in)."""
     by_kind: dict = {}
     for r in results:
-        ratio = ratio_to_best_peer(r["rates"])
+        ratio = ratio_to_best_peer(r["rates"], check=r.get("check"))
         if ratio is not None:
             by_kind.setdefault(r["cell"].get("kind", "fwd"), []).append(ratio)
-        ratio = ratio_to_best_peer(r["rates"], graph=True)
+        ratio = ratio_to_best_peer(r["rates"], graph=True, check=r.get("check"))
         if ratio is not None:
             by_kind.setdefault(r["cell"].get("kind", "fwd") + " (CUDA-graph replays)", []).append(ratio)
     return {kind: {"cells": len(rs), "min": min(rs), "max": max(rs),

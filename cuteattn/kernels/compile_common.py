@@ -15,13 +15,21 @@ from cutlass.runtime import make_fake_stream
 def compile_kernel(kernel, fakes: tuple, options: str = "", tvm_ffi: bool = False):
     """cute.compile of kernel(*fakes, stream). With `tvm_ffi` the compiled function takes torch
     tensors and Python numbers and no stream (TVM-FFI passes the caller's current stream);
-    otherwise cute runtime values and a CUstream."""
+    otherwise cute runtime values and a CUstream.
+
+    Kept artifacts (--keep-ptx, --keep-cubin: the result's __ptx__ / __cubin__) are written to a
+    private directory, read into the result and removed: the DSL's default is one directory per
+    process with files named by the (truncated) kernel name, where parallel compiles of two
+    configs of one kernel read each other's PTX."""
     if tvm_ffi:
         stream = make_fake_stream(use_tvm_ffi_env_stream=True)
         options = (options + " --enable-tvm-ffi").strip()
     else:
         stream = cuda.CUstream(0)
-    return cute.compile(kernel, *fakes, stream, options=options)
+    if "--keep-" not in options or "--dump-dir" in options:
+        return cute.compile(kernel, *fakes, stream, options=options)
+    with tempfile.TemporaryDirectory(prefix="cuteattn-artifacts-") as dump_dir:
+        return cute.compile(kernel, *fakes, stream, options=f"{options} --dump-dir={dump_dir}")
 
 
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
