@@ -270,7 +270,7 @@ def flash_attn_func(
                 return (out, lse) if return_lse else out
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
                            learnable_sink, block_sparse, mask_mod, score_mod, out=out, lse=lse,
-                           sparse_sig=sig)
+                           sparse_sig=sig, deterministic=deterministic)
         return (out, lse) if return_lse else out
     descales = (q_descale, k_descale, v_descale)
     if _through_op(q, k, v, out, lse, learnable_sink):
@@ -301,14 +301,16 @@ def flash_attn_func(
 
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
-            mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None, sparse_sig=None):
+            mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None, sparse_sig=None,
+            deterministic=False):
     """flash_attn_func / flash_attn_varlen_func (varlen: its metadata, max lengths included)
     with FlexAttention's modifiers: checked, then the block-sparse kernel where one serves the
     call (_sparse_kernel), else the reference, differentiated by torch autograd itself (a
     score_mod's own tensors get gradients too); the fallback warning or the strict error as
     usual. out / lse (fixed length): preallocated buffers, written in place (not under autograd,
     whose results are new tensors). sparse_sig: the call's _sparse_signature, under which a
-    block-sparse launch is kept for the next such call."""
+    block-sparse launch is kept for the next such call. deterministic: the backward's
+    (a block-sparse backward kernel that cannot promise it is not taken)."""
     from cuteattn import sparse
     if varlen is None:
         spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -316,7 +318,7 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
     else:
         spec = _checks.varlen_spec(q, k, v, **varlen, softmax_scale=softmax_scale,
                                    causal=causal, window_size=window_size, softcap=softcap)
-    spec = _checks.with_sink(spec, sink, q)
+    spec = dataclasses.replace(_checks.with_sink(spec, sink, q), deterministic=bool(deterministic))
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if mod is not None and not callable(mod):
             raise TypeError(f"{name} must be callable; got {type(mod)}")
@@ -414,13 +416,14 @@ class _BlockSparse(torch.autograd.Function):
     """Block-sparse attention on the kernels, forward and backward. The backward's key blocks
     walk the transposed lists (sparse.transpose, built on the device when the backward runs;
     for lists of 64-key blocks the pairs' lists and which half attends what,
-    sparse.transpose_paired)."""
+    sparse.transpose_paired; with deterministic=True the order of the dQ additions,
+    sparse.dq_turns)."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask):
         out, lse = _launch_sparse(q, k, v, spec, forward_launch, mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.backward_launch, ctx.mask = backward_launch, mask
+        ctx.backward_launch, ctx.mask, ctx.deterministic = backward_launch, mask, spec.deterministic
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -428,12 +431,16 @@ class _BlockSparse(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         from cuteattn import sparse
         q, k, v, out, lse = ctx.saved_tensors
+        halves = None
         if ctx.mask.kv_block < sparse.BACKWARD_KEY_BLOCK:
             paired, halves = sparse.transpose_paired(ctx.mask)
-            lists = (*_kernel_lists(paired), halves)
+            lists = _kernel_lists(paired)
         else:
             lists = _kernel_lists(sparse.transpose(ctx.mask))
-        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse, sparse=lists)
+        # deterministic=True: each key block's turn to add into a query block's dQ
+        turns = sparse.dq_turns(ctx.mask) if ctx.deterministic else None
+        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse,
+                                         sparse=(*lists, halves, turns))
         return dq, dk, dv, None, None, None, None
 
 
@@ -579,7 +586,8 @@ def flash_attn_varlen_func(
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
                       seqused_k=seqused_k)
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
-                           learnable_sink, block_sparse, mask_mod, score_mod, varlen)
+                           learnable_sink, block_sparse, mask_mod, score_mod, varlen,
+                           deterministic=deterministic)
         return (out, lse) if return_lse else out
     if block_table is not None:  # paged keys (FlashAttention's paged prefill)
         from cuteattn.kvcache import paged_varlen

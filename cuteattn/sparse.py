@@ -132,6 +132,21 @@ def transpose_paired(mask: BlockSparseMask) -> tuple:
             seen.to(torch.int32).contiguous())
 
 
+def dq_turns(mask: BlockSparseMask, key_block: int = BACKWARD_KEY_BLOCK) -> torch.Tensor:
+    """The deterministic backward's order: int32 (B|1, H|1, nq, nk), for each query block m and
+    key block n (of key_block keys: mask's, or pairs of them) how many key blocks before n
+    attend m, i.e. n's turn to add its share into m's dQ. Built on the device, no host sync."""
+    full, partial = mask.block_masks()
+    attends = full | partial
+    if key_block == 2 * mask.kv_block:  # (64-key lists walked in pairs)
+        b, h, nq, nk = attends.shape
+        padded = torch.zeros((b, h, nq, nk + nk % 2), dtype=torch.bool, device=attends.device)
+        padded[..., :nk] = attends
+        attends = padded.view(b, h, nq, (nk + 1) // 2, 2).any(-1)
+    count = attends.to(torch.int32)
+    return (count.cumsum(-1, dtype=torch.int32) - count).contiguous()
+
+
 def transpose(mask: BlockSparseMask) -> BlockSparseMask:
     """The same token pairs seen from the keys: per (batch|1, head|1, key block), the query
     blocks that attend it (full or partial as in mask), blocks of kv_block x q_block. What the

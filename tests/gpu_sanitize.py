@@ -131,6 +131,9 @@ def cases() -> dict:
         causal=True)
     out["sparse_backward_64x64_paired"] = lambda: sp.check_grads(  # (an odd last key block)
         *sp.inputs(1, 333, 320, 4, 2, 64, bf16), sp.random_lists(1, 4, 333, 320, (64, 64), 2))
+    out["sparse_backward_deterministic"] = lambda: sp.check_grads(
+        *sp.inputs(1, 333, 400, 4, 2, 128, bf16), sp.random_lists(1, 4, 333, 400, (128, 128), 2),
+        deterministic=True)
     out["surface_seqused_only"] = lambda: su.run_varlen(
         small_q, small_k, 8, 2, 128, 128, bf16, batched_q=True, batched_k=True,
         seqused_q=su.used([1, 0, 20, 129, 250]), seqused_k=su.used([100, 3, 0, 300, 1]))

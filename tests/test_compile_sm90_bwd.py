@@ -85,26 +85,32 @@ def test_d96_takes_dq_in_one_warpgroup():
 
 
 # The block-sparse backward: a key block walks the query blocks of the transposed lists.
-# (d, q_block, mask), fp16 (the register-hungrier dtype)
-# (d, q_block, mask[, kv_block]): lists of 64-key blocks walked in pairs (sparse_kv_half)
+# (d, q_block, mask[, kv_block[, deterministic]]), fp16 (the register-hungrier dtype); lists of
+# 64-key blocks are walked in pairs (sparse_kv_half)
 SPARSE_CASES = [(128, 128, "none"), (64, 128, "causal"), (96, 128, "softcap"), (128, 128, "local"),
                 (128, 64, "causal"), (64, 64, "softcap"), (128, 128, "causal", 64),
-                (128, 64, "softcap", 64), (64, 64, "local", 64)]
+                (128, 64, "softcap", 64), (64, 64, "local", 64),
+                # deterministic: each key block's turn from the dq_turns table
+                (128, 128, "causal", 128, True), (64, 64, "none", 64, True)]
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES,
-                         ids=[f"d{c[0]}-{c[1]}x{(c + (128,))[3]}-{c[2]}" for c in SPARSE_CASES])
+                         ids=[f"d{c[0]}-{c[1]}x{(c + (128,))[3]}-{c[2]}{'-det' if c[4:] else ''}"
+                              for c in SPARSE_CASES])
 def test_compile_block_sparse_backward(case, capfd, tmp_path, monkeypatch):
     import dataclasses
     monkeypatch.chdir(tmp_path)
-    d, q_block, mask, kv_block = case + (128,) if len(case) == 3 else case
+    d, q_block, mask, kv_block, deterministic = (case + (128, False, False))[:5] if len(case) == 3 \
+        else (case + (False,))[:5]
     spec = dataclasses.replace(make_spec(torch.float16, d, mask), sparse_q_block=q_block,
-                               sparse_kv_block=kv_block)
+                               sparse_kv_block=kv_block, deterministic=deterministic)
     assert launch_bwd.BACKWARD.can_implement(spec) is None
     cfg = launch_bwd.bwd_config(spec)
     assert cfg.sparse and cfg.sparse_q_block == q_block and cfg.sparse_kv_half == (kv_block == 64)
+    assert cfg.deterministic == deterministic
     ptx = compile_bwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+    assert ("ld.global.acquire.gpu" in ptx) == deterministic  # (the turn's semaphore polls)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
 
@@ -118,7 +124,7 @@ def test_block_sparse_backward_reasons():
     assert launch_bwd.bwd_config(dataclasses.replace(
         make_spec(torch.bfloat16, 128, "none"), sparse_q_block=64, sparse_kv_block=64)).sparse_kv_half
     assert can(sparse_kv_block=32).startswith("block-sparse backward of 128x32 blocks")
-    assert can(deterministic=True).startswith("block-sparse backward with deterministic=True")
+    assert can(deterministic=True) is None and can(deterministic=True, sparse_kv_block=64) is None
     assert can(varlen_q=True, varlen_k=True).startswith("block-sparse backward with packed")
 
 

@@ -144,11 +144,12 @@ def test_lying_lists_stay_inside_the_tensors(seed):
 
 # ---- the backward (lists of 128x128 blocks, or coarser ones expanded to them) ----
 
-def check_grads(q, k, v, mask, **kw):
+def check_grads(q, k, v, mask, deterministic=False, **kw):
     """dq, dk, dv through autograd against the reference's autograd on the dense mask."""
     from test_gpu_bwd import check_grads as check, poison_allocator, reference_grads
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    out = flash_attn_func(*leaves, block_sparse=mask, strict=True, **kw)
+    out = flash_attn_func(*leaves, block_sparse=mask, strict=True, deterministic=deterministic,
+                          **kw)
     dout = torch.randn_like(out)
     poison_allocator()
     got = torch.autograd.grad(out, leaves, dout)

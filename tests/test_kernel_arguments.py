@@ -236,7 +236,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
               mSeqUsedK: Optional[cute.Tensor], mSemaphore: cute.Tensor,
               mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
               mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
-              mKeyHalves: Optional[cute.Tensor],
+              mKeyHalves: Optional[cute.Tensor], mDqTurns: Optional[cute.Tensor],
               qhead_per_kvhead: Int32, softmax_scale: Float32, score_scale: Float32,
               softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
               num_n_blocks: Int32, info: cute.Tensor):
@@ -251,7 +251,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
             info[i] = Int64(t.shape[0])
             info[i + 1] = Int64(t[1])
             i += 2
-    for t in (mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves):
+    for t in (mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves, mDqTurns):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
@@ -269,8 +269,8 @@ def test_bwd_declaration_matches_kernel_and_probe():
     assert names + [arguments.STREAM] == parameter_names(FlashBwdSm90.__call__)
     assert parameter_names(probe_bwd) == names + ["info"]
     assert list(BWD_PER_CALL) == [n for n in names if n in BWD_PER_CALL]
-    assert [n for n in names if n not in BWD_PER_CALL][:5] == [
-        "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex", "mKeyHalves"]
+    assert [n for n in names if n not in BWD_PER_CALL][:6] == [
+        "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex", "mKeyHalves", "mDqTurns"]
 
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
@@ -327,7 +327,7 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
         bl(dout, q, k, v, o, lse)
     values = seen["values"]
     tensors, (cu_q, cu_k, used_q, used_k), semaphore, n_blocks = values[:9], values[9:13], values[13], values[-1]
-    assert values[14:-1] == (None,) * 5  # no block-sparse lists (nor key halves): dense
+    assert values[14:-1] == (None,) * 6  # no block-sparse lists nor tables: dense
     want = []
     for t in (*tensors, semaphore):
         for n, st in zip(t.shape, t.stride()):

@@ -387,7 +387,7 @@ def test_backward_declaration_matches_kernel_signature():
     # both backward kernels take the common list; sm90's has the block-sparse lists too
     from cuteattn.kernels.sm90 import arguments as sm90_arguments
     sparse = (common.group_names("sparse", (common.SPARSE,))
-              + common.group_names("key_halves", (sm90_arguments.KEY_HALVES,)))
+              + common.group_names("sparse_backward", (sm90_arguments.SPARSE_BACKWARD,)))
     assert common.names(arguments.BWD_ARGUMENTS) == tuple(
         n for n in sm90_arguments.names(sm90_arguments.BWD_ARGUMENTS) if n not in sparse)
     assert set(BWD_PER_CALL) | fixed == set(common.names(arguments.BWD_ARGUMENTS))

@@ -2,10 +2,13 @@
 computes; no kernel takes them yet): the dense mask each form means, the exact expansion of a
 logical mask to finer physical blocks, gradients, and the argument rules."""
 
+import itertools
+import warnings
+
 import pytest
 import torch
 
-from cuteattn import flash_attn_func, sparse
+from cuteattn import flash_attn_func, flash_attn_varlen_func, sparse
 from cuteattn.reference import attention_ref
 
 BF16 = torch.bfloat16
@@ -212,7 +215,8 @@ def test_block_sparse_calls_reach_the_kernel_once_dispatched(monkeypatch):
     assert ("bwd", 128, 128) in dispatched and out.requires_grad
     out.sum().backward()
     assert bool((qg.grad == 1).all())
-    (full_count, full_index, partial_count, partial_index), = backward_lists
+    (full_count, full_index, partial_count, partial_index, halves, turns), = backward_lists
+    assert halves is None and turns is None  # (128-key lists, deterministic=False)
     # query block b attends key block b: transposed, key block n is seen by query block n
     assert full_count.tolist() == [[[1, 1], [1, 1]]] and full_index[..., 0].tolist() == [[[0, 1], [0, 1]]]
     assert int(partial_count.sum()) == 0
@@ -235,6 +239,52 @@ def test_transpose_paired_lists_the_union_and_each_half(nk):
     union = padded.view(2, 3, -1, 2, 5).any(-2)
     p_full, p_part = pairs.block_masks()
     assert not p_full.any() and torch.equal(p_part, union)
+
+def test_block_sparse_deterministic_reaches_the_backward_spec(monkeypatch):
+    """deterministic=True with block-sparse lists reaches the spec the backward kernel is chosen
+    by (a kernel that cannot promise bitwise-reproducible gradients must be able to decline it),
+    and deterministic=False leaves it off."""
+    from cuteattn import api
+    specs = []
+
+    def select(spec, device):
+        specs.append(spec)
+        return None, "stand-in: no kernel"
+
+    monkeypatch.setattr(api, "_select_kernel", select)
+    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink: None)
+    monkeypatch.setattr(api, "_launches", {})
+    q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16, requires_grad=True)
+    lists = sparse.from_topk(torch.tensor([[[[0], [1]]]]).expand(1, 2, 2, 1), 2, 128, 128)
+    cu = torch.tensor([0, 256], dtype=torch.int32)
+    calls = [lambda d: flash_attn_func(q, q, q, block_sparse=lists, deterministic=d),
+             lambda d: flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 256, 256,
+                                              block_sparse=lists, deterministic=d)]
+    for call in calls:
+        for deterministic in (True, False):
+            specs.clear()
+            with warnings.catch_warnings():  # (nothing served: the reference runs, warning once)
+                warnings.simplefilter("ignore")
+                call(deterministic)
+            assert specs and all(s.deterministic == deterministic for s in specs)
+
+
+@pytest.mark.parametrize("kv_block", [128, 64])
+def test_dq_turns_count_the_key_blocks_before(kv_block):
+    """sparse.dq_turns: for query block m and key block n (of 128 keys: 64-key lists in pairs),
+    how many key blocks before n attend m (the deterministic backward's order of the dQ
+    additions); a pair attends where either half does."""
+    torch.manual_seed(kv_block)
+    selected = torch.rand(2, 1, 4, 7) < 0.5
+    mask = sparse.from_block_mask(selected, 128, kv_block)
+    turns = sparse.dq_turns(mask)
+    attends = selected
+    if kv_block == 64:
+        attends = torch.cat([selected, torch.zeros(2, 1, 4, 1, dtype=torch.bool)], -1)
+        attends = attends.view(2, 1, 4, 4, 2).any(-1)
+    assert turns.dtype == torch.int32 and turns.shape == attends.shape
+    for idx in itertools.product(*map(range, attends.shape)):
+        assert turns[idx] == int(attends[idx[:-1]][:idx[-1]].sum())
 
 
 def test_transpose_lists_the_same_pairs():

@@ -310,7 +310,7 @@ class BackwardLaunch:
                      window_right=right)
         # a family whose kernel takes block-sparse lists (sm90) is passed them after mSemaphore
         self.sparse_names = tuple(n for n in ("mFullCount", "mFullIndex", "mPartialCount",
-                                              "mPartialIndex", "mKeyHalves")
+                                              "mPartialIndex", "mKeyHalves", "mDqTurns")
                                   if n in arguments.names(entries))
         per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, BWD_PER_CALL[-1])
         self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)

@@ -46,24 +46,31 @@ ARGUMENTS = (
 
 # ---- the backward's: the common list ----
 
-class KeyHalves(NamedTuple):
-    """Block-sparse lists of 64-key blocks walked by the backward's 128-key blocks: whether key
-    block n attends query block m (sparse.transpose_paired)."""
-    key_halves: Any = None  # int32 (B|1, H|1, nk, nq)
+class SparseBackward(NamedTuple):
+    """The block-sparse backward's tables besides its lists (cuteattn.sparse): for lists of
+    64-key blocks, whether key block n attends query block m (transpose_paired); in
+    deterministic mode, each key block's turn to add into a query block's dQ (dq_turns)."""
+    key_halves: Any = None  # int32 (B|1, H|1, nk64, nq)
+    dq_turns: Any = None    # int32 (B|1, H|1, nq, nk)
 
 
-def _key_halves(cfg, sym, align, memspace):
-    if not getattr(cfg, "sparse_kv_half", False):
-        return None
-    return common.fake_tensor(Int32, tuple(cute.sym_int() for _ in range(4)), align, memspace)
+def _int32_table(needed):
+    def fake(cfg, sym, align, memspace):
+        if not needed(cfg):
+            return None
+        return common.fake_tensor(Int32, tuple(cute.sym_int() for _ in range(4)), align, memspace)
+    return fake
 
 
-KEY_HALVES = Group("key_halves", KeyHalves, (
-    Arg("mKeyHalves", OPTIONAL_TENSOR, _key_halves, align=4),
+SPARSE_BACKWARD = Group("sparse_backward", SparseBackward, (
+    Arg("mKeyHalves", OPTIONAL_TENSOR,
+        _int32_table(lambda cfg: getattr(cfg, "sparse_kv_half", False)), align=4),
+    Arg("mDqTurns", OPTIONAL_TENSOR,
+        _int32_table(lambda cfg: getattr(cfg, "sparse", False) and cfg.deterministic), align=4),
 ))
 
-# (the transposed block-sparse lists; with 64-key lists, which half of a key block attends)
-BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE, KEY_HALVES))
+# (the transposed block-sparse lists and their tables)
+BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE, SPARSE_BACKWARD))
 
 
 def flat(entries=ARGUMENTS) -> tuple:

@@ -187,6 +187,7 @@ class FlashBwdSm90:
         mPartialCount: Optional[cute.Tensor],  # (common/arguments.SparseMetadata)
         mPartialIndex: Optional[cute.Tensor],
         mKeyHalves: Optional[cute.Tensor],     # int32 (B|1, H|1, nk64, nq) (sparse_kv_half)
+        mDqTurns: Optional[cute.Tensor],       # int32 (B|1, H|1, nq, nk) (sparse, deterministic)
         qhead_per_kvhead: Int32,
         softmax_scale: Float32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -232,7 +233,7 @@ class FlashBwdSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dsum, tma_dsum, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            mSemaphore, mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves,
+            mSemaphore, mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves, mDqTurns,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
             sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
@@ -278,7 +279,7 @@ class FlashBwdSm90:
         mSemaphore: cute.Tensor,
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
-        mKeyHalves: Optional[cute.Tensor],
+        mKeyHalves: Optional[cute.Tensor], mDqTurns: Optional[cute.Tensor],
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32, batch: Int32,
         softmax_scale: Float32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
@@ -347,7 +348,7 @@ class FlashBwdSm90:
                              pipeline_q, pipeline_do, pipeline_kv, seqlen, block_info,
                              softmax_scale, score_scale, softmax_scale_log2,
                              window_left, window_right, n_block, head_idx, batch_idx,
-                             rows, rows_q, tidx - WG_THREADS, mKeyHalves)
+                             rows, rows_q, tidx - WG_THREADS, mKeyHalves, mDqTurns)
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
@@ -408,10 +409,22 @@ class FlashBwdSm90:
         return (key_block < mKeyHalves.shape[2]) & (mKeyHalves[b, h, n, m] != 0)
 
     @cute.jit
+    def dq_turn(self, mDqTurns: cute.Tensor, batch_idx, head_idx, query_block, key_block):
+        """How many key blocks before key_block add into query block query_block (batch and head
+        modes broadcast when of extent 1; indices clamped into the table: lying tables can make
+        a wait give up after its bounded spin, never read outside)."""
+        b = cutlass.min(batch_idx, mDqTurns.shape[0] - 1)
+        h = cutlass.min(head_idx, mDqTurns.shape[1] - 1)
+        m = cutlass.max(cutlass.min(query_block, mDqTurns.shape[2] - 1), 0)
+        n = cutlass.max(cutlass.min(key_block, mDqTurns.shape[3] - 1), 0)
+        return mDqTurns[b, h, m, n]
+
+    @cute.jit
     def consume(self, sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,
                 pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo, block_info: BlockInfo,
                 softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
-                n_block, head_idx, batch_idx, rows, rows_q, tidx, mKeyHalves=None):
+                n_block, head_idx, batch_idx, rows, rows_q, tidx, mKeyHalves=None,
+                mDqTurns=None):
         """Both consumer warpgroups (tidx in [0, 256)): the walk over the query blocks, then dK
         and dV out. mKeyHalves (sparse_kv_half): whether each 64-key block attends a listed
         query block; a warpgroup whose block does not leaves it out (all its scores masked)."""
@@ -451,12 +464,19 @@ class FlashBwdSm90:
         num_cols = cute.size(acc_S_mn, mode=[1])
         key_start = n_block * self.tile_n + wg * WG_ROWS  # this warpgroup's first key
 
-        # deterministic mode: (semaphore, this key block's turn) of a query block
+        # deterministic mode: (semaphore, this key block's turn) of a query block: the key
+        # blocks before it that see the query block (block-sparse: counted in mDqTurns)
+        turn_of = lambda m_block: n_block - block_info.first_key_block(
+            seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+        if const_expr(cfg.sparse and cfg.deterministic):
+            turn_of = lambda m_block: self.dq_turn(
+                mDqTurns, batch_idx, head_idx, m_block // (cfg.sparse_q_block // self.tile_m),
+                n_block)
         order = lambda m_block: (
             mSemaphore[head_idx, None].iterator
             + semaphore_slot(mSemaphore, seqlen, m_block, batch_idx, rows_q, self.tile_m,
                              cfg.varlen_q),
-            n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k, m_block))
+            turn_of(m_block))
 
         dkv.set(warpgroup.Field.ACCUMULATE, True)
         make_sdp = lambda: sm90_utils.make_trivial_tiled_mma(

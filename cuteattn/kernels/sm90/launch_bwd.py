@@ -86,8 +86,6 @@ def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
         return (f"block-sparse backward of {spec.sparse_q_block}x{spec.sparse_kv_block} blocks: "
                 f"the sm90 kernel takes 128 or 64 query rows by {key_blocks[0]} or "
                 f"{key_blocks[1]} keys")
-    if spec.deterministic:
-        return "block-sparse backward with deterministic=True: no sm90 kernel yet"
     if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
         return "block-sparse backward with packed sequences or seqused: no sm90 kernel yet"
     return None
