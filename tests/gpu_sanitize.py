@@ -151,6 +151,9 @@ def cases() -> dict:
     for i, case in enumerate(ts.DECODE_CASES):
         b, sq, s_new, h, hk, d, cap, lens, extra = case
         out[f"portable_decode{i}"] = _on_sm80(lambda a=case[:8], extra=extra: ts.run_kvcache(*a, **extra))
+    for i in (1, 3, 4, 7):  # an fp8 cache (its byte ring): paged, odd pages, new tokens, splits
+        out[f"portable_decode_fp8_{i}"] = _on_sm80(
+            lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]))
     out["portable_paged_prefill_causal"] = _on_sm80(lambda: ts.test_paged_prefill(0, 16, True))
     for d in (64, 128):  # the portable backward: the bwd group's masks, deterministic, varlen
         for mask, kw in fixed_masks.items():
