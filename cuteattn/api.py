@@ -103,7 +103,7 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
     varlen: the index tensors passed to the kernel; varlen_host: their host copies when
     validate=True already read and checked them (else the fallback reads and checks them here).
     sink: the learnable sink (no kernel takes one yet: spec.has_sink makes them decline);
-    descales: fp8 inputs' (q, k, v) descales (no kernel takes fp8 yet)."""
+    descales: fp8 inputs' (q, k, v) descales (the sm90 fp8 forward takes them)."""
     if _is_empty(spec, out):
         launch, reason = None, None
     else:
@@ -117,7 +117,8 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
 
     def run():
         if launch is not None:
-            launch(q, k, v, out, lse, **(varlen or {}))
+            fp8 = {"descales": descales} if q.dtype == _checks.FP8 else {}
+            launch(q, k, v, out, lse, **(varlen or {}), **fp8)
         elif reason is None:  # empty: every query row (if any) sees no key
             out.zero_()
             if sink is None:

@@ -73,3 +73,22 @@ def assert_lse_close(lse: torch.Tensor, lse_ref: torch.Tensor, *, atol: float = 
         err = (lse[finite] - lse_ref[finite]).abs().max().item()
         if not err <= atol:
             raise AssertionError(f"{name}: max error {err:.3e} > atol {atol:.0e}")
+
+
+def fp8_attention_emulated(q, k, v, descales, *, causal=False, window_size=(-1, -1),
+                           softcap=0.0) -> torch.Tensor:
+    """The fp8 forward done plainly in PyTorch, the low-precision side of FlashAttention's rule
+    for fp8 inputs: q, k, v dequantized (exact in float32), the probabilities relative to each
+    row's max scaled by 256 and rounded to e4m3 before P V (as an fp8 kernel feeds its second
+    GEMM), normalised by the unrounded row sums, the output rounded to bf16."""
+    from .reference import _scores_and_probs, dequantize_fp8
+    qf, kf, vf = (dequantize_fp8(x, d) for x, d in zip((q, k, v), descales))
+    group = q.shape[2] // k.shape[2]
+    kf, vf = kf.repeat_interleave(group, dim=2), vf.repeat_interleave(group, dim=2)
+    scores, _, _, _ = _scores_and_probs(qf, kf, q.shape[-1] ** -0.5, causal, window_size, softcap)
+    row_max = scores.amax(dim=-1, keepdim=True)
+    p = torch.exp(scores - torch.where(row_max == float("-inf"), 0.0, row_max))
+    p8 = (p * 256).to(torch.float8_e4m3fn).float() / 256
+    total = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("bhqk,bkhd->bqhd", p8 / torch.where(total > 0, total, 1.0), vf)
+    return out.to(torch.bfloat16).float()

@@ -252,3 +252,37 @@ def test_block_sparse_reasons():
         "block-sparse blocks of 256x256: the sm90 kernel takes 128x128, 128x64, 64x64")
     assert can(head_dim=192, head_dim_v=192).startswith("block-sparse at head_dim 192")
     assert can(varlen_q=True, varlen_k=True).startswith("block-sparse with packed sequences")
+
+
+FP8_CASES = [(64, "none"), (128, "none"), (256, "none"), (128, "causal"), (128, "local"),
+             (128, "softcap"), (96, "causal"), (192, "local"), (256, "softcap")]
+
+
+@pytest.mark.parametrize("d,mask", FP8_CASES, ids=[f"d{d}-{m}" for d, m in FP8_CASES])
+def test_compile_fp8_fwd(d, mask, capfd, tmp_path, monkeypatch):
+    """The fp8 forward: e4m3 wgmma for both GEMMs (V K-major), P packed to e4m3 four at a
+    time, bf16 out, no spills."""
+    monkeypatch.chdir(tmp_path)
+    spec = make_spec(torch.float8_e4m3fn, d, mask, False)
+    assert sm90_launch.FORWARD.can_implement(spec) is None
+    cfg = sm90_launch.sm90_config(spec)
+    assert cfg.fp8 and cfg.tile_n % 32 == 0 and cfg.o_path == "own_buffer"
+    assert cfg.smem_bytes() <= 227 * 1024
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "e4m3.e4m3" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert "cvt.rn.bf16x2.f32" in ptx  # (O)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
+
+
+def test_fp8_reasons():
+    """What the fp8 forward declines (the API then falls back to the reference)."""
+    import dataclasses
+    can = lambda **kw: sm90_launch.FORWARD.can_implement(
+        dataclasses.replace(make_spec(torch.float8_e4m3fn, 128, "none", False), **kw))
+    assert can() is None
+    assert can(varlen_q=True, varlen_k=True).startswith("fp8 with packed sequences")
+    assert can(has_seqused_k=True).startswith("fp8 with packed sequences")
+    assert can(head_dim=80, head_dim_v=80).startswith("fp8 at head_dim 80")
+    assert can(head_dim_v=64).startswith("fp8 at head_dim 128 (head_dim_v 64)")
+    assert can(sparse_q_block=128, sparse_kv_block=128).startswith("fp8 block-sparse")

@@ -82,3 +82,9 @@ def pack_heads_into_rows(t: cute.Tensor, group: int, head_mode: int) -> cute.Ten
     shape[head_mode] = s[head_mode] // group
     stride[head_mode] = d[head_mode] * group
     return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
+
+
+def keys_last_transposed(t: cute.Tensor) -> cute.Tensor:
+    """V stored transposed, (b, h_k, d_v, keys) (the fp8 forward's: launch.py writes it), seen as
+    (d_v, keys, h_k, b) like seq_major_transposed's view, the keys contiguous."""
+    return _select(t, [2, 3, 1, 0])

@@ -22,11 +22,14 @@ class OnlineSoftmax:
     row_max: cute.Tensor     # running max of raw scores, per row
     row_sum: cute.Tensor     # running sum of exp2, per thread (reduced over the quad at the end)
     row_scale: cute.Tensor   # the last step's rescale factor of the output, per row
+    # probabilities relative to the row max are 2^p_max_log2 at most (FA3's max offset: 8 for
+    # fp8 P, so that e4m3 keeps more of them normal); the LSE takes it out again
+    p_max_log2: cutlass.Constexpr[float] = 0.0
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int, p_max_log2: float = 0.0) -> "OnlineSoftmax":
         make = lambda: cute.make_rmem_tensor(num_rows, Float32)
-        return OnlineSoftmax(scale_log2, num_rows, make(), make(), make())
+        return OnlineSoftmax(scale_log2, num_rows, make(), make(), make(), p_max_log2)
 
     @cute.jit
     def reset(self):
@@ -54,6 +57,8 @@ class OnlineSoftmax:
             scale = cute.math.exp2(prev_max * self.scale_log2 - offset, fastmath=True)
             self.row_scale[r] = scale
             row_sum = Float32(0.0)
+            if cutlass.const_expr(self.p_max_log2 != 0.0):
+                offset = offset - self.p_max_log2
             for c in cutlass.range_constexpr(ncols):
                 p = cute.math.exp2(acc_mn[r, c] * self.scale_log2 - offset, fastmath=True)
                 acc_mn[r, c] = p
@@ -67,16 +72,22 @@ class OnlineSoftmax:
                 acc_o_mn[r, c] = acc_o_mn[r, c] * self.row_scale[r]
 
     @cute.jit
-    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor):
+    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, out_scale=None):
         """Normalises the output rows and writes each row's natural-log LSE into `lse`.
-        A row that saw no key gets output 0 and LSE -inf."""
+        A row that saw no key gets output 0 and LSE -inf. `out_scale` (fp8's v descale)
+        multiplies every output value too."""
         for r in cutlass.range_constexpr(self.num_rows):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             inv = Float32(0.0)
             row_lse = -Float32.inf
             if total > 0.0:
                 inv = cute.arch.rcp_approx(total)
-                row_lse = (self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+                if cutlass.const_expr(out_scale is not None):
+                    inv = inv * out_scale
+                row_lse = self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)
+                if cutlass.const_expr(self.p_max_log2 != 0.0):
+                    row_lse = row_lse - self.p_max_log2
+                row_lse = row_lse * LN2
             lse[r] = row_lse
             for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                 acc_o_mn[r, c] = acc_o_mn[r, c] * inv

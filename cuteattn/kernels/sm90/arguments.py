@@ -7,10 +7,11 @@ declaration is common/arguments.py; the helpers here default to the forward's de
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32, Uint8
 
 from ..common import arguments as common
 from ..common.arguments import (FLOAT32, INT32, NO_SPARSE, NO_VARLEN, OPTIONAL_TENSOR,
@@ -18,19 +19,60 @@ from ..common.arguments import (FLOAT32, INT32, NO_SPARSE, NO_VARLEN, OPTIONAL_T
                                 SparseMetadata, VarlenMetadata, int32_vector, key_side, lse_rows,
                                 query_side)
 
-__all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Group", "INT32",
-           "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
+__all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Fp8Descales",
+           "Group", "INT32", "NO_FP8", "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
            "SparseMetadata", "VarlenMetadata",
            "fakes", "flat", "group_names", "names"]
 
+class Fp8Descales(NamedTuple):
+    """fp8 inputs' descales (FlashAttention-3's), float32 (b, h_k); 1.0 where not given."""
+    q: Any = None
+    k: Any = None
+    v: Any = None
+
+
+NO_FP8 = Fp8Descales()
+
+
+def _in_dtype(declared, dtype_of):
+    """A q/k/v/o fake as `declared` builds it, in dtype_of(cfg): fp8 tensors cross into the
+    kernel as their bytes (uint8; the kernel reads them as e4m3), fp8's out is bf16."""
+    def fake(cfg, sym, align, memspace):
+        return declared(dataclasses.replace(cfg, dtype=dtype_of(cfg)), sym, align, memspace)
+    return fake
+
+
+_bytes_if_fp8 = lambda cfg: Uint8 if cfg.fp8 else cfg.dtype
+
+
+def _value_side(cfg, sym, align, memspace):
+    """v: as k (with d_v), or for fp8 transposed, (b, h_k, d_v, keys padded to 16) in bytes."""
+    if not cfg.fp8:
+        return key_side("head_dim_v")(cfg, sym, align, memspace)
+    return common.fake_tensor(Uint8, (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]), align, memspace)
+
+
+def _descale(cfg, sym, align, memspace):
+    if not cfg.fp8:
+        return None
+    return common.fake_tensor(Float32, (sym["bd"], sym["hk"]), align, memspace)
+
+
+FP8 = Group("fp8", Fp8Descales, (
+    Arg("mQDescale", OPTIONAL_TENSOR, _descale, align=4),
+    Arg("mKDescale", OPTIONAL_TENSOR, _descale, align=4),
+    Arg("mVDescale", OPTIONAL_TENSOR, _descale, align=4),
+))
+
 ARGUMENTS = (
-    Arg("mQ", TENSOR, query_side("head_dim")),
-    Arg("mK", TENSOR, key_side("head_dim")),
-    Arg("mV", TENSOR, key_side("head_dim_v")),
-    Arg("mO", TENSOR, query_side("head_dim_v")),
+    Arg("mQ", TENSOR, _in_dtype(query_side("head_dim"), _bytes_if_fp8)),
+    Arg("mK", TENSOR, _in_dtype(key_side("head_dim"), _bytes_if_fp8)),
+    Arg("mV", TENSOR, _value_side),
+    Arg("mO", TENSOR, _in_dtype(query_side("head_dim_v"), lambda cfg: cfg.o_dtype)),
     Arg("mLSE", TENSOR, lse_rows, align=4),
     VARLEN,
     SPARSE,
+    FP8,
     # int32 (2,), zero between launches: the dynamic tile scheduler's counter (fwd.py)
     Arg("mTileCounter", TENSOR, int32_vector(), align=4),
     Arg("qhead_per_kvhead", INT32),

@@ -52,6 +52,18 @@ TILE_N_CAPS = {
 }
 
 
+# fp8 (e4m3) q/k/v: head_dim -> (consumer warpgroups, keys per block, K/V stages). The P V
+# GEMM's k step is 32 keys, so key blocks are multiples of 32; the ring's bytes are half the
+# 16-bit kernel's, O (bf16) has a buffer of its own. Spill-free (tests/test_compile_sm90.py).
+FP8_TILES = {
+    64: (3, 128, 4),
+    96: (2, 128, 3),
+    128: (2, 160, 3),
+    192: (2, 96, 2),
+    256: (2, 96, 2),
+}
+
+
 # Block-sparse lists take the block shapes of sparse.KERNEL_BLOCKS (the tile is the block: FA4's
 # and VSA's physical shapes). Wider head dims than SPARSE_MAX_HEAD_DIM do not fit the ring.
 SPARSE_MAX_HEAD_DIM = 128
@@ -66,14 +78,18 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     longest query sequence, when known) picks the short-sequence tiles."""
     true_dv = head_dim_v
     head_dim, head_dim_v = (compiled_width(x, SUPPORTED_HEAD_DIMS) for x in (head_dim, head_dim_v))
-    num_wg, tile_n, stages = TILES[head_dim]
-    if head_dim in SHORT_TILES and max_seqlen_q is not None and max_seqlen_q <= SHORT_SEQLEN:
+    fp8 = dtype.width == 8
+    num_wg, tile_n, stages = (FP8_TILES if fp8 else TILES)[head_dim]
+    if (not fp8 and head_dim in SHORT_TILES and max_seqlen_q is not None
+            and max_seqlen_q <= SHORT_SEQLEN):
         num_wg, tile_n, stages = SHORT_TILES[head_dim]
     # (seqused on batched q/k keeps lengths live as packing does: the varlen caps serve it)
     packed = varlen_q or varlen_k or has_seqused_q or has_seqused_k
     caps = TILE_N_CAPS.get((head_dim, local, packed))
     if caps is not None:
         tile_n = min(tile_n, caps[1] if has_softcap else caps[0])
+        if fp8:
+            tile_n -= tile_n % 32
     cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,
         tile_n=tile_n, num_wg=num_wg,
@@ -88,6 +104,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)
+    if fp8:  # O (bf16) cannot be staged in the fp8 Q or V buffers
+        return dataclasses.replace(cfg, o_path="own_buffer")
     return with_o_path(cfg)
 
 

@@ -34,9 +34,9 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common import epilogue, named_barriers
 from ..common.block_info import BlockInfo, DenseBlocks
 from ..common.block_sparse import SparseBlocks
-from ..common.convert import convert_fragment
-from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
-                             seq_major_transposed)
+from ..common.convert import convert_fragment, fp8_p_fragment
+from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, keys_last_transposed,
+                             lse_seq_major, seq_major, seq_major_transposed)
 from ..common.mask import apply_mask
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
@@ -45,6 +45,11 @@ from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coor
 from .gemm import PingPong, gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
+
+
+# fp8 P is exp2(s - row max) scaled by 2^8 (at most 256 of e4m3's 448), so that small
+# probabilities keep e4m3's normal precision (FA3's max offset); the row sums carry the same factor
+FP8_P_MAX_LOG2 = 8.0
 
 
 class FwdBarrier(enum.IntEnum):
@@ -58,7 +63,7 @@ class FwdBarrier(enum.IntEnum):
 class Sm90FwdConfig:
     """The static configuration of one compiled forward kernel: every field changes the code,
     and the config itself is the compile key."""
-    dtype: type                 # cutlass.BFloat16 or cutlass.Float16
+    dtype: type                 # q/k/v: cutlass.BFloat16, Float16, or Float8E4M3FN (fp8)
     head_dim: int
     head_dim_v: int
     tile_n: int                 # keys per block
@@ -91,10 +96,22 @@ class Sm90FwdConfig:
     def tile_m(self) -> int:
         return WG_ROWS * self.num_wg
 
+    @property
+    def fp8(self) -> bool:
+        """fp8 (e4m3) q/k/v with FlashAttention-3's descales, out in bf16. Both operands of an
+        fp8 wgmma must be K-major, so V arrives transposed, (b, h_k, d_v, keys) with the keys of
+        each 16-key group in FP8_KEY_ORDER (launch.py writes it): P's float32 registers are then
+        already the A operand's, each thread's own values in another order (fp8_p_fragment)."""
+        return self.dtype.width == 8
+
+    @property
+    def o_dtype(self) -> type:
+        return cutlass.BFloat16 if self.fp8 else self.dtype
+
     def smem_bytes(self) -> int:
         elem = self.dtype.width // 8
         q = self.tile_m * self.head_dim * elem
-        o = self.tile_m * self.head_dim_v * elem if self.o_path == "own_buffer" else 0
+        o = self.tile_m * self.head_dim_v * self.o_dtype.width // 8 if self.o_path == "own_buffer" else 0
         kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elem
         return q + o + kv + 1024  # + barriers and alignment
 
@@ -104,8 +121,12 @@ class FlashFwdSm90:
         # O is staged in Q's buffer, each warpgroup's rows inside its own Q slice: dv <= d
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0 and cfg.head_dim_v % 16 == 0
+        # fp8: the P V GEMM's k step is 32 keys; O (bf16) has a buffer of its own
+        assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.o_path == "own_buffer"
+                               and not (cfg.varlen_q or cfg.varlen_k or cfg.sparse))
         self.cfg = cfg
         self.dtype = cfg.dtype
+        self.o_dtype = cfg.o_dtype
         self.tile_m, self.tile_n = cfg.tile_m, cfg.tile_n
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.num_wg = cfg.num_wg
@@ -123,7 +144,7 @@ class FlashFwdSm90:
         self,
         mQ: cute.Tensor,      # (b, s_q, h, d) or (total_q, h, d) when varlen_q
         mK: cute.Tensor,      # (b, s_k, h_k, d) or (total_k, h_k, d) when varlen_k
-        mV: cute.Tensor,      # like mK, with d_v
+        mV: cute.Tensor,      # like mK, with d_v; fp8: (b, h_k, d_v, keys) (Sm90FwdConfig.fp8)
         mO: cute.Tensor,      # like mQ, with d_v
         mLSE: cute.Tensor,    # (b, h, s_q) or (h, total_q), float32
         mCuSeqlensQ: Optional[cute.Tensor],
@@ -134,6 +155,9 @@ class FlashFwdSm90:
         mFullIndex: Optional[cute.Tensor],     # common/arguments.SparseMetadata
         mPartialCount: Optional[cute.Tensor],
         mPartialIndex: Optional[cute.Tensor],
+        mQDescale: Optional[cute.Tensor],      # fp8: float32 (b, h_k) descales of q, k, v
+        mKDescale: Optional[cute.Tensor],
+        mVDescale: Optional[cute.Tensor],
         mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -146,12 +170,18 @@ class FlashFwdSm90:
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
+        if const_expr(cfg.fp8):  # fp8 q, k, v arrive as their bytes (arguments.py)
+            mQ, mK, mV = [cute.make_tensor(cute.recast_ptr(t.iterator, dtype=self.dtype), t.layout)
+                          for t in (mQ, mK, mV)]
         mQ, mO = seq_major(mQ, cfg.varlen_q), seq_major(mO, cfg.varlen_q)
         mLSE = lse_seq_major(mLSE, cfg.varlen_q)
-        mK, mVt = seq_major(mK, cfg.varlen_k), seq_major_transposed(mV, cfg.varlen_k)
+        mK = seq_major(mK, cfg.varlen_k)
+        # V as the B operand of P V: (d_v, keys, h_k, b); keys contiguous (K-major) for fp8
+        mVt = keys_last_transposed(mV) if const_expr(cfg.fp8) else seq_major_transposed(mV, cfg.varlen_k)
+        v_major = cute.nvgpu.OperandMajorMode.K if const_expr(cfg.fp8) else cute.nvgpu.OperandMajorMode.MN
 
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, v_major,
             Float32, (1, 1, 1), (WG_ROWS, self.dv), warpgroup.OperandSource.RMEM,
         )
         # Shared memory: Q has one (64, d) slice per consumer warpgroup; K and V a ring of stages.
@@ -160,10 +190,11 @@ class FlashFwdSm90:
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.d), self.dtype, cfg.num_stages)
         sVt_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.COL_MAJOR, (WG_ROWS, self.dv, self.tile_n), self.dtype, cfg.num_stages)
+            LayoutEnum.ROW_MAJOR if const_expr(cfg.fp8) else LayoutEnum.COL_MAJOR,
+            (WG_ROWS, self.dv, self.tile_n), self.dtype, cfg.num_stages)
         # O's staging: one (64, dv) slice per consumer warpgroup (Q's layout when dv == d)
         sO_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.dv), self.dtype, self.num_wg)
+            LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.dv), self.o_dtype, self.num_wg)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
@@ -191,7 +222,8 @@ class FlashFwdSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
-            mFullCount, mFullIndex, mPartialCount, mPartialIndex, mTileCounter,
+            mFullCount, mFullIndex, mPartialCount, mPartialIndex,
+            (mQDescale, mKDescale, mVDescale), mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
@@ -224,7 +256,7 @@ class FlashFwdSm90:
         }
         if self.cfg.o_path == "own_buffer":
             fields["sO"] = cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sO_layout)], 1024]
+                cute.struct.MemRange[self.o_dtype, cute.cosize(sO_layout)], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
@@ -241,7 +273,7 @@ class FlashFwdSm90:
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
-        mTileCounter: cute.Tensor,
+        descales: tuple, mTileCounter: cute.Tensor,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
@@ -320,8 +352,8 @@ class FlashFwdSm90:
                 tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                 block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
-                softmax_scale_log2, window_left, window_right,
-                m_block, head_idx, batch_idx, wg, tidx % WG_THREADS)
+                softmax_scale_log2, window_left, window_right, descales,
+                m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, wg, tidx % WG_THREADS)
             # K and V advance together over a whole tile: one state carries both across tiles
             walk.walk(False, tile_info, consume_tile,
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
@@ -416,12 +448,23 @@ class FlashFwdSm90:
     def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo, visit,
-                score_scale, softmax_scale_log2, window_left, window_right,
-                m_block, head_idx, batch_idx, wg, tidx):
+                score_scale, softmax_scale_log2, window_left, window_right, descales,
+                m_block, head_idx, head_idx_kv, batch_idx, wg, tidx):
         """One consumer warpgroup, one tile: 64 query rows against every visible key block, then
         the epilogue. Returns the advanced pipeline states."""
         cfg = self.cfg
         visit = visit()
+        out_scale = None
+        if const_expr(cfg.fp8):
+            # the scores of fp8 q and k are (q k^T) q_descale k_descale: the product joins the
+            # scale the scores take first (before softcap's tanh, else the exponent's)
+            mQDescale, mKDescale, mVDescale = descales
+            qk_descale = mQDescale[batch_idx, head_idx_kv] * mKDescale[batch_idx, head_idx_kv]
+            if const_expr(cfg.has_softcap):
+                score_scale = score_scale * qk_descale
+            else:
+                softmax_scale_log2 = softmax_scale_log2 * qk_descale
+            out_scale = mVDescale[batch_idx, head_idx_kv]
         thr_mma_qk = self.make_tiled_mma_qk().get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
         tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ))[None, None, None, wg]
@@ -433,9 +476,15 @@ class FlashFwdSm90:
         acc_S_mn = acc_mn_view(acc_S)
         acc_O_mn = acc_mn_view(acc_O)
         coord_S_mn = acc_mn_view(thr_mma_qk.partition_C(cute.make_identity_tensor((WG_ROWS, self.tile_n))))
-        tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
+        if const_expr(cfg.fp8):  # P in the fp8 A operand's own fragment (fp8_p_fragment)
+            tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((WG_ROWS, self.tile_n)), self.dtype)
+            to_p = lambda: fp8_p_fragment(acc_S, tOrP)
+        else:
+            tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
+            to_p = lambda: convert_fragment(acc_S, tOrP)
 
-        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]),
+                                       FP8_P_MAX_LOG2 if const_expr(cfg.fp8) else 0.0)
         softmax.reset()
         row_start = m_block * self.tile_m + wg * WG_ROWS
 
@@ -465,7 +514,7 @@ class FlashFwdSm90:
             pipeline_k.consumer_release(k_state)
             k_state.advance()
             scores_to_probs(visit.first(), None)
-            convert_fragment(acc_S, tOrP)
+            to_p()
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
             # under the P V GEMM (intra-warpgroup overlap). The ping-pong turns make the consumer
@@ -493,7 +542,7 @@ class FlashFwdSm90:
                     pipeline_v.consumer_release(v_state)
                     v_state.advance()
                     softmax.rescale(acc_O_mn)
-                    convert_fragment(acc_S, tOrP)
+                    to_p()
             if const_expr(cfg.o_path != "q_buffer"):
                 # every QK GEMM of this tile is done: the next tile's Q may load now, during
                 # this tile's last P V and its epilogue
@@ -507,7 +556,7 @@ class FlashFwdSm90:
                 v_state.advance()
 
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        softmax.finalize(acc_O_mn, lse)
+        softmax.finalize(acc_O_mn, lse, out_scale)
         epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma_pv,
                            self.dv, row_start, seqlen.seqlen_q, WG_ROWS)
         store = lambda sO_all, wait_barrier, wait_threads: self.store_o(
@@ -563,9 +612,9 @@ class FlashFwdSm90:
         (O in Q's buffer or a V stage) or past its reads of the previous tile's O."""
         named_barriers.sync(wait_barrier, wait_threads)
         sO = sO_all[None, None, wg]
-        epilogue.stage_o(acc_O, sO, tiled_mma_pv, tidx, self.dtype)
+        epilogue.stage_o(acc_O, sO, tiled_mma_pv, tidx, self.o_dtype)
         named_barriers.sync(FwdBarrier.EPILOGUE + wg, WG_THREADS)
         gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (WG_ROWS, self.dv),
                              (row_start // WG_ROWS, 0))
-        epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.dtype, self.dv, WG_ROWS,
+        epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.o_dtype, self.dv, WG_ROWS,
                          WG_THREADS, cols=mO.shape[1] if const_expr(self.cfg.clip_o) else None)
