@@ -85,6 +85,14 @@ def cases() -> dict:
     out["varlen_d128_window_seqused"] = lambda: g.good_varlen(
         128, 8, 2, lens_q=lens_q, lens_k=lens_k, used_q=[0, 1, 10, 0, 129, 300],
         used_k=[5, 0, 0, 100, 1, 700], window_size=(64, 0))
+    # the fp8 forward (V transposed by fp8_value_operand, descales)
+    import test_gpu_fp8 as t8
+    fp8_cases = {"d128_causal": (128, dict(causal=True), 257, 257),
+                 "d256_window": (256, dict(window_size=(64, 32)), 200, 300),
+                 "d64_softcap": (64, dict(softcap=30.0, causal=True), 193, 61)}
+    for name, (d, kw, sq, sk) in fp8_cases.items():
+        out[f"fp8_{name}"] = lambda d=d, kw=kw, sq=sq, sk=sk: t8.check(
+            *t8.fp8_inputs(1, sq, sk, 8, 2, d), **kw)
     # the backward (dq, dk, dv through autograd, checked against the reference's gradients)
     import test_gpu_bwd as tb
     for d in (64, 96, 128):
@@ -311,7 +319,7 @@ def main() -> int:
     ap.add_argument("--no-guards", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tool", choices=TOOLS + ("all",), default="all",
                     help="all = " + ", ".join(ALL_TOOLS))
-    ap.add_argument("--groups", default="fixed,varlen,bwd,bad,surface,sparse,portable", help="comma-separated subset")
+    ap.add_argument("--groups", default="fixed,varlen,fp8,bwd,bad,surface,sparse,portable", help="comma-separated subset")
     ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
     ap.add_argument("--jobs", type=int, default=3, help="processes at once (warm-up and sanitizer)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="log directory (default $OUT)")

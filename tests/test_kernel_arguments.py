@@ -23,7 +23,7 @@ from cutlass import Float32, Int32, Int64  # noqa: E402
 
 from cuteattn.spec import AttentionSpec  # noqa: E402
 from cuteattn.kernels.sm90 import arguments, launch  # noqa: E402
-from cuteattn.kernels.sm90.arguments import SparseMetadata, VarlenMetadata  # noqa: E402
+from cuteattn.kernels.sm90.arguments import Fp8Descales, SparseMetadata, VarlenMetadata  # noqa: E402
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 from cuteattn.kernels.sm90.fwd import FlashFwdSm90  # noqa: E402
@@ -39,13 +39,16 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
           mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
           mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
+          mQDescale: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
+          mVDescale: Optional[cute.Tensor],
           mTileCounter: cute.Tensor,
           qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
           window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
           l2_small_groups: Int32,
           info: cute.Tensor):
     i = 0
-    for t in (mQ, mK, mV, mO, mLSE, mFullCount, mFullIndex, mPartialCount, mPartialIndex):
+    for t in (mQ, mK, mV, mO, mLSE, mFullCount, mFullIndex, mPartialCount, mPartialIndex,
+              mQDescale, mKDescale, mVDescale):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
@@ -64,9 +67,9 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
         i += 1
 
 
-def expected(tensors, spec, sparse=()):
+def expected(tensors, spec, sparse=(), descales=()):
     out = []
-    for t in (*tensors[:5], *sparse):
+    for t in (*tensors[:5], *sparse, *descales):
         for n, st in zip(t.shape, t.stride()):
             out += [n, st]
     for t in tensors[5:]:
@@ -90,14 +93,15 @@ def qkv_views(b, s, h, d):
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
 @pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused",
-                                    "block-sparse"])
+                                    "block-sparse", "fp8"])
 def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     if tvm_ffi:
         pytest.importorskip("tvm_ffi")
     varlen = layout.startswith("varlen")
     seqused = layout == "varlen-seqused"
     block = (128, 64) if layout == "block-sparse" else None
-    cfg = fwd_config(cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
+    fp8 = layout == "fp8"
+    cfg = fwd_config(cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
                      has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block)
     # block-sparse lists: counts broadcast over the batch, index lists per (batch, head)
     sparse = (torch.tensor([[[1, 2]]], dtype=torch.int32),
@@ -106,6 +110,9 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
               torch.zeros(1, 4, 2, 4, dtype=torch.int32)) if block else ()
     if layout in ("fixed", "block-sparse"):
         q, k, v = (torch.randn(2, 96, 4, 128, dtype=torch.bfloat16) for _ in range(3))
+    elif fp8:  # as the launch hands them over: bytes, V transposed (launch.fp8_value_operand)
+        q = torch.randn(2, 33, 8, 128).to(torch.float8_e4m3fn)
+        k, v = (torch.randn(2, 71, 2, 128).to(torch.float8_e4m3fn) for _ in range(2))
     elif layout == "fixed-qkv-views":
         q, k, v = qkv_views(3, 40, 4, 128)
     elif layout == "gqa":
@@ -113,7 +120,7 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         k, v = (torch.randn(2, 71, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     else:
         q, k, v = packed(300, 4, 128), packed(500, 2, 128), packed(500, 2, 128)
-    o = torch.empty(q.shape, dtype=q.dtype)
+    o = torch.empty(q.shape, dtype=torch.bfloat16)
     if varlen:
         lse = torch.empty(q.shape[1], q.shape[0])
         cu_q = torch.tensor([0, 100, 300], dtype=torch.int32)
@@ -124,7 +131,10 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1])
         cu_q = cu_k = None
         used = (None, None)
-    spec = AttentionSpec(dtype=q.dtype, head_dim=128, head_dim_v=128, causal=False, local=True,
+    descales = tuple(torch.rand(2, 2) + 0.5 for _ in range(3)) if fp8 else ()
+    if fp8:
+        q, k, v = q.view(torch.uint8), k.view(torch.uint8), launch.fp8_value_operand(v)
+    spec = AttentionSpec(dtype=torch.float8_e4m3fn if fp8 else q.dtype, head_dim=128, head_dim_v=128, causal=False, local=True,
                          has_softcap=True, varlen_q=varlen, varlen_k=varlen, seqlen_q=200,
                          nheads=q.shape[-2], nheads_k=k.shape[-2], softmax_scale=0.125,
                          window_left=17, window_right=None, softcap=30.0)
@@ -139,13 +149,15 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
                                                   memspace=AddressSpace.generic)
         compiled = cute.compile(probe, *fakes, fake_info, options="--enable-tvm-ffi")
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, tvm_ffi=True,
-                                          counter=counter, sparse=SparseMetadata(*sparse)), info)
+                                          counter=counter, sparse=SparseMetadata(*sparse),
+                                          fp8=Fp8Descales(*descales)), info)
     else:
         compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter,
-                                          sparse=SparseMetadata(*sparse)),
+                                          sparse=SparseMetadata(*sparse),
+                                          fp8=Fp8Descales(*descales)),
                  _to_cute(info, 8))
-    want = expected(tensors, spec, sparse)
+    want = expected((q, k, v, *tensors[3:]), spec, sparse, descales)
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
     # the two float32 scalars (in micro-units): equal up to float32 rounding
@@ -179,7 +191,8 @@ def test_declaration_drives_fakes_and_launch_arguments():
     assert len(fakes) == len(declared)
     optional = {a.name: f for a, f in zip(declared, fakes) if a.kind == arguments.OPTIONAL_TENSOR}
     assert [name for name, f in optional.items() if f is None] == [
-        "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex"]
+        "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex",
+        "mQDescale", "mKDescale", "mVDescale"]
     q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 10, 20], dtype=torch.int32)
