@@ -75,20 +75,65 @@ def assert_lse_close(lse: torch.Tensor, lse_ref: torch.Tensor, *, atol: float = 
             raise AssertionError(f"{name}: max error {err:.3e} > atol {atol:.0e}")
 
 
+def fp8_scores_emulated(q, k, descales, scale: float) -> torch.Tensor:
+    """q k^T of fp8 q (b, sq, h, d) and k (b, sk, hk, d) as a plain PyTorch fp8 GEMM computes it
+    on this GPU (torch._scaled_mm with fast accumulation: the tensor cores' own, whose partial
+    sums keep fewer bits than float32, as an fp8 attention kernel's do), times the descales and
+    `scale`: (b, h, sq, sk) float32. CUDA only (the GEMM is the hardware's)."""
+    b, sq, h, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = h // hk
+
+    def rows16(x):  # (s, d) fp8 -> zero rows appended to a multiple of 16, contiguous
+        out = torch.zeros(-(-x.shape[0] // 16) * 16 or 16, d, dtype=torch.uint8, device=x.device)
+        out[: x.shape[0]] = x.view(torch.uint8)
+        return out.view(torch.float8_e4m3fn)
+
+    one = torch.ones((), device=q.device)
+    scores = torch.empty(b, h, sq, sk, device=q.device)
+    for bi in range(b):
+        for hi in range(h):
+            s = torch._scaled_mm(rows16(q[bi, :, hi]), rows16(k[bi, :, hi // group]).t(),
+                                 scale_a=one, scale_b=one, out_dtype=torch.float32,
+                                 use_fast_accum=True)
+            scores[bi, hi] = s[:sq, :sk]
+    factor = torch.ones(b, hk, device=q.device)
+    for x in descales[:2]:
+        if x is not None:
+            factor = factor * x
+    return scores * (factor.repeat_interleave(group, dim=1) * scale)[:, :, None, None]
+
+
 def fp8_attention_emulated(q, k, v, descales, *, causal=False, window_size=(-1, -1),
-                           softcap=0.0) -> torch.Tensor:
+                           softcap=0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp8 forward done plainly in PyTorch, the low-precision side of FlashAttention's rule
-    for fp8 inputs: q, k, v dequantized (exact in float32), the probabilities relative to each
-    row's max scaled by 256 and rounded to e4m3 before P V (as an fp8 kernel feeds its second
-    GEMM), normalised by the unrounded row sums, the output rounded to bf16."""
-    from .reference import _scores_and_probs, dequantize_fp8
-    qf, kf, vf = (dequantize_fp8(x, d) for x, d in zip((q, k, v), descales))
-    group = q.shape[2] // k.shape[2]
-    kf, vf = kf.repeat_interleave(group, dim=2), vf.repeat_interleave(group, dim=2)
-    scores, _, _, _ = _scores_and_probs(qf, kf, q.shape[-1] ** -0.5, causal, window_size, softcap)
+    for fp8 inputs: scores from the hardware's fp8 GEMM (fp8_scores_emulated), the
+    probabilities relative to each row's max scaled by 256 and rounded to e4m3 before P V (as an
+    fp8 kernel feeds its second GEMM), normalised by the unrounded row sums, v dequantized
+    (exact in float32), the output rounded to bf16. Returns (out (b, sq, h, dv) float32, lse
+    (b, h, sq))."""
+    from .reference import dequantize_fp8, visible_mask, window_bounds
+    scores = fp8_scores_emulated(q, k, descales, q.shape[-1] ** -0.5)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window_bounds(window_size)
+    if causal:
+        right = 0
+    mask = visible_mask(q.shape[1], k.shape[1], left, right, device=q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     p = torch.exp(scores - torch.where(row_max == float("-inf"), 0.0, row_max))
     p8 = (p * 256).to(torch.float8_e4m3fn).float() / 256
     total = p.sum(dim=-1, keepdim=True)
+    vf = dequantize_fp8(v, descales[2]).repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     out = torch.einsum("bhqk,bkhd->bqhd", p8 / torch.where(total > 0, total, 1.0), vf)
-    return out.to(torch.bfloat16).float()
+    return out.to(torch.bfloat16).float(), torch.logsumexp(scores, dim=-1)
+
+
+def assert_lse_close_fa(lse, lse_ref, lse_lowprec, *, floor: float = 1e-3, name: str = "lse"):
+    """FlashAttention's rule for the LSE: -inf exactly where the reference has it, elsewhere
+    |lse - ref| <= 2 * max|lse_lowprec - ref| + floor (for inputs, such as fp8, whose plain
+    low-precision computation is itself this far from the float32 reference)."""
+    finite = torch.isfinite(lse_ref)
+    base = float((lse_lowprec - lse_ref)[finite].abs().max()) if finite.any() else 0.0
+    assert_lse_close(lse, lse_ref, atol=2 * base + floor, name=name)

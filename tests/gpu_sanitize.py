@@ -216,7 +216,7 @@ def _bwd_varlen(tb, lens_q, lens_k, d=128, **kw):
 
 
 def group_of(case: str) -> str:
-    return re.match(r"[a-z]+", case)[0]  # fixed_d64_none -> fixed, bad2_used_huge -> bad
+    return re.match(r"fp8|[a-z]+", case)[0]  # fixed_d64_none -> fixed, bad2_used_huge -> bad
 
 
 def child(names: list, guards: bool) -> int:

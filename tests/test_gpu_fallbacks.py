@@ -51,7 +51,7 @@ CASES = {
     "mask_mod": (flash_attn_func, lambda: dict(fixed(), mask_mod=lambda b, h, i, j: (i - j).abs() < 5),
                  "modifiers"),
     "block sparse": (flash_attn_func, lambda: dict(fixed(sq=64, sk=64), block_sparse=sparse.from_topk(
-        torch.tensor([[[[0], [1]]]]), 2, 32, 32)), "modifiers"),
+        torch.tensor([[[[0], [1]]]]), 2, 32, 32)), "block-sparse blocks of 32x32"),
     "paged prefill": (flash_attn_varlen_func, lambda: dict(
         q=torch.randn(12, 4, 64, dtype=BF16), k=torch.randn(5, 16, 2, 64, dtype=BF16),
         v=torch.randn(5, 16, 2, 64, dtype=BF16), cu_seqlens_q=cu([4, 8]),

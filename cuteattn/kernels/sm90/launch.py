@@ -160,13 +160,6 @@ class Launch:
         if out_k is not out:
             out.copy_(out_k)
 
-
-def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-            seqused_q=None, seqused_k=None) -> None:
-    """Launches the forward kernel on the current stream: writes `out` and `lse` (float32)."""
-    Launch(spec)(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-
-
     def _ones(self, q, k) -> torch.Tensor:
         """A missing descale: ones of (batch, nheads_k), kept for the next call."""
         shape = (q.shape[0], k.shape[2])
@@ -174,6 +167,12 @@ def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlen
         if ones is None or tuple(ones.shape) != shape or ones.device != q.device:
             ones = self._ones_cache = torch.ones(shape, dtype=torch.float32, device=q.device)
         return ones
+
+
+def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+            seqused_q=None, seqused_k=None) -> None:
+    """Launches the forward kernel on the current stream: writes `out` and `lse` (float32)."""
+    Launch(spec)(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
 
 
 def fp8_value_operand(v: torch.Tensor) -> torch.Tensor:
