@@ -254,8 +254,7 @@ def test_block_sparse_reasons():
     assert can(varlen_q=True, varlen_k=True).startswith("block-sparse with packed sequences")
 
 
-FP8_CASES = [(64, "none"), (128, "none"), (256, "none"), (128, "causal"), (128, "local"),
-             (128, "softcap"), (96, "causal"), (192, "local"), (256, "softcap")]
+FP8_CASES = [(d, m) for d in SUPPORTED_HEAD_DIMS for m in MASKS]  # (every fp8 variant)
 
 
 @pytest.mark.parametrize("d,mask", FP8_CASES, ids=[f"d{d}-{m}" for d, m in FP8_CASES])
@@ -286,3 +285,18 @@ def test_fp8_reasons():
     assert can(head_dim=80, head_dim_v=80).startswith("fp8 at head_dim 80")
     assert can(head_dim_v=64).startswith("fp8 at head_dim 128 (head_dim_v 64)")
     assert can(sparse_q_block=128, sparse_kv_block=128).startswith("fp8 block-sparse")
+
+
+@pytest.mark.parametrize("dv", [64, 128, 256])
+def test_compile_fp8_value_transpose(dv, capfd, tmp_path, monkeypatch):
+    """V's transpose for the fp8 forward (fp8_value.py): byte transposes by prmt, no spills."""
+    from cuteattn.kernels.compile_common import compile_kernel
+    from cuteattn.kernels.sm90 import arguments
+    from cuteattn.kernels.sm90.fp8_value import Fp8ValueConfig, Fp8ValueTranspose
+    monkeypatch.chdir(tmp_path)
+    cfg = Fp8ValueConfig(dv)
+    ptx = compile_kernel(Fp8ValueTranspose(cfg), arguments.fakes(cfg, entries=arguments.FP8_VALUE_ARGUMENTS),
+                         "--keep-ptx remarks{ptx}").__ptx__
+    assert ptx.count("prmt.b32") >= 32 and "st.global" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0

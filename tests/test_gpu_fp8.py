@@ -91,3 +91,14 @@ def test_fp8_varlen_declines_strict(seed):
     cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
     with pytest.raises(RuntimeError, match="fp8 with packed sequences"):
         flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 156, 156, strict=True)
+
+
+@pytest.mark.parametrize("b,s,hk,dv", [(1, 1, 1, 64), (2, 37, 3, 128), (1, 1000, 2, 256),
+                                       (3, 64, 4, 128), (1, 4097, 8, 64)])
+def test_value_transpose_kernel_matches_torch(seed, b, s, hk, dv):
+    """fp8_value.py's kernel writes exactly what the PyTorch gather writes: every byte, the key
+    order, the zero keys past the end; also from a strided view (a packed kv tensor's v)."""
+    from cuteattn.kernels.sm90.launch import fp8_value_operand, fp8_value_operand_torch
+    kv = (torch.randn(b, s, 2, hk, dv, device="cuda") * 3).clamp(-448, 448).to(E4M3)
+    for v in (kv[:, :, 1].contiguous(), kv[:, :, 1]):
+        assert torch.equal(fp8_value_operand(v), fp8_value_operand_torch(v))

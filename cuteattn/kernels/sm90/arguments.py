@@ -19,7 +19,7 @@ from ..common.arguments import (FLOAT32, INT32, NO_SPARSE, NO_VARLEN, OPTIONAL_T
                                 SparseMetadata, VarlenMetadata, int32_vector, key_side, lse_rows,
                                 query_side)
 
-__all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Fp8Descales",
+__all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "FP8_VALUE_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Fp8Descales",
            "Group", "INT32", "NO_FP8", "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
            "SparseMetadata", "VarlenMetadata",
            "fakes", "flat", "group_names", "names"]
@@ -83,6 +83,16 @@ ARGUMENTS = (
     Arg("max_ctas", INT32),               # persistent grid size
     Arg("l2_group", INT32),               # pairs per small group of the causal tile order
     Arg("l2_small_groups", INT32),        # how many small groups
+)
+
+
+# ---- the fp8 forward's V transpose (fp8_value.py) ----
+
+FP8_VALUE_ARGUMENTS = (
+    Arg("mV", TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
+        Uint8, (sym["bk"], sym["sk"], sym["hk"], cfg.head_dim_v), align, memspace)),
+    Arg("mVt", TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
+        Uint8, (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]), align, memspace)),
 )
 
 

@@ -55,13 +55,17 @@ TILE_N_CAPS = {
 # fp8 (e4m3) q/k/v: head_dim -> (consumer warpgroups, keys per block, K/V stages). The P V
 # GEMM's k step is 32 keys, so key blocks are multiples of 32; the ring's bytes are half the
 # 16-bit kernel's, O (bf16) has a buffer of its own. Spill-free (tests/test_compile_sm90.py).
+# d=128 and 256: the widest blocks measured fastest at 16k (docs/perf-log.md: 128x192 906
+# TFLOP/s against 856 for 128x160, 128x224 893; d=256 128x128 1183 against 1104 for 128x96).
 FP8_TILES = {
     64: (3, 128, 4),
     96: (2, 128, 3),
-    128: (2, 160, 3),
+    128: (2, 192, 2),
     192: (2, 96, 2),
-    256: (2, 96, 2),
+    256: (2, 128, 2),
 }
+# fp8 variants that spill at FP8_TILES' block: (head_dim, local) -> widest spill-free tile_n
+FP8_TILE_N_CAPS = {(256, True): 96}
 
 
 # Block-sparse lists take the block shapes of sparse.KERNEL_BLOCKS (the tile is the block: FA4's
@@ -90,6 +94,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         tile_n = min(tile_n, caps[1] if has_softcap else caps[0])
         if fp8:
             tile_n -= tile_n % 32
+    if fp8:
+        tile_n = min(tile_n, FP8_TILE_N_CAPS.get((head_dim, local), tile_n))
     cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,
         tile_n=tile_n, num_wg=num_wg,

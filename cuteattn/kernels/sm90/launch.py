@@ -179,7 +179,40 @@ def fp8_value_operand(v: torch.Tensor) -> torch.Tensor:
     """fp8 V (batch, seqlen_k, nheads_k, d_v) as the fp8 P V GEMM takes it (its operands must
     both be K-major): its bytes transposed to (batch, nheads_k, d_v, seqlen_k rounded up to 16,
     the extra keys zero), the keys of each 16-key group in FP8_KEY_ORDER (convert.fp8_p_fragment
-    says why). One gather kernel (and a zero fill when seqlen_k is not a multiple of 16)."""
+    says why). On a GPU one pass of fp8_value.py's kernel; fp8_value_operand_torch elsewhere
+    (and as its reference)."""
+    b, s, hk, dv = v.shape
+    s16 = -(-s // 16) * 16
+    if not v.is_cuda or v.numel() == 0:
+        return fp8_value_operand_torch(v)
+    from .fp8_value import Fp8ValueConfig
+    vt = torch.empty((b, hk, dv, s16), dtype=torch.uint8, device=v.device)
+    tvm_ffi = use_tvm_ffi()
+    values = (aligned16(v.view(torch.uint8)), vt)
+    args = values if tvm_ffi else tuple(
+        to_runtime(a, x) for a, x in zip(arguments.FP8_VALUE_ARGUMENTS, values))
+    call_kernel(_compiled_fp8_value(Fp8ValueConfig(dv), tvm_ffi), tvm_ffi, args, v.device)
+    return vt
+
+
+def _compiled_fp8_value(cfg, tvm_ffi: bool):
+    def build():
+        from ..compile_common import compile_kernel
+        from .fp8_value import Fp8ValueTranspose
+        return compile_kernel(Fp8ValueTranspose(cfg), arguments.fakes(
+            cfg, entries=arguments.FP8_VALUE_ARGUMENTS), tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("sm90", "fp8_value", tvm_ffi, cfg), build, persist=tvm_ffi,
+                                        sources=_fp8_value_sources())
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_value_sources() -> tuple:
+    return compile_cache.module_sources("cuteattn.kernels.sm90.fp8_value")
+
+
+def fp8_value_operand_torch(v: torch.Tensor) -> torch.Tensor:
+    """fp8_value_operand in PyTorch (one gather, and a zero fill when seqlen_k is not a multiple
+    of 16): ten times slower than the kernel on an H200 (docs/perf-log.md)."""
     b, s, hk, dv = v.shape
     x = v.view(torch.uint8)
     s16 = -(-s // 16) * 16
