@@ -290,7 +290,7 @@ def flash_attn_func(
             sig = hit = None
         if hit is not None:
             spec, launch = hit
-            out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
+            out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=_checks.out_dtype(q), device=q.device)
             lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
                               device=q.device)
             launch(q, k, v, out, lse)
@@ -622,7 +622,7 @@ def flash_attn_varlen_func(
             sig = hit = None
         if hit is not None:
             spec, launch = hit
-            out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+            out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=_checks.out_dtype(q), device=q.device)
             lse = torch.empty(_varlen_lse_shape(q, spec), dtype=torch.float32, device=q.device)
             launch(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                    seqused_q=seqused_q, seqused_k=seqused_k)

@@ -304,7 +304,7 @@ class FakeDispatch(types.SimpleNamespace):
         super().__init__(calls=[])
 
     def forward(self, spec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                seqused_q=None, seqused_k=None):
+                seqused_q=None, seqused_k=None, descales=None):
         self.calls.append(dict(spec=spec, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
                                cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k))
         out.fill_(1.0)
@@ -352,6 +352,18 @@ def test_varlen_launch_contract(fake_dispatch, device):
     s = call["spec"]
     assert s.varlen_q and s.varlen_k and s.has_seqused_k and not s.has_seqused_q
     assert (s.batch, s.seqlen_q, s.seqlen_k, s.local, s.window_left, s.window_right) == (3, 7, 5, True, 4, 0)
+
+
+def test_repeated_fp8_call_returns_bf16(fake_dispatch):
+    """The launch shortcut of a repeated fp8 call (no descales) allocates out in bf16, as the
+    first call does, not in q's fp8."""
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in qkv(b=2, sq=9, sk=9, h=4, hk=4))
+    first, second = flash_attn_func(q, k, v), flash_attn_func(q, k, v)
+    assert first.dtype == second.dtype == torch.bfloat16 and fake_dispatch.selections == 1
+    (qp, kp, vp), args = packed(h=8, hk=2)
+    qp, kp, vp = (x.to(torch.float8_e4m3fn) for x in (qp, kp, vp))
+    outs = [flash_attn_varlen_func(qp, kp, vp, **args) for _ in range(2)]
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16 and fake_dispatch.selections == 2
 
 
 def test_repeated_call_skips_checks_and_selection(fake_dispatch):

@@ -69,6 +69,14 @@ def test_fp8_without_descales(seed):
     check(q, k, v, ds)
 
 
+def test_fp8_repeated_call_returns_bf16(seed):
+    """The second call with one signature takes the launch shortcut: its output is still bf16
+    (it once allocated out in q's dtype, fp8)."""
+    q, k, v, _ = fp8_inputs(1, 300, 300, 4, 2, 128, descales=False)
+    first, second = flash_attn_func(q, k, v), flash_attn_func(q, k, v)
+    assert first.dtype == second.dtype == torch.bfloat16 and torch.equal(first, second)
+
+
 def test_fp8_large_magnitudes(seed):
     """Values near e4m3's top (448) with small descales: scores stay finite (the descales enter
     the float32 scale, not the fp8 values)."""
