@@ -93,6 +93,8 @@ def cases() -> dict:
     for name, (d, kw, sq, sk) in fp8_cases.items():
         out[f"fp8_{name}"] = lambda d=d, kw=kw, sq=sq, sk=sk: t8.check(
             *t8.fp8_inputs(1, sq, sk, 8, 2, d), **kw)
+    out["fp8_varlen_d128_causal"] = lambda: t8.test_fp8_varlen(0, 128, "causal")  # (packed V^T)
+    out["fp8_value_transpose_packed"] = lambda: t8.test_value_transpose_kernel_packed(0, [1000, 1, 0, 257, 64])
     # the backward (dq, dk, dv through autograd, checked against the reference's gradients)
     import test_gpu_bwd as tb
     for d in (64, 96, 128):

@@ -40,7 +40,7 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
           mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
           mQDescale: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
-          mVDescale: Optional[cute.Tensor],
+          mVDescale: Optional[cute.Tensor], mCuSeqlensV: Optional[cute.Tensor],
           mTileCounter: cute.Tensor,
           qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
           window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
@@ -54,7 +54,7 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
                 info[i] = Int64(t.shape[m])
                 info[i + 1] = Int64(t.stride[m])
                 i += 2
-    for t in (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter):
+    for t in (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mCuSeqlensV, mTileCounter):
         if cutlass.const_expr(t is not None):
             info[i] = Int64(t.shape[0])
             info[i + 1] = Int64(t[1])
@@ -93,14 +93,14 @@ def qkv_views(b, s, h, d):
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
 @pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused",
-                                    "block-sparse", "fp8"])
+                                    "block-sparse", "fp8", "fp8-varlen"])
 def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     if tvm_ffi:
         pytest.importorskip("tvm_ffi")
-    varlen = layout.startswith("varlen")
+    varlen = layout.startswith("varlen") or layout == "fp8-varlen"
     seqused = layout == "varlen-seqused"
     block = (128, 64) if layout == "block-sparse" else None
-    fp8 = layout == "fp8"
+    fp8 = layout.startswith("fp8")
     cfg = fwd_config(cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
                      has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block)
     # block-sparse lists: counts broadcast over the batch, index lists per (batch, head)
@@ -110,7 +110,7 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
               torch.zeros(1, 4, 2, 4, dtype=torch.int32)) if block else ()
     if layout in ("fixed", "block-sparse"):
         q, k, v = (torch.randn(2, 96, 4, 128, dtype=torch.bfloat16) for _ in range(3))
-    elif fp8:  # as the launch hands them over: bytes, V transposed (launch.fp8_value_operand)
+    elif layout == "fp8":  # as the launch hands them over: bytes, V transposed (fp8_value_operand)
         q = torch.randn(2, 33, 8, 128).to(torch.float8_e4m3fn)
         k, v = (torch.randn(2, 71, 2, 128).to(torch.float8_e4m3fn) for _ in range(2))
     elif layout == "fixed-qkv-views":
@@ -120,6 +120,8 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         k, v = (torch.randn(2, 71, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     else:
         q, k, v = packed(300, 4, 128), packed(500, 2, 128), packed(500, 2, 128)
+        if fp8:
+            q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
     o = torch.empty(q.shape, dtype=torch.bfloat16)
     if varlen:
         lse = torch.empty(q.shape[1], q.shape[0])
@@ -132,14 +134,16 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         cu_q = cu_k = None
         used = (None, None)
     descales = tuple(torch.rand(2, 2) + 0.5 for _ in range(3)) if fp8 else ()
+    cu_v = None
     if fp8:
-        q, k, v = q.view(torch.uint8), k.view(torch.uint8), launch.fp8_value_operand(v)
+        v, cu_v = launch.fp8_value_operand(v, cu_k)
+        q, k = q.view(torch.uint8), k.view(torch.uint8)
     spec = AttentionSpec(dtype=torch.float8_e4m3fn if fp8 else q.dtype, head_dim=128, head_dim_v=128, causal=False, local=True,
                          has_softcap=True, varlen_q=varlen, varlen_k=varlen, seqlen_q=200,
                          nheads=q.shape[-2], nheads_k=k.shape[-2], softmax_scale=0.125,
                          window_left=17, window_right=None, softcap=30.0)
     counter = torch.tensor([0, 7], dtype=torch.int32)  # [1] is what the probe reads back
-    tensors = (q, k, v, o, lse, cu_q, cu_k, *used, counter)
+    tensors = (q, k, v, o, lse, cu_q, cu_k, *used, cu_v, counter)
     info = torch.full((128,), -1, dtype=torch.int64)
     varlen_args = VarlenMetadata(cu_q, cu_k, *used)
     if tvm_ffi:
@@ -150,12 +154,12 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         compiled = cute.compile(probe, *fakes, fake_info, options="--enable-tvm-ffi")
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, tvm_ffi=True,
                                           counter=counter, sparse=SparseMetadata(*sparse),
-                                          fp8=Fp8Descales(*descales)), info)
+                                          fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales()), info)
     else:
         compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter,
                                           sparse=SparseMetadata(*sparse),
-                                          fp8=Fp8Descales(*descales)),
+                                          fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales()),
                  _to_cute(info, 8))
     want = expected((q, k, v, *tensors[3:]), spec, sparse, descales)
     got = info[: len(want)].tolist()
@@ -192,7 +196,7 @@ def test_declaration_drives_fakes_and_launch_arguments():
     optional = {a.name: f for a, f in zip(declared, fakes) if a.kind == arguments.OPTIONAL_TENSOR}
     assert [name for name, f in optional.items() if f is None] == [
         "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex",
-        "mQDescale", "mKDescale", "mVDescale"]
+        "mQDescale", "mKDescale", "mVDescale", "mCuSeqlensV"]
     q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 10, 20], dtype=torch.int32)

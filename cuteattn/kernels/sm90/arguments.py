@@ -25,10 +25,12 @@ __all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "FP8_VALUE_ARGUMENTS", "SCALARS", "Arg"
            "fakes", "flat", "group_names", "names"]
 
 class Fp8Descales(NamedTuple):
-    """fp8 inputs' descales (FlashAttention-3's), float32 (b, h_k); 1.0 where not given."""
+    """fp8 inputs' descales (FlashAttention-3's), float32 (b, h_k), 1.0 where not given; with
+    packed keys, where each sequence's keys start in V^T (int32 (batch + 1,), fp8_value.py)."""
     q: Any = None
     k: Any = None
     v: Any = None
+    cu_seqlens_v: Any = None
 
 
 NO_FP8 = Fp8Descales()
@@ -46,10 +48,13 @@ _bytes_if_fp8 = lambda cfg: Uint8 if cfg.fp8 else cfg.dtype
 
 
 def _value_side(cfg, sym, align, memspace):
-    """v: as k (with d_v), or for fp8 transposed, (b, h_k, d_v, keys padded to 16) in bytes."""
+    """v: as k (with d_v), or for fp8 transposed in bytes, (b, h_k, d_v, keys padded to 16) or
+    packed (h_k, d_v, total16) (fp8_value.py)."""
     if not cfg.fp8:
         return key_side("head_dim_v")(cfg, sym, align, memspace)
-    return common.fake_tensor(Uint8, (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]), align, memspace)
+    shape = ((sym["hk"], cfg.head_dim_v, sym["tk16"]) if cfg.varlen_k
+             else (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]))
+    return common.fake_tensor(Uint8, shape, align, memspace)
 
 
 def _descale(cfg, sym, align, memspace):
@@ -62,6 +67,8 @@ FP8 = Group("fp8", Fp8Descales, (
     Arg("mQDescale", OPTIONAL_TENSOR, _descale, align=4),
     Arg("mKDescale", OPTIONAL_TENSOR, _descale, align=4),
     Arg("mVDescale", OPTIONAL_TENSOR, _descale, align=4),
+    Arg("mCuSeqlensV", OPTIONAL_TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
+        Int32, (cute.sym_int(),), align, memspace) if cfg.fp8 and cfg.varlen_k else None, align=4),
 ))
 
 ARGUMENTS = (
@@ -88,11 +95,30 @@ ARGUMENTS = (
 
 # ---- the fp8 forward's V transpose (fp8_value.py) ----
 
+def _value_bytes(cfg, sym, align, memspace):
+    """fp8 V's bytes: (b, s, h_k, d_v), or (total_k, h_k, d_v) packed."""
+    shape = ((sym["total_k"], sym["hk"], cfg.head_dim_v) if cfg.varlen
+             else (sym["bk"], sym["sk"], sym["hk"], cfg.head_dim_v))
+    return common.fake_tensor(Uint8, shape, align, memspace)
+
+
+def _value_transposed(cfg, sym, align, memspace):
+    """V^T's bytes: (b, h_k, d_v, s16), or (h_k, d_v, total16) packed."""
+    shape = ((sym["hk"], cfg.head_dim_v, sym["tk16"]) if cfg.varlen
+             else (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]))
+    return common.fake_tensor(Uint8, shape, align, memspace)
+
+
+def _packed_offsets(cfg, sym, align, memspace):
+    return common.fake_tensor(Int32, (sym["batch1"],), align, memspace) if cfg.varlen else None
+
+
 FP8_VALUE_ARGUMENTS = (
-    Arg("mV", TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
-        Uint8, (sym["bk"], sym["sk"], sym["hk"], cfg.head_dim_v), align, memspace)),
-    Arg("mVt", TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
-        Uint8, (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]), align, memspace)),
+    Arg("mV", TENSOR, _value_bytes),
+    Arg("mVt", TENSOR, _value_transposed),
+    Arg("mCuSeqlensK", OPTIONAL_TENSOR, _packed_offsets, align=4),
+    Arg("mCuSeqlensV", OPTIONAL_TENSOR, _packed_offsets, align=4),  # (written)
+    Arg("max_seqlen", INT32),
 )
 
 

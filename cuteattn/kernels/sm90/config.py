@@ -64,8 +64,9 @@ FP8_TILES = {
     192: (2, 96, 2),
     256: (2, 128, 2),
 }
-# fp8 variants that spill at FP8_TILES' block: (head_dim, local) -> widest spill-free tile_n
-FP8_TILE_N_CAPS = {(256, True): 96}
+# fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
+# tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
+FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 
 
 # Block-sparse lists take the block shapes of sparse.KERNEL_BLOCKS (the tile is the block: FA4's
@@ -95,7 +96,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         if fp8:
             tile_n -= tile_n % 32
     if fp8:
-        tile_n = min(tile_n, FP8_TILE_N_CAPS.get((head_dim, local), tile_n))
+        tile_n = min(tile_n, FP8_TILE_N_CAPS.get((head_dim, local, packed), tile_n))
     cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,
         tile_n=tile_n, num_wg=num_wg,

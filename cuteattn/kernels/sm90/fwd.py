@@ -123,7 +123,7 @@ class FlashFwdSm90:
         assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0 and cfg.head_dim_v % 16 == 0
         # fp8: the P V GEMM's k step is 32 keys; O (bf16) has a buffer of its own
         assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.o_path == "own_buffer"
-                               and not (cfg.varlen_q or cfg.varlen_k or cfg.sparse))
+                               and not cfg.sparse)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.o_dtype = cfg.o_dtype
@@ -158,6 +158,7 @@ class FlashFwdSm90:
         mQDescale: Optional[cute.Tensor],      # fp8: float32 (b, h_k) descales of q, k, v
         mKDescale: Optional[cute.Tensor],
         mVDescale: Optional[cute.Tensor],
+        mCuSeqlensV: Optional[cute.Tensor],    # fp8, packed keys: sequences' starts in V^T
         mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -177,7 +178,8 @@ class FlashFwdSm90:
         mLSE = lse_seq_major(mLSE, cfg.varlen_q)
         mK = seq_major(mK, cfg.varlen_k)
         # V as the B operand of P V: (d_v, keys, h_k, b); keys contiguous (K-major) for fp8
-        mVt = keys_last_transposed(mV) if const_expr(cfg.fp8) else seq_major_transposed(mV, cfg.varlen_k)
+        mVt = (keys_last_transposed(mV, cfg.varlen_k) if const_expr(cfg.fp8)
+               else seq_major_transposed(mV, cfg.varlen_k))
         v_major = cute.nvgpu.OperandMajorMode.K if const_expr(cfg.fp8) else cute.nvgpu.OperandMajorMode.MN
 
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
@@ -223,7 +225,7 @@ class FlashFwdSm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mFullCount, mFullIndex, mPartialCount, mPartialIndex,
-            (mQDescale, mKDescale, mVDescale), mTileCounter,
+            (mQDescale, mKDescale, mVDescale, mCuSeqlensV), mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
@@ -273,7 +275,7 @@ class FlashFwdSm90:
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
-        descales: tuple, mTileCounter: cute.Tensor,
+        fp8_args: tuple, mTileCounter: cute.Tensor,  # (q, k, v descales, cu_seqlens_v)
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
@@ -340,7 +342,7 @@ class FlashFwdSm90:
                     tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
                     pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                     lambda: visit(seqlen, m_block, head_idx, batch_idx),
-                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx)
+                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3])
                 walk.walk(True, tile_info, load_tile,
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
@@ -352,7 +354,7 @@ class FlashFwdSm90:
                 tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                 block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
-                softmax_scale_log2, window_left, window_right, descales,
+                softmax_scale_log2, window_left, window_right, fp8_args,
                 m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, wg, tidx % WG_THREADS)
             # K and V advance together over a whole tile: one state carries both across tiles
             walk.walk(False, tile_info, consume_tile,
@@ -404,14 +406,19 @@ class FlashFwdSm90:
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
              pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen: SeqlenInfo,
-             visit, m_block, head_idx, head_idx_kv, batch_idx):
+             visit, m_block, head_idx, head_idx_kv, batch_idx, mCuSeqlensV=None):
         """Producer warp, one tile: the first K and V block, then Q (one TMA per consumer
         warpgroup), then the other K and V blocks. The first block goes before Q because its
         ring slots free up during the previous tile's last GEMMs, while Q's buffer is only free
         once the previous tile's epilogue is done with it. Returns the advanced states."""
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
         gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (None, 0))
-        gVt = cute.local_tile(seqlen.vt_view(mVt, head_idx_kv, batch_idx), (self.dv, self.tile_n), (0, None))
+        if const_expr(self.cfg.fp8 and self.cfg.varlen_k):
+            # fp8 V^T: each sequence's keys from a 16-aligned column (fp8_value.py), not cu_seqlens_k's
+            vt = cute.domain_offset((0, mCuSeqlensV[batch_idx]), mVt[None, None, head_idx_kv])
+        else:
+            vt = seqlen.vt_view(mVt, head_idx_kv, batch_idx)
+        gVt = cute.local_tile(vt, (self.dv, self.tile_n), (0, None))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
@@ -448,7 +455,7 @@ class FlashFwdSm90:
     def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo, visit,
-                score_scale, softmax_scale_log2, window_left, window_right, descales,
+                score_scale, softmax_scale_log2, window_left, window_right, fp8_args,
                 m_block, head_idx, head_idx_kv, batch_idx, wg, tidx):
         """One consumer warpgroup, one tile: 64 query rows against every visible key block, then
         the epilogue. Returns the advanced pipeline states."""
@@ -458,7 +465,7 @@ class FlashFwdSm90:
         if const_expr(cfg.fp8):
             # the scores of fp8 q and k are (q k^T) q_descale k_descale: the product joins the
             # scale the scores take first (before softcap's tanh, else the exponent's)
-            mQDescale, mKDescale, mVDescale = descales
+            mQDescale, mKDescale, mVDescale, _ = fp8_args
             qk_descale = mQDescale[batch_idx, head_idx_kv] * mKDescale[batch_idx, head_idx_kv]
             if const_expr(cfg.has_softcap):
                 score_scale = score_scale * qk_descale

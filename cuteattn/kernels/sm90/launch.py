@@ -147,8 +147,12 @@ class Launch:
         fp8 = NO_FP8
         if self.spec.dtype == FP8:
             # the bytes cross into the kernel (arguments.py); V transposed for the fp8 P V GEMM
-            q, k, v = q.view(torch.uint8), k.view(torch.uint8), fp8_value_operand(v)
-            fp8 = Fp8Descales(*(self._ones(q, k) if x is None else x for x in descales))
+            v, cu_v = fp8_value_operand(v, cu_seqlens_k, self.spec.seqlen_k)
+            q, k = q.view(torch.uint8), k.view(torch.uint8)
+            batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else
+                     cu_seqlens_k.shape[0] - 1 if cu_seqlens_k is not None else q.shape[0])
+            fp8 = Fp8Descales(*(self._ones(batch, k.shape[-2], q.device) if x is None else x
+                                for x in descales), cu_v)
         q, k, v = aligned16(q), aligned16(k), aligned16(v)
         out_k = aligned16(out) if out.dtype == torch.bfloat16 or self.spec.dtype != FP8 else (
             torch.empty_like(out, dtype=torch.bfloat16))  # (fp8's out is bf16 in the kernel)
@@ -160,12 +164,12 @@ class Launch:
         if out_k is not out:
             out.copy_(out_k)
 
-    def _ones(self, q, k) -> torch.Tensor:
+    def _ones(self, batch: int, nheads_k: int, device) -> torch.Tensor:
         """A missing descale: ones of (batch, nheads_k), kept for the next call."""
-        shape = (q.shape[0], k.shape[2])
+        shape = (batch, nheads_k)
         ones = getattr(self, "_ones_cache", None)
-        if ones is None or tuple(ones.shape) != shape or ones.device != q.device:
-            ones = self._ones_cache = torch.ones(shape, dtype=torch.float32, device=q.device)
+        if ones is None or tuple(ones.shape) != shape or ones.device != device:
+            ones = self._ones_cache = torch.ones(shape, dtype=torch.float32, device=device)
         return ones
 
 
@@ -175,24 +179,37 @@ def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlen
     Launch(spec)(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
 
 
-def fp8_value_operand(v: torch.Tensor) -> torch.Tensor:
-    """fp8 V (batch, seqlen_k, nheads_k, d_v) as the fp8 P V GEMM takes it (its operands must
-    both be K-major): its bytes transposed to (batch, nheads_k, d_v, seqlen_k rounded up to 16,
-    the extra keys zero), the keys of each 16-key group in FP8_KEY_ORDER (convert.fp8_p_fragment
-    says why). On a GPU one pass of fp8_value.py's kernel; fp8_value_operand_torch elsewhere
-    (and as its reference)."""
-    b, s, hk, dv = v.shape
-    s16 = -(-s // 16) * 16
+def fp8_value_operand(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None,
+                      max_seqlen_k: int = 0) -> tuple:
+    """fp8 V as the fp8 P V GEMM takes it (its operands must both be K-major): (V^T, cu_v).
+    Batched V (batch, seqlen_k, nheads_k, d_v) -> its bytes transposed to (batch, nheads_k,
+    d_v, seqlen_k rounded up to 16, the extra keys zero), cu_v None; packed V (total_k,
+    nheads_k, d_v) with cu_seqlens_k -> (nheads_k, d_v, columns), each sequence's keys from
+    column cu_v[b] (int32 (batch + 1,)), rounded up to 16 keys, the columns past the last
+    sequence zero. The keys of each 16-key group are in FP8_KEY_ORDER (convert.fp8_p_fragment
+    says why). On a GPU one pass of fp8_value.py's kernel (which also writes cu_v; max_seqlen_k
+    bounds its grid); fp8_value_operand_torch elsewhere, and as its reference."""
     if not v.is_cuda or v.numel() == 0:
-        return fp8_value_operand_torch(v)
+        return fp8_value_operand_torch(v, cu_seqlens_k)
     from .fp8_value import Fp8ValueConfig
-    vt = torch.empty((b, hk, dv, s16), dtype=torch.uint8, device=v.device)
+    varlen = cu_seqlens_k is not None
+    dv = v.shape[-1]
+    if varlen:
+        batch, hk = cu_seqlens_k.shape[0] - 1, v.shape[1]
+        columns = -(-(v.shape[0] + 16 * batch) // 16) * 16  # each sequence rounded up: a bound
+        vt = torch.zeros((hk, dv, columns), dtype=torch.uint8, device=v.device)
+        cu_v = torch.empty(batch + 1, dtype=torch.int32, device=v.device)
+    else:
+        b, s, hk, _ = v.shape
+        vt = torch.empty((b, hk, dv, -(-s // 16) * 16), dtype=torch.uint8, device=v.device)
+        cu_v, max_seqlen_k = None, s
     tvm_ffi = use_tvm_ffi()
-    values = (aligned16(v.view(torch.uint8)), vt)
+    values = (aligned16(v.view(torch.uint8)), vt, cu_seqlens_k, cu_v, max_seqlen_k)
     args = values if tvm_ffi else tuple(
         to_runtime(a, x) for a, x in zip(arguments.FP8_VALUE_ARGUMENTS, values))
-    call_kernel(_compiled_fp8_value(Fp8ValueConfig(dv), tvm_ffi), tvm_ffi, args, v.device)
-    return vt
+    call_kernel(_compiled_fp8_value(Fp8ValueConfig(dv, varlen=varlen), tvm_ffi), tvm_ffi, args,
+                v.device)
+    return vt, cu_v
 
 
 def _compiled_fp8_value(cfg, tvm_ffi: bool):
@@ -210,9 +227,22 @@ def _fp8_value_sources() -> tuple:
     return compile_cache.module_sources("cuteattn.kernels.sm90.fp8_value")
 
 
-def fp8_value_operand_torch(v: torch.Tensor) -> torch.Tensor:
-    """fp8_value_operand in PyTorch (one gather, and a zero fill when seqlen_k is not a multiple
-    of 16): ten times slower than the kernel on an H200 (docs/perf-log.md)."""
+def fp8_value_operand_torch(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None) -> tuple:
+    """fp8_value_operand in PyTorch: a gather per call (per sequence when packed, reading
+    cu_seqlens_k to the host), ten times slower than the kernel on an H200 (docs/perf-log.md)."""
+    if cu_seqlens_k is not None:
+        cu = [min(max(int(x), 0), v.shape[0]) for x in cu_seqlens_k.tolist()]
+        hk, dv = v.shape[1], v.shape[2]
+        columns = -(-(v.shape[0] + 16 * (len(cu) - 1)) // 16) * 16
+        vt = torch.zeros((hk, dv, columns), dtype=torch.uint8, device=v.device)
+        starts = [0]
+        for b in range(len(cu) - 1):  # clamped as the kernels clamp (seqlen_info.sequence_range)
+            offset = cu[b]
+            length = min(max(cu[b + 1], offset), v.shape[0]) - offset
+            one, _ = fp8_value_operand_torch(v[offset:offset + length].unsqueeze(0))
+            vt[:, :, starts[-1]:starts[-1] + one.shape[-1]] = one[0]
+            starts.append(starts[-1] + one.shape[-1])
+        return vt, torch.tensor(starts, dtype=torch.int32, device=v.device)
     b, s, hk, dv = v.shape
     x = v.view(torch.uint8)
     s16 = -(-s // 16) * 16
@@ -222,7 +252,7 @@ def fp8_value_operand_torch(v: torch.Tensor) -> torch.Tensor:
         x = padded
     order = _key_order(v.device)
     groups = x.view(b, s16 // 16, 16, hk, dv).permute(0, 3, 4, 1, 2)  # (b, hk, dv, G, 16)
-    return groups[..., order].reshape(b, hk, dv, s16)
+    return groups[..., order].reshape(b, hk, dv, s16), None
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,8 +266,6 @@ def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
         return (f"fp8 at head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}): the sm90 fp8 "
                 f"forward takes head dims {', '.join(map(str, config.SUPPORTED_HEAD_DIMS))}, "
                 f"head_dim_v equal")
-    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
-        return "fp8 with packed sequences or seqused: no sm90 fp8 kernel yet"
     if spec.sparse_q_block:
         return "fp8 block-sparse: no sm90 fp8 kernel yet"
     return None
