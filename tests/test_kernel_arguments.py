@@ -23,7 +23,9 @@ from cutlass import Float32, Int32, Int64  # noqa: E402
 
 from cuteattn.spec import AttentionSpec  # noqa: E402
 from cuteattn.kernels.sm90 import arguments, launch  # noqa: E402
-from cuteattn.kernels.sm90.arguments import Fp8Descales, SparseMetadata, VarlenMetadata  # noqa: E402
+from cuteattn.kernels.launch_common import mask_mod_key  # noqa: E402
+from cuteattn.kernels.sm90.arguments import (Fp8Descales, ModTensors, SparseMetadata,  # noqa: E402
+                                             VarlenMetadata)
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 from cuteattn.kernels.sm90.fwd import FlashFwdSm90  # noqa: E402
@@ -41,6 +43,7 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
           mQDescale: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
           mVDescale: Optional[cute.Tensor], mCuSeqlensV: Optional[cute.Tensor],
+          mModTensor0: Optional[cute.Tensor], mModTensor1: Optional[cute.Tensor],
           mTileCounter: cute.Tensor,
           qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
           window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
@@ -48,7 +51,7 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mO, mLSE, mFullCount, mFullIndex, mPartialCount, mPartialIndex,
-              mQDescale, mKDescale, mVDescale):
+              mQDescale, mKDescale, mVDescale, mModTensor0, mModTensor1):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
@@ -67,9 +70,9 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
         i += 1
 
 
-def expected(tensors, spec, sparse=(), descales=()):
+def expected(tensors, spec, sparse=(), descales=(), mod=()):
     out = []
-    for t in (*tensors[:5], *sparse, *descales):
+    for t in (*tensors[:5], *sparse, *descales, *mod):
         for n, st in zip(t.shape, t.stride()):
             out += [n, st]
     for t in tensors[5:]:
@@ -79,6 +82,18 @@ def expected(tensors, spec, sparse=(), descales=()):
     out += [spec.qhead_per_kvhead, left, right, launch.max_ctas(spec), *launch.l2_groups(spec)]
     out += [int(score_scale * 1e6), int(scale_log2 * 1e6)]
     return out
+
+
+MOD_TABLE = None  # (the module-level tensor _mod_reading's mod names)
+
+
+def _mod_reading(lengths, table):
+    global MOD_TABLE
+    MOD_TABLE = table
+
+    def mod(b, h, q_idx, kv_idx):
+        return (lengths[b] > kv_idx) & (MOD_TABLE[b, kv_idx] >= 0.0)
+    return mod
 
 
 def packed(total, h, d, dtype=torch.bfloat16):
@@ -93,7 +108,7 @@ def qkv_views(b, s, h, d):
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
 @pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused",
-                                    "block-sparse", "fp8", "fp8-varlen"])
+                                    "block-sparse", "fp8", "fp8-varlen", "mask-mod"])
 def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     if tvm_ffi:
         pytest.importorskip("tvm_ffi")
@@ -101,14 +116,19 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     seqused = layout == "varlen-seqused"
     block = (128, 64) if layout == "block-sparse" else None
     fp8 = layout.startswith("fp8")
+    # a mask_mod reading a 1-D int32 tensor it closes over and a 2-D float32 module-level one
+    mod_tensors = (torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32), torch.rand(3, 7)) \
+        if layout == "mask-mod" else ()
+    mod_key = mask_mod_key(_mod_reading(*mod_tensors)) if mod_tensors else None
     cfg = fwd_config(cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
-                     has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block)
+                     has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block,
+                     mask_mod=mod_key)
     # block-sparse lists: counts broadcast over the batch, index lists per (batch, head)
     sparse = (torch.tensor([[[1, 2]]], dtype=torch.int32),
               torch.zeros(2, 4, 2, 5, dtype=torch.int32)[..., :4],  # a padded last mode
               torch.tensor([[[0, 1]], [[1, 0]]], dtype=torch.int32).repeat(1, 4, 1),
               torch.zeros(1, 4, 2, 4, dtype=torch.int32)) if block else ()
-    if layout in ("fixed", "block-sparse"):
+    if layout in ("fixed", "block-sparse", "mask-mod"):
         q, k, v = (torch.randn(2, 96, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     elif layout == "fp8":  # as the launch hands them over: bytes, V transposed (fp8_value_operand)
         q = torch.randn(2, 33, 8, 128).to(torch.float8_e4m3fn)
@@ -154,14 +174,16 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         compiled = cute.compile(probe, *fakes, fake_info, options="--enable-tvm-ffi")
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, tvm_ffi=True,
                                           counter=counter, sparse=SparseMetadata(*sparse),
-                                          fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales()), info)
+                                          fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
+                                          mod=ModTensors(*mod_tensors)), info)
     else:
         compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter,
                                           sparse=SparseMetadata(*sparse),
-                                          fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales()),
+                                          fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
+                                          mod=ModTensors(*mod_tensors)),
                  _to_cute(info, 8))
-    want = expected((q, k, v, *tensors[3:]), spec, sparse, descales)
+    want = expected((q, k, v, *tensors[3:]), spec, sparse, descales, mod_tensors)
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
     # the two float32 scalars (in micro-units): equal up to float32 rounding
@@ -196,7 +218,7 @@ def test_declaration_drives_fakes_and_launch_arguments():
     optional = {a.name: f for a, f in zip(declared, fakes) if a.kind == arguments.OPTIONAL_TENSOR}
     assert [name for name, f in optional.items() if f is None] == [
         "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex",
-        "mQDescale", "mKDescale", "mVDescale", "mCuSeqlensV"]
+        "mQDescale", "mKDescale", "mVDescale", "mCuSeqlensV", "mModTensor0", "mModTensor1"]
     q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 10, 20], dtype=torch.int32)

@@ -163,9 +163,11 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
     return None
 
 
-def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
+def unserved_form(spec: AttentionSpec, arch: str, who: str, mask_mod: bool = False) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
-    a learnable sink; paged keys."""
+    a learnable sink; paged keys; a mask_mod (unless `mask_mod`: the family traces it)."""
+    if spec.mask_mod is not None and not mask_mod:
+        return f"mask_mod: no {arch} {who} traces it yet"
     if spec.has_sink:
         return f"learnable attention sinks: no {arch} {who} takes them yet"
     if spec.paged_kv:
@@ -341,3 +343,68 @@ class BackwardLaunch:
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
         return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)
+
+
+# ---- a mask_mod traced into a kernel (common/mask_mod.py) ----
+
+class UnsupportedMaskMod(ValueError):
+    """Why a mask_mod cannot be compiled into a kernel (the reference serves it)."""
+
+
+_CONSTANT_TYPES = (bool, int, float, str)
+
+
+def _mask_mod_dtype(t: torch.Tensor, what: str) -> str:
+    from .common.mask_mod import TENSOR_DTYPES
+    dtype = str(t.dtype).replace("torch.", "").replace("int64", "int32")
+    if dtype not in TENSOR_DTYPES:
+        raise UnsupportedMaskMod(f"mask_mod reads {what}, a {t.dtype} tensor (kernels take "
+                                 f"int32, int64 and float32)")
+    return dtype
+
+
+def mask_mod_key(fn):
+    """The KernelMaskMod of mask_mod `fn` (its code, the constants and tensor kinds it reads),
+    or UnsupportedMaskMod saying why it cannot be compiled into a kernel."""
+    import hashlib
+    import marshal
+    import types
+    from .common.mask_mod import MAX_TENSORS, KernelMaskMod
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        raise UnsupportedMaskMod("mask_mod is not a plain Python function")
+    if code.co_argcount != 4:
+        raise UnsupportedMaskMod("mask_mod must take (b, h, q_idx, kv_idx)")
+    constants, tensors, cells, names = [], [], [], []
+    for slot, cell in enumerate(fn.__closure__ or ()):
+        value = cell.cell_contents
+        if isinstance(value, torch.Tensor):
+            tensors.append((_mask_mod_dtype(value, f"closure variable {code.co_freevars[slot]!r}"),
+                            value.dim()))
+            cells.append(slot)
+        elif isinstance(value, _CONSTANT_TYPES) or value is None:
+            constants.append(value)
+        else:
+            raise UnsupportedMaskMod(f"mask_mod closes over a {type(value).__name__} "
+                                     f"({code.co_freevars[slot]!r})")
+    for name in code.co_names:
+        value = fn.__globals__.get(name)
+        if isinstance(value, torch.Tensor):  # a module-level tensor: an argument too
+            tensors.append((_mask_mod_dtype(value, f"the module-level {name!r}"), value.dim()))
+            names.append(name)
+        elif isinstance(value, _CONSTANT_TYPES):
+            constants.append((name, value))
+    if len(tensors) > MAX_TENSORS:
+        raise UnsupportedMaskMod(f"mask_mod reads {len(tensors)} tensors (kernels take at most "
+                                 f"{MAX_TENSORS})")
+    digest = hashlib.sha1(marshal.dumps(code)).hexdigest()[:16]
+    return KernelMaskMod(code.co_name, digest, tuple(constants), tuple(tensors), tuple(cells),
+                         tuple(names))
+
+
+def mask_mod_tensors(fn, key) -> list:
+    """The tensors mask_mod `fn` reads, as its kernel takes them (key: mask_mod_key(fn)): the
+    closure's, then the module-level ones; int64 as int32, each contiguous."""
+    found = [fn.__closure__[slot].cell_contents for slot in key.tensor_cells]
+    found += [fn.__globals__[name] for name in key.tensor_names]
+    return [(t.int() if t.dtype == torch.int64 else t).contiguous() for t in found]

@@ -20,7 +20,7 @@ from ..common.arguments import (FLOAT32, INT32, NO_SPARSE, NO_VARLEN, OPTIONAL_T
                                 query_side)
 
 __all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "FP8_VALUE_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Fp8Descales",
-           "Group", "INT32", "NO_FP8", "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
+           "Group", "INT32", "ModTensors", "NO_FP8", "NO_MOD", "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
            "SparseMetadata", "VarlenMetadata",
            "fakes", "flat", "group_names", "names"]
 
@@ -71,6 +71,32 @@ FP8 = Group("fp8", Fp8Descales, (
         Int32, (cute.sym_int(),), align, memspace) if cfg.fp8 and cfg.varlen_k else None, align=4),
 ))
 
+class ModTensors(NamedTuple):
+    """The tensors a traced mask_mod closes over (common/mask_mod.py), None past their count."""
+    t0: Any = None
+    t1: Any = None
+
+
+NO_MOD = ModTensors()
+
+
+def _mod_tensor(i):
+    def fake(cfg, sym, align, memspace):
+        mod = getattr(cfg, "mask_mod", None)
+        if mod is None or i >= len(mod.tensors):
+            return None
+        from ..common.mask_mod import TENSOR_DTYPES
+        dtype, rank = mod.tensors[i]
+        return common.fake_tensor(TENSOR_DTYPES[dtype], tuple(cute.sym_int() for _ in range(rank)),
+                                  align, memspace)
+    return fake
+
+
+MOD = Group("mod", ModTensors, (
+    Arg("mModTensor0", OPTIONAL_TENSOR, _mod_tensor(0), align=4),
+    Arg("mModTensor1", OPTIONAL_TENSOR, _mod_tensor(1), align=4),
+))
+
 ARGUMENTS = (
     Arg("mQ", TENSOR, _in_dtype(query_side("head_dim"), _bytes_if_fp8)),
     Arg("mK", TENSOR, _in_dtype(key_side("head_dim"), _bytes_if_fp8)),
@@ -80,6 +106,7 @@ ARGUMENTS = (
     VARLEN,
     SPARSE,
     FP8,
+    MOD,
     # int32 (2,), zero between launches: the dynamic tile scheduler's counter (fwd.py)
     Arg("mTileCounter", TENSOR, int32_vector(), align=4),
     Arg("qhead_per_kvhead", INT32),

@@ -38,6 +38,7 @@ from ..common.convert import convert_fragment, fp8_p_fragment
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, keys_last_transposed,
                              lse_seq_major, seq_major, seq_major_transposed)
 from ..common.mask import apply_mask
+from ..common.mask_mod import KernelMaskMod, apply_mask_mod, traced
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import OnlineSoftmax
@@ -91,6 +92,10 @@ class Sm90FwdConfig:
     # full ones then the partial ones (a partial block's element mask is the call's masks: no
     # mask_mod is compiled in yet); tile_m and tile_n are the lists' block shape
     sparse: bool = False
+    # FlexAttention's mask_mod traced into the kernel (common/mask_mod.py: its key; the function
+    # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
+    # the partial blocks of a block-sparse one
+    mask_mod: Optional[KernelMaskMod] = None
 
     @property
     def tile_m(self) -> int:
@@ -117,7 +122,10 @@ class Sm90FwdConfig:
 
 
 class FlashFwdSm90:
-    def __init__(self, cfg: Sm90FwdConfig):
+    def __init__(self, cfg: Sm90FwdConfig, mask_mod_fn=None):
+        """mask_mod_fn: the function cfg.mask_mod keys (traced with the kernel's indices)."""
+        assert (cfg.mask_mod is None) == (mask_mod_fn is None)
+        self.mask_mod_fn = mask_mod_fn
         # O is staged in Q's buffer, each warpgroup's rows inside its own Q slice: dv <= d
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0 and cfg.head_dim_v % 16 == 0
@@ -159,6 +167,8 @@ class FlashFwdSm90:
         mKDescale: Optional[cute.Tensor],
         mVDescale: Optional[cute.Tensor],
         mCuSeqlensV: Optional[cute.Tensor],    # fp8, packed keys: sequences' starts in V^T
+        mModTensor0: Optional[cute.Tensor],    # the tensors cfg.mask_mod closes over
+        mModTensor1: Optional[cute.Tensor],
         mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -225,7 +235,8 @@ class FlashFwdSm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mFullCount, mFullIndex, mPartialCount, mPartialIndex,
-            (mQDescale, mKDescale, mVDescale, mCuSeqlensV), mTileCounter,
+            (mQDescale, mKDescale, mVDescale, mCuSeqlensV), (mModTensor0, mModTensor1),
+            mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
@@ -275,7 +286,8 @@ class FlashFwdSm90:
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
-        fp8_args: tuple, mTileCounter: cute.Tensor,  # (q, k, v descales, cu_seqlens_v)
+        fp8_args: tuple,  # (q, k, v descales, cu_seqlens_v)
+        mod_tensors: tuple, mTileCounter: cute.Tensor,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
@@ -354,7 +366,7 @@ class FlashFwdSm90:
                 tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                 block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
-                softmax_scale_log2, window_left, window_right, fp8_args,
+                softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
                 m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, wg, tidx % WG_THREADS)
             # K and V advance together over a whole tile: one state carries both across tiles
             walk.walk(False, tile_info, consume_tile,
@@ -455,7 +467,7 @@ class FlashFwdSm90:
     def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo, visit,
-                score_scale, softmax_scale_log2, window_left, window_right, fp8_args,
+                score_scale, softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
                 m_block, head_idx, head_idx_kv, batch_idx, wg, tidx):
         """One consumer warpgroup, one tile: 64 query rows against every visible key block, then
         the epilogue. Returns the advanced pipeline states."""
@@ -502,9 +514,15 @@ class FlashFwdSm90:
                                            tSrK[None, None, None, stage], True)
         gemm_pv = lambda stage: gemm_async(tiled_mma_pv, acc_O, tOrP,
                                            tOrVt[None, None, None, stage], False)
-        scores_to_probs = lambda n_block, mask: self.scores_to_probs(
+        mod = None
+        if const_expr(cfg.mask_mod is not None):
+            mod = traced(self.mask_mod_fn, cfg.mask_mod, mod_tensors[:len(cfg.mask_mod.tensors)])
+        # mod_applies(i): whether the i-th visited block takes the mask_mod (a block-sparse
+        # tile's partial blocks come after its full ones; a dense tile's blocks all take it)
+        mod_applies = lambda i: (i >= visit.num_full) if const_expr(cfg.sparse) else True
+        scores_to_probs = lambda n_block, mask, i: self.scores_to_probs(
             acc_S, acc_S_mn, coord_S_mn, softmax, block_info, seqlen, row_start, n_block,
-            score_scale, window_left, window_right, mask)
+            score_scale, window_left, window_right, mask, mod, mod_applies(i), batch_idx, head_idx)
 
         # V's state trails K's by one block inside the tile; both end the tile equal.
         k_state = kv_state.clone()
@@ -520,7 +538,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
             k_state.advance()
-            scores_to_probs(visit.first(), None)
+            scores_to_probs(visit.first(), None, Int32(0))
             to_p()
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
@@ -544,7 +562,7 @@ class FlashFwdSm90:
                     warpgroup.wait_group(1)
                     pipeline_k.consumer_release(k_state)
                     k_state.advance()
-                    scores_to_probs(visit.block(i), mask)
+                    scores_to_probs(visit.block(i), mask, i)
                     warpgroup.wait_group(0)
                     pipeline_v.consumer_release(v_state)
                     v_state.advance()
@@ -594,10 +612,11 @@ class FlashFwdSm90:
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
                         block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
-                        score_scale, window_left, window_right, mask: cutlass.Constexpr):
+                        score_scale, window_left, window_right, mask: cutlass.Constexpr,
+                        mod=None, mod_applies=True, batch_idx=None, head_idx=None):
         """softcap, mask and online softmax of one score block (probabilities left in acc_S).
         mask: True or False when the block iterator knows whether the block needs the element
-        mask, None to check."""
+        mask, None to check. mod: the traced mask_mod (None: none), applied where mod_applies."""
         cfg = self.cfg
         if const_expr(cfg.has_softcap):
             softcap_scores(acc_S, score_scale)
@@ -609,6 +628,13 @@ class FlashFwdSm90:
                 apply()
         elif const_expr(mask):
             apply()
+        if const_expr(mod is not None):
+            apply_mod = lambda: apply_mask_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
+                                               batch_idx, head_idx, mod)
+            if const_expr(isinstance(mod_applies, bool)):
+                apply_mod()
+            elif mod_applies:
+                apply_mod()
         softmax.step(acc_S_mn)
 
     @cute.jit

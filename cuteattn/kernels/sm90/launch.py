@@ -22,7 +22,8 @@ from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scal
                             to_runtime, unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from ..common.convert import FP8_KEY_ORDER
 from . import arguments, config
-from .arguments import NO_FP8, NO_SPARSE, NO_VARLEN, Fp8Descales, SparseMetadata, VarlenMetadata
+from .arguments import (NO_FP8, NO_MOD, NO_SPARSE, NO_VARLEN, Fp8Descales, ModTensors,
+                        SparseMetadata, VarlenMetadata)
 
 ARCH, KIND = "sm90", "fwd"
 FP8 = torch.float8_e4m3fn  # q/k/v with FlashAttention-3's descales; out in bf16
@@ -37,6 +38,7 @@ def sm90_config(spec: AttentionSpec):
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
         max_seqlen_q=spec.seqlen_q,
         sparse_block=(spec.sparse_q_block, spec.sparse_kv_block) if spec.sparse_q_block else None,
+        mask_mod=spec.mask_mod,
     )
 
 
@@ -52,12 +54,13 @@ def sources() -> tuple:
     return compile_cache.module_sources(COMPILE_MODULE)
 
 
-def _compiled(cfg, tvm_ffi: bool):
+def _compiled(cfg, tvm_ffi: bool, mask_mod_fn=None):
     """The compiled kernel for cfg. The key is the frozen config itself: every field of it
-    changes the code, and nothing else does (sizes and scales are runtime arguments)."""
+    changes the code, and nothing else does (sizes and scales are runtime arguments; a
+    mask_mod's key stands for its function, mask_mod_fn, traced on a miss)."""
     def build():
         from .compile import compile_fwd_with_report
-        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi)
+        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi, mask_mod_fn=mask_mod_fn)
     key = (ARCH, KIND, tvm_ffi, cfg)
     return compile_cache.get_or_compile(key, build, persist=tvm_ffi, sources=sources())
 
@@ -104,7 +107,8 @@ def launch_scalars(spec: AttentionSpec) -> dict:
 # as its VarlenMetadata fields); the scalars come from launch_scalars. arguments.Binder puts
 # both in the kernel's order.
 PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *arguments.group_names("varlen"),
-            *arguments.group_names("sparse"), *arguments.group_names("fp8"), "mTileCounter")
+            *arguments.group_names("sparse"), *arguments.group_names("fp8"),
+            *arguments.group_names("mod"), "mTileCounter")
 
 
 def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
@@ -114,14 +118,15 @@ def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
 def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, varlen: VarlenMetadata = NO_VARLEN,
                      tvm_ffi: bool = False, scalars: Optional[dict] = None,
                      counter: Optional[torch.Tensor] = None,
-                     sparse: SparseMetadata = NO_SPARSE, fp8: Fp8Descales = NO_FP8) -> tuple:
+                     sparse: SparseMetadata = NO_SPARSE, fp8: Fp8Descales = NO_FP8,
+                     mod: ModTensors = NO_MOD) -> tuple:
     """The compiled kernel's arguments, less the stream, in the order arguments.ARGUMENTS
     declares: cute runtime tensors and scalars, or for TVM-FFI as they are.
     `scalars`: launch_scalars(spec), when the caller kept them."""
     if counter is None:
         counter = tile_counter(spec.device_index, per_stream=False)
     bind = _binder(launch_scalars(spec) if scalars is None else scalars, tvm_ffi)
-    return bind(q, k, v, out, lse, *varlen, *sparse, *fp8, counter)
+    return bind(q, k, v, out, lse, *varlen, *sparse, *fp8, *mod, counter)
 
 
 class Launch:
@@ -133,17 +138,18 @@ class Launch:
         self.spec = spec
         self.tvm_ffi = use_tvm_ffi()
         cfg = sm90_config(spec)
-        self.fn = _compiled(cfg, self.tvm_ffi)
+        self.fn = _compiled(cfg, self.tvm_ffi, getattr(spec.mask_mod, "fn", None))
         self.scalars = launch_scalars(spec)
         self.bind = _binder(self.scalars, self.tvm_ffi)
         self.dynamic_tiles = cfg.dynamic_tiles
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None, sparse: SparseMetadata = NO_SPARSE,
-                 descales=(None, None, None)) -> None:
+                 descales=(None, None, None), mod_tensors=()) -> None:
         """sparse: the block-sparse lists (int32, contiguous in their last mode) when the spec
         is block-sparse. descales: fp8 inputs' (q, k, v) descales, float32 (batch, nheads_k);
-        None = 1.0."""
+        None = 1.0. mod_tensors: the tensors a traced mask_mod reads
+        (KernelMaskMod.tensors_of)."""
         fp8 = NO_FP8
         if self.spec.dtype == FP8:
             # the bytes cross into the kernel (arguments.py); V transposed for the fp8 P V GEMM
@@ -159,7 +165,7 @@ class Launch:
         counter = tile_counter(self.spec.device_index, per_stream=self.dynamic_tiles)
         # the varlen values in VarlenMetadata's order, as PER_CALL has them
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         *sparse, *fp8, counter)
+                         *sparse, *fp8, *ModTensors(*mod_tensors), counter)
         call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
@@ -260,6 +266,17 @@ def _key_order(device) -> torch.Tensor:
     return torch.tensor(FP8_KEY_ORDER, dtype=torch.long, device=device)
 
 
+def unserved_mask_mod(spec: AttentionSpec) -> Optional[str]:
+    """The reason the forward does not trace spec's mask_mod, or None (also without one)."""
+    if spec.mask_mod is None:
+        return None
+    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
+        return "mask_mod with packed sequences or seqused: no sm90 kernel yet"
+    if not hasattr(spec.mask_mod, "fn"):
+        return "mask_mod: its function is not attached to the spec"
+    return None
+
+
 def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
     """The reason the fp8 forward does not take spec (an fp8 spec), or None."""
     if spec.head_dim not in config.SUPPORTED_HEAD_DIMS or spec.head_dim_v != spec.head_dim:
@@ -268,6 +285,8 @@ def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
                 f"head_dim_v equal")
     if spec.sparse_q_block:
         return "fp8 block-sparse: no sm90 fp8 kernel yet"
+    if spec.mask_mod is not None:
+        return "fp8 with a mask_mod: no sm90 fp8 kernel yet"
     return None
 
 
@@ -280,7 +299,8 @@ class Sm90Forward:
             return unserved_fp8(spec) or unserved_form(spec, ARCH, "forward")
         return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
                                        padded_dims=True)
-                or unserved_form(spec, ARCH, "forward") or unserved_sparse(spec))
+                or unserved_form(spec, ARCH, "forward", mask_mod=True) or unserved_sparse(spec)
+                or unserved_mask_mod(spec))
 
     def launch(self, spec: AttentionSpec) -> Launch:
         return Launch(spec)

@@ -1,0 +1,67 @@
+"""FlexAttention's mask_mod compiled into a kernel.
+
+A mask_mod(b, h, q_idx, kv_idx) -> bool written with Python operators (comparisons, + - * // %,
+& | ~) and indexing of torch tensors (document ids, prefix lengths: ones it closes over or
+module-level ones it names) is traced by the DSL with the kernel's own index values: each such
+tensor becomes a kernel argument (a cute tensor in its place while tracing), and everything else
+it reads (closure constants, module-level numbers it names) becomes part of the kernel's compile
+key, so a changed constant compiles anew. A mask_mod that calls torch functions or is otherwise
+not traceable keeps running on the reference (the API says why).
+
+`KernelMaskMod` is that key (a frozen dataclass, the config field of a kernel that applies the
+mod; launch_common.mask_mod_key reads a function into one); `apply_mask_mod` applies it to a
+score tile.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+MAX_TENSORS = 2  # tensors a mask_mod may read (kernel arguments mModTensor0..)
+# the dtypes of those tensors, by name, and their DSL types (int64 tensors, as torch.arange
+# makes them, reach the kernel as int32: launch_common.mask_mod_tensors converts them)
+TENSOR_DTYPES = {"int32": cutlass.Int32, "float32": cutlass.Float32}
+
+
+@dataclass(frozen=True)
+class KernelMaskMod:
+    """A mask_mod as a compile key (launch_common.mask_mod_key builds it from the function)."""
+    name: str               # the function's name, for messages and key text
+    code: str               # digest of its code (marshal of the code object)
+    constants: tuple        # its closure's other values and the module-level numbers it names
+    tensors: tuple          # (dtype name, rank) of each tensor it reads, in argument order
+    tensor_cells: tuple     # the closure slots holding tensors, in order
+    tensor_names: tuple     # then the module-level names holding tensors, in order
+
+
+def traced(fn, mod: KernelMaskMod, cute_tensors: tuple):
+    """fn with the tensors it reads replaced by `cute_tensors` (in mod.tensors' order): what the
+    kernel calls while it is traced."""
+    cells = list(fn.__closure__ or ())
+    for slot, t in zip(mod.tensor_cells, cute_tensors):
+        cells[slot] = types.CellType(t)
+    names = dict(zip(mod.tensor_names, cute_tensors[len(mod.tensor_cells):]))
+    scope = {**fn.__globals__, **names} if names else fn.__globals__
+    return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                              tuple(cells) or None)
+
+
+@cute.jit
+def apply_mask_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32, col_start: Int32,
+                   batch_idx: Int32, head_idx: Int32, mod: cutlass.Constexpr):
+    """Sets to -inf the scores whose (batch, head, query, key) mod(b, h, q_idx, kv_idx) refuses.
+    `acc_mn` / `coord_mn`: the (rows, cols) views of the score tile and of its identity tensor."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        q_idx = row_start + coord_mn[r, 0][0]
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            kv_idx = col_start + coord_mn[0, c][1]
+            keep = mod(batch_idx, head_idx, q_idx, kv_idx)
+            if cutlass.const_expr(isinstance(keep, bool)):  # (a mod that ignores its indices)
+                if cutlass.const_expr(not keep):
+                    acc_mn[r, c] = -Float32.inf
+            else:
+                acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
