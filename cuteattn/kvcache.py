@@ -340,6 +340,11 @@ def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     Returns (rotated q, the used length per sequence: int32 (batch,) cache_seqlens + seqlen_new)."""
     b, sq = q.shape[:2]
     device = q.device
+    if (k is None and rotary_cos is None and isinstance(cache_seqlens, torch.Tensor)
+            and cache_seqlens.dtype == torch.int32 and cache_seqlens.is_contiguous()):
+        # nothing to append or rotate: the lengths go to the kernel as they are (a decode step
+        # then launches no PyTorch kernel before the attention's own)
+        return q, cache_seqlens
     if cache_seqlens is None:
         old = torch.full((b,), capacity, dtype=torch.long, device=device)
     elif isinstance(cache_seqlens, torch.Tensor):
