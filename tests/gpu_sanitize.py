@@ -164,6 +164,9 @@ def cases() -> dict:
     for i in (1, 3, 4, 7):  # an fp8 cache (its byte ring): paged, odd pages, new tokens, splits
         out[f"portable_decode_fp8_{i}"] = _on_sm80(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]))
+    import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
+    for i in (1, 7):
+        out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])
     out["portable_paged_prefill_causal"] = _on_sm80(lambda: ts.test_paged_prefill(0, 16, True))
     for d in (64, 128):  # the portable backward: the bwd group's masks, deterministic, varlen
         for mask, kw in fixed_masks.items():

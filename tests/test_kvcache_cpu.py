@@ -400,3 +400,12 @@ def test_append_and_rotate_without_new_tokens_or_rotary():
     _, used = append_and_rotate(q, k_cache, k_cache, None, None, None, None, None, None, None,
                                 False, True, 64)
     assert used.tolist() == [64, 64]
+    # int32 lengths pass through untouched (no copy, so no kernel launch on a GPU); other
+    # dtypes and strided ones are converted
+    lens = torch.tensor([3, 60], dtype=torch.int32)
+    assert append_and_rotate(q, k_cache, k_cache, None, None, None, None, lens, None, None,
+                             False, True, 64)[1] is lens
+    for other in (lens.long(), torch.tensor([3, 0, 60, 0], dtype=torch.int32)[::2]):
+        _, used = append_and_rotate(q, k_cache, k_cache, None, None, None, None, other, None,
+                                    None, False, True, 64)
+        assert used is not other and used.dtype == torch.int32 and used.tolist() == [3, 60]

@@ -162,6 +162,15 @@ def _decode(cell, x, device):
     if device.type != "cuda":
         return {"cuteattn (reference)": ours}
     impls = {"cuteattn": ours}
+    if not cell.kv_dtype and cell.seqlen_q == 1:
+        # the same step appending one new token (at the last position: the same keys are read;
+        # the call rewrites that slot with the same values every time)
+        new = [torch.randn(cell.batch, 1, cell.nheads_k, cell.d, device=device,
+                           dtype=x["q"].dtype) for _ in range(2)]
+        before = x["lens"] - 1
+        impls["cuteattn-append"] = lambda: flash_attn_with_kvcache(
+            x["q"], x["k"], x["v"], k=new[0], v=new[1], cache_seqlens=before,
+            block_table=x["table"], strict=True)
     if cell.kv_dtype:  # our decode of the same values from a bf16 cache; no peer reads fp8
         impls["cuteattn-bf16-cache"] = lambda: flash_attn_with_kvcache(
             x["q"], x["k_bf16"], x["v_bf16"], cache_seqlens=x["lens"], block_table=x["table"],

@@ -408,3 +408,68 @@ def mask_mod_tensors(fn, key) -> list:
     found = [fn.__closure__[slot].cell_contents for slot in key.tensor_cells]
     found += [fn.__globals__[name] for name in key.tensor_names]
     return [(t.int() if t.dtype == torch.int64 else t).contiguous() for t in found]
+
+
+# ---- the KV-cache update before a decode kernel (common/kv_append.py) ----
+
+_FP8_CACHE_KINDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def kv_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+              block_table, positional: bool, interleaved: bool, descales=(None, None)):
+    """kvcache.append_and_rotate on a GPU in one launch (common/kv_append.py): returns (q
+    rotated, or q itself without rotary; the used lengths, int32 (batch,)). cache_seqlens: an
+    int32 (batch,) tensor; at least one of k (with v) and rotary_cos (with rotary_sin)."""
+    from .common.kv_append import KvAppendConfig
+    from .sm80 import arguments as sm80_arguments
+    fp8 = _FP8_CACHE_KINDS.get(k_cache.dtype)
+    rotary = None if rotary_cos is None else ("interleaved" if interleaved else "neox")
+    cfg = KvAppendConfig(
+        CUTLASS_DTYPES[q.dtype], q.shape[-1], v_cache.shape[-1], append=k is not None,
+        rotary=rotary, rotary_dtype=None if rotary is None else _ROTARY_DTYPES[rotary_cos.dtype],
+        positional=positional, paged=block_table is not None,
+        batch_idx=cache_batch_idx is not None and block_table is None, cache_fp8=fp8)
+    q_rot = torch.empty_like(q) if rotary else None
+    used = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
+    if fp8:
+        ones = None
+        if descales[0] is None or descales[1] is None:
+            ones = torch.ones(q.shape[0], k_cache.shape[2], dtype=torch.float32, device=q.device)
+        descales = tuple(ones if x is None else x for x in descales)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        descales = (None, None)
+    contiguous = lambda t: None if t is None else t.contiguous()
+    values = (q.contiguous(), q_rot, contiguous(k), contiguous(v), k_cache, v_cache,
+              cache_seqlens.contiguous(), contiguous(cache_batch_idx) if cfg.batch_idx else None,
+              contiguous(block_table), contiguous(rotary_cos), contiguous(rotary_sin), *descales,
+              used)
+    tvm_ffi = use_tvm_ffi()
+    entries = sm80_arguments.KV_APPEND_ARGUMENTS
+    args = values if tvm_ffi else tuple(to_runtime(a, x) for a, x in zip(entries, values))
+    call_kernel(_compiled_kv_append(cfg, tvm_ffi), tvm_ffi, args, q.device)
+    return (q if q_rot is None else q_rot), used
+
+
+_ROTARY_DTYPES = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16,
+                  torch.float16: cutlass.Float16}
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_append_sources() -> tuple:
+    from .. import compile_cache
+    return compile_cache.module_sources("cuteattn.kernels.common.kv_append")
+
+
+def _compiled_kv_append(cfg, tvm_ffi: bool):
+    from .. import compile_cache
+
+    def build():
+        from .common import arguments as common_arguments
+        from .common.kv_append import KvAppend
+        from .compile_common import compile_kernel
+        from .sm80 import arguments as sm80_arguments
+        fakes = common_arguments.fakes(cfg, sm80_arguments.KV_APPEND_ARGUMENTS, None)
+        return compile_kernel(KvAppend(cfg), fakes, tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("common", "kv_append", tvm_ffi, cfg), build,
+                                        persist=tvm_ffi, sources=_kv_append_sources())
