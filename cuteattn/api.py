@@ -330,17 +330,14 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
             raise ValueError("out= / lse= buffers take no gradient: call without them to differentiate")
         out, lse = _checks.output_buffers(q, out, lse, out_shape=(*q.shape[:3], v.shape[-1]),
                                           lse_shape=(spec.batch, spec.nheads, spec.seqlen_q))
-    reason = "score_mod: no kernel takes it yet"
-    if block_sparse is not None and mask_mod is None and score_mod is None:
+    if mask_mod is None and score_mod is None:
         served, reason = _sparse_kernel(q, k, v, spec, block_sparse, varlen, sink, out, lse,
                                         sparse_sig)
-        if served is not None:
-            return served
-    elif mask_mod is not None and score_mod is None:
-        served, reason = _mask_mod_kernel(q, k, v, spec, mask_mod, block_sparse, varlen, sink,
-                                          out, lse)
-        if served is not None:
-            return served
+    else:
+        served, reason = _mods_kernel(q, k, v, spec, mask_mod, score_mod, block_sparse, varlen,
+                                      sink, out, lse)
+    if served is not None:
+        return served
     if block_sparse is not None and not torch.compiler.is_compiling():
         sparse.check_values(block_sparse)
     _fall_back(reason, strict)
@@ -488,42 +485,55 @@ def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None, sig=No
 _untraceable: dict = {}
 
 
-def _mask_mod_kernel(q, k, v, spec, mask_mod, mask, varlen, sink, out=None, lse=None):
-    """((out, lse), None) from the forward kernel with mask_mod traced into it (on every block,
-    or with block-sparse lists on their partial blocks), or (None, the reason none serves the
-    call). Forward only: a call that records a gradient takes the reference."""
-    from .kernels.launch_common import UnsupportedMaskMod, mask_mod_key, mask_mod_tensors
+def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=None, lse=None):
+    """((out, lse), None) from the forward kernel with the mask_mod and / or score_mod traced
+    into it (the mask_mod on every block, or with block-sparse lists on their partial blocks;
+    the score_mod on every score), or (None, the reason none serves the call). Forward only: a
+    call that records a gradient takes the reference."""
+    from .kernels.launch_common import UnsupportedMod, mod_key, mod_tensors_of
     reason = _sparse_reason(q, k, v, varlen, sink)
     if reason is None and _needs_grad(q, k, v):
-        reason = "gradients: no backward kernel traces it yet"
+        reason = "gradients: no backward kernel traces them yet"
     if reason is None and (spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0):
         reason = "an empty problem (the reference's results)"
     if reason is not None:
-        return None, "mask_mod: " + reason
-    try:
-        key = mask_mod_key(mask_mod)
-    except UnsupportedMaskMod as e:
-        return None, f"mask_mod: {e}"
-    if key in _untraceable:
-        return None, _untraceable[key]
-    object.__setattr__(key, "fn", mask_mod)  # (not a field: the key compares without it)
-    kspec, physical = dataclasses.replace(spec, mask_mod=key), None
+        return None, "mask_mod / score_mod: " + reason
+    keys = {}
+    for kind, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if fn is None:
+            continue
+        try:
+            keys[kind] = mod_key(fn, kind)
+        except UnsupportedMod as e:
+            return None, f"{kind}: {e}"
+        if keys[kind] in _untraceable:
+            return None, _untraceable[keys[kind]]
+        object.__setattr__(keys[kind], "fn", fn)  # (not a field: the key compares without it)
+    kspec, physical = dataclasses.replace(spec, **keys), None
     if mask is not None:
         kspec, physical = _sparse_spec(kspec, mask)
     try:
         launch, reason = _cached_launch(kspec, q.device)
     except Exception as e:  # the DSL could not trace it (a torch call, an unsupported operator)
-        _untraceable[key] = (f"mask_mod could not be traced into the kernel ({type(e).__name__}: "
-                             f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})")
-        return None, _untraceable[key]
+        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        why = (f"{' and '.join(keys)} could not be traced into the kernel "
+               f"({type(e).__name__}: {first_line})")
+        for key in keys.values():
+            _untraceable[key] = why
+        return None, why
     if launch is None:
-        return None, "mask_mod: " + reason
+        return None, "mask_mod / score_mod: " + reason
     if out is None:
         out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
                           device=q.device)
+    tensors = [None] * 4  # (the kernel's ModTensors: a mask_mod's two, a score_mod's two)
+    for slot, kind, fn in ((0, "mask_mod", mask_mod), (2, "score_mod", score_mod)):
+        if fn is not None:
+            found = mod_tensors_of(fn, keys[kind])
+            tensors[slot:slot + len(found)] = found
     lists = {"sparse": _kernel_lists(physical)} if physical is not None else {}
-    launch(q, k, v, out, lse, **lists, mod_tensors=mask_mod_tensors(mask_mod, key))
+    launch(q, k, v, out, lse, **lists, mod_tensors=tensors)
     return (out, lse), None
 
 

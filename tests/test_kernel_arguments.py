@@ -23,7 +23,7 @@ from cutlass import Float32, Int32, Int64  # noqa: E402
 
 from cuteattn.spec import AttentionSpec  # noqa: E402
 from cuteattn.kernels.sm90 import arguments, launch  # noqa: E402
-from cuteattn.kernels.launch_common import mask_mod_key  # noqa: E402
+from cuteattn.kernels.launch_common import mod_key  # noqa: E402
 from cuteattn.kernels.sm90.arguments import (Fp8Descales, ModTensors, SparseMetadata,  # noqa: E402
                                              VarlenMetadata)
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
@@ -44,6 +44,7 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           mQDescale: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
           mVDescale: Optional[cute.Tensor], mCuSeqlensV: Optional[cute.Tensor],
           mModTensor0: Optional[cute.Tensor], mModTensor1: Optional[cute.Tensor],
+          mModTensor2: Optional[cute.Tensor], mModTensor3: Optional[cute.Tensor],
           mTileCounter: cute.Tensor,
           qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
           window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
@@ -51,7 +52,8 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mO, mLSE, mFullCount, mFullIndex, mPartialCount, mPartialIndex,
-              mQDescale, mKDescale, mVDescale, mModTensor0, mModTensor1):
+              mQDescale, mKDescale, mVDescale, mModTensor0, mModTensor1, mModTensor2,
+              mModTensor3):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
@@ -96,6 +98,12 @@ def _mod_reading(lengths, table):
     return mod
 
 
+def _alibi(slopes):
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi
+
+
 def packed(total, h, d, dtype=torch.bfloat16):
     return torch.randn(total, h, d, dtype=dtype)
 
@@ -117,12 +125,14 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     block = (128, 64) if layout == "block-sparse" else None
     fp8 = layout.startswith("fp8")
     # a mask_mod reading a 1-D int32 tensor it closes over and a 2-D float32 module-level one
-    mod_tensors = (torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32), torch.rand(3, 7)) \
-        if layout == "mask-mod" else ()
-    mod_key = mask_mod_key(_mod_reading(*mod_tensors)) if mod_tensors else None
+    # and a score_mod reading a float32 tensor (ALiBi's slopes)
+    mod_tensors = (torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32), torch.rand(3, 7),
+                   torch.rand(4), None) if layout == "mask-mod" else ()
+    keys = dict(mask_mod=mod_key(_mod_reading(*mod_tensors[:2])),
+                score_mod=mod_key(_alibi(mod_tensors[2]), "score_mod")) if mod_tensors else {}
     cfg = fwd_config(cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
                      has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block,
-                     mask_mod=mod_key)
+                     **keys)
     # block-sparse lists: counts broadcast over the batch, index lists per (batch, head)
     sparse = (torch.tensor([[[1, 2]]], dtype=torch.int32),
               torch.zeros(2, 4, 2, 5, dtype=torch.int32)[..., :4],  # a padded last mode
@@ -183,7 +193,8 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
                                           fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
                                           mod=ModTensors(*mod_tensors)),
                  _to_cute(info, 8))
-    want = expected((q, k, v, *tensors[3:]), spec, sparse, descales, mod_tensors)
+    want = expected((q, k, v, *tensors[3:]), spec, sparse, descales,
+                    [t for t in mod_tensors if t is not None])
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
     # the two float32 scalars (in micro-units): equal up to float32 rounding
@@ -218,7 +229,8 @@ def test_declaration_drives_fakes_and_launch_arguments():
     optional = {a.name: f for a, f in zip(declared, fakes) if a.kind == arguments.OPTIONAL_TENSOR}
     assert [name for name, f in optional.items() if f is None] == [
         "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex",
-        "mQDescale", "mKDescale", "mVDescale", "mCuSeqlensV", "mModTensor0", "mModTensor1"]
+        "mQDescale", "mKDescale", "mVDescale", "mCuSeqlensV", "mModTensor0", "mModTensor1",
+        "mModTensor2", "mModTensor3"]
     q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 10, 20], dtype=torch.int32)

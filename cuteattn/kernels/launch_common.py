@@ -100,7 +100,10 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
 
 def kernel_scalars(spec: AttentionSpec):
     """(score_scale, softmax_scale_log2, window_left, window_right) as the kernel takes them."""
-    if spec.has_softcap:
+    if spec.score_mod is not None:
+        # the kernel scales the scores itself for the score_mod, whose results are final
+        score_scale, scale_log2 = spec.softmax_scale, LOG2E
+    elif spec.has_softcap:
         # s' = softcap * tanh(s * scale / softcap); exp(s') = exp2(tanh(...) * softcap * log2 e)
         score_scale = spec.softmax_scale / spec.softcap
         scale_log2 = spec.softcap * LOG2E
@@ -163,11 +166,12 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
     return None
 
 
-def unserved_form(spec: AttentionSpec, arch: str, who: str, mask_mod: bool = False) -> Optional[str]:
+def unserved_form(spec: AttentionSpec, arch: str, who: str, mods: bool = False) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
-    a learnable sink; paged keys; a mask_mod (unless `mask_mod`: the family traces it)."""
-    if spec.mask_mod is not None and not mask_mod:
-        return f"mask_mod: no {arch} {who} traces it yet"
+    a learnable sink; paged keys; a mask_mod or score_mod (unless `mods`: the family traces
+    them)."""
+    if (spec.mask_mod is not None or spec.score_mod is not None) and not mods:
+        return f"mask_mod / score_mod: no {arch} {who} traces them yet"
     if spec.has_sink:
         return f"learnable attention sinks: no {arch} {who} takes them yet"
     if spec.paged_kv:
@@ -345,66 +349,67 @@ class BackwardLaunch:
         return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)
 
 
-# ---- a mask_mod traced into a kernel (common/mask_mod.py) ----
+# ---- FlexAttention's mask_mod / score_mod traced into a kernel (common/mods.py) ----
 
-class UnsupportedMaskMod(ValueError):
-    """Why a mask_mod cannot be compiled into a kernel (the reference serves it)."""
+class UnsupportedMod(ValueError):
+    """Why a mask_mod or score_mod cannot be compiled into a kernel (the reference serves it)."""
 
 
 _CONSTANT_TYPES = (bool, int, float, str)
+MOD_ARGS = {"mask_mod": "(b, h, q_idx, kv_idx)", "score_mod": "(score, b, h, q_idx, kv_idx)"}
 
 
-def _mask_mod_dtype(t: torch.Tensor, what: str) -> str:
-    from .common.mask_mod import TENSOR_DTYPES
+def _mod_dtype(kind: str, t: torch.Tensor, what: str) -> str:
+    from .common.mods import TENSOR_DTYPES
     dtype = str(t.dtype).replace("torch.", "").replace("int64", "int32")
     if dtype not in TENSOR_DTYPES:
-        raise UnsupportedMaskMod(f"mask_mod reads {what}, a {t.dtype} tensor (kernels take "
-                                 f"int32, int64 and float32)")
+        raise UnsupportedMod(f"{kind} reads {what}, a {t.dtype} tensor (kernels take int32, "
+                             f"int64 and float32)")
     return dtype
 
 
-def mask_mod_key(fn):
-    """The KernelMaskMod of mask_mod `fn` (its code, the constants and tensor kinds it reads),
-    or UnsupportedMaskMod saying why it cannot be compiled into a kernel."""
+def mod_key(fn, kind: str = "mask_mod"):
+    """The KernelMod of `fn`, a mask_mod or score_mod (`kind`): its code, the constants and
+    tensor kinds it reads; or UnsupportedMod saying why it cannot be compiled into a kernel."""
     import hashlib
     import marshal
     import types
-    from .common.mask_mod import MAX_TENSORS, KernelMaskMod
+    from .common.mods import MAX_TENSORS, KernelMod
     code = getattr(fn, "__code__", None)
     if not isinstance(fn, types.FunctionType) or code is None:
-        raise UnsupportedMaskMod("mask_mod is not a plain Python function")
-    if code.co_argcount != 4:
-        raise UnsupportedMaskMod("mask_mod must take (b, h, q_idx, kv_idx)")
+        raise UnsupportedMod(f"{kind} is not a plain Python function")
+    if code.co_argcount != MOD_ARGS[kind].count(",") + 1:
+        raise UnsupportedMod(f"{kind} must take {MOD_ARGS[kind]}")
     constants, tensors, cells, names = [], [], [], []
     for slot, cell in enumerate(fn.__closure__ or ()):
         value = cell.cell_contents
         if isinstance(value, torch.Tensor):
-            tensors.append((_mask_mod_dtype(value, f"closure variable {code.co_freevars[slot]!r}"),
-                            value.dim()))
+            what = f"closure variable {code.co_freevars[slot]!r}"
+            tensors.append((_mod_dtype(kind, value, what), value.dim()))
             cells.append(slot)
         elif isinstance(value, _CONSTANT_TYPES) or value is None:
             constants.append(value)
         else:
-            raise UnsupportedMaskMod(f"mask_mod closes over a {type(value).__name__} "
-                                     f"({code.co_freevars[slot]!r})")
+            raise UnsupportedMod(f"{kind} closes over a {type(value).__name__} "
+                                 f"({code.co_freevars[slot]!r})")
     for name in code.co_names:
         value = fn.__globals__.get(name)
         if isinstance(value, torch.Tensor):  # a module-level tensor: an argument too
-            tensors.append((_mask_mod_dtype(value, f"the module-level {name!r}"), value.dim()))
+            tensors.append((_mod_dtype(kind, value, f"the module-level {name!r}"), value.dim()))
             names.append(name)
         elif isinstance(value, _CONSTANT_TYPES):
             constants.append((name, value))
     if len(tensors) > MAX_TENSORS:
-        raise UnsupportedMaskMod(f"mask_mod reads {len(tensors)} tensors (kernels take at most "
-                                 f"{MAX_TENSORS})")
+        raise UnsupportedMod(f"{kind} reads {len(tensors)} tensors (kernels take at most "
+                             f"{MAX_TENSORS})")
     digest = hashlib.sha1(marshal.dumps(code)).hexdigest()[:16]
-    return KernelMaskMod(code.co_name, digest, tuple(constants), tuple(tensors), tuple(cells),
-                         tuple(names))
+    return KernelMod(kind, code.co_name, digest, tuple(constants), tuple(tensors), tuple(cells),
+                     tuple(names))
 
 
-def mask_mod_tensors(fn, key) -> list:
-    """The tensors mask_mod `fn` reads, as its kernel takes them (key: mask_mod_key(fn)): the
-    closure's, then the module-level ones; int64 as int32, each contiguous."""
+def mod_tensors_of(fn, key) -> list:
+    """The tensors mod `fn` reads, as its kernel takes them (key: mod_key(fn)): the closure's,
+    then the module-level ones; int64 as int32, each contiguous."""
     found = [fn.__closure__[slot].cell_contents for slot in key.tensor_cells]
     found += [fn.__globals__[name] for name in key.tensor_names]
     return [(t.int() if t.dtype == torch.int64 else t).contiguous() for t in found]

@@ -72,9 +72,12 @@ FP8 = Group("fp8", Fp8Descales, (
 ))
 
 class ModTensors(NamedTuple):
-    """The tensors a traced mask_mod closes over (common/mask_mod.py), None past their count."""
-    t0: Any = None
-    t1: Any = None
+    """The tensors traced mods read (common/mods.py): a mask_mod's two, a score_mod's two,
+    None past their counts."""
+    mask0: Any = None
+    mask1: Any = None
+    score0: Any = None
+    score1: Any = None
 
 
 NO_MOD = ModTensors()
@@ -82,11 +85,11 @@ NO_MOD = ModTensors()
 
 def _mod_tensor(i):
     def fake(cfg, sym, align, memspace):
-        mod = getattr(cfg, "mask_mod", None)
-        if mod is None or i >= len(mod.tensors):
+        mod = getattr(cfg, "mask_mod" if i < 2 else "score_mod", None)
+        if mod is None or i % 2 >= len(mod.tensors):
             return None
-        from ..common.mask_mod import TENSOR_DTYPES
-        dtype, rank = mod.tensors[i]
+        from ..common.mods import TENSOR_DTYPES
+        dtype, rank = mod.tensors[i % 2]
         return common.fake_tensor(TENSOR_DTYPES[dtype], tuple(cute.sym_int() for _ in range(rank)),
                                   align, memspace)
     return fake
@@ -95,6 +98,8 @@ def _mod_tensor(i):
 MOD = Group("mod", ModTensors, (
     Arg("mModTensor0", OPTIONAL_TENSOR, _mod_tensor(0), align=4),
     Arg("mModTensor1", OPTIONAL_TENSOR, _mod_tensor(1), align=4),
+    Arg("mModTensor2", OPTIONAL_TENSOR, _mod_tensor(2), align=4),
+    Arg("mModTensor3", OPTIONAL_TENSOR, _mod_tensor(3), align=4),
 ))
 
 ARGUMENTS = (

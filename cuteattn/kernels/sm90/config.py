@@ -69,10 +69,11 @@ FP8_TILES = {
 FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 
 
-# Dense tiles with a traced mask_mod (common/mask_mod.py): the widest spill-free key block for
-# the mods tests/test_compile_sm90.py compiles (a window with constants, a document mask
-# indexing a tensor); block-sparse tiles are the lists' blocks.
+# Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
+# block for the mods tests/test_mods.py compiles (a window with constants, a document mask
+# indexing a tensor, ALiBi); block-sparse tiles are the lists' blocks.
 MASK_MOD_TILE_N = {64: 96, 96: 128, 128: 128, 192: 96, 256: 64}
+BOTH_MODS_TILE_N = {64: 64}  # (a mask_mod and a score_mod together)
 
 
 # Block-sparse lists take the block shapes of sparse.KERNEL_BLOCKS (the tile is the block: FA4's
@@ -84,7 +85,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
                max_seqlen_q: int | None = None, sparse_block: tuple | None = None,
-               mask_mod=None) -> Sm90FwdConfig:
+               mask_mod=None, score_mod=None) -> Sm90FwdConfig:
     """head_dim / head_dim_v: the tensors' (any multiple of 8 up to 256, head_dim_v <= head_dim);
     the kernel runs on the next compiled widths (launch_common.compiled_width). max_seqlen_q (the
     longest query sequence, when known) picks the short-sequence tiles."""
@@ -104,8 +105,10 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
             tile_n -= tile_n % 32
     if fp8:
         tile_n = min(tile_n, FP8_TILE_N_CAPS.get((head_dim, local, packed), tile_n))
-    if mask_mod is not None:  # (its evaluation per score keeps more registers live)
+    if mask_mod is not None or score_mod is not None:  # (more registers live per score)
         tile_n = min(tile_n, MASK_MOD_TILE_N.get(head_dim, tile_n))
+    if mask_mod is not None and score_mod is not None:
+        tile_n = min(tile_n, BOTH_MODS_TILE_N.get(head_dim, tile_n))
     cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,
         tile_n=tile_n, num_wg=num_wg,
@@ -117,7 +120,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         pingpong=head_dim <= 128,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
-        mask_mod=mask_mod,
+        mask_mod=mask_mod, score_mod=score_mod,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

@@ -38,7 +38,7 @@ from ..common.convert import convert_fragment, fp8_p_fragment
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, keys_last_transposed,
                              lse_seq_major, seq_major, seq_major_transposed)
 from ..common.mask import apply_mask
-from ..common.mask_mod import KernelMaskMod, apply_mask_mod, traced
+from ..common.mods import KernelMod, apply_mask_mod, apply_score_mod, traced
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import OnlineSoftmax
@@ -92,10 +92,13 @@ class Sm90FwdConfig:
     # full ones then the partial ones (a partial block's element mask is the call's masks: no
     # mask_mod is compiled in yet); tile_m and tile_n are the lists' block shape
     sparse: bool = False
-    # FlexAttention's mask_mod traced into the kernel (common/mask_mod.py: its key; the function
+    # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
     # the partial blocks of a block-sparse one
-    mask_mod: Optional[KernelMaskMod] = None
+    mask_mod: Optional[KernelMod] = None
+    # FlexAttention's score_mod, likewise, on every score before the masks (the softmax's
+    # exponent then takes log2(e) alone: the launch passes it)
+    score_mod: Optional[KernelMod] = None
 
     @property
     def tile_m(self) -> int:
@@ -122,10 +125,13 @@ class Sm90FwdConfig:
 
 
 class FlashFwdSm90:
-    def __init__(self, cfg: Sm90FwdConfig, mask_mod_fn=None):
-        """mask_mod_fn: the function cfg.mask_mod keys (traced with the kernel's indices)."""
-        assert (cfg.mask_mod is None) == (mask_mod_fn is None)
-        self.mask_mod_fn = mask_mod_fn
+    def __init__(self, cfg: Sm90FwdConfig, mod_fns: tuple = (None, None)):
+        """mod_fns: the functions cfg.mask_mod and cfg.score_mod key (traced with the kernel's
+        indices)."""
+        self.mask_mod_fn, self.score_mod_fn = mod_fns
+        assert (cfg.mask_mod is None) == (self.mask_mod_fn is None)
+        assert (cfg.score_mod is None) == (self.score_mod_fn is None)
+        assert not (cfg.score_mod is not None and (cfg.has_softcap or cfg.fp8))
         # O is staged in Q's buffer, each warpgroup's rows inside its own Q slice: dv <= d
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0 and cfg.head_dim_v % 16 == 0
@@ -167,8 +173,10 @@ class FlashFwdSm90:
         mKDescale: Optional[cute.Tensor],
         mVDescale: Optional[cute.Tensor],
         mCuSeqlensV: Optional[cute.Tensor],    # fp8, packed keys: sequences' starts in V^T
-        mModTensor0: Optional[cute.Tensor],    # the tensors cfg.mask_mod closes over
+        mModTensor0: Optional[cute.Tensor],    # the tensors cfg.mask_mod reads
         mModTensor1: Optional[cute.Tensor],
+        mModTensor2: Optional[cute.Tensor],    # the tensors cfg.score_mod reads
+        mModTensor3: Optional[cute.Tensor],
         mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -235,7 +243,7 @@ class FlashFwdSm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mFullCount, mFullIndex, mPartialCount, mPartialIndex,
-            (mQDescale, mKDescale, mVDescale, mCuSeqlensV), (mModTensor0, mModTensor1),
+            (mQDescale, mKDescale, mVDescale, mCuSeqlensV), (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
             mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
@@ -514,15 +522,19 @@ class FlashFwdSm90:
                                            tSrK[None, None, None, stage], True)
         gemm_pv = lambda stage: gemm_async(tiled_mma_pv, acc_O, tOrP,
                                            tOrVt[None, None, None, stage], False)
-        mod = None
+        mod = score_mod = None
         if const_expr(cfg.mask_mod is not None):
             mod = traced(self.mask_mod_fn, cfg.mask_mod, mod_tensors[:len(cfg.mask_mod.tensors)])
+        if const_expr(cfg.score_mod is not None):
+            score_mod = traced(self.score_mod_fn, cfg.score_mod,
+                               mod_tensors[2:2 + len(cfg.score_mod.tensors)])
         # mod_applies(i): whether the i-th visited block takes the mask_mod (a block-sparse
         # tile's partial blocks come after its full ones; a dense tile's blocks all take it)
         mod_applies = lambda i: (i >= visit.num_full) if const_expr(cfg.sparse) else True
         scores_to_probs = lambda n_block, mask, i: self.scores_to_probs(
             acc_S, acc_S_mn, coord_S_mn, softmax, block_info, seqlen, row_start, n_block,
-            score_scale, window_left, window_right, mask, mod, mod_applies(i), batch_idx, head_idx)
+            score_scale, window_left, window_right, mask, mod, mod_applies(i), batch_idx, head_idx,
+            score_mod)
 
         # V's state trails K's by one block inside the tile; both end the tile equal.
         k_state = kv_state.clone()
@@ -613,13 +625,18 @@ class FlashFwdSm90:
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
                         block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
                         score_scale, window_left, window_right, mask: cutlass.Constexpr,
-                        mod=None, mod_applies=True, batch_idx=None, head_idx=None):
+                        mod=None, mod_applies=True, batch_idx=None, head_idx=None,
+                        score_mod=None):
         """softcap, mask and online softmax of one score block (probabilities left in acc_S).
         mask: True or False when the block iterator knows whether the block needs the element
-        mask, None to check. mod: the traced mask_mod (None: none), applied where mod_applies."""
+        mask, None to check. mod: the traced mask_mod (None: none), applied where mod_applies;
+        score_mod: the traced score_mod (None: none), on the scaled scores before any mask."""
         cfg = self.cfg
         if const_expr(cfg.has_softcap):
             softcap_scores(acc_S, score_scale)
+        if const_expr(score_mod is not None):
+            apply_score_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n, batch_idx,
+                            head_idx, score_scale, score_mod)
         apply = lambda: apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
                                    seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
                                    cfg.causal, cfg.local)

@@ -38,7 +38,7 @@ def sm90_config(spec: AttentionSpec):
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
         max_seqlen_q=spec.seqlen_q,
         sparse_block=(spec.sparse_q_block, spec.sparse_kv_block) if spec.sparse_q_block else None,
-        mask_mod=spec.mask_mod,
+        mask_mod=spec.mask_mod, score_mod=spec.score_mod,
     )
 
 
@@ -54,13 +54,13 @@ def sources() -> tuple:
     return compile_cache.module_sources(COMPILE_MODULE)
 
 
-def _compiled(cfg, tvm_ffi: bool, mask_mod_fn=None):
+def _compiled(cfg, tvm_ffi: bool, mod_fns: tuple = (None, None)):
     """The compiled kernel for cfg. The key is the frozen config itself: every field of it
-    changes the code, and nothing else does (sizes and scales are runtime arguments; a
-    mask_mod's key stands for its function, mask_mod_fn, traced on a miss)."""
+    changes the code, and nothing else does (sizes and scales are runtime arguments; a mod's
+    key stands for its function, in mod_fns, traced on a miss)."""
     def build():
         from .compile import compile_fwd_with_report
-        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi, mask_mod_fn=mask_mod_fn)
+        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi, mod_fns=mod_fns)
     key = (ARCH, KIND, tvm_ffi, cfg)
     return compile_cache.get_or_compile(key, build, persist=tvm_ffi, sources=sources())
 
@@ -138,7 +138,8 @@ class Launch:
         self.spec = spec
         self.tvm_ffi = use_tvm_ffi()
         cfg = sm90_config(spec)
-        self.fn = _compiled(cfg, self.tvm_ffi, getattr(spec.mask_mod, "fn", None))
+        self.fn = _compiled(cfg, self.tvm_ffi, (getattr(spec.mask_mod, "fn", None),
+                                                getattr(spec.score_mod, "fn", None)))
         self.scalars = launch_scalars(spec)
         self.bind = _binder(self.scalars, self.tvm_ffi)
         self.dynamic_tiles = cfg.dynamic_tiles
@@ -148,8 +149,8 @@ class Launch:
                  descales=(None, None, None), mod_tensors=()) -> None:
         """sparse: the block-sparse lists (int32, contiguous in their last mode) when the spec
         is block-sparse. descales: fp8 inputs' (q, k, v) descales, float32 (batch, nheads_k);
-        None = 1.0. mod_tensors: the tensors a traced mask_mod reads
-        (KernelMaskMod.tensors_of)."""
+        None = 1.0. mod_tensors: the tensors traced mods read, ModTensors' order
+        (launch_common.mod_tensors_of)."""
         fp8 = NO_FP8
         if self.spec.dtype == FP8:
             # the bytes cross into the kernel (arguments.py); V transposed for the fp8 P V GEMM
@@ -266,14 +267,18 @@ def _key_order(device) -> torch.Tensor:
     return torch.tensor(FP8_KEY_ORDER, dtype=torch.long, device=device)
 
 
-def unserved_mask_mod(spec: AttentionSpec) -> Optional[str]:
-    """The reason the forward does not trace spec's mask_mod, or None (also without one)."""
-    if spec.mask_mod is None:
+def unserved_mods(spec: AttentionSpec) -> Optional[str]:
+    """The reason the forward does not trace spec's mask_mod / score_mod, or None (also
+    without them)."""
+    mods = [m for m in (spec.mask_mod, spec.score_mod) if m is not None]
+    if not mods:
         return None
     if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
-        return "mask_mod with packed sequences or seqused: no sm90 kernel yet"
-    if not hasattr(spec.mask_mod, "fn"):
-        return "mask_mod: its function is not attached to the spec"
+        return "mask_mod / score_mod with packed sequences or seqused: no sm90 kernel yet"
+    if spec.score_mod is not None and spec.has_softcap:
+        return "softcap with a score_mod: no sm90 kernel (write the softcap in the score_mod)"
+    if not all(hasattr(m, "fn") for m in mods):
+        return "mask_mod / score_mod: the function is not attached to the spec"
     return None
 
 
@@ -285,8 +290,8 @@ def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
                 f"head_dim_v equal")
     if spec.sparse_q_block:
         return "fp8 block-sparse: no sm90 fp8 kernel yet"
-    if spec.mask_mod is not None:
-        return "fp8 with a mask_mod: no sm90 fp8 kernel yet"
+    if spec.mask_mod is not None or spec.score_mod is not None:
+        return "fp8 with a mask_mod / score_mod: no sm90 fp8 kernel yet"
     return None
 
 
@@ -299,8 +304,8 @@ class Sm90Forward:
             return unserved_fp8(spec) or unserved_form(spec, ARCH, "forward")
         return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
                                        padded_dims=True)
-                or unserved_form(spec, ARCH, "forward", mask_mod=True) or unserved_sparse(spec)
-                or unserved_mask_mod(spec))
+                or unserved_form(spec, ARCH, "forward", mods=True) or unserved_sparse(spec)
+                or unserved_mods(spec))
 
     def launch(self, spec: AttentionSpec) -> Launch:
         return Launch(spec)

@@ -1,5 +1,6 @@
-"""GPU: FlexAttention mask_mods traced into the sm90 forward (kernels/common/mask_mod.py),
-against the float32 reference with the same mask_mod, FlashAttention's rule; strict=True (the
+"""GPU: FlexAttention mask_mods and score_mods traced into the sm90 forward
+(kernels/common/mods.py), against the float32 reference with the same mods, FlashAttention's
+rule; strict=True (the
 kernel must serve the call), NaN-poisoned out= / lse=. Dense tiles (the mod on every block) and
 block-sparse lists from sparse.from_mask_mod (the mod on their partial blocks), with the
 call's causal flag on top, GQA, odd lengths; document masks and prefix-LM lengths read from
@@ -44,6 +45,40 @@ def check(q, k, v, mask_mod, block_sparse=None, **kw):
                     strict=True, out=out, lse=lse, **kw)
     ref, ref_lse = attention_ref(q, k, v, mask_mod=mask_mod, block_sparse=block_sparse, **kw)
     low, _ = attention_ref(q, k, v, mask_mod=mask_mod, block_sparse=block_sparse, upcast=False, **kw)
+    assert_close_fa(out, ref, low)
+    assert_lse_close(lse, ref_lse)
+
+
+def alibi_of(heads):
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi
+
+
+def halved(score, b, h, q_idx, kv_idx):
+    return score * 0.5
+
+
+@pytest.mark.parametrize("score", ["alibi", "halved"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["alone", "document"])
+def test_score_mods(seed, score, d, with_mask):
+    """A score_mod on every score (ALiBi reading its slopes per head; a plain rescale), alone or
+    with a document mask_mod, causal."""
+    s = 777
+    q, k, v = inputs(2, s, s, 4, 2, d)
+    score_mod = alibi_of(4) if score == "alibi" else halved
+    mask_mod = MODS["document"](s) if with_mask else None
+    b, sq, h, _ = q.shape
+    out = torch.full((b, sq, h, d), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    flash_attn_func(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod,
+                    return_lse=True, strict=True, out=out, lse=lse)
+    kw = dict(causal=True, score_mod=score_mod, mask_mod=mask_mod)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    low, _ = attention_ref(q, k, v, upcast=False, **kw)
     assert_close_fa(out, ref, low)
     assert_lse_close(lse, ref_lse)
 

@@ -1,16 +1,17 @@
-"""FlexAttention's mask_mod compiled into a kernel.
+"""FlexAttention's mask_mod and score_mod compiled into a kernel.
 
-A mask_mod(b, h, q_idx, kv_idx) -> bool written with Python operators (comparisons, + - * // %,
-& | ~) and indexing of torch tensors (document ids, prefix lengths: ones it closes over or
-module-level ones it names) is traced by the DSL with the kernel's own index values: each such
-tensor becomes a kernel argument (a cute tensor in its place while tracing), and everything else
-it reads (closure constants, module-level numbers it names) becomes part of the kernel's compile
-key, so a changed constant compiles anew. A mask_mod that calls torch functions or is otherwise
-not traceable keeps running on the reference (the API says why).
+A mask_mod(b, h, q_idx, kv_idx) -> bool, or a score_mod(score, b, h, q_idx, kv_idx) -> score,
+written with Python operators (comparisons, + - * // %, & | ~) and indexing of torch tensors
+(document ids, prefix lengths, ALiBi slopes: ones it closes over or module-level ones it names)
+is traced by the DSL with the kernel's own index values: each such tensor becomes a kernel
+argument (a cute tensor in its place while tracing), and everything else it reads (closure
+constants, module-level numbers it names) becomes part of the kernel's compile key, so a
+changed constant compiles anew. A mod that calls torch functions or is otherwise not traceable
+keeps running on the reference (the API says why).
 
-`KernelMaskMod` is that key (a frozen dataclass, the config field of a kernel that applies the
-mod; launch_common.mask_mod_key reads a function into one); `apply_mask_mod` applies it to a
-score tile.
+`KernelMod` is that key (a frozen dataclass, the config field of a kernel that applies the
+mod; launch_common.mod_key reads a function into one); `apply_mask_mod` and `apply_score_mod`
+apply them to a score tile.
 """
 from __future__ import annotations
 
@@ -21,15 +22,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-MAX_TENSORS = 2  # tensors a mask_mod may read (kernel arguments mModTensor0..)
+MAX_TENSORS = 2  # tensors a mod may read (kernel arguments: a mask_mod's mModTensor0, 1; a
+# score_mod's mModTensor2, 3)
 # the dtypes of those tensors, by name, and their DSL types (int64 tensors, as torch.arange
-# makes them, reach the kernel as int32: launch_common.mask_mod_tensors converts them)
+# makes them, reach the kernel as int32: launch_common.mod_tensors_of converts them)
 TENSOR_DTYPES = {"int32": cutlass.Int32, "float32": cutlass.Float32}
 
 
 @dataclass(frozen=True)
-class KernelMaskMod:
-    """A mask_mod as a compile key (launch_common.mask_mod_key builds it from the function)."""
+class KernelMod:
+    """A mask_mod or score_mod as a compile key (launch_common.mod_key builds it from the
+    function)."""
+    kind: str               # "mask_mod" or "score_mod"
     name: str               # the function's name, for messages and key text
     code: str               # digest of its code (marshal of the code object)
     constants: tuple        # its closure's other values and the module-level numbers it names
@@ -38,7 +42,7 @@ class KernelMaskMod:
     tensor_names: tuple     # then the module-level names holding tensors, in order
 
 
-def traced(fn, mod: KernelMaskMod, cute_tensors: tuple):
+def traced(fn, mod: KernelMod, cute_tensors: tuple):
     """fn with the tensors it reads replaced by `cute_tensors` (in mod.tensors' order): what the
     kernel calls while it is traced."""
     cells = list(fn.__closure__ or ())
@@ -65,3 +69,17 @@ def apply_mask_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32,
                     acc_mn[r, c] = -Float32.inf
             else:
                 acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
+
+
+@cute.jit
+def apply_score_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32,
+                    col_start: Int32, batch_idx: Int32, head_idx: Int32, scale: Float32,
+                    mod: cutlass.Constexpr):
+    """The scores as FlexAttention's score_mod sees them, scaled by `scale` (softmax_scale), then
+    replaced by mod(score, b, h, q_idx, kv_idx): what the softmax then takes (its exponent's
+    scale is log2(e) alone)."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        q_idx = row_start + coord_mn[r, 0][0]
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            kv_idx = col_start + coord_mn[0, c][1]
+            acc_mn[r, c] = Float32(mod(acc_mn[r, c] * scale, batch_idx, head_idx, q_idx, kv_idx))

@@ -1,4 +1,4 @@
-"""A mask_mod as a kernel's compile key (launch_common.mask_mod_key) and the tensors handed to
+"""A mask_mod as a kernel's compile key (launch_common.mod_key) and the tensors handed to
 the kernel, without a GPU: what the key holds, when two functions share a kernel and when they
 do not, what cannot be traced and why; and the compile-only trace of the forward with mask_mods
 of each kind (pytest -m compile)."""
@@ -13,8 +13,8 @@ import torch
 cutlass = pytest.importorskip("cutlass")
 
 from cuteattn import compile_cache  # noqa: E402
-from cuteattn.kernels.launch_common import (UnsupportedMaskMod, mask_mod_key,  # noqa: E402
-                                            mask_mod_tensors)
+from cuteattn.kernels.launch_common import (UnsupportedMod, mod_key,  # noqa: E402
+                                            mod_tensors_of)
 
 WINDOW = 64
 DOCS = torch.tensor([0, 0, 1, 1, 2], dtype=torch.int64)
@@ -41,30 +41,30 @@ def window_of(w):
 
 
 def test_key_holds_constants_and_tensor_kinds():
-    key = mask_mod_key(sliding)
+    key = mod_key(sliding)
     assert key.name == "sliding" and ("WINDOW", 64) in key.constants and key.tensors == ()
-    key = mask_mod_key(document)
+    key = mod_key(document)
     assert key.tensors == (("int32", 1),) and key.tensor_names == ("DOCS",)  # (int64 as int32)
-    (docs,) = mask_mod_tensors(document, key)
+    (docs,) = mod_tensors_of(document, key)
     assert docs.dtype == torch.int32 and docs.tolist() == DOCS.tolist()
     prefix = torch.tensor([[3], [9]], dtype=torch.int32)
     fn = prefix_lm_of(prefix)
-    key = mask_mod_key(fn)
+    key = mod_key(fn)
     assert key.tensors == (("int32", 2),) and key.tensor_cells == (0,)
-    assert mask_mod_tensors(fn, key)[0] is prefix
+    assert mod_tensors_of(fn, key)[0] is prefix
     compile_cache.key_text(key)  # (a disk-cache key: stable text)
 
 
 def test_same_code_and_constants_share_a_kernel():
     """Closures of one function share a key when their constants are equal and their tensors of
     one kind (the tensors are arguments, not part of the code); a changed constant does not."""
-    assert mask_mod_key(window_of(8)) == mask_mod_key(window_of(8))
-    assert mask_mod_key(window_of(8)) != mask_mod_key(window_of(16))
+    assert mod_key(window_of(8)) == mod_key(window_of(8))
+    assert mod_key(window_of(8)) != mod_key(window_of(16))
     a, b = (prefix_lm_of(torch.tensor([n], dtype=torch.int32)) for n in (1, 2))
-    assert mask_mod_key(a) == mask_mod_key(b)
+    assert mod_key(a) == mod_key(b)
     c = prefix_lm_of(torch.tensor([[1]], dtype=torch.int32))
-    assert mask_mod_key(a) != mask_mod_key(c)  # (another rank)
-    assert mask_mod_key(sliding) != mask_mod_key(window_of(64))  # (other code)
+    assert mod_key(a) != mod_key(c)  # (another rank)
+    assert mod_key(sliding) != mod_key(window_of(64))  # (other code)
 
 
 @pytest.mark.parametrize("fn,reason", [
@@ -74,8 +74,8 @@ def test_same_code_and_constants_share_a_kernel():
     (len, "not a plain Python function"),
 ])
 def test_untraceable_forms_say_why(fn, reason):
-    with pytest.raises(UnsupportedMaskMod, match=re.escape(reason)):
-        mask_mod_key(fn)
+    with pytest.raises(UnsupportedMod, match=re.escape(reason)):
+        mod_key(fn)
 
 
 def test_too_many_tensors():
@@ -83,13 +83,29 @@ def test_too_many_tensors():
 
     def three(b, h, q_idx, kv_idx):
         return (t[q_idx] == t[kv_idx]) & (DOCS[q_idx] == DOCS[kv_idx]) & (t[b] == 0)
-    assert mask_mod_key(three).tensors == (("int32", 1), ("int32", 1))
+    assert mod_key(three).tensors == (("int32", 1), ("int32", 1))
     u = torch.zeros(4, dtype=torch.int32)
 
     def four(b, h, q_idx, kv_idx):
         return (t[q_idx] == u[kv_idx]) & (DOCS[q_idx] == DOCS[kv_idx])
-    with pytest.raises(UnsupportedMaskMod, match="at most 2"):
-        mask_mod_key(four)
+    with pytest.raises(UnsupportedMod, match="at most 2"):
+        mod_key(four)
+
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def test_score_mod_key():
+    key = mod_key(alibi, "score_mod")
+    assert key.kind == "score_mod" and key.tensors == (("float32", 1),)
+    with pytest.raises(UnsupportedMod, match=re.escape("must take (b, h, q_idx, kv_idx)")):
+        mod_key(alibi, "mask_mod")
+    with pytest.raises(UnsupportedMod, match=re.escape("must take (score, b, h, q_idx, kv_idx)")):
+        mod_key(sliding, "score_mod")
 
 
 COMPILE_CASES = [("sliding", sliding, 128, None), ("document", document, 64, None),
@@ -107,11 +123,46 @@ def test_compile_forward_with_mask_mod(name, fn, d, block, capfd, tmp_path, monk
     from cuteattn.kernels.sm90.compile import compile_fwd
     monkeypatch.chdir(tmp_path)
     cfg = config.fwd_config(cutlass.BFloat16, d, d, False, False, False, False, False,
-                            sparse_block=block, mask_mod=mask_mod_key(fn))
-    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}", mask_mod_fn=fn).__ptx__
+                            sparse_block=block, mask_mod=mod_key(fn))
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}", mod_fns=(fn, None)).__ptx__
     assert "wgmma.mma_async" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0
+
+
+SCORE_CASES = [("alibi", alibi, None, 128, None), ("alibi-document", alibi, document, 128, None),
+               ("alibi-document-sparse", alibi, document, 128, (128, 128)),
+               ("alibi-document-d64", alibi, document, 64, None)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,score,mask,d,block", SCORE_CASES, ids=[c[0] for c in SCORE_CASES])
+def test_compile_forward_with_score_mod(name, score, mask, d, block, capfd, tmp_path, monkeypatch):
+    """A score_mod (ALiBi reading its slopes), alone or with a mask_mod: spill-free."""
+    from cuteattn.kernels.sm90 import config
+    from cuteattn.kernels.sm90.compile import compile_fwd
+    monkeypatch.chdir(tmp_path)
+    cfg = config.fwd_config(cutlass.BFloat16, d, d, True, False, False, False, False,
+                            sparse_block=block, mask_mod=mod_key(mask) if mask else None,
+                            score_mod=mod_key(score, "score_mod"))
+    compile_fwd(cfg, options="--keep-ptx remarks{ptx}", mod_fns=(mask, score))
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
+
+
+def test_score_mod_scalars():
+    """With a score_mod the kernel scales the scores itself and the exponent takes log2(e)."""
+    import dataclasses
+    import math
+    from cuteattn.kernels.launch_common import kernel_scalars
+    from cuteattn.spec import AttentionSpec
+    spec = AttentionSpec(dtype=torch.bfloat16, head_dim=64, head_dim_v=64, causal=False,
+                         local=False, has_softcap=False, varlen_q=False, varlen_k=False,
+                         softmax_scale=0.125)
+    plain = kernel_scalars(spec)[:2]
+    assert plain == (0.125, pytest.approx(0.125 * math.log2(math.e)))
+    modded = kernel_scalars(dataclasses.replace(spec, score_mod=mod_key(alibi, "score_mod")))[:2]
+    assert modded == (0.125, pytest.approx(math.log2(math.e)))
 
 
 @pytest.mark.compile
@@ -124,9 +175,9 @@ def test_a_torch_call_does_not_trace():
     def calls_torch(b, h, q_idx, kv_idx):
         return torch.abs(q_idx - kv_idx) < 4
     cfg = config.fwd_config(cutlass.BFloat16, 64, 64, False, False, False, False, False,
-                            mask_mod=mask_mod_key(calls_torch))
+                            mask_mod=mod_key(calls_torch))
     with pytest.raises(Exception):
-        compile_fwd(cfg, mask_mod_fn=calls_torch)
+        compile_fwd(cfg, mod_fns=(calls_torch, None))
 
 
 def test_api_routes_a_traceable_mask_mod_to_the_kernel(monkeypatch):
@@ -150,7 +201,7 @@ def test_api_routes_a_traceable_mask_mod_to_the_kernel(monkeypatch):
     q, k, v = (torch.randn(1, 5, 2, 64, dtype=torch.bfloat16) for _ in range(3))
     flash_attn_func(q, k, v, mask_mod=document, strict=True)
     spec = selected[-1]
-    assert spec.mask_mod == mask_mod_key(document) and spec.mask_mod.fn is document
+    assert spec.mask_mod == mod_key(document) and spec.mask_mod.fn is document
     assert spec.sparse_q_block == 0 and calls[-1]["sparse"] is None
     assert calls[-1]["mod_tensors"][0].tolist() == DOCS.tolist()
     lists = sparse.from_topk(torch.zeros(1, 1, 1, 1, dtype=torch.int32), 1, 128, 128, partial=True)
