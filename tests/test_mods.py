@@ -150,6 +150,25 @@ def test_compile_forward_with_score_mod(name, score, mask, d, block, capfd, tmp_
     assert spills and max(spills) == 0
 
 
+BWD_CASES = [("document", document, 64, 0), ("sliding", sliding, 96, 0),
+             ("document-lists", document, 128, 128), ("prefix", prefix_lm_of(
+                 torch.tensor([5, 7], dtype=torch.int32)), 128, 0)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,fn,d,sparse_q", BWD_CASES, ids=[c[0] for c in BWD_CASES])
+def test_compile_backward_with_mask_mod(name, fn, d, sparse_q, capfd, tmp_path, monkeypatch):
+    """The backward with the mask_mod traced into its S^T masking: spill-free."""
+    from cuteattn.kernels.sm90.bwd import Sm90BwdConfig
+    from cuteattn.kernels.sm90.compile import compile_bwd
+    monkeypatch.chdir(tmp_path)
+    cfg = Sm90BwdConfig(cutlass.BFloat16, d, causal=True, dq_single_wg=d == 96,
+                        sparse_q_block=sparse_q, mask_mod=mod_key(fn))
+    compile_bwd(cfg, options="--keep-ptx remarks{ptx}", mask_mod_fn=fn)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
+
+
 def test_score_mod_scalars():
     """With a score_mod the kernel scales the scores itself and the exponent takes log2(e)."""
     import dataclasses
@@ -218,3 +237,34 @@ def test_api_routes_a_traceable_mask_mod_to_the_kernel(monkeypatch):
     with pytest.warns(Warning, match="could not be traced"):
         out = flash_attn_func(q, k, v, mask_mod=window_of(3))  # (the reference: remembered)
     assert len(calls) == before and out.shape == q.shape
+
+
+def test_api_runs_gradients_through_both_kernels(monkeypatch):
+    """With q/k/v requiring grad, the call records the forward kernel and the backward kernel
+    (with the same traced mask_mod and its tensors); a score_mod's gradient has no kernel, so
+    such a call takes the reference. (GPU-free stand-ins for the kernels.)"""
+    from cuteattn import api, flash_attn_func
+    seen = []
+
+    def forward_launch(q, k, v, out, lse, sparse=None, mod_tensors=()):
+        out.fill_(1.0)
+        lse.zero_()
+
+    def backward_launch(dout, q, k, v, out, lse, sparse=(), mod_tensors=()):
+        seen.append(dict(sparse=sparse, mod_tensors=mod_tensors))
+        return torch.zeros_like(q), torch.ones_like(k), torch.zeros_like(v)
+
+    def cached_launch(spec, device):
+        if spec.kind == "bwd" and spec.score_mod is not None:
+            return None, "score_mod gradients: no sm90 backward kernel yet"
+        return (backward_launch if spec.kind == "bwd" else forward_launch), None
+    monkeypatch.setattr(api, "_sparse_reason", lambda *a: None)
+    monkeypatch.setattr(api, "_cached_launch", cached_launch)
+    q, k, v = (torch.randn(1, 5, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, mask_mod=document, strict=True)
+    assert torch.all(out == 1)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert torch.all(dk == 1) and seen[-1]["sparse"] == ()
+    assert seen[-1]["mod_tensors"][0].tolist() == DOCS.tolist()
+    with pytest.raises(RuntimeError, match="score_mod gradients"):
+        flash_attn_func(q, k, v, score_mod=alibi, strict=True)

@@ -318,14 +318,18 @@ class BackwardLaunch:
         self.sparse_names = tuple(n for n in ("mFullCount", "mFullIndex", "mPartialCount",
                                               "mPartialIndex", "mKeyHalves", "mDqTurns")
                                   if n in arguments.names(entries))
-        per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, BWD_PER_CALL[-1])
+        # and a traced mask_mod's tensors after them (common/mods.py)
+        self.mod_names = tuple(n for n in ("mModTensor0", "mModTensor1")
+                               if n in arguments.names(entries))
+        per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, *self.mod_names, BWD_PER_CALL[-1])
         self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, sparse: tuple = ()):
+                 seqused_q=None, seqused_k=None, sparse: tuple = (), mod_tensors: tuple = ()):
         """sparse: a block-sparse spec's transposed lists (sparse.transpose of the forward's:
         per key block, the query blocks that see it), in SparseMetadata's order; for lists of
-        64-key blocks the pairs' lists and the halves' table (sparse.transpose_paired)."""
+        64-key blocks the pairs' lists and the halves' table (sparse.transpose_paired).
+        mod_tensors: the tensors a traced mask_mod reads (mod_tensors_of)."""
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
@@ -343,6 +347,7 @@ class BackwardLaunch:
                                 device=q.device)
         if n_blocks > 0:
             lists = tuple(sparse) + (None,) * (len(self.sparse_names) - len(sparse))
+            lists += tuple(mod_tensors) + (None,) * (len(self.mod_names) - len(mod_tensors))
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
             call_kernel(self.fn, self.tvm_ffi, args, q.device)

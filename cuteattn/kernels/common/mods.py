@@ -72,6 +72,24 @@ def apply_mask_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32,
 
 
 @cute.jit
+def apply_mask_mod_transposed(acc_mn: cute.Tensor, coord_mn: cute.Tensor, key_start: Int32,
+                              q_start: Int32, batch_idx: Int32, head_idx: Int32,
+                              mod: cutlass.Constexpr):
+    """apply_mask_mod for a transposed score tile (keys as rows, queries as columns: the
+    backward's S^T)."""
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        kv_idx = key_start + coord_mn[r, 0][0]
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            q_idx = q_start + coord_mn[0, c][1]
+            keep = mod(batch_idx, head_idx, q_idx, kv_idx)
+            if cutlass.const_expr(isinstance(keep, bool)):
+                if cutlass.const_expr(not keep):
+                    acc_mn[r, c] = -Float32.inf
+            else:
+                acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
+
+
+@cute.jit
 def apply_score_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32,
                     col_start: Int32, batch_idx: Int32, head_idx: Int32, scale: Float32,
                     mod: cutlass.Constexpr):

@@ -179,8 +179,19 @@ SPARSE_BACKWARD = Group("sparse_backward", SparseBackward, (
         _int32_table(lambda cfg: getattr(cfg, "sparse", False) and cfg.deterministic), align=4),
 ))
 
-# (the transposed block-sparse lists and their tables)
-BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE, SPARSE_BACKWARD))
+class MaskModTensors(NamedTuple):
+    """The backward's: the tensors a traced mask_mod reads (common/mods.py)."""
+    t0: Any = None
+    t1: Any = None
+
+
+BWD_MOD = Group("bwd_mod", MaskModTensors, (
+    Arg("mModTensor0", OPTIONAL_TENSOR, _mod_tensor(0), align=4),
+    Arg("mModTensor1", OPTIONAL_TENSOR, _mod_tensor(1), align=4),
+))
+
+# (the transposed block-sparse lists and their tables; a mask_mod's tensors)
+BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE, SPARSE_BACKWARD, BWD_MOD))
 
 
 def flat(entries=ARGUMENTS) -> tuple:
