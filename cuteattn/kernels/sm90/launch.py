@@ -16,6 +16,7 @@ import cutlass
 import torch
 
 from ... import compile_cache
+from ..._checks import FP8
 from ...sparse import KERNEL_BLOCKS
 from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scalars, l2_groups, sm_count,
@@ -26,7 +27,7 @@ from .arguments import (NO_FP8, NO_MOD, NO_SPARSE, NO_VARLEN, Fp8Descales, ModTe
                         SparseMetadata, VarlenMetadata)
 
 ARCH, KIND = "sm90", "fwd"
-FP8 = torch.float8_e4m3fn  # q/k/v with FlashAttention-3's descales; out in bf16
+# the kernel's q/k/v dtypes: fp16/bf16, and fp8 (FlashAttention-3's, with descales; out in bf16)
 KERNEL_DTYPES = {**CUTLASS_DTYPES, FP8: cutlass.Float8E4M3FN}
 
 
