@@ -113,6 +113,9 @@ def test_value_transpose_kernel_packed(seed, lens):
     got, got_cu = fp8_value_operand(v, cu, max(lens))
     want, want_cu = fp8_value_operand_torch(v, cu)
     assert torch.equal(got_cu, want_cu) and torch.equal(got, want)
+    # a max_seqlen_k below the longest sequence only shrinks the grid (grid-stride loop)
+    got, got_cu = fp8_value_operand(v, cu, 1)
+    assert torch.equal(got_cu, want_cu) and torch.equal(got, want)
 
 
 VARLEN_MASKS = ["none", "causal", "window"]

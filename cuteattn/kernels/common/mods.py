@@ -56,48 +56,62 @@ def traced(fn, mod: KernelMod, cute_tensors: tuple):
 
 @cute.jit
 def apply_mask_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32, col_start: Int32,
-                   batch_idx: Int32, head_idx: Int32, mod: cutlass.Constexpr):
+                   seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32, head_idx: Int32,
+                   mod: cutlass.Constexpr):
     """Sets to -inf the scores whose (batch, head, query, key) mod(b, h, q_idx, kv_idx) refuses.
-    `acc_mn` / `coord_mn`: the (rows, cols) views of the score tile and of its identity tensor."""
+    `acc_mn` / `coord_mn`: the (rows, cols) views of the score tile and of its identity tensor.
+    The mod is called only inside the sequence: a tile's rows and keys run past its end (those
+    scores the sequence bounds mask anyway), and a mod indexing a tensor of the sequence's
+    length (document ids) must not read past it."""
+    q_room, kv_room = seqlen_q - row_start, seqlen_k - col_start  # (one compare an element)
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         q_idx = row_start + coord_mn[r, 0][0]
+        row_inside = coord_mn[r, 0][0] < q_room
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             kv_idx = col_start + coord_mn[0, c][1]
-            keep = mod(batch_idx, head_idx, q_idx, kv_idx)
-            if cutlass.const_expr(isinstance(keep, bool)):  # (a mod that ignores its indices)
-                if cutlass.const_expr(not keep):
-                    acc_mn[r, c] = -Float32.inf
-            else:
-                acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
+            if row_inside & (coord_mn[0, c][1] < kv_room):
+                _mask_one(acc_mn, r, c, mod(batch_idx, head_idx, q_idx, kv_idx))
+
+
+@cute.jit
+def _mask_one(acc_mn: cute.Tensor, r: cutlass.Constexpr, c: cutlass.Constexpr, keep):
+    if cutlass.const_expr(isinstance(keep, bool)):  # (a mod that ignores its indices)
+        if cutlass.const_expr(not keep):
+            acc_mn[r, c] = -Float32.inf
+    else:
+        acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
 
 
 @cute.jit
 def apply_mask_mod_transposed(acc_mn: cute.Tensor, coord_mn: cute.Tensor, key_start: Int32,
-                              q_start: Int32, batch_idx: Int32, head_idx: Int32,
-                              mod: cutlass.Constexpr):
+                              q_start: Int32, seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32,
+                              head_idx: Int32, mod: cutlass.Constexpr):
     """apply_mask_mod for a transposed score tile (keys as rows, queries as columns: the
     backward's S^T)."""
+    q_room, kv_room = seqlen_q - q_start, seqlen_k - key_start
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         kv_idx = key_start + coord_mn[r, 0][0]
+        key_inside = coord_mn[r, 0][0] < kv_room
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             q_idx = q_start + coord_mn[0, c][1]
-            keep = mod(batch_idx, head_idx, q_idx, kv_idx)
-            if cutlass.const_expr(isinstance(keep, bool)):
-                if cutlass.const_expr(not keep):
-                    acc_mn[r, c] = -Float32.inf
-            else:
-                acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
+            if key_inside & (coord_mn[0, c][1] < q_room):
+                _mask_one(acc_mn, r, c, mod(batch_idx, head_idx, q_idx, kv_idx))
 
 
 @cute.jit
 def apply_score_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32,
-                    col_start: Int32, batch_idx: Int32, head_idx: Int32, scale: Float32,
-                    mod: cutlass.Constexpr):
+                    col_start: Int32, seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32,
+                    head_idx: Int32, scale: Float32, mod: cutlass.Constexpr):
     """The scores as FlexAttention's score_mod sees them, scaled by `scale` (softmax_scale), then
     replaced by mod(score, b, h, q_idx, kv_idx): what the softmax then takes (its exponent's
-    scale is log2(e) alone)."""
+    scale is log2(e) alone). Called only inside the sequence, as apply_mask_mod; the scores
+    past it are left to the sequence bounds' mask, applied after."""
+    q_room, kv_room = seqlen_q - row_start, seqlen_k - col_start
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         q_idx = row_start + coord_mn[r, 0][0]
+        row_inside = coord_mn[r, 0][0] < q_room
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
             kv_idx = col_start + coord_mn[0, c][1]
-            acc_mn[r, c] = Float32(mod(acc_mn[r, c] * scale, batch_idx, head_idx, q_idx, kv_idx))
+            if row_inside & (coord_mn[0, c][1] < kv_room):
+                acc_mn[r, c] = Float32(mod(acc_mn[r, c] * scale, batch_idx, head_idx, q_idx,
+                                           kv_idx))

@@ -525,7 +525,8 @@ class FlashBwdSm90:
             if const_expr(cfg.mask_mod is not None):
                 mod = traced(self.mask_mod_fn, cfg.mask_mod, mod_tensors[:len(cfg.mask_mod.tensors)])
                 apply_mod = lambda: apply_mask_mod_transposed(
-                    acc_S_mn, coord_st, n_block * self.tile_n, q_start, batch_idx, head_idx, mod)
+                    acc_S_mn, coord_st, n_block * self.tile_n, q_start, seqlen.seqlen_q,
+                    seqlen.seqlen_k, batch_idx, head_idx, mod)
                 if const_expr(cfg.sparse):  # the partial query blocks of the transposed lists
                     if it // (cfg.sparse_q_block // self.tile_m) >= rows.lists.num_full:
                         apply_mod()

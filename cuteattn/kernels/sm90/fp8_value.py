@@ -48,7 +48,7 @@ class Fp8ValueTranspose:
         """mV: uint8 (b, s, h_k, d_v), or (total_k, h_k, d_v) packed, the fp8 values' bytes;
         mVt: uint8 (b, h_k, d_v, s16), or (h_k, d_v, total16) packed; packed: mCuSeqlensK
         int32 (batch + 1,) in, mCuSeqlensV int32 (batch + 1,) out; max_seqlen: the longest
-        sequence (the grid's key blocks)."""
+        sequence (sizes the grid; at least 1)."""
         v = as_words(mV, self.words)                 # (..., d_v / 4)
         vt = as_words(mVt, mVt.shape[-1] // 4)       # (..., s16 / 4)
         if const_expr(self.cfg.varlen):
@@ -77,8 +77,10 @@ class Fp8ValueTranspose:
                 mCuSeqlensV[batch_idx] = out_start
                 if batch_idx == batch - 1:
                     mCuSeqlensV[batch] = out_start + length16
-        first = n_block * KEYS
-        if first < length16:
+        # a grid-stride loop over key blocks: max_seqlen only sizes the grid, so a caller's
+        # max_seqlen_k below the true longest sequence still transposes every key
+        stride = cute.arch.grid_dim()[0] * KEYS
+        for first in cutlass.range(n_block * KEYS, length16, stride, unroll=1):
             # the block's key rows as words; keys past the sequence read as zero
             for w in cutlass.range(tidx, KEYS * self.words, cfg.threads, unroll=1):
                 key, col = w // self.words, w % self.words
@@ -109,6 +111,7 @@ class Fp8ValueTranspose:
                                 vt[head, 4 * col + byte, column // 4 + j] = out[byte]
                             else:
                                 vt[batch_idx, head, 4 * col + byte, column // 4 + j] = out[byte]
+            cute.arch.sync_threads()  # the next block overwrites s_rows
 
     @cute.jit
     def packed_start(self, mCuSeqlensK, batch_idx, rows, smem, tidx) -> Int32:

@@ -635,8 +635,9 @@ class FlashFwdSm90:
         if const_expr(cfg.has_softcap):
             softcap_scores(acc_S, score_scale)
         if const_expr(score_mod is not None):
-            apply_score_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n, batch_idx,
-                            head_idx, score_scale, score_mod)
+            apply_score_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
+                            seqlen.seqlen_q, seqlen.seqlen_k, batch_idx, head_idx, score_scale,
+                            score_mod)
         apply = lambda: apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
                                    seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
                                    cfg.causal, cfg.local)
@@ -647,7 +648,8 @@ class FlashFwdSm90:
             apply()
         if const_expr(mod is not None):
             apply_mod = lambda: apply_mask_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
-                                               batch_idx, head_idx, mod)
+                                               seqlen.seqlen_q, seqlen.seqlen_k, batch_idx,
+                                               head_idx, mod)
             if const_expr(isinstance(mod_applies, bool)):
                 apply_mod()
             elif mod_applies:

@@ -196,7 +196,8 @@ def fp8_value_operand(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = No
     column cu_v[b] (int32 (batch + 1,)), rounded up to 16 keys, the columns past the last
     sequence zero. The keys of each 16-key group are in FP8_KEY_ORDER (convert.fp8_p_fragment
     says why). On a GPU one pass of fp8_value.py's kernel (which also writes cu_v; max_seqlen_k
-    bounds its grid); fp8_value_operand_torch elsewhere, and as its reference."""
+    only sizes its grid: a grid-stride loop covers longer sequences); fp8_value_operand_torch
+    elsewhere, and as its reference."""
     if not v.is_cuda or v.numel() == 0:
         return fp8_value_operand_torch(v, cu_seqlens_k)
     from .fp8_value import Fp8ValueConfig
@@ -212,7 +213,7 @@ def fp8_value_operand(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = No
         vt = torch.empty((b, hk, dv, -(-s // 16) * 16), dtype=torch.uint8, device=v.device)
         cu_v, max_seqlen_k = None, s
     tvm_ffi = use_tvm_ffi()
-    values = (aligned16(v.view(torch.uint8)), vt, cu_seqlens_k, cu_v, max_seqlen_k)
+    values = (aligned16(v.view(torch.uint8)), vt, cu_seqlens_k, cu_v, max(max_seqlen_k, 1))
     args = values if tvm_ffi else tuple(
         to_runtime(a, x) for a, x in zip(arguments.FP8_VALUE_ARGUMENTS, values))
     call_kernel(_compiled_fp8_value(Fp8ValueConfig(dv, varlen=varlen), tvm_ffi), tvm_ffi, args,
