@@ -330,12 +330,14 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
             raise ValueError("out= / lse= buffers take no gradient: call without them to differentiate")
         out, lse = _checks.output_buffers(q, out, lse, out_shape=(*q.shape[:3], v.shape[-1]),
                                           lse_shape=(spec.batch, spec.nheads, spec.seqlen_q))
-    reason = "score/mask modifiers: no kernel takes them yet"
-    if block_sparse is not None and mask_mod is None and score_mod is None:
+    if mask_mod is None and score_mod is None:
         served, reason = _sparse_kernel(q, k, v, spec, block_sparse, varlen, sink, out, lse,
                                         sparse_sig)
-        if served is not None:
-            return served
+    else:
+        served, reason = _mods_kernel(q, k, v, spec, mask_mod, score_mod, block_sparse, varlen,
+                                      sink, out, lse)
+    if served is not None:
+        return served
     if block_sparse is not None and not torch.compiler.is_compiling():
         sparse.check_values(block_sparse)
     _fall_back(reason, strict)
@@ -477,6 +479,99 @@ def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None, sig=No
     if physical is mask:  # (an expanded mask is expanded again on every call: not kept)
         _remember(sig, kspec, launch)
     return _launch_sparse(q, k, v, kspec, launch, physical, out, lse), None
+
+
+# mask_mod keys whose function the kernel could not trace, with the reason (not retried)
+_untraceable: dict = {}
+
+
+def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=None, lse=None):
+    """((out, lse), None) from the forward kernel with the mask_mod and / or score_mod traced
+    into it (the mask_mod on every block, or with block-sparse lists on their partial blocks;
+    the score_mod on every score), or (None, the reason none serves the call). A call that
+    records a gradient runs the backward kernel with the mask_mod traced in too (_Modded); a
+    score_mod's gradient has no kernel yet (the reference serves it)."""
+    from .kernels.launch_common import UnsupportedMod, mod_key, mod_tensors_of
+    reason = _sparse_reason(q, k, v, varlen, sink)
+    if reason is None and (spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0):
+        reason = "an empty problem (the reference's results)"
+    if reason is not None:
+        return None, "mask_mod / score_mod: " + reason
+    keys = {}
+    for kind, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if fn is None:
+            continue
+        try:
+            keys[kind] = mod_key(fn, kind)
+        except UnsupportedMod as e:
+            return None, f"{kind}: {e}"
+        if keys[kind] in _untraceable:
+            return None, _untraceable[keys[kind]]
+        object.__setattr__(keys[kind], "fn", fn)  # (not a field: the key compares without it)
+    kspec, physical = dataclasses.replace(spec, **keys), None
+    if mask is not None:
+        kspec, physical = _sparse_spec(kspec, mask)
+    try:
+        launch, reason = _cached_launch(kspec, q.device)
+    except Exception as e:  # the DSL could not trace it (a torch call, an unsupported operator)
+        first_line = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        why = (f"{' and '.join(keys)} could not be traced into the kernel "
+               f"({type(e).__name__}: {first_line})")
+        for key in keys.values():
+            _untraceable[key] = why
+        return None, why
+    if launch is None:
+        return None, "mask_mod / score_mod: " + reason
+    tensors = [None] * 4  # (the kernel's ModTensors: a mask_mod's two, a score_mod's two)
+    for slot, kind, fn in ((0, "mask_mod", mask_mod), (2, "score_mod", score_mod)):
+        if fn is not None:
+            found = mod_tensors_of(fn, keys[kind])
+            tensors[slot:slot + len(found)] = found
+    if _needs_grad(q, k, v):
+        try:
+            backward, reason = _cached_launch(dataclasses.replace(kspec, kind="bwd"), q.device)
+        except Exception as e:  # (the backward traces the mask_mod too)
+            return None, f"mask_mod could not be traced into the backward ({type(e).__name__})"
+        if backward is None:
+            return None, "mask_mod / score_mod: backward: " + reason
+        return _Modded.apply(q, k, v, kspec, launch, backward, physical, tensors), None
+    if out is None:
+        out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
+                          device=q.device)
+    lists = {"sparse": _kernel_lists(physical)} if physical is not None else {}
+    launch(q, k, v, out, lse, **lists, mod_tensors=tensors)
+    return (out, lse), None
+
+
+class _Modded(torch.autograd.Function):
+    """Attention with a traced mask_mod on the kernels, forward and backward (dense, or on
+    block-sparse lists as _BlockSparse walks them); the mod's own tensors get no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask, mod_tensors):
+        out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
+                          device=q.device)
+        lists = {"sparse": _kernel_lists(mask)} if mask is not None else {}
+        forward_launch(q, k, v, out, lse, **lists, mod_tensors=mod_tensors)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.backward_launch, ctx.mask, ctx.deterministic = backward_launch, mask, spec.deterministic
+        ctx.mod_tensors = mod_tensors[:2]  # (the backward traces the mask_mod only)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from cuteattn import sparse
+        q, k, v, out, lse = ctx.saved_tensors
+        lists = ()
+        if ctx.mask is not None:
+            turns = sparse.dq_turns(ctx.mask) if ctx.deterministic else None
+            lists = (*_kernel_lists(sparse.transpose(ctx.mask)), None, turns)
+        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse, sparse=lists,
+                                         mod_tensors=ctx.mod_tensors)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _through_op(q, k, v, out, lse, sink=None) -> bool:

@@ -330,7 +330,8 @@ def _decode_launch(spec: AttentionSpec, device):
 def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                       cache_batch_idx, block_table, positional: bool, interleaved: bool,
                       capacity: int, descales=(None, None)):
-    """The KV-cache update before a decode kernel attends, on the device with no sync: new k
+    """The KV-cache update before a decode kernel attends, on the device with no sync (on a GPU
+    one launch of kernels/common/kv_append.py, elsewhere append_and_rotate_torch): new k
     (rotated) and v written into the caches in place at positions [cache_seqlens[b],
     cache_seqlens[b] + seqlen_new) of cache row cache_batch_idx[b] (or b; paged: of sequence
     b's pages), and q rotated (at positions cache_seqlens[b] + i when `positional`, causal or
@@ -345,6 +346,27 @@ def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         # nothing to append or rotate: the lengths go to the kernel as they are (a decode step
         # then launches no PyTorch kernel before the attention's own)
         return q, cache_seqlens
+    if q.is_cuda and (k is not None or rotary_cos is not None):
+        # one launch of common/kv_append.py for what the PyTorch steps below do in a dozen
+        if isinstance(cache_seqlens, torch.Tensor):
+            lengths = cache_seqlens
+        else:
+            lengths = torch.full((b,), capacity if cache_seqlens is None else int(cache_seqlens),
+                                 dtype=torch.int32, device=device)
+        from .kernels.launch_common import kv_append
+        return kv_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths,
+                         cache_batch_idx, block_table, positional, interleaved, descales)
+    return append_and_rotate_torch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                                   cache_seqlens, cache_batch_idx, block_table, positional,
+                                   interleaved, capacity, descales)
+
+
+def append_and_rotate_torch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                            cache_batch_idx, block_table, positional: bool, interleaved: bool,
+                            capacity: int, descales=(None, None)):
+    """append_and_rotate in PyTorch steps (the kernel's reference)."""
+    b, sq = q.shape[:2]
+    device = q.device
     if cache_seqlens is None:
         old = torch.full((b,), capacity, dtype=torch.long, device=device)
     elif isinstance(cache_seqlens, torch.Tensor):

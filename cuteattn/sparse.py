@@ -178,27 +178,39 @@ def evaluate_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int,
     return torch.as_tensor(out, device=device).to(torch.bool).expand(batch, heads, seqlen_q, seqlen_k)
 
 
+# from_mask_mod evaluates this many (query, key) pairs at a time at most (per batch and head
+# entry the mod distinguishes): a few block rows of a long sequence per step
+MASK_MOD_CHUNK = 1 << 27
+
+
 def from_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                   q_block: int, kv_block: int, device=None) -> BlockSparseMask:
     """By evaluating mask_mod over every block: all pairs attended -> full, some -> partial,
-    none -> left out (query blocks at a time, so memory stays at one block row of pairs)."""
+    none -> left out (as many query blocks at a time as keep the evaluated pairs within
+    MASK_MOD_CHUNK, so memory stays bounded and a long sequence takes a few steps)."""
     _check_block_sizes(q_block, kv_block)
     nq, nk = -(-seqlen_q // q_block), -(-seqlen_k // kv_block)
     pad_k = nk * kv_block - seqlen_k
+    step = max(1, MASK_MOD_CHUNK // max(1, batch * heads * q_block * seqlen_k))
+    idx = lambda n, dim, start=0: (torch.arange(n, device=device) + start).view(
+        [-1 if j == dim else 1 for j in range(4)])
     any_rows, all_rows = [], []
-    for i in range(nq):
-        rows = min(q_block, seqlen_q - i * q_block)
-        idx = lambda n, dim, start=0: (torch.arange(n, device=device) + start).view(
-            [-1 if j == dim else 1 for j in range(4)])
-        m = torch.as_tensor(mask_mod(idx(batch, 0), idx(heads, 1), idx(rows, 2, i * q_block),
+    for first in range(0, nq, step):
+        blocks = min(step, nq - first)
+        start = first * q_block
+        rows = min(blocks * q_block, seqlen_q - start)
+        m = torch.as_tensor(mask_mod(idx(batch, 0), idx(heads, 1), idx(rows, 2, start),
                                      idx(seqlen_k, 3)), device=device).to(torch.bool)
         m = m.expand(batch, heads, rows, seqlen_k)
-        # pairs past the key end count as "attended" for all() and not for any()
-        m_all = torch.nn.functional.pad(m, (0, pad_k), value=True).view(batch, heads, rows, nk, kv_block)
-        m_any = torch.nn.functional.pad(m, (0, pad_k), value=False).view(batch, heads, rows, nk, kv_block)
-        any_rows.append(m_any.any(dim=(2, 4)))
-        all_rows.append(m_all.all(dim=(2, 4)))
-    attended, full = torch.stack(any_rows, dim=2), torch.stack(all_rows, dim=2)
+        # rows past the query end and pairs past the key end count as "attended" for all()
+        # and not for any()
+        pad_q = blocks * q_block - rows
+        m_all = torch.nn.functional.pad(m, (0, pad_k, 0, pad_q), value=True)
+        m_any = torch.nn.functional.pad(m, (0, pad_k, 0, pad_q), value=False)
+        shape = (batch, heads, blocks, q_block, nk, kv_block)
+        any_rows.append(m_any.view(shape).any(dim=5).any(dim=3))
+        all_rows.append(m_all.view(shape).all(dim=5).all(dim=3))
+    attended, full = torch.cat(any_rows, dim=2), torch.cat(all_rows, dim=2)
     return from_block_mask(attended, q_block, kv_block, partial=attended & ~full)
 
 

@@ -46,6 +46,10 @@ class AttentionSpec:
     # block-sparse (cuteattn.sparse): the (query, key) block shape of its lists; 0: dense
     sparse_q_block: int = 0
     sparse_kv_block: int = 0
+    # FlexAttention's mask_mod traced into the kernel (kernels/common/mask_mod.KernelMod:
+    # the function's code, constants and tensor kinds; its `fn` attribute the function)
+    mask_mod: Optional[object] = None
+    score_mod: Optional[object] = None   # likewise, a score_mod
     # dynamic: not in the key (one kernel serves every value)
     batch: int = 0
     seqlen_q: int = 0             # max_seqlen_q for varlen
@@ -89,4 +93,6 @@ class AttentionSpec:
             None if self.kv_dtype is None else DTYPE_NAMES[self.kv_dtype],
             self.sparse_q_block,
             self.sparse_kv_block,
+            self.mask_mod,
+            self.score_mod,
         )

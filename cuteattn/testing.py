@@ -121,7 +121,10 @@ def fp8_attention_emulated(q, k, v, descales, *, causal=False, window_size=(-1, 
         right = 0
     mask = visible_mask(q.shape[1], k.shape[1], left, right, device=q.device)
     scores = scores.masked_fill(~mask, float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
+    if scores.shape[-1] == 0:  # no key at all: amax has nothing to reduce; every row is empty
+        row_max = scores.new_full((*scores.shape[:-1], 1), float("-inf"))
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True)
     p = torch.exp(scores - torch.where(row_max == float("-inf"), 0.0, row_max))
     p8 = (p * 256).to(torch.float8_e4m3fn).float() / 256
     total = p.sum(dim=-1, keepdim=True)

@@ -93,6 +93,14 @@ def cases() -> dict:
     for name, (d, kw, sq, sk) in fp8_cases.items():
         out[f"fp8_{name}"] = lambda d=d, kw=kw, sq=sq, sk=sk: t8.check(
             *t8.fp8_inputs(1, sq, sk, 8, 2, d), **kw)
+    out["fp8_varlen_d128_causal"] = lambda: t8.test_fp8_varlen(0, 128, "causal")  # (packed V^T)
+    out["fp8_value_transpose_packed"] = lambda: t8.test_value_transpose_kernel_packed(0, [1000, 1, 0, 257, 64])
+    # traced mods (a tensor-reading mask_mod on dense tiles and on lists; ALiBi; gradients)
+    import test_gpu_mods as tm
+    out["mods_document_dense"] = lambda: tm.test_dense_tiles(0, "document", 128, True, 700)
+    out["mods_prefix_lists"] = lambda: tm.test_block_sparse_partial_blocks(0, "prefix", (128, 128))
+    out["mods_alibi_document"] = lambda: tm.test_score_mods(0, "alibi", 64, True)
+    out["mods_gradients"] = lambda: tm.test_mask_mod_gradients(0, "document", 128, True)
     # the backward (dq, dk, dv through autograd, checked against the reference's gradients)
     import test_gpu_bwd as tb
     for d in (64, 96, 128):
@@ -162,6 +170,9 @@ def cases() -> dict:
     for i in (1, 3, 4, 7):  # an fp8 cache (its byte ring): paged, odd pages, new tokens, splits
         out[f"portable_decode_fp8_{i}"] = _on_sm80(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]))
+    import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
+    for i in (1, 7):
+        out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])
     out["portable_paged_prefill_causal"] = _on_sm80(lambda: ts.test_paged_prefill(0, 16, True))
     for d in (64, 128):  # the portable backward: the bwd group's masks, deterministic, varlen
         for mask, kw in fixed_masks.items():
@@ -319,7 +330,7 @@ def main() -> int:
     ap.add_argument("--no-guards", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tool", choices=TOOLS + ("all",), default="all",
                     help="all = " + ", ".join(ALL_TOOLS))
-    ap.add_argument("--groups", default="fixed,varlen,fp8,bwd,bad,surface,sparse,portable", help="comma-separated subset")
+    ap.add_argument("--groups", default="fixed,varlen,fp8,mods,bwd,bad,surface,sparse,portable", help="comma-separated subset")
     ap.add_argument("--cases", default="", help="only cases whose name contains one of these (comma-separated)")
     ap.add_argument("--jobs", type=int, default=3, help="processes at once (warm-up and sanitizer)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="log directory (default $OUT)")

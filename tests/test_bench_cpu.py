@@ -72,3 +72,19 @@ def test_a_peer_that_failed_its_check_is_no_comparison():
     s = report.summary([{"cell": {"kind": "sparse_bwd"}, "rates": {"cuteattn": 2.0, "fa4": 8.0},
                          "check": failed}])
     assert s == {}
+
+
+def test_mods_cells_count_their_pairs_and_run_on_cpu():
+    """The "mods" cells: FLOPs over the pairs each mod lets through, and one cell end to end on
+    the reference (checked against the float32 reference with the same mods)."""
+    import torch
+    from cuteattn.bench.shapes import SLIDING, Cell, attended_pairs, mods_grid, mod_pairs
+    assert {c.mod for c in mods_grid(quick=True)} == {"document", "sliding", "alibi"}
+    assert mod_pairs("document", 1024, True) == 4 * (256 * 257 // 2)
+    assert mod_pairs("sliding", 4096, False) == attended_pairs(4096, 4096, False, (SLIDING, SLIDING))
+    assert mod_pairs("alibi", 512, True) == 512 * 513 // 2
+    for mod in ("document", "alibi"):
+        cell = Cell("mods", 64, 1, 2, 2, 128, 128, True, mod=mod)
+        result = bench.run_cell(cell, torch.device("cpu"), iters=1)
+        assert result["rates"]["cuteattn (reference)"] > 0
+        assert result["check"] and all(c["ok"] for c in result["check"].values())

@@ -254,16 +254,16 @@ def test_block_sparse_reasons():
     assert can(varlen_q=True, varlen_k=True).startswith("block-sparse with packed sequences")
 
 
-FP8_CASES = [(64, "none"), (128, "none"), (256, "none"), (128, "causal"), (128, "local"),
-             (128, "softcap"), (96, "causal"), (192, "local"), (256, "softcap")]
+FP8_CASES = [(d, m, v) for d in SUPPORTED_HEAD_DIMS for m in MASKS for v in (False, True)]
 
 
-@pytest.mark.parametrize("d,mask", FP8_CASES, ids=[f"d{d}-{m}" for d, m in FP8_CASES])
-def test_compile_fp8_fwd(d, mask, capfd, tmp_path, monkeypatch):
-    """The fp8 forward: e4m3 wgmma for both GEMMs (V K-major), P packed to e4m3 four at a
-    time, bf16 out, no spills."""
+@pytest.mark.parametrize("d,mask,varlen", FP8_CASES,
+                         ids=[f"d{d}-{m}{'-varlen' if v else ''}" for d, m, v in FP8_CASES])
+def test_compile_fp8_fwd(d, mask, varlen, capfd, tmp_path, monkeypatch):
+    """Every fp8 forward variant: e4m3 wgmma for both GEMMs (V K-major), P packed to e4m3 four
+    at a time, bf16 out, no spills."""
     monkeypatch.chdir(tmp_path)
-    spec = make_spec(torch.float8_e4m3fn, d, mask, False)
+    spec = make_spec(torch.float8_e4m3fn, d, mask, varlen)
     assert sm90_launch.FORWARD.can_implement(spec) is None
     cfg = sm90_launch.sm90_config(spec)
     assert cfg.fp8 and cfg.tile_n % 32 == 0 and cfg.o_path == "own_buffer"
@@ -281,8 +281,23 @@ def test_fp8_reasons():
     can = lambda **kw: sm90_launch.FORWARD.can_implement(
         dataclasses.replace(make_spec(torch.float8_e4m3fn, 128, "none", False), **kw))
     assert can() is None
-    assert can(varlen_q=True, varlen_k=True).startswith("fp8 with packed sequences")
-    assert can(has_seqused_k=True).startswith("fp8 with packed sequences")
+    assert can(varlen_q=True, varlen_k=True) is None and can(has_seqused_k=True) is None
     assert can(head_dim=80, head_dim_v=80).startswith("fp8 at head_dim 80")
     assert can(head_dim_v=64).startswith("fp8 at head_dim 128 (head_dim_v 64)")
     assert can(sparse_q_block=128, sparse_kv_block=128).startswith("fp8 block-sparse")
+
+
+@pytest.mark.parametrize("dv", [64, 128, 256])
+@pytest.mark.parametrize("varlen", [False, True], ids=["batched", "packed"])
+def test_compile_fp8_value_transpose(dv, varlen, capfd, tmp_path, monkeypatch):
+    """V's transpose for the fp8 forward (fp8_value.py): byte transposes by prmt, no spills."""
+    from cuteattn.kernels.compile_common import compile_kernel
+    from cuteattn.kernels.sm90 import arguments
+    from cuteattn.kernels.sm90.fp8_value import Fp8ValueConfig, Fp8ValueTranspose
+    monkeypatch.chdir(tmp_path)
+    cfg = Fp8ValueConfig(dv, varlen=varlen)
+    ptx = compile_kernel(Fp8ValueTranspose(cfg), arguments.fakes(cfg, entries=arguments.FP8_VALUE_ARGUMENTS),
+                         "--keep-ptx remarks{ptx}").__ptx__
+    assert ptx.count("prmt.b32") >= 32 and "st.global" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0

@@ -49,10 +49,31 @@ def test_value_operand_transposes_in_key_order():
     FP8_KEY_ORDER[s]; the keys past the end are zero."""
     b, s, hk, dv = 2, 37, 3, 32
     v = (torch.randn(b, s, hk, dv) * 4).to(torch.float8_e4m3fn)
-    vt = fp8_value_operand(v)
+    vt, cu_v = fp8_value_operand(v)
+    assert cu_v is None
     assert vt.dtype == torch.uint8 and vt.shape == (b, hk, dv, 48) and vt.is_contiguous()
     raw = v.view(torch.uint8)
     for col in range(48):
         key = 16 * (col // 16) + FP8_KEY_ORDER[col % 16]
         expect = raw[:, key] if key < s else torch.zeros(b, hk, dv, dtype=torch.uint8)
         assert torch.equal(vt[..., col], expect), col
+
+
+def test_value_operand_packed_sequences():
+    """Packed V: each sequence's keys from a 16-aligned column (cu_v), rounded up to 16 keys
+    with zeros, in key order; empty sequences take no columns; the columns past the last are
+    zero."""
+    lens = [5, 0, 16, 33]
+    hk, dv = 2, 16
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    v = (torch.randn(sum(lens), hk, dv) * 4).to(torch.float8_e4m3fn)
+    vt, cu_v = fp8_value_operand(v, cu)
+    assert cu_v.tolist() == [0, 16, 16, 32, 80]
+    assert vt.shape == (hk, dv, -(-(sum(lens) + 16 * len(lens)) // 16) * 16)
+    raw = v.view(torch.uint8)
+    for b, n in enumerate(lens):
+        for col in range(-(-n // 16) * 16):
+            key = 16 * (col // 16) + FP8_KEY_ORDER[col % 16]
+            want = raw[cu[b] + key] if key < n else torch.zeros(hk, dv, dtype=torch.uint8)
+            assert torch.equal(vt[:, :, cu_v[b] + col], want), (b, col)
+    assert not vt[:, :, 80:].any()

@@ -48,8 +48,9 @@ CASES = {
     "head_dim_v 128 over 64": (flash_attn_func, lambda: fixed(d=64, dv=128), "head_dim_v 128 > head_dim 64"),
     "sink": (flash_attn_func, lambda: dict(fixed(), learnable_sink=torch.randn(4)), "sinks"),
     "fp8 at head_dim 80": (flash_attn_func, fp8_call, "fp8 at head_dim 80"),
+    # (a torch method on an index: the DSL's integers have none, so the kernel cannot trace it)
     "mask_mod": (flash_attn_func, lambda: dict(fixed(), mask_mod=lambda b, h, i, j: (i - j).abs() < 5),
-                 "modifiers"),
+                 "could not be traced"),
     "block sparse": (flash_attn_func, lambda: dict(fixed(sq=64, sk=64), block_sparse=sparse.from_topk(
         torch.tensor([[[[0], [1]]]]), 2, 32, 32)), "block-sparse blocks of 32x32"),
     "paged prefill": (flash_attn_varlen_func, lambda: dict(

@@ -91,11 +91,77 @@ def test_fp8_fp16_out(seed):
     check(q, k, v, ds, out_dtype=torch.float16)
 
 
-def test_fp8_varlen_declines_strict(seed):
-    """Packed fp8 sequences have no kernel yet: strict mode names it (the default path serves
-    them on the reference)."""
+@pytest.mark.parametrize("b,s,hk,dv", [(1, 1, 1, 64), (2, 37, 3, 128), (1, 1000, 2, 256),
+                                       (3, 64, 4, 128), (1, 4097, 8, 64)])
+def test_value_transpose_kernel_matches_torch(seed, b, s, hk, dv):
+    """fp8_value.py's kernel writes exactly what the PyTorch gather writes: every byte, the key
+    order, the zero keys past the end; also from a strided view (a packed kv tensor's v)."""
+    from cuteattn.kernels.sm90.launch import fp8_value_operand, fp8_value_operand_torch
+    kv = (torch.randn(b, s, 2, hk, dv, device="cuda") * 3).clamp(-448, 448).to(E4M3)
+    for v in (kv[:, :, 1].contiguous(), kv[:, :, 1]):
+        got, cu_v = fp8_value_operand(v)
+        assert cu_v is None and torch.equal(got, fp8_value_operand_torch(v)[0])
+
+
+@pytest.mark.parametrize("lens", [[5, 0, 16, 33], [1000, 1, 0, 257, 64], [0, 0]],
+                         ids=["small", "mixed", "empty"])
+def test_value_transpose_kernel_packed(seed, lens):
+    """Packed sequences: the kernel's V^T and sequence starts equal the PyTorch reference's."""
+    from cuteattn.kernels.sm90.launch import fp8_value_operand, fp8_value_operand_torch
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    v = (torch.randn(max(sum(lens), 1), 4, 128, device="cuda") * 3).clamp(-448, 448).to(E4M3)
+    got, got_cu = fp8_value_operand(v, cu, max(lens))
+    want, want_cu = fp8_value_operand_torch(v, cu)
+    assert torch.equal(got_cu, want_cu) and torch.equal(got, want)
+    # a max_seqlen_k below the longest sequence only shrinks the grid (grid-stride loop)
+    got, got_cu = fp8_value_operand(v, cu, 1)
+    assert torch.equal(got_cu, want_cu) and torch.equal(got, want)
+
+
+VARLEN_MASKS = ["none", "causal", "window"]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", VARLEN_MASKS)
+def test_fp8_varlen(seed, d, mask):
+    """Packed fp8 sequences (empty ones, odd lengths, q and k lengths differing), against the
+    batched check of each sequence on its own."""
     from cuteattn import flash_attn_varlen_func
-    q, k, v, ds = fp8_inputs(1, 256, 256, 4, 2, 64)
-    cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
-    with pytest.raises(RuntimeError, match="fp8 with packed sequences"):
-        flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 156, 156, strict=True)
+    lens_q, lens_k = [0, 1, 63, 0, 129, 700], [5, 0, 63, 129, 1, 700]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device="cuda")
+    q, k, v, _ = fp8_inputs(1, sum(lens_q), sum(lens_k), 8, 2, d, descales=False)
+    q, k, v = q[0], k[0], v[0]  # packed (total, heads, d)
+    ds = tuple(torch.rand(len(lens_q), 2, device="cuda") + 0.5 for _ in range(3))
+    out, lse = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                      q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                                      return_lse=True, strict=True, **MASKS[mask])
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        oq, ok = sum(lens_q[:b]), sum(lens_k[:b])
+        one = (q[oq:oq + sq][None], k[ok:ok + sk][None], v[ok:ok + sk][None])
+        sds = tuple(x[b:b + 1] for x in ds)
+        ref, ref_lse = attention_ref(*(dequantize_fp8(x, s) for x, s in zip(one, sds)), **MASKS[mask])
+        emulated, emulated_lse = fp8_attention_emulated(*one, sds, **MASKS[mask])
+        assert_close_fa(out[oq:oq + sq][None].float(), ref, emulated)
+        assert_lse_close_fa(lse[:, oq:oq + sq][None], ref_lse, emulated_lse)
+
+
+def test_fp8_one_side_packed_and_seqused(seed):
+    """Packed q with batched k/v, and batched q/k/v with seqused_k only."""
+    from cuteattn import flash_attn_varlen_func
+    q, k, v, ds = fp8_inputs(2, 200, 300, 8, 2, 128)
+    cu_q = torch.tensor([0, 200, 400], dtype=torch.int32, device="cuda")
+    out = flash_attn_varlen_func(q.reshape(400, 8, 128), k, v, cu_q, None, 200, 300, causal=True,
+                                 q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], strict=True)
+    ref, _ = attention_ref(*(dequantize_fp8(x, s) for x, s in zip((q, k, v), ds)), causal=True)
+    emulated, _ = fp8_attention_emulated(q, k, v, ds, causal=True)
+    assert_close_fa(out.view(2, 200, 8, 128).float(), ref, emulated)
+    used = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
+    out = flash_attn_varlen_func(q, k, v, None, None, 200, 300, seqused_k=used,
+                                 q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], strict=True)
+    for b, n in enumerate(used.tolist()):
+        one = (q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
+        sds = tuple(x[b:b + 1] for x in ds)
+        ref, _ = attention_ref(*(dequantize_fp8(x, s) for x, s in zip(one, sds)))
+        emulated, _ = fp8_attention_emulated(*one, sds)
+        assert_close_fa(out[b:b + 1].float(), ref, emulated)

@@ -23,7 +23,9 @@ from cutlass import Float32, Int32, Int64  # noqa: E402
 
 from cuteattn.spec import AttentionSpec  # noqa: E402
 from cuteattn.kernels.sm90 import arguments, launch  # noqa: E402
-from cuteattn.kernels.sm90.arguments import Fp8Descales, SparseMetadata, VarlenMetadata  # noqa: E402
+from cuteattn.kernels.launch_common import mod_key  # noqa: E402
+from cuteattn.kernels.sm90.arguments import (Fp8Descales, ModTensors, SparseMetadata,  # noqa: E402
+                                             VarlenMetadata)
 from cuteattn.kernels.sm90.compile import fake_arguments  # noqa: E402
 from cuteattn.kernels.sm90.config import fwd_config  # noqa: E402
 from cuteattn.kernels.sm90.fwd import FlashFwdSm90  # noqa: E402
@@ -40,7 +42,9 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
           mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
           mQDescale: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
-          mVDescale: Optional[cute.Tensor],
+          mVDescale: Optional[cute.Tensor], mCuSeqlensV: Optional[cute.Tensor],
+          mModTensor0: Optional[cute.Tensor], mModTensor1: Optional[cute.Tensor],
+          mModTensor2: Optional[cute.Tensor], mModTensor3: Optional[cute.Tensor],
           mTileCounter: cute.Tensor,
           qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
           window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
@@ -48,13 +52,14 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mO, mLSE, mFullCount, mFullIndex, mPartialCount, mPartialIndex,
-              mQDescale, mKDescale, mVDescale):
+              mQDescale, mKDescale, mVDescale, mModTensor0, mModTensor1, mModTensor2,
+              mModTensor3):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
                 info[i + 1] = Int64(t.stride[m])
                 i += 2
-    for t in (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mTileCounter):
+    for t in (mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mCuSeqlensV, mTileCounter):
         if cutlass.const_expr(t is not None):
             info[i] = Int64(t.shape[0])
             info[i + 1] = Int64(t[1])
@@ -67,9 +72,9 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
         i += 1
 
 
-def expected(tensors, spec, sparse=(), descales=()):
+def expected(tensors, spec, sparse=(), descales=(), mod=()):
     out = []
-    for t in (*tensors[:5], *sparse, *descales):
+    for t in (*tensors[:5], *sparse, *descales, *mod):
         for n, st in zip(t.shape, t.stride()):
             out += [n, st]
     for t in tensors[5:]:
@@ -79,6 +84,24 @@ def expected(tensors, spec, sparse=(), descales=()):
     out += [spec.qhead_per_kvhead, left, right, launch.max_ctas(spec), *launch.l2_groups(spec)]
     out += [int(score_scale * 1e6), int(scale_log2 * 1e6)]
     return out
+
+
+MOD_TABLE = None  # (the module-level tensor _mod_reading's mod names)
+
+
+def _mod_reading(lengths, table):
+    global MOD_TABLE
+    MOD_TABLE = table
+
+    def mod(b, h, q_idx, kv_idx):
+        return (lengths[b] > kv_idx) & (MOD_TABLE[b, kv_idx] >= 0.0)
+    return mod
+
+
+def _alibi(slopes):
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi
 
 
 def packed(total, h, d, dtype=torch.bfloat16):
@@ -93,24 +116,31 @@ def qkv_views(b, s, h, d):
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
 @pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused",
-                                    "block-sparse", "fp8"])
+                                    "block-sparse", "fp8", "fp8-varlen", "mask-mod"])
 def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     if tvm_ffi:
         pytest.importorskip("tvm_ffi")
-    varlen = layout.startswith("varlen")
+    varlen = layout.startswith("varlen") or layout == "fp8-varlen"
     seqused = layout == "varlen-seqused"
     block = (128, 64) if layout == "block-sparse" else None
-    fp8 = layout == "fp8"
+    fp8 = layout.startswith("fp8")
+    # a mask_mod reading a 1-D int32 tensor it closes over and a 2-D float32 module-level one
+    # and a score_mod reading a float32 tensor (ALiBi's slopes)
+    mod_tensors = (torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32), torch.rand(3, 7),
+                   torch.rand(4), None) if layout == "mask-mod" else ()
+    keys = dict(mask_mod=mod_key(_mod_reading(*mod_tensors[:2])),
+                score_mod=mod_key(_alibi(mod_tensors[2]), "score_mod")) if mod_tensors else {}
     cfg = fwd_config(cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
-                     has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block)
+                     has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block,
+                     **keys)
     # block-sparse lists: counts broadcast over the batch, index lists per (batch, head)
     sparse = (torch.tensor([[[1, 2]]], dtype=torch.int32),
               torch.zeros(2, 4, 2, 5, dtype=torch.int32)[..., :4],  # a padded last mode
               torch.tensor([[[0, 1]], [[1, 0]]], dtype=torch.int32).repeat(1, 4, 1),
               torch.zeros(1, 4, 2, 4, dtype=torch.int32)) if block else ()
-    if layout in ("fixed", "block-sparse"):
+    if layout in ("fixed", "block-sparse", "mask-mod"):
         q, k, v = (torch.randn(2, 96, 4, 128, dtype=torch.bfloat16) for _ in range(3))
-    elif fp8:  # as the launch hands them over: bytes, V transposed (launch.fp8_value_operand)
+    elif layout == "fp8":  # as the launch hands them over: bytes, V transposed (fp8_value_operand)
         q = torch.randn(2, 33, 8, 128).to(torch.float8_e4m3fn)
         k, v = (torch.randn(2, 71, 2, 128).to(torch.float8_e4m3fn) for _ in range(2))
     elif layout == "fixed-qkv-views":
@@ -120,6 +150,8 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         k, v = (torch.randn(2, 71, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     else:
         q, k, v = packed(300, 4, 128), packed(500, 2, 128), packed(500, 2, 128)
+        if fp8:
+            q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
     o = torch.empty(q.shape, dtype=torch.bfloat16)
     if varlen:
         lse = torch.empty(q.shape[1], q.shape[0])
@@ -132,14 +164,16 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         cu_q = cu_k = None
         used = (None, None)
     descales = tuple(torch.rand(2, 2) + 0.5 for _ in range(3)) if fp8 else ()
+    cu_v = None
     if fp8:
-        q, k, v = q.view(torch.uint8), k.view(torch.uint8), launch.fp8_value_operand(v)
+        v, cu_v = launch.fp8_value_operand(v, cu_k)
+        q, k = q.view(torch.uint8), k.view(torch.uint8)
     spec = AttentionSpec(dtype=torch.float8_e4m3fn if fp8 else q.dtype, head_dim=128, head_dim_v=128, causal=False, local=True,
                          has_softcap=True, varlen_q=varlen, varlen_k=varlen, seqlen_q=200,
                          nheads=q.shape[-2], nheads_k=k.shape[-2], softmax_scale=0.125,
                          window_left=17, window_right=None, softcap=30.0)
     counter = torch.tensor([0, 7], dtype=torch.int32)  # [1] is what the probe reads back
-    tensors = (q, k, v, o, lse, cu_q, cu_k, *used, counter)
+    tensors = (q, k, v, o, lse, cu_q, cu_k, *used, cu_v, counter)
     info = torch.full((128,), -1, dtype=torch.int64)
     varlen_args = VarlenMetadata(cu_q, cu_k, *used)
     if tvm_ffi:
@@ -150,14 +184,17 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         compiled = cute.compile(probe, *fakes, fake_info, options="--enable-tvm-ffi")
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, tvm_ffi=True,
                                           counter=counter, sparse=SparseMetadata(*sparse),
-                                          fp8=Fp8Descales(*descales)), info)
+                                          fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
+                                          mod=ModTensors(*mod_tensors)), info)
     else:
         compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter,
                                           sparse=SparseMetadata(*sparse),
-                                          fp8=Fp8Descales(*descales)),
+                                          fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
+                                          mod=ModTensors(*mod_tensors)),
                  _to_cute(info, 8))
-    want = expected((q, k, v, *tensors[3:]), spec, sparse, descales)
+    want = expected((q, k, v, *tensors[3:]), spec, sparse, descales,
+                    [t for t in mod_tensors if t is not None])
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
     # the two float32 scalars (in micro-units): equal up to float32 rounding
@@ -192,7 +229,8 @@ def test_declaration_drives_fakes_and_launch_arguments():
     optional = {a.name: f for a, f in zip(declared, fakes) if a.kind == arguments.OPTIONAL_TENSOR}
     assert [name for name, f in optional.items() if f is None] == [
         "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex",
-        "mQDescale", "mKDescale", "mVDescale"]
+        "mQDescale", "mKDescale", "mVDescale", "mCuSeqlensV", "mModTensor0", "mModTensor1",
+        "mModTensor2", "mModTensor3"]
     q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 10, 20], dtype=torch.int32)
@@ -250,6 +288,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
               mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
               mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
               mKeyHalves: Optional[cute.Tensor], mDqTurns: Optional[cute.Tensor],
+              mModTensor0: Optional[cute.Tensor], mModTensor1: Optional[cute.Tensor],
               qhead_per_kvhead: Int32, softmax_scale: Float32, score_scale: Float32,
               softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
               num_n_blocks: Int32, info: cute.Tensor):
@@ -264,7 +303,8 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
             info[i] = Int64(t.shape[0])
             info[i + 1] = Int64(t[1])
             i += 2
-    for t in (mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves, mDqTurns):
+    for t in (mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves, mDqTurns,
+              mModTensor0, mModTensor1):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
@@ -282,8 +322,9 @@ def test_bwd_declaration_matches_kernel_and_probe():
     assert names + [arguments.STREAM] == parameter_names(FlashBwdSm90.__call__)
     assert parameter_names(probe_bwd) == names + ["info"]
     assert list(BWD_PER_CALL) == [n for n in names if n in BWD_PER_CALL]
-    assert [n for n in names if n not in BWD_PER_CALL][:6] == [
-        "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex", "mKeyHalves", "mDqTurns"]
+    assert [n for n in names if n not in BWD_PER_CALL][:8] == [
+        "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex", "mKeyHalves", "mDqTurns",
+        "mModTensor0", "mModTensor1"]
 
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
@@ -319,7 +360,7 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
         compiled = cute.compile(probe_bwd, *fake_bwd_arguments(cfg), _to_cute(info, 8))
         run = lambda *args: compiled(*args[:-1], _to_cute(info, 8))  # the stream: not a param
     monkeypatch.setattr(launch_bwd, "use_tvm_ffi", lambda: tvm_ffi)
-    monkeypatch.setattr(launch_bwd, "_compiled", lambda cfg, tvm: run)
+    monkeypatch.setattr(launch_bwd, "_compiled", lambda cfg, tvm, mask_mod_fn=None: run)
     bl = launch_bwd.BwdLaunch(spec)
     seen = {}
     bind = bl.bind
@@ -340,7 +381,7 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
         bl(dout, q, k, v, o, lse)
     values = seen["values"]
     tensors, (cu_q, cu_k, used_q, used_k), semaphore, n_blocks = values[:9], values[9:13], values[13], values[-1]
-    assert values[14:-1] == (None,) * 6  # no block-sparse lists nor tables: dense
+    assert values[14:-1] == (None,) * 8  # no block-sparse lists, tables nor mod tensors: dense
     want = []
     for t in (*tensors, semaphore):
         for n, st in zip(t.shape, t.stride()):

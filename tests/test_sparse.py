@@ -300,3 +300,23 @@ def test_transpose_lists_the_same_pairs():
     t_full, t_part = t.block_masks()
     assert torch.equal(t_full, full.transpose(-1, -2)) and torch.equal(t_part, part.transpose(-1, -2))
     assert torch.equal(t.dense(500, 300), mask.dense(300, 500).transpose(-1, -2))
+
+
+@pytest.mark.parametrize("chunk", [1, 1 << 14, 1 << 27], ids=["row", "some-rows", "all-rows"])
+def test_from_mask_mod_chunks_agree(seed, chunk, monkeypatch):
+    """from_mask_mod evaluates block rows in chunks (sparse.MASK_MOD_CHUNK pairs): one block row
+    at a time, a few, or all at once give the same lists, short last blocks included, with the
+    mod depending on batch and head."""
+    monkeypatch.setattr(sparse, "MASK_MOD_CHUNK", chunk)
+    docs = torch.arange(1000) // 230
+
+    def mod(b, h, q_idx, kv_idx):
+        return ((docs[q_idx] == docs[kv_idx]) & (kv_idx <= q_idx + 40 * h)) | (kv_idx < 30 * b)
+    got = sparse.from_mask_mod(mod, 2, 3, 1000, 777, 64, 128)
+    monkeypatch.setattr(sparse, "MASK_MOD_CHUNK", 1)
+    want = sparse.from_mask_mod(mod, 2, 3, 1000, 777, 64, 128)
+    for a, b in zip(got.block_masks(), want.block_masks()):
+        assert torch.equal(a, b)
+    # and the lists mean exactly the mod's pairs on their partial blocks, nothing else
+    dense = got.dense(1000, 777, mod, batch=2, heads=3)
+    assert torch.equal(dense, sparse.evaluate_mask_mod(mod, 2, 3, 1000, 777, "cpu"))

@@ -30,6 +30,11 @@ def parse_args(argv=None):
     p.add_argument("--surface", action="store_true",
                    help="also the head dims no compiled kernel has: d=192/dv=128 (16 heads) and "
                         "d=80 (24 heads), 16k tokens, 4k and 16k, causal and not")
+    p.add_argument("--mods", action="store_true",
+                   help="FlexAttention mods traced into the kernel (a document mask_mod, a sliding "
+                        "window, ALiBi as a score_mod; B=1, H=16, d=128, S 8k/16k), with and "
+                        "without block-sparse lists, beside torch's flex_attention, instead of "
+                        "the forward grid")
     p.add_argument("--sparse", action="store_true",
                    help="block-sparse forward (B=1, H=12, d=128, S 8k/32k; dense, 50%% and 90%% of "
                         "256x256 logical blocks left out; physical 128x128, 128x64, 64x64) beside "
@@ -126,6 +131,8 @@ def main(argv=None) -> int:
             grid = shapes.fp8_grid(quick=args.quick)
         elif args.sparse:
             grid = shapes.sparse_grid(quick=args.quick, bwd=args.bwd)
+        elif args.mods:
+            grid = shapes.mods_grid(quick=args.quick)
         elif args.bwd:
             grid = shapes.bwd_grid(quick=args.quick)
         else:

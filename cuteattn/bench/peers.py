@@ -19,6 +19,11 @@ def make_inputs(cell: Cell, device: torch.device) -> dict:
         return _fp8_inputs(cell, device)
     if cell.kind in ("sparse", "sparse_bwd"):
         return _sparse_inputs(cell, device, dtype, grad=cell.kind == "sparse_bwd")
+    if cell.kind == "mods":
+        x = {n: torch.randn(cell.batch, cell.seqlen_q, cell.nheads, cell.d, device=device,
+                            dtype=dtype) for n in ("q", "k", "v")}
+        x["mask_mod"], x["score_mod"] = mod_functions(cell, device)
+        return x
     grad = cell.kind == "bwd"
     rand = lambda *shape: torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
     if cell.lens is None:
@@ -128,6 +133,62 @@ def _sparse(cell, x, device):
     return impls
 
 
+def mod_functions(cell, device) -> tuple:
+    """(mask_mod, score_mod) of a "mods" cell (shapes.MODS), FlexAttention's signatures."""
+    from cuteattn.bench.shapes import SLIDING
+    if cell.mod == "document":
+        docs = torch.arange(cell.seqlen_q, device=device, dtype=torch.int32) // (cell.seqlen_q // 4)
+
+        def document(b, h, q_idx, kv_idx):
+            return docs[q_idx] == docs[kv_idx]
+        return document, None
+    if cell.mod == "sliding":
+        def sliding(b, h, q_idx, kv_idx):
+            return (q_idx - kv_idx <= SLIDING) & (kv_idx - q_idx <= SLIDING)
+        return sliding, None
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / cell.nheads) for i in range(cell.nheads)],
+                          device=device)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return None, alibi
+
+
+def _mods(cell, x, device):
+    """cuteattn with the mods traced into its kernel (on every block; and, for a mask_mod, on
+    the block-sparse lists sparse.from_mask_mod builds, timed apart as the builders), beside
+    FlexAttention (torch.compile'd flex_attention with its own block mask)."""
+    from cuteattn import flash_attn_func, sparse
+    strict = device.type == "cuda"
+    mods = dict(mask_mod=x["mask_mod"], score_mod=x["score_mod"])
+    impls = {"cuteattn": lambda: flash_attn_func(x["q"], x["k"], x["v"], causal=cell.causal,
+                                                 strict=strict, **mods)}
+    if device.type != "cuda":
+        return {"cuteattn (reference)": impls["cuteattn"]}
+    if x["mask_mod"] is not None:
+        build = lambda: sparse.from_mask_mod(x["mask_mod"], 1, 1, cell.seqlen_q, cell.seqlen_k,
+                                             128, 128, device=device)
+        lists = build()
+        x["builders"] = build
+        impls["cuteattn-lists"] = lambda: flash_attn_func(
+            x["q"], x["k"], x["v"], causal=cell.causal, strict=True, block_sparse=lists, **mods)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention)
+        mask_mod = x["mask_mod"]
+        if cell.causal:
+            inner = mask_mod or (lambda b, h, q_idx, kv_idx: q_idx >= 0)
+            mask_mod = lambda b, h, q_idx, kv_idx: inner(b, h, q_idx, kv_idx) & (kv_idx <= q_idx)
+        block = None if mask_mod is None else create_block_mask(
+            mask_mod, None, None, cell.seqlen_q, cell.seqlen_k, device=device)
+        tr = lambda t: t.transpose(1, 2)
+        impls["flex"] = lambda: tr(flex(tr(x["q"]), tr(x["k"]), tr(x["v"]), score_mod=x["score_mod"],
+                                        block_mask=block))
+    except Exception as e:
+        impls["flex"] = f"flex_attention unavailable ({type(e).__name__}: {str(e)[:120]})"
+    return impls
+
+
 def _fp8(cell, x, device):
     """cuteattn on fp8 inputs, and our bf16 forward on the same values beside it."""
     from cuteattn import flash_attn_func
@@ -162,6 +223,15 @@ def _decode(cell, x, device):
     if device.type != "cuda":
         return {"cuteattn (reference)": ours}
     impls = {"cuteattn": ours}
+    if not cell.kv_dtype and cell.seqlen_q == 1:
+        # the same step appending one new token (at the last position: the same keys are read;
+        # the call rewrites that slot with the same values every time)
+        new = [torch.randn(cell.batch, 1, cell.nheads_k, cell.d, device=device,
+                           dtype=x["q"].dtype) for _ in range(2)]
+        before = x["lens"] - 1
+        impls["cuteattn-append"] = lambda: flash_attn_with_kvcache(
+            x["q"], x["k"], x["v"], k=new[0], v=new[1], cache_seqlens=before,
+            block_table=x["table"], strict=True)
     if cell.kv_dtype:  # our decode of the same values from a bf16 cache; no peer reads fp8
         impls["cuteattn-bf16-cache"] = lambda: flash_attn_with_kvcache(
             x["q"], x["k_bf16"], x["v_bf16"], cache_seqlens=x["lens"], block_table=x["table"],
@@ -239,6 +309,8 @@ def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
         return _decode(cell, x, device)
     if cell.kind == "fp8":
         return _fp8(cell, x, device)
+    if cell.kind == "mods":
+        return _mods(cell, x, device)
     if cell.kind == "sparse":
         return _sparse(cell, x, device)
     if cell.kind == "sparse_bwd":
@@ -289,6 +361,8 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
         return _check_fp8(cell, x, out, r)
     if cell.kind == "sparse":
         return _check_sparse(cell, x, out)
+    if cell.kind == "mods":
+        return _check_mods(cell, x, out)
     if cell.kind == "sparse_bwd":
         return _check_sparse_dq(cell, x, out[0], dout)
     if cell.kind == "decode":  # batch 0, kv head 0's query heads, against its whole cache
@@ -382,6 +456,22 @@ def _check_sparse_dq(cell, x, dq, dout, rows: int = 256):
         torch.einsum("bhqk,bkhd->bqhd", p, v.to(dtype)).backward(g.to(dtype))
         return leaf.grad
     err, base = fa_error(dq[:1, :rows, :1], dq_of(torch.float32), dq_of(q.dtype))
+    bound = 2 * base + FA_FLOOR
+    return dict(ok=bool(err <= bound), err=err, bound=bound)
+
+
+def _check_mods(cell, x, out, rows: int = 256):
+    """The first query rows of batch 0, head 0 against the float32 reference with the mods
+    (attention_ref evaluates them on that block of rows)."""
+    sl = lambda t, n: t[:1, :n, :1]
+    q, k, v = sl(x["q"], rows), sl(x["k"], cell.seqlen_k), sl(x["v"], cell.seqlen_k)
+    kw = dict(mask_mod=x["mask_mod"], score_mod=x["score_mod"])
+    if cell.causal:  # (the rows are the sequence's first: causal is top-left for them)
+        inner = x["mask_mod"] or (lambda b, h, q_idx, kv_idx: q_idx >= 0)
+        kw["mask_mod"] = lambda b, h, q_idx, kv_idx: inner(b, h, q_idx, kv_idx) & (kv_idx <= q_idx)
+    ref, _ = attention_ref(q.float(), k.float(), v.float(), **kw)
+    low, _ = attention_ref(q, k, v, upcast=False, **kw)
+    err, base = fa_error(out[:1, :rows, :1], ref, low)
     bound = 2 * base + FA_FLOOR
     return dict(ok=bool(err <= bound), err=err, bound=bound)
 

@@ -7,7 +7,10 @@ import os
 import re
 import subprocess
 
-OURS = ("cuteattn", "cuteattn (reference)", "cuteattn-deterministic")  # never peers; the first present is "ours"
+# never peers; the first present is "ours" ("cuteattn-append": a decode step that also appends;
+# "cuteattn-lists": a mods cell run on block-sparse lists)
+OURS = ("cuteattn", "cuteattn (reference)", "cuteattn-deterministic", "cuteattn-append",
+        "cuteattn-lists")
 
 
 GRAPH = " graph"  # the suffix of a rate timed as CUDA-graph replays (decode cells)

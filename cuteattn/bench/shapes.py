@@ -46,6 +46,7 @@ class Cell:
     block_k: int | None = None
     dv: int | None = None                 # v's head dim where it differs from d
     kv_dtype: str | None = None           # decode: "fp8_e4m3" for an fp8 cache (None: bf16)
+    mod: str | None = None                # "mods" cells: MODS' name (a mask_mod or score_mod)
 
     def kept_blocks(self) -> tuple:
         """Sparse: (logical key blocks each query block keeps, logical key blocks)."""
@@ -76,6 +77,8 @@ class Cell:
         if self.kind in ("sparse", "sparse_bwd"):  # only the selected pairs count
             keep, blocks = self.kept_blocks()
             pairs = self.batch * self.seqlen_q * self.seqlen_k * keep / blocks
+        elif self.kind == "mods":  # the pairs the mask_mod (and causal) let through
+            pairs = self.batch * mod_pairs(self.mod, self.seqlen_q, self.causal)
         elif self.lens is None:
             pairs = self.batch * attended_pairs(self.seqlen_q, self.seqlen_k, self.causal)
         else:
@@ -89,6 +92,8 @@ class Cell:
         if self.kind in ("sparse", "sparse_bwd"):
             return (f"{self.kind.replace('_', ' ')} d{self.d} h{self.nheads} S{self.seqlen_q} {self.sparsity:.0%} "
                     f"{self.block_q}x{self.block_k}")
+        if self.kind == "mods":
+            return f"mods {self.mod} d{self.d} h{self.nheads} S{self.seqlen_q} {mask}"
         if self.kind == "decode":
             cache = f"page {self.page_size}" if self.page_size else "contiguous"
             fp8 = " fp8 cache" if self.kv_dtype else ""
@@ -184,6 +189,32 @@ def varlen_grid() -> list[Cell]:
 
 
 DECODE_SHAPES = ((1, 131072), (8, 32768), (64, 8192), (128, 4096))  # (batch, cache length)
+
+
+# FlexAttention mods the "mods" cells time (bench/peers.mod_functions builds them):
+# document: 4 documents of equal length (a mask_mod reading document ids); sliding: a 1024-key
+# window each way (a mask_mod of constants); alibi: ALiBi's bias (a score_mod reading slopes)
+MODS = ("document", "sliding", "alibi")
+SLIDING = 1024
+
+
+def mod_pairs(mod: str, seqlen: int, causal: bool) -> int:
+    """The (query, key) pairs a MODS entry lets through (with causal on top)."""
+    if mod == "document":
+        n = seqlen // 4
+        per_doc = n * (n + 1) // 2 if causal else n * n
+        return 4 * per_doc + (0 if seqlen % 4 == 0 else attended_pairs(seqlen % 4, seqlen % 4, causal))
+    if mod == "sliding":
+        return attended_pairs(seqlen, seqlen, causal, (SLIDING, SLIDING))
+    return attended_pairs(seqlen, seqlen, causal)
+
+
+def mods_grid(quick: bool = False) -> list[Cell]:
+    """bf16, B=1, H=16, d=128, S 8k and 16k, each MODS entry, causal (document, alibi) or not
+    (sliding)."""
+    seqlens = (8192,) if quick else (8192, 16384)
+    return [Cell("mods", 128, 1, 16, 16, s, s, mod != "sliding", mod=mod)
+            for s in seqlens for mod in MODS]
 
 
 def decode_grid(quick: bool = False, fp8_kv: bool = False) -> list[Cell]:

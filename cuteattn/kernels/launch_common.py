@@ -100,7 +100,10 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
 
 def kernel_scalars(spec: AttentionSpec):
     """(score_scale, softmax_scale_log2, window_left, window_right) as the kernel takes them."""
-    if spec.has_softcap:
+    if spec.score_mod is not None:
+        # the kernel scales the scores itself for the score_mod, whose results are final
+        score_scale, scale_log2 = spec.softmax_scale, LOG2E
+    elif spec.has_softcap:
         # s' = softcap * tanh(s * scale / softcap); exp(s') = exp2(tanh(...) * softcap * log2 e)
         score_scale = spec.softmax_scale / spec.softcap
         scale_log2 = spec.softcap * LOG2E
@@ -163,9 +166,12 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
     return None
 
 
-def unserved_form(spec: AttentionSpec, arch: str, who: str) -> Optional[str]:
+def unserved_form(spec: AttentionSpec, arch: str, who: str, mods: bool = False) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
-    a learnable sink; paged keys."""
+    a learnable sink; paged keys; a mask_mod or score_mod (unless `mods`: the family traces
+    them)."""
+    if (spec.mask_mod is not None or spec.score_mod is not None) and not mods:
+        return f"mask_mod / score_mod: no {arch} {who} traces them yet"
     if spec.has_sink:
         return f"learnable attention sinks: no {arch} {who} takes them yet"
     if spec.paged_kv:
@@ -312,14 +318,18 @@ class BackwardLaunch:
         self.sparse_names = tuple(n for n in ("mFullCount", "mFullIndex", "mPartialCount",
                                               "mPartialIndex", "mKeyHalves", "mDqTurns")
                                   if n in arguments.names(entries))
-        per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, BWD_PER_CALL[-1])
+        # and a traced mask_mod's tensors after them (common/mods.py)
+        self.mod_names = tuple(n for n in ("mModTensor0", "mModTensor1")
+                               if n in arguments.names(entries))
+        per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, *self.mod_names, BWD_PER_CALL[-1])
         self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, sparse: tuple = ()):
+                 seqused_q=None, seqused_k=None, sparse: tuple = (), mod_tensors: tuple = ()):
         """sparse: a block-sparse spec's transposed lists (sparse.transpose of the forward's:
         per key block, the query blocks that see it), in SparseMetadata's order; for lists of
-        64-key blocks the pairs' lists and the halves' table (sparse.transpose_paired)."""
+        64-key blocks the pairs' lists and the halves' table (sparse.transpose_paired).
+        mod_tensors: the tensors a traced mask_mod reads (mod_tensors_of)."""
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
@@ -337,7 +347,139 @@ class BackwardLaunch:
                                 device=q.device)
         if n_blocks > 0:
             lists = tuple(sparse) + (None,) * (len(self.sparse_names) - len(sparse))
+            lists += tuple(mod_tensors) + (None,) * (len(self.mod_names) - len(mod_tensors))
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
         return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)
+
+
+# ---- FlexAttention's mask_mod / score_mod traced into a kernel (common/mods.py) ----
+
+class UnsupportedMod(ValueError):
+    """Why a mask_mod or score_mod cannot be compiled into a kernel (the reference serves it)."""
+
+
+_CONSTANT_TYPES = (bool, int, float, str)
+MOD_ARGS = {"mask_mod": "(b, h, q_idx, kv_idx)", "score_mod": "(score, b, h, q_idx, kv_idx)"}
+
+
+def _mod_dtype(kind: str, t: torch.Tensor, what: str) -> str:
+    from .common.mods import TENSOR_DTYPES
+    dtype = str(t.dtype).replace("torch.", "").replace("int64", "int32")
+    if dtype not in TENSOR_DTYPES:
+        raise UnsupportedMod(f"{kind} reads {what}, a {t.dtype} tensor (kernels take int32, "
+                             f"int64 and float32)")
+    return dtype
+
+
+def mod_key(fn, kind: str = "mask_mod"):
+    """The KernelMod of `fn`, a mask_mod or score_mod (`kind`): its code, the constants and
+    tensor kinds it reads; or UnsupportedMod saying why it cannot be compiled into a kernel."""
+    import hashlib
+    import marshal
+    import types
+    from .common.mods import MAX_TENSORS, KernelMod
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        raise UnsupportedMod(f"{kind} is not a plain Python function")
+    if code.co_argcount != MOD_ARGS[kind].count(",") + 1:
+        raise UnsupportedMod(f"{kind} must take {MOD_ARGS[kind]}")
+    constants, tensors, cells, names = [], [], [], []
+    for slot, cell in enumerate(fn.__closure__ or ()):
+        value = cell.cell_contents
+        if isinstance(value, torch.Tensor):
+            what = f"closure variable {code.co_freevars[slot]!r}"
+            tensors.append((_mod_dtype(kind, value, what), value.dim()))
+            cells.append(slot)
+        elif isinstance(value, _CONSTANT_TYPES) or value is None:
+            constants.append(value)
+        else:
+            raise UnsupportedMod(f"{kind} closes over a {type(value).__name__} "
+                                 f"({code.co_freevars[slot]!r})")
+    for name in code.co_names:
+        value = fn.__globals__.get(name)
+        if isinstance(value, torch.Tensor):  # a module-level tensor: an argument too
+            tensors.append((_mod_dtype(kind, value, f"the module-level {name!r}"), value.dim()))
+            names.append(name)
+        elif isinstance(value, _CONSTANT_TYPES):
+            constants.append((name, value))
+    if len(tensors) > MAX_TENSORS:
+        raise UnsupportedMod(f"{kind} reads {len(tensors)} tensors (kernels take at most "
+                             f"{MAX_TENSORS})")
+    digest = hashlib.sha1(marshal.dumps(code)).hexdigest()[:16]
+    return KernelMod(kind, code.co_name, digest, tuple(constants), tuple(tensors), tuple(cells),
+                     tuple(names))
+
+
+def mod_tensors_of(fn, key) -> list:
+    """The tensors mod `fn` reads, as its kernel takes them (key: mod_key(fn)): the closure's,
+    then the module-level ones; int64 as int32, each contiguous."""
+    found = [fn.__closure__[slot].cell_contents for slot in key.tensor_cells]
+    found += [fn.__globals__[name] for name in key.tensor_names]
+    return [(t.int() if t.dtype == torch.int64 else t).contiguous() for t in found]
+
+
+# ---- the KV-cache update before a decode kernel (common/kv_append.py) ----
+
+_FP8_CACHE_KINDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+def kv_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+              block_table, positional: bool, interleaved: bool, descales=(None, None)):
+    """kvcache.append_and_rotate on a GPU in one launch (common/kv_append.py): returns (q
+    rotated, or q itself without rotary; the used lengths, int32 (batch,)). cache_seqlens: an
+    int32 (batch,) tensor; at least one of k (with v) and rotary_cos (with rotary_sin)."""
+    from .common.kv_append import KvAppendConfig
+    from .sm80 import arguments as sm80_arguments
+    fp8 = _FP8_CACHE_KINDS.get(k_cache.dtype)
+    rotary = None if rotary_cos is None else ("interleaved" if interleaved else "neox")
+    cfg = KvAppendConfig(
+        CUTLASS_DTYPES[q.dtype], q.shape[-1], v_cache.shape[-1], append=k is not None,
+        rotary=rotary, rotary_dtype=None if rotary is None else _ROTARY_DTYPES[rotary_cos.dtype],
+        positional=positional, paged=block_table is not None,
+        batch_idx=cache_batch_idx is not None and block_table is None, cache_fp8=fp8)
+    q_rot = torch.empty_like(q) if rotary else None
+    used = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
+    if fp8:
+        ones = None
+        if descales[0] is None or descales[1] is None:
+            ones = torch.ones(q.shape[0], k_cache.shape[2], dtype=torch.float32, device=q.device)
+        descales = tuple(ones if x is None else x for x in descales)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:
+        descales = (None, None)
+    contiguous = lambda t: None if t is None else t.contiguous()
+    values = (q.contiguous(), q_rot, contiguous(k), contiguous(v), k_cache, v_cache,
+              cache_seqlens.contiguous(), contiguous(cache_batch_idx) if cfg.batch_idx else None,
+              contiguous(block_table), contiguous(rotary_cos), contiguous(rotary_sin), *descales,
+              used)
+    tvm_ffi = use_tvm_ffi()
+    entries = sm80_arguments.KV_APPEND_ARGUMENTS
+    args = values if tvm_ffi else tuple(to_runtime(a, x) for a, x in zip(entries, values))
+    call_kernel(_compiled_kv_append(cfg, tvm_ffi), tvm_ffi, args, q.device)
+    return (q if q_rot is None else q_rot), used
+
+
+_ROTARY_DTYPES = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16,
+                  torch.float16: cutlass.Float16}
+
+
+@functools.lru_cache(maxsize=None)
+def _kv_append_sources() -> tuple:
+    from .. import compile_cache
+    return compile_cache.module_sources("cuteattn.kernels.common.kv_append")
+
+
+def _compiled_kv_append(cfg, tvm_ffi: bool):
+    from .. import compile_cache
+
+    def build():
+        from .common import arguments as common_arguments
+        from .common.kv_append import KvAppend
+        from .compile_common import compile_kernel
+        from .sm80 import arguments as sm80_arguments
+        fakes = common_arguments.fakes(cfg, sm80_arguments.KV_APPEND_ARGUMENTS, None)
+        return compile_kernel(KvAppend(cfg), fakes, tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("common", "kv_append", tvm_ffi, cfg), build,
+                                        persist=tvm_ffi, sources=_kv_append_sources())

@@ -84,7 +84,8 @@ def pack_heads_into_rows(t: cute.Tensor, group: int, head_mode: int) -> cute.Ten
     return cute.make_tensor(t.iterator, cute.make_layout(tuple(shape), stride=tuple(stride)))
 
 
-def keys_last_transposed(t: cute.Tensor) -> cute.Tensor:
-    """V stored transposed, (b, h_k, d_v, keys) (the fp8 forward's: launch.py writes it), seen as
-    (d_v, keys, h_k, b) like seq_major_transposed's view, the keys contiguous."""
-    return _select(t, [2, 3, 1, 0])
+def keys_last_transposed(t: cute.Tensor, packed: bool) -> cute.Tensor:
+    """V stored transposed, (b, h_k, d_v, keys) or packed (h_k, d_v, total) (the fp8 forward's:
+    sm90/fp8_value.py writes it), seen as (d_v, keys, h_k, b) / (d_v, total, h_k) like
+    seq_major_transposed's view, the keys contiguous."""
+    return _select(t, [1, 2, 0] if packed else [2, 3, 1, 0])

@@ -136,6 +136,63 @@ def combine_fakes(cfg) -> tuple:
     return common.fakes(cfg, COMBINE_ARGUMENTS)
 
 
+# ---- the KV-cache update's (common/kv_append.KvAppend) ----
+
+def _append_rows(dtype_of, last_field, rows_key, needed=lambda cfg: True, heads="hk"):
+    """A (b, rows, heads, d) tensor of the update: q and its rotated copy, new k / v."""
+    def fake(cfg, sym, align, memspace):
+        if not needed(cfg):
+            return None
+        return fake_tensor(dtype_of(cfg), (sym["b"], sym[rows_key], sym[heads], getattr(cfg, last_field)),
+                           align, memspace)
+    return fake
+
+
+def _append_cache(last_field):
+    """k_cache / v_cache: (rows or pages, capacity or page size, h_k, d); an fp8 one's bytes."""
+    def fake(cfg, sym, align, memspace):
+        dtype = Uint8 if cfg.cache_fp8 else cfg.dtype
+        return fake_tensor(dtype, (sym["cache_rows"], sym["cache_len"], sym["hk"],
+                                   getattr(cfg, last_field)), align, memspace)
+    return fake
+
+
+def _append_vector(needed=lambda cfg: True):
+    def fake(cfg, sym, align, memspace):
+        return fake_tensor(Int32, (sym["b"],), align, memspace) if needed(cfg) else None
+    return fake
+
+
+def _append_rotary(cfg, sym, align, memspace):
+    if cfg.rotary is None:
+        return None
+    return fake_tensor(cfg.rotary_dtype, (sym["positions"], sym["half"]), align, memspace)
+
+
+def _append_descale(cfg, sym, align, memspace):
+    return fake_tensor(Float32, (sym["b"], sym["hk"]), align, memspace) if cfg.cache_fp8 else None
+
+
+_dtype = lambda cfg: cfg.dtype
+KV_APPEND_ARGUMENTS = (
+    Arg("mQ", TENSOR, _append_rows(_dtype, "head_dim", "sq", heads="h")),
+    Arg("mQRot", OPTIONAL_TENSOR, _append_rows(_dtype, "head_dim", "sq", lambda cfg: cfg.rotary is not None, heads="h")),
+    Arg("mK", OPTIONAL_TENSOR, _append_rows(_dtype, "head_dim", "snew", lambda cfg: cfg.append)),
+    Arg("mV", OPTIONAL_TENSOR, _append_rows(_dtype, "head_dim_v", "snew", lambda cfg: cfg.append)),
+    Arg("mKCache", TENSOR, _append_cache("head_dim")),
+    Arg("mVCache", TENSOR, _append_cache("head_dim_v")),
+    Arg("mCacheSeqlens", TENSOR, _append_vector(), align=4),
+    Arg("mBatchIdx", OPTIONAL_TENSOR, _append_vector(lambda cfg: cfg.batch_idx), align=4),
+    Arg("mBlockTable", OPTIONAL_TENSOR, lambda cfg, sym, align, memspace: fake_tensor(
+        Int32, (sym["b"], sym["pages"]), align, memspace) if cfg.paged else None, align=4),
+    Arg("mCos", OPTIONAL_TENSOR, _append_rotary, align=4),
+    Arg("mSin", OPTIONAL_TENSOR, _append_rotary, align=4),
+    Arg("mKDescale", OPTIONAL_TENSOR, _append_descale, align=4),
+    Arg("mVDescale", OPTIONAL_TENSOR, _append_descale, align=4),
+    Arg("mSeqUsed", TENSOR, _append_vector(), align=4),
+)
+
+
 # ---- the backward's (bwd.FlashBwdSm80): the common list ----
 
 BWD_ARGUMENTS = common.backward_arguments()

@@ -19,16 +19,18 @@ from ..common.arguments import (FLOAT32, INT32, NO_SPARSE, NO_VARLEN, OPTIONAL_T
                                 SparseMetadata, VarlenMetadata, int32_vector, key_side, lse_rows,
                                 query_side)
 
-__all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Fp8Descales",
-           "Group", "INT32", "NO_FP8", "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
+__all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "FP8_VALUE_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Fp8Descales",
+           "Group", "INT32", "ModTensors", "NO_FP8", "NO_MOD", "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
            "SparseMetadata", "VarlenMetadata",
            "fakes", "flat", "group_names", "names"]
 
 class Fp8Descales(NamedTuple):
-    """fp8 inputs' descales (FlashAttention-3's), float32 (b, h_k); 1.0 where not given."""
+    """fp8 inputs' descales (FlashAttention-3's), float32 (b, h_k), 1.0 where not given; with
+    packed keys, where each sequence's keys start in V^T (int32 (batch + 1,), fp8_value.py)."""
     q: Any = None
     k: Any = None
     v: Any = None
+    cu_seqlens_v: Any = None
 
 
 NO_FP8 = Fp8Descales()
@@ -46,10 +48,13 @@ _bytes_if_fp8 = lambda cfg: Uint8 if cfg.fp8 else cfg.dtype
 
 
 def _value_side(cfg, sym, align, memspace):
-    """v: as k (with d_v), or for fp8 transposed, (b, h_k, d_v, keys padded to 16) in bytes."""
+    """v: as k (with d_v), or for fp8 transposed in bytes, (b, h_k, d_v, keys padded to 16) or
+    packed (h_k, d_v, total16) (fp8_value.py)."""
     if not cfg.fp8:
         return key_side("head_dim_v")(cfg, sym, align, memspace)
-    return common.fake_tensor(Uint8, (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]), align, memspace)
+    shape = ((sym["hk"], cfg.head_dim_v, sym["tk16"]) if cfg.varlen_k
+             else (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]))
+    return common.fake_tensor(Uint8, shape, align, memspace)
 
 
 def _descale(cfg, sym, align, memspace):
@@ -62,6 +67,39 @@ FP8 = Group("fp8", Fp8Descales, (
     Arg("mQDescale", OPTIONAL_TENSOR, _descale, align=4),
     Arg("mKDescale", OPTIONAL_TENSOR, _descale, align=4),
     Arg("mVDescale", OPTIONAL_TENSOR, _descale, align=4),
+    Arg("mCuSeqlensV", OPTIONAL_TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
+        Int32, (cute.sym_int(),), align, memspace) if cfg.fp8 and cfg.varlen_k else None, align=4),
+))
+
+class ModTensors(NamedTuple):
+    """The tensors traced mods read (common/mods.py): a mask_mod's two, a score_mod's two,
+    None past their counts."""
+    mask0: Any = None
+    mask1: Any = None
+    score0: Any = None
+    score1: Any = None
+
+
+NO_MOD = ModTensors()
+
+
+def _mod_tensor(i):
+    def fake(cfg, sym, align, memspace):
+        mod = getattr(cfg, "mask_mod" if i < 2 else "score_mod", None)
+        if mod is None or i % 2 >= len(mod.tensors):
+            return None
+        from ..common.mods import TENSOR_DTYPES
+        dtype, rank = mod.tensors[i % 2]
+        return common.fake_tensor(TENSOR_DTYPES[dtype], tuple(cute.sym_int() for _ in range(rank)),
+                                  align, memspace)
+    return fake
+
+
+MOD = Group("mod", ModTensors, (
+    Arg("mModTensor0", OPTIONAL_TENSOR, _mod_tensor(0), align=4),
+    Arg("mModTensor1", OPTIONAL_TENSOR, _mod_tensor(1), align=4),
+    Arg("mModTensor2", OPTIONAL_TENSOR, _mod_tensor(2), align=4),
+    Arg("mModTensor3", OPTIONAL_TENSOR, _mod_tensor(3), align=4),
 ))
 
 ARGUMENTS = (
@@ -73,6 +111,7 @@ ARGUMENTS = (
     VARLEN,
     SPARSE,
     FP8,
+    MOD,
     # int32 (2,), zero between launches: the dynamic tile scheduler's counter (fwd.py)
     Arg("mTileCounter", TENSOR, int32_vector(), align=4),
     Arg("qhead_per_kvhead", INT32),
@@ -83,6 +122,35 @@ ARGUMENTS = (
     Arg("max_ctas", INT32),               # persistent grid size
     Arg("l2_group", INT32),               # pairs per small group of the causal tile order
     Arg("l2_small_groups", INT32),        # how many small groups
+)
+
+
+# ---- the fp8 forward's V transpose (fp8_value.py) ----
+
+def _value_bytes(cfg, sym, align, memspace):
+    """fp8 V's bytes: (b, s, h_k, d_v), or (total_k, h_k, d_v) packed."""
+    shape = ((sym["total_k"], sym["hk"], cfg.head_dim_v) if cfg.varlen
+             else (sym["bk"], sym["sk"], sym["hk"], cfg.head_dim_v))
+    return common.fake_tensor(Uint8, shape, align, memspace)
+
+
+def _value_transposed(cfg, sym, align, memspace):
+    """V^T's bytes: (b, h_k, d_v, s16), or (h_k, d_v, total16) packed."""
+    shape = ((sym["hk"], cfg.head_dim_v, sym["tk16"]) if cfg.varlen
+             else (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]))
+    return common.fake_tensor(Uint8, shape, align, memspace)
+
+
+def _packed_offsets(cfg, sym, align, memspace):
+    return common.fake_tensor(Int32, (sym["batch1"],), align, memspace) if cfg.varlen else None
+
+
+FP8_VALUE_ARGUMENTS = (
+    Arg("mV", TENSOR, _value_bytes),
+    Arg("mVt", TENSOR, _value_transposed),
+    Arg("mCuSeqlensK", OPTIONAL_TENSOR, _packed_offsets, align=4),
+    Arg("mCuSeqlensV", OPTIONAL_TENSOR, _packed_offsets, align=4),  # (written)
+    Arg("max_seqlen", INT32),
 )
 
 
@@ -111,8 +179,19 @@ SPARSE_BACKWARD = Group("sparse_backward", SparseBackward, (
         _int32_table(lambda cfg: getattr(cfg, "sparse", False) and cfg.deterministic), align=4),
 ))
 
-# (the transposed block-sparse lists and their tables)
-BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE, SPARSE_BACKWARD))
+class MaskModTensors(NamedTuple):
+    """The backward's: the tensors a traced mask_mod reads (common/mods.py)."""
+    t0: Any = None
+    t1: Any = None
+
+
+BWD_MOD = Group("bwd_mod", MaskModTensors, (
+    Arg("mModTensor0", OPTIONAL_TENSOR, _mod_tensor(0), align=4),
+    Arg("mModTensor1", OPTIONAL_TENSOR, _mod_tensor(1), align=4),
+))
+
+# (the transposed block-sparse lists and their tables; a mask_mod's tensors)
+BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE, SPARSE_BACKWARD, BWD_MOD))
 
 
 def flat(entries=ARGUMENTS) -> tuple:

@@ -49,6 +49,7 @@ from ..common.dq_order import in_turn, semaphore_slot
 from ..common.global_atomics import red_add_f32x2
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
 from ..common.mask import apply_mask_transposed
+from ..common.mods import KernelMod, apply_mask_mod_transposed, traced
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import varlen_tile_coord
@@ -93,6 +94,9 @@ class Sm90BwdConfig:
     # (sparse.transpose_paired), each warpgroup (64 keys) leaving out the query blocks its own
     # 64-key block does not attend
     sparse_kv_half: bool = False
+    # FlexAttention's mask_mod traced in (common/mods.py), as the forward applies it: every
+    # step of a dense key block, the partial query blocks of a block-sparse one
+    mask_mod: Optional[KernelMod] = None
 
     @property
     def sparse(self) -> bool:
@@ -133,7 +137,11 @@ def _transposed(storage_field, layout):
 
 
 class FlashBwdSm90:
-    def __init__(self, cfg: Sm90BwdConfig):
+    def __init__(self, cfg: Sm90BwdConfig, mask_mod_fn=None):
+        """mask_mod_fn: the function cfg.mask_mod keys (traced with the kernel's indices)."""
+        assert (cfg.mask_mod is None) == (mask_mod_fn is None)
+        assert not (cfg.mask_mod is not None and cfg.sparse_kv_half)
+        self.mask_mod_fn = mask_mod_fn
         assert cfg.tile_n == NUM_CONSUMER_WG * WG_ROWS
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
         self.cfg = cfg
@@ -188,6 +196,8 @@ class FlashBwdSm90:
         mPartialIndex: Optional[cute.Tensor],
         mKeyHalves: Optional[cute.Tensor],     # int32 (B|1, H|1, nk64, nq) (sparse_kv_half)
         mDqTurns: Optional[cute.Tensor],       # int32 (B|1, H|1, nq, nk) (sparse, deterministic)
+        mModTensor0: Optional[cute.Tensor],    # the tensors cfg.mask_mod reads
+        mModTensor1: Optional[cute.Tensor],
         qhead_per_kvhead: Int32,
         softmax_scale: Float32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -234,6 +244,7 @@ class FlashBwdSm90:
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dsum, tma_dsum, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mSemaphore, mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves, mDqTurns,
+            (mModTensor0, mModTensor1),
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
             sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
@@ -279,7 +290,7 @@ class FlashBwdSm90:
         mSemaphore: cute.Tensor,
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
-        mKeyHalves: Optional[cute.Tensor], mDqTurns: Optional[cute.Tensor],
+        mKeyHalves: Optional[cute.Tensor], mDqTurns: Optional[cute.Tensor], mod_tensors: tuple,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32, batch: Int32,
         softmax_scale: Float32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
@@ -348,7 +359,7 @@ class FlashBwdSm90:
                              pipeline_q, pipeline_do, pipeline_kv, seqlen, block_info,
                              softmax_scale, score_scale, softmax_scale_log2,
                              window_left, window_right, n_block, head_idx, batch_idx,
-                             rows, rows_q, tidx - WG_THREADS, mKeyHalves, mDqTurns)
+                             rows, rows_q, tidx - WG_THREADS, mKeyHalves, mDqTurns, mod_tensors)
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
@@ -424,7 +435,7 @@ class FlashBwdSm90:
                 pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo, block_info: BlockInfo,
                 softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
                 n_block, head_idx, batch_idx, rows, rows_q, tidx, mKeyHalves=None,
-                mDqTurns=None):
+                mDqTurns=None, mod_tensors=(None, None)):
         """Both consumer warpgroups (tidx in [0, 256)): the walk over the query blocks, then dK
         and dV out. mKeyHalves (sparse_kv_half): whether each 64-key block attends a listed
         query block; a warpgroup whose block does not leaves it out (all its scores masked)."""
@@ -511,6 +522,16 @@ class FlashBwdSm90:
                 apply_mask_transposed(acc_S_mn, coord_st, n_block * self.tile_n, q_start,
                                       seqlen.seqlen_q, seqlen.seqlen_k, window_left,
                                       window_right, cfg.causal, cfg.local)
+            if const_expr(cfg.mask_mod is not None):
+                mod = traced(self.mask_mod_fn, cfg.mask_mod, mod_tensors[:len(cfg.mask_mod.tensors)])
+                apply_mod = lambda: apply_mask_mod_transposed(
+                    acc_S_mn, coord_st, n_block * self.tile_n, q_start, seqlen.seqlen_q,
+                    seqlen.seqlen_k, batch_idx, head_idx, mod)
+                if const_expr(cfg.sparse):  # the partial query blocks of the transposed lists
+                    if it // (cfg.sparse_q_block // self.tile_m) >= rows.lists.num_full:
+                        apply_mod()
+                else:
+                    apply_mod()
             if const_expr(cfg.sparse_kv_half):
                 if not self.half_attends(mKeyHalves, batch_idx, head_idx, n_block * 2 + wg,
                                          m_block // (cfg.sparse_q_block // self.tile_m)):

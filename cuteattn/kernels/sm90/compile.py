@@ -18,17 +18,21 @@ def fake_arguments(cfg: Sm90FwdConfig, memspace=None) -> tuple:
     return arguments.fakes(cfg, memspace)
 
 
-def compile_fwd(cfg: Sm90FwdConfig, options: str = "", tvm_ffi: bool = False):
+def compile_fwd(cfg: Sm90FwdConfig, options: str = "", tvm_ffi: bool = False,
+                mod_fns: tuple = (None, None)):
     """Returns the compiled kernel. Call it with the arguments arguments.ARGUMENTS declares, then
     the stream: cute runtime tensors, Int32 and Float32 scalars and a CUstream; or, with `tvm_ffi`,
     torch tensors and Python numbers and no stream (TVM-FFI passes the caller's current stream).
-    kernels/sm90/launch.py builds both (launch_arguments)."""
-    return compile_kernel(FlashFwdSm90(cfg), fake_arguments(cfg), options, tvm_ffi)
+    kernels/sm90/launch.py builds both (launch_arguments). mod_fns: the functions cfg.mask_mod
+    and cfg.score_mod key (common/mods.py), traced into the kernel."""
+    return compile_kernel(FlashFwdSm90(cfg, mod_fns), fake_arguments(cfg), options, tvm_ffi)
 
 
-def compile_fwd_with_report(cfg: Sm90FwdConfig, tvm_ffi: bool = False):
+def compile_fwd_with_report(cfg: Sm90FwdConfig, tvm_ffi: bool = False,
+                            mod_fns: tuple = (None, None)):
     """compile_fwd, plus what ptxas reported (ptxas_report)."""
-    return ptxas_report(lambda: compile_fwd(cfg, options="remarks{ptx}", tvm_ffi=tvm_ffi))
+    return ptxas_report(lambda: compile_fwd(cfg, options="remarks{ptx}", tvm_ffi=tvm_ffi,
+                                            mod_fns=mod_fns))
 
 
 # ---- the backward ----
@@ -38,7 +42,9 @@ def fake_bwd_arguments(cfg) -> tuple:
     return arguments.fakes(cfg, entries=arguments.BWD_ARGUMENTS)
 
 
-def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False):
-    """The compiled backward kernel for cfg (bwd.Sm90BwdConfig), like compile_fwd."""
+def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False, mask_mod_fn=None):
+    """The compiled backward kernel for cfg (bwd.Sm90BwdConfig), like compile_fwd (mask_mod_fn:
+    the function cfg.mask_mod keys)."""
     from .bwd import FlashBwdSm90
-    return compile_kernel(FlashBwdSm90(cfg), fake_bwd_arguments(cfg), options, tvm_ffi)
+    return compile_kernel(FlashBwdSm90(cfg, mask_mod_fn), fake_bwd_arguments(cfg), options,
+                          tvm_ffi)

@@ -55,13 +55,25 @@ TILE_N_CAPS = {
 # fp8 (e4m3) q/k/v: head_dim -> (consumer warpgroups, keys per block, K/V stages). The P V
 # GEMM's k step is 32 keys, so key blocks are multiples of 32; the ring's bytes are half the
 # 16-bit kernel's, O (bf16) has a buffer of its own. Spill-free (tests/test_compile_sm90.py).
+# d=128 and 256: the widest blocks measured fastest at 16k (docs/perf-log.md: 128x192 906
+# TFLOP/s against 856 for 128x160, 128x224 893; d=256 128x128 1183 against 1104 for 128x96).
 FP8_TILES = {
     64: (3, 128, 4),
     96: (2, 128, 3),
-    128: (2, 160, 3),
+    128: (2, 192, 2),
     192: (2, 96, 2),
-    256: (2, 96, 2),
+    256: (2, 128, 2),
 }
+# fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
+# tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
+FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
+
+
+# Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
+# block for the mods tests/test_mods.py compiles (a window with constants, a document mask
+# indexing a tensor, ALiBi); block-sparse tiles are the lists' blocks.
+MASK_MOD_TILE_N = {64: 96, 96: 128, 128: 128, 192: 96, 256: 64}
+BOTH_MODS_TILE_N = {64: 64}  # (a mask_mod and a score_mod together)
 
 
 # Block-sparse lists take the block shapes of sparse.KERNEL_BLOCKS (the tile is the block: FA4's
@@ -72,7 +84,8 @@ SPARSE_MAX_HEAD_DIM = 128
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
-               max_seqlen_q: int | None = None, sparse_block: tuple | None = None) -> Sm90FwdConfig:
+               max_seqlen_q: int | None = None, sparse_block: tuple | None = None,
+               mask_mod=None, score_mod=None) -> Sm90FwdConfig:
     """head_dim / head_dim_v: the tensors' (any multiple of 8 up to 256, head_dim_v <= head_dim);
     the kernel runs on the next compiled widths (launch_common.compiled_width). max_seqlen_q (the
     longest query sequence, when known) picks the short-sequence tiles."""
@@ -90,6 +103,12 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         tile_n = min(tile_n, caps[1] if has_softcap else caps[0])
         if fp8:
             tile_n -= tile_n % 32
+    if fp8:
+        tile_n = min(tile_n, FP8_TILE_N_CAPS.get((head_dim, local, packed), tile_n))
+    if mask_mod is not None or score_mod is not None:  # (more registers live per score)
+        tile_n = min(tile_n, MASK_MOD_TILE_N.get(head_dim, tile_n))
+    if mask_mod is not None and score_mod is not None:
+        tile_n = min(tile_n, BOTH_MODS_TILE_N.get(head_dim, tile_n))
     cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,
         tile_n=tile_n, num_wg=num_wg,
@@ -101,6 +120,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         pingpong=head_dim <= 128,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
+        mask_mod=mask_mod, score_mod=score_mod,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

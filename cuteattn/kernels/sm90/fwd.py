@@ -38,6 +38,7 @@ from ..common.convert import convert_fragment, fp8_p_fragment
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, keys_last_transposed,
                              lse_seq_major, seq_major, seq_major_transposed)
 from ..common.mask import apply_mask
+from ..common.mods import KernelMod, apply_mask_mod, apply_score_mod, traced
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import OnlineSoftmax
@@ -91,6 +92,13 @@ class Sm90FwdConfig:
     # full ones then the partial ones (a partial block's element mask is the call's masks: no
     # mask_mod is compiled in yet); tile_m and tile_n are the lists' block shape
     sparse: bool = False
+    # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
+    # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
+    # the partial blocks of a block-sparse one
+    mask_mod: Optional[KernelMod] = None
+    # FlexAttention's score_mod, likewise, on every score before the masks (the softmax's
+    # exponent then takes log2(e) alone: the launch passes it)
+    score_mod: Optional[KernelMod] = None
 
     @property
     def tile_m(self) -> int:
@@ -117,13 +125,19 @@ class Sm90FwdConfig:
 
 
 class FlashFwdSm90:
-    def __init__(self, cfg: Sm90FwdConfig):
+    def __init__(self, cfg: Sm90FwdConfig, mod_fns: tuple = (None, None)):
+        """mod_fns: the functions cfg.mask_mod and cfg.score_mod key (traced with the kernel's
+        indices)."""
+        self.mask_mod_fn, self.score_mod_fn = mod_fns
+        assert (cfg.mask_mod is None) == (self.mask_mod_fn is None)
+        assert (cfg.score_mod is None) == (self.score_mod_fn is None)
+        assert not (cfg.score_mod is not None and (cfg.has_softcap or cfg.fp8))
         # O is staged in Q's buffer, each warpgroup's rows inside its own Q slice: dv <= d
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0 and cfg.head_dim_v % 16 == 0
         # fp8: the P V GEMM's k step is 32 keys; O (bf16) has a buffer of its own
         assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.o_path == "own_buffer"
-                               and not (cfg.varlen_q or cfg.varlen_k or cfg.sparse))
+                               and not cfg.sparse)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.o_dtype = cfg.o_dtype
@@ -158,6 +172,11 @@ class FlashFwdSm90:
         mQDescale: Optional[cute.Tensor],      # fp8: float32 (b, h_k) descales of q, k, v
         mKDescale: Optional[cute.Tensor],
         mVDescale: Optional[cute.Tensor],
+        mCuSeqlensV: Optional[cute.Tensor],    # fp8, packed keys: sequences' starts in V^T
+        mModTensor0: Optional[cute.Tensor],    # the tensors cfg.mask_mod reads
+        mModTensor1: Optional[cute.Tensor],
+        mModTensor2: Optional[cute.Tensor],    # the tensors cfg.score_mod reads
+        mModTensor3: Optional[cute.Tensor],
         mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -177,7 +196,8 @@ class FlashFwdSm90:
         mLSE = lse_seq_major(mLSE, cfg.varlen_q)
         mK = seq_major(mK, cfg.varlen_k)
         # V as the B operand of P V: (d_v, keys, h_k, b); keys contiguous (K-major) for fp8
-        mVt = keys_last_transposed(mV) if const_expr(cfg.fp8) else seq_major_transposed(mV, cfg.varlen_k)
+        mVt = (keys_last_transposed(mV, cfg.varlen_k) if const_expr(cfg.fp8)
+               else seq_major_transposed(mV, cfg.varlen_k))
         v_major = cute.nvgpu.OperandMajorMode.K if const_expr(cfg.fp8) else cute.nvgpu.OperandMajorMode.MN
 
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
@@ -223,7 +243,8 @@ class FlashFwdSm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mFullCount, mFullIndex, mPartialCount, mPartialIndex,
-            (mQDescale, mKDescale, mVDescale), mTileCounter,
+            (mQDescale, mKDescale, mVDescale, mCuSeqlensV), (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
+            mTileCounter,
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
@@ -273,7 +294,8 @@ class FlashFwdSm90:
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
-        descales: tuple, mTileCounter: cute.Tensor,
+        fp8_args: tuple,  # (q, k, v descales, cu_seqlens_v)
+        mod_tensors: tuple, mTileCounter: cute.Tensor,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
@@ -340,7 +362,7 @@ class FlashFwdSm90:
                     tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
                     pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                     lambda: visit(seqlen, m_block, head_idx, batch_idx),
-                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx)
+                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3])
                 walk.walk(True, tile_info, load_tile,
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
@@ -352,7 +374,7 @@ class FlashFwdSm90:
                 tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                 block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
-                softmax_scale_log2, window_left, window_right, descales,
+                softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
                 m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, wg, tidx % WG_THREADS)
             # K and V advance together over a whole tile: one state carries both across tiles
             walk.walk(False, tile_info, consume_tile,
@@ -404,14 +426,19 @@ class FlashFwdSm90:
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
              pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen: SeqlenInfo,
-             visit, m_block, head_idx, head_idx_kv, batch_idx):
+             visit, m_block, head_idx, head_idx_kv, batch_idx, mCuSeqlensV=None):
         """Producer warp, one tile: the first K and V block, then Q (one TMA per consumer
         warpgroup), then the other K and V blocks. The first block goes before Q because its
         ring slots free up during the previous tile's last GEMMs, while Q's buffer is only free
         once the previous tile's epilogue is done with it. Returns the advanced states."""
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
         gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (None, 0))
-        gVt = cute.local_tile(seqlen.vt_view(mVt, head_idx_kv, batch_idx), (self.dv, self.tile_n), (0, None))
+        if const_expr(self.cfg.fp8 and self.cfg.varlen_k):
+            # fp8 V^T: each sequence's keys from a 16-aligned column (fp8_value.py), not cu_seqlens_k's
+            vt = cute.domain_offset((0, mCuSeqlensV[batch_idx]), mVt[None, None, head_idx_kv])
+        else:
+            vt = seqlen.vt_view(mVt, head_idx_kv, batch_idx)
+        gVt = cute.local_tile(vt, (self.dv, self.tile_n), (0, None))
         one = cute.make_layout(1)
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
@@ -448,7 +475,7 @@ class FlashFwdSm90:
     def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo, visit,
-                score_scale, softmax_scale_log2, window_left, window_right, descales,
+                score_scale, softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
                 m_block, head_idx, head_idx_kv, batch_idx, wg, tidx):
         """One consumer warpgroup, one tile: 64 query rows against every visible key block, then
         the epilogue. Returns the advanced pipeline states."""
@@ -458,7 +485,7 @@ class FlashFwdSm90:
         if const_expr(cfg.fp8):
             # the scores of fp8 q and k are (q k^T) q_descale k_descale: the product joins the
             # scale the scores take first (before softcap's tanh, else the exponent's)
-            mQDescale, mKDescale, mVDescale = descales
+            mQDescale, mKDescale, mVDescale, _ = fp8_args
             qk_descale = mQDescale[batch_idx, head_idx_kv] * mKDescale[batch_idx, head_idx_kv]
             if const_expr(cfg.has_softcap):
                 score_scale = score_scale * qk_descale
@@ -495,9 +522,19 @@ class FlashFwdSm90:
                                            tSrK[None, None, None, stage], True)
         gemm_pv = lambda stage: gemm_async(tiled_mma_pv, acc_O, tOrP,
                                            tOrVt[None, None, None, stage], False)
-        scores_to_probs = lambda n_block, mask: self.scores_to_probs(
+        mod = score_mod = None
+        if const_expr(cfg.mask_mod is not None):
+            mod = traced(self.mask_mod_fn, cfg.mask_mod, mod_tensors[:len(cfg.mask_mod.tensors)])
+        if const_expr(cfg.score_mod is not None):
+            score_mod = traced(self.score_mod_fn, cfg.score_mod,
+                               mod_tensors[2:2 + len(cfg.score_mod.tensors)])
+        # mod_applies(i): whether the i-th visited block takes the mask_mod (a block-sparse
+        # tile's partial blocks come after its full ones; a dense tile's blocks all take it)
+        mod_applies = lambda i: (i >= visit.num_full) if const_expr(cfg.sparse) else True
+        scores_to_probs = lambda n_block, mask, i: self.scores_to_probs(
             acc_S, acc_S_mn, coord_S_mn, softmax, block_info, seqlen, row_start, n_block,
-            score_scale, window_left, window_right, mask)
+            score_scale, window_left, window_right, mask, mod, mod_applies(i), batch_idx, head_idx,
+            score_mod)
 
         # V's state trails K's by one block inside the tile; both end the tile equal.
         k_state = kv_state.clone()
@@ -513,7 +550,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
             k_state.advance()
-            scores_to_probs(visit.first(), None)
+            scores_to_probs(visit.first(), None, Int32(0))
             to_p()
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
@@ -537,7 +574,7 @@ class FlashFwdSm90:
                     warpgroup.wait_group(1)
                     pipeline_k.consumer_release(k_state)
                     k_state.advance()
-                    scores_to_probs(visit.block(i), mask)
+                    scores_to_probs(visit.block(i), mask, i)
                     warpgroup.wait_group(0)
                     pipeline_v.consumer_release(v_state)
                     v_state.advance()
@@ -587,13 +624,20 @@ class FlashFwdSm90:
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
                         block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
-                        score_scale, window_left, window_right, mask: cutlass.Constexpr):
+                        score_scale, window_left, window_right, mask: cutlass.Constexpr,
+                        mod=None, mod_applies=True, batch_idx=None, head_idx=None,
+                        score_mod=None):
         """softcap, mask and online softmax of one score block (probabilities left in acc_S).
         mask: True or False when the block iterator knows whether the block needs the element
-        mask, None to check."""
+        mask, None to check. mod: the traced mask_mod (None: none), applied where mod_applies;
+        score_mod: the traced score_mod (None: none), on the scaled scores before any mask."""
         cfg = self.cfg
         if const_expr(cfg.has_softcap):
             softcap_scores(acc_S, score_scale)
+        if const_expr(score_mod is not None):
+            apply_score_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
+                            seqlen.seqlen_q, seqlen.seqlen_k, batch_idx, head_idx, score_scale,
+                            score_mod)
         apply = lambda: apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
                                    seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
                                    cfg.causal, cfg.local)
@@ -602,6 +646,14 @@ class FlashFwdSm90:
                 apply()
         elif const_expr(mask):
             apply()
+        if const_expr(mod is not None):
+            apply_mod = lambda: apply_mask_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
+                                               seqlen.seqlen_q, seqlen.seqlen_k, batch_idx,
+                                               head_idx, mod)
+            if const_expr(isinstance(mod_applies, bool)):
+                apply_mod()
+            elif mod_applies:
+                apply_mod()
         softmax.step(acc_S_mn)
 
     @cute.jit

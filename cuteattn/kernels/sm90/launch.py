@@ -23,7 +23,8 @@ from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scal
                             to_runtime, unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from ..common.convert import FP8_KEY_ORDER
 from . import arguments, config
-from .arguments import NO_FP8, NO_SPARSE, NO_VARLEN, Fp8Descales, SparseMetadata, VarlenMetadata
+from .arguments import (NO_FP8, NO_MOD, NO_SPARSE, NO_VARLEN, Fp8Descales, ModTensors,
+                        SparseMetadata, VarlenMetadata)
 
 ARCH, KIND = "sm90", "fwd"
 # the kernel's q/k/v dtypes: fp16/bf16, and fp8 (FlashAttention-3's, with descales; out in bf16)
@@ -38,6 +39,7 @@ def sm90_config(spec: AttentionSpec):
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
         max_seqlen_q=spec.seqlen_q,
         sparse_block=(spec.sparse_q_block, spec.sparse_kv_block) if spec.sparse_q_block else None,
+        mask_mod=spec.mask_mod, score_mod=spec.score_mod,
     )
 
 
@@ -53,12 +55,13 @@ def sources() -> tuple:
     return compile_cache.module_sources(COMPILE_MODULE)
 
 
-def _compiled(cfg, tvm_ffi: bool):
+def _compiled(cfg, tvm_ffi: bool, mod_fns: tuple = (None, None)):
     """The compiled kernel for cfg. The key is the frozen config itself: every field of it
-    changes the code, and nothing else does (sizes and scales are runtime arguments)."""
+    changes the code, and nothing else does (sizes and scales are runtime arguments; a mod's
+    key stands for its function, in mod_fns, traced on a miss)."""
     def build():
         from .compile import compile_fwd_with_report
-        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi)
+        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi, mod_fns=mod_fns)
     key = (ARCH, KIND, tvm_ffi, cfg)
     return compile_cache.get_or_compile(key, build, persist=tvm_ffi, sources=sources())
 
@@ -105,7 +108,8 @@ def launch_scalars(spec: AttentionSpec) -> dict:
 # as its VarlenMetadata fields); the scalars come from launch_scalars. arguments.Binder puts
 # both in the kernel's order.
 PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *arguments.group_names("varlen"),
-            *arguments.group_names("sparse"), *arguments.group_names("fp8"), "mTileCounter")
+            *arguments.group_names("sparse"), *arguments.group_names("fp8"),
+            *arguments.group_names("mod"), "mTileCounter")
 
 
 def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
@@ -115,14 +119,15 @@ def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
 def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, varlen: VarlenMetadata = NO_VARLEN,
                      tvm_ffi: bool = False, scalars: Optional[dict] = None,
                      counter: Optional[torch.Tensor] = None,
-                     sparse: SparseMetadata = NO_SPARSE, fp8: Fp8Descales = NO_FP8) -> tuple:
+                     sparse: SparseMetadata = NO_SPARSE, fp8: Fp8Descales = NO_FP8,
+                     mod: ModTensors = NO_MOD) -> tuple:
     """The compiled kernel's arguments, less the stream, in the order arguments.ARGUMENTS
     declares: cute runtime tensors and scalars, or for TVM-FFI as they are.
     `scalars`: launch_scalars(spec), when the caller kept them."""
     if counter is None:
         counter = tile_counter(spec.device_index, per_stream=False)
     bind = _binder(launch_scalars(spec) if scalars is None else scalars, tvm_ffi)
-    return bind(q, k, v, out, lse, *varlen, *sparse, *fp8, counter)
+    return bind(q, k, v, out, lse, *varlen, *sparse, *fp8, *mod, counter)
 
 
 class Launch:
@@ -134,39 +139,45 @@ class Launch:
         self.spec = spec
         self.tvm_ffi = use_tvm_ffi()
         cfg = sm90_config(spec)
-        self.fn = _compiled(cfg, self.tvm_ffi)
+        self.fn = _compiled(cfg, self.tvm_ffi, (getattr(spec.mask_mod, "fn", None),
+                                                getattr(spec.score_mod, "fn", None)))
         self.scalars = launch_scalars(spec)
         self.bind = _binder(self.scalars, self.tvm_ffi)
         self.dynamic_tiles = cfg.dynamic_tiles
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None, sparse: SparseMetadata = NO_SPARSE,
-                 descales=(None, None, None)) -> None:
+                 descales=(None, None, None), mod_tensors=()) -> None:
         """sparse: the block-sparse lists (int32, contiguous in their last mode) when the spec
         is block-sparse. descales: fp8 inputs' (q, k, v) descales, float32 (batch, nheads_k);
-        None = 1.0."""
+        None = 1.0. mod_tensors: the tensors traced mods read, ModTensors' order
+        (launch_common.mod_tensors_of)."""
         fp8 = NO_FP8
         if self.spec.dtype == FP8:
             # the bytes cross into the kernel (arguments.py); V transposed for the fp8 P V GEMM
-            q, k, v = q.view(torch.uint8), k.view(torch.uint8), fp8_value_operand(v)
-            fp8 = Fp8Descales(*(self._ones(q, k) if x is None else x for x in descales))
+            v, cu_v = fp8_value_operand(v, cu_seqlens_k, self.spec.seqlen_k)
+            q, k = q.view(torch.uint8), k.view(torch.uint8)
+            batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else
+                     cu_seqlens_k.shape[0] - 1 if cu_seqlens_k is not None else q.shape[0])
+            fp8 = Fp8Descales(*(self._ones(batch, k.shape[-2], q.device) if x is None else x
+                                for x in descales), cu_v)
         q, k, v = aligned16(q), aligned16(k), aligned16(v)
         out_k = aligned16(out) if out.dtype == torch.bfloat16 or self.spec.dtype != FP8 else (
             torch.empty_like(out, dtype=torch.bfloat16))  # (fp8's out is bf16 in the kernel)
         counter = tile_counter(self.spec.device_index, per_stream=self.dynamic_tiles)
         # the varlen values in VarlenMetadata's order, as PER_CALL has them
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         *sparse, *fp8, counter)
+                         *sparse, *fp8, *ModTensors(*mod_tensors), counter)
         call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
 
-    def _ones(self, q, k) -> torch.Tensor:
+    def _ones(self, batch: int, nheads_k: int, device) -> torch.Tensor:
         """A missing descale: ones of (batch, nheads_k), kept for the next call."""
-        shape = (q.shape[0], k.shape[2])
+        shape = (batch, nheads_k)
         ones = getattr(self, "_ones_cache", None)
-        if ones is None or tuple(ones.shape) != shape or ones.device != q.device:
-            ones = self._ones_cache = torch.ones(shape, dtype=torch.float32, device=q.device)
+        if ones is None or tuple(ones.shape) != shape or ones.device != device:
+            ones = self._ones_cache = torch.ones(shape, dtype=torch.float32, device=device)
         return ones
 
 
@@ -176,11 +187,71 @@ def forward(spec: AttentionSpec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlen
     Launch(spec)(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
 
 
-def fp8_value_operand(v: torch.Tensor) -> torch.Tensor:
-    """fp8 V (batch, seqlen_k, nheads_k, d_v) as the fp8 P V GEMM takes it (its operands must
-    both be K-major): its bytes transposed to (batch, nheads_k, d_v, seqlen_k rounded up to 16,
-    the extra keys zero), the keys of each 16-key group in FP8_KEY_ORDER (convert.fp8_p_fragment
-    says why). One gather kernel (and a zero fill when seqlen_k is not a multiple of 16)."""
+def fp8_value_operand(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None,
+                      max_seqlen_k: int = 0) -> tuple:
+    """fp8 V as the fp8 P V GEMM takes it (its operands must both be K-major): (V^T, cu_v).
+    Batched V (batch, seqlen_k, nheads_k, d_v) -> its bytes transposed to (batch, nheads_k,
+    d_v, seqlen_k rounded up to 16, the extra keys zero), cu_v None; packed V (total_k,
+    nheads_k, d_v) with cu_seqlens_k -> (nheads_k, d_v, columns), each sequence's keys from
+    column cu_v[b] (int32 (batch + 1,)), rounded up to 16 keys, the columns past the last
+    sequence zero. The keys of each 16-key group are in FP8_KEY_ORDER (convert.fp8_p_fragment
+    says why). On a GPU one pass of fp8_value.py's kernel (which also writes cu_v; max_seqlen_k
+    only sizes its grid: a grid-stride loop covers longer sequences); fp8_value_operand_torch
+    elsewhere, and as its reference."""
+    if not v.is_cuda or v.numel() == 0:
+        return fp8_value_operand_torch(v, cu_seqlens_k)
+    from .fp8_value import Fp8ValueConfig
+    varlen = cu_seqlens_k is not None
+    dv = v.shape[-1]
+    if varlen:
+        batch, hk = cu_seqlens_k.shape[0] - 1, v.shape[1]
+        columns = -(-(v.shape[0] + 16 * batch) // 16) * 16  # each sequence rounded up: a bound
+        vt = torch.zeros((hk, dv, columns), dtype=torch.uint8, device=v.device)
+        cu_v = torch.empty(batch + 1, dtype=torch.int32, device=v.device)
+    else:
+        b, s, hk, _ = v.shape
+        vt = torch.empty((b, hk, dv, -(-s // 16) * 16), dtype=torch.uint8, device=v.device)
+        cu_v, max_seqlen_k = None, s
+    tvm_ffi = use_tvm_ffi()
+    values = (aligned16(v.view(torch.uint8)), vt, cu_seqlens_k, cu_v, max(max_seqlen_k, 1))
+    args = values if tvm_ffi else tuple(
+        to_runtime(a, x) for a, x in zip(arguments.FP8_VALUE_ARGUMENTS, values))
+    call_kernel(_compiled_fp8_value(Fp8ValueConfig(dv, varlen=varlen), tvm_ffi), tvm_ffi, args,
+                v.device)
+    return vt, cu_v
+
+
+def _compiled_fp8_value(cfg, tvm_ffi: bool):
+    def build():
+        from ..compile_common import compile_kernel
+        from .fp8_value import Fp8ValueTranspose
+        return compile_kernel(Fp8ValueTranspose(cfg), arguments.fakes(
+            cfg, entries=arguments.FP8_VALUE_ARGUMENTS), tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("sm90", "fp8_value", tvm_ffi, cfg), build, persist=tvm_ffi,
+                                        sources=_fp8_value_sources())
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_value_sources() -> tuple:
+    return compile_cache.module_sources("cuteattn.kernels.sm90.fp8_value")
+
+
+def fp8_value_operand_torch(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor] = None) -> tuple:
+    """fp8_value_operand in PyTorch: a gather per call (per sequence when packed, reading
+    cu_seqlens_k to the host), ten times slower than the kernel on an H200 (docs/perf-log.md)."""
+    if cu_seqlens_k is not None:
+        cu = [min(max(int(x), 0), v.shape[0]) for x in cu_seqlens_k.tolist()]
+        hk, dv = v.shape[1], v.shape[2]
+        columns = -(-(v.shape[0] + 16 * (len(cu) - 1)) // 16) * 16
+        vt = torch.zeros((hk, dv, columns), dtype=torch.uint8, device=v.device)
+        starts = [0]
+        for b in range(len(cu) - 1):  # clamped as the kernels clamp (seqlen_info.sequence_range)
+            offset = cu[b]
+            length = min(max(cu[b + 1], offset), v.shape[0]) - offset
+            one, _ = fp8_value_operand_torch(v[offset:offset + length].unsqueeze(0))
+            vt[:, :, starts[-1]:starts[-1] + one.shape[-1]] = one[0]
+            starts.append(starts[-1] + one.shape[-1])
+        return vt, torch.tensor(starts, dtype=torch.int32, device=v.device)
     b, s, hk, dv = v.shape
     x = v.view(torch.uint8)
     s16 = -(-s // 16) * 16
@@ -190,12 +261,27 @@ def fp8_value_operand(v: torch.Tensor) -> torch.Tensor:
         x = padded
     order = _key_order(v.device)
     groups = x.view(b, s16 // 16, 16, hk, dv).permute(0, 3, 4, 1, 2)  # (b, hk, dv, G, 16)
-    return groups[..., order].reshape(b, hk, dv, s16)
+    return groups[..., order].reshape(b, hk, dv, s16), None
 
 
 @functools.lru_cache(maxsize=None)
 def _key_order(device) -> torch.Tensor:
     return torch.tensor(FP8_KEY_ORDER, dtype=torch.long, device=device)
+
+
+def unserved_mods(spec: AttentionSpec) -> Optional[str]:
+    """The reason the forward does not trace spec's mask_mod / score_mod, or None (also
+    without them)."""
+    mods = [m for m in (spec.mask_mod, spec.score_mod) if m is not None]
+    if not mods:
+        return None
+    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
+        return "mask_mod / score_mod with packed sequences or seqused: no sm90 kernel yet"
+    if spec.score_mod is not None and spec.has_softcap:
+        return "softcap with a score_mod: no sm90 kernel (write the softcap in the score_mod)"
+    if not all(hasattr(m, "fn") for m in mods):
+        return "mask_mod / score_mod: the function is not attached to the spec"
+    return None
 
 
 def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
@@ -204,10 +290,10 @@ def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
         return (f"fp8 at head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}): the sm90 fp8 "
                 f"forward takes head dims {', '.join(map(str, config.SUPPORTED_HEAD_DIMS))}, "
                 f"head_dim_v equal")
-    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
-        return "fp8 with packed sequences or seqused: no sm90 fp8 kernel yet"
     if spec.sparse_q_block:
         return "fp8 block-sparse: no sm90 fp8 kernel yet"
+    if spec.mask_mod is not None or spec.score_mod is not None:
+        return "fp8 with a mask_mod / score_mod: no sm90 fp8 kernel yet"
     return None
 
 
@@ -220,7 +306,8 @@ class Sm90Forward:
             return unserved_fp8(spec) or unserved_form(spec, ARCH, "forward")
         return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
                                        padded_dims=True)
-                or unserved_form(spec, ARCH, "forward") or unserved_sparse(spec))
+                or unserved_form(spec, ARCH, "forward", mods=True) or unserved_sparse(spec)
+                or unserved_mods(spec))
 
     def launch(self, spec: AttentionSpec) -> Launch:
         return Launch(spec)

@@ -41,6 +41,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         dq_single_wg=head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
         sparse_q_block=spec.sparse_q_block,
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
+        mask_mod=spec.mask_mod,
     )
 
 
@@ -49,10 +50,10 @@ def sources() -> tuple:
     return compile_cache.module_sources(COMPILE_MODULE)
 
 
-def _compiled(cfg: Sm90BwdConfig, tvm_ffi: bool):
+def _compiled(cfg: Sm90BwdConfig, tvm_ffi: bool, mask_mod_fn=None):
     def build():
         from .compile import compile_bwd
-        return compile_bwd(cfg, tvm_ffi=tvm_ffi), {}
+        return compile_bwd(cfg, tvm_ffi=tvm_ffi, mask_mod_fn=mask_mod_fn), {}
     return compile_cache.get_or_compile((ARCH, KIND, tvm_ffi, cfg), build, persist=tvm_ffi,
                                         sources=sources())
 
@@ -62,7 +63,8 @@ class BwdLaunch(BackwardLaunch):
 
     def __init__(self, spec: AttentionSpec):
         cfg, tvm_ffi = bwd_config(spec), use_tvm_ffi()
-        super().__init__(spec, cfg, _compiled(cfg, tvm_ffi), tvm_ffi, arguments.BWD_ARGUMENTS)
+        super().__init__(spec, cfg, _compiled(cfg, tvm_ffi, getattr(spec.mask_mod, "fn", None)),
+                         tvm_ffi, arguments.BWD_ARGUMENTS)
 
 
 class Sm90Backward:
@@ -71,7 +73,8 @@ class Sm90Backward:
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS, padded_dims=True)
-                or unserved_form(spec, ARCH, "backward") or unserved_sparse(spec))
+                or unserved_form(spec, ARCH, "backward", mods=True) or unserved_sparse(spec)
+                or unserved_mods(spec))
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
         return BwdLaunch(spec)
@@ -88,6 +91,21 @@ def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
                 f"{key_blocks[1]} keys")
     if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
         return "block-sparse backward with packed sequences or seqused: no sm90 kernel yet"
+    return None
+
+
+def unserved_mods(spec: AttentionSpec) -> Optional[str]:
+    """The reason the backward does not trace spec's mods, or None (also without them)."""
+    if spec.score_mod is not None:
+        return "score_mod gradients: no sm90 backward kernel yet"
+    if spec.mask_mod is None:
+        return None
+    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
+        return "mask_mod with packed sequences or seqused: no sm90 backward kernel yet"
+    if spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2:
+        return "mask_mod with 64-key block-sparse lists: no sm90 backward kernel yet"
+    if not hasattr(spec.mask_mod, "fn"):
+        return "mask_mod: the function is not attached to the spec"
     return None
 
 

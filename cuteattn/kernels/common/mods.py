@@ -1,0 +1,117 @@
+"""FlexAttention's mask_mod and score_mod compiled into a kernel.
+
+A mask_mod(b, h, q_idx, kv_idx) -> bool, or a score_mod(score, b, h, q_idx, kv_idx) -> score,
+written with Python operators (comparisons, + - * // %, & | ~) and indexing of torch tensors
+(document ids, prefix lengths, ALiBi slopes: ones it closes over or module-level ones it names)
+is traced by the DSL with the kernel's own index values: each such tensor becomes a kernel
+argument (a cute tensor in its place while tracing), and everything else it reads (closure
+constants, module-level numbers it names) becomes part of the kernel's compile key, so a
+changed constant compiles anew. A mod that calls torch functions or is otherwise not traceable
+keeps running on the reference (the API says why).
+
+`KernelMod` is that key (a frozen dataclass, the config field of a kernel that applies the
+mod; launch_common.mod_key reads a function into one); `apply_mask_mod` and `apply_score_mod`
+apply them to a score tile.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+MAX_TENSORS = 2  # tensors a mod may read (kernel arguments: a mask_mod's mModTensor0, 1; a
+# score_mod's mModTensor2, 3)
+# the dtypes of those tensors, by name, and their DSL types (int64 tensors, as torch.arange
+# makes them, reach the kernel as int32: launch_common.mod_tensors_of converts them)
+TENSOR_DTYPES = {"int32": cutlass.Int32, "float32": cutlass.Float32}
+
+
+@dataclass(frozen=True)
+class KernelMod:
+    """A mask_mod or score_mod as a compile key (launch_common.mod_key builds it from the
+    function)."""
+    kind: str               # "mask_mod" or "score_mod"
+    name: str               # the function's name, for messages and key text
+    code: str               # digest of its code (marshal of the code object)
+    constants: tuple        # its closure's other values and the module-level numbers it names
+    tensors: tuple          # (dtype name, rank) of each tensor it reads, in argument order
+    tensor_cells: tuple     # the closure slots holding tensors, in order
+    tensor_names: tuple     # then the module-level names holding tensors, in order
+
+
+def traced(fn, mod: KernelMod, cute_tensors: tuple):
+    """fn with the tensors it reads replaced by `cute_tensors` (in mod.tensors' order): what the
+    kernel calls while it is traced."""
+    cells = list(fn.__closure__ or ())
+    for slot, t in zip(mod.tensor_cells, cute_tensors):
+        cells[slot] = types.CellType(t)
+    names = dict(zip(mod.tensor_names, cute_tensors[len(mod.tensor_cells):]))
+    scope = {**fn.__globals__, **names} if names else fn.__globals__
+    return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                              tuple(cells) or None)
+
+
+@cute.jit
+def apply_mask_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32, col_start: Int32,
+                   seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32, head_idx: Int32,
+                   mod: cutlass.Constexpr):
+    """Sets to -inf the scores whose (batch, head, query, key) mod(b, h, q_idx, kv_idx) refuses.
+    `acc_mn` / `coord_mn`: the (rows, cols) views of the score tile and of its identity tensor.
+    The mod is called only inside the sequence: a tile's rows and keys run past its end (those
+    scores the sequence bounds mask anyway), and a mod indexing a tensor of the sequence's
+    length (document ids) must not read past it."""
+    q_room, kv_room = seqlen_q - row_start, seqlen_k - col_start  # (one compare an element)
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        q_idx = row_start + coord_mn[r, 0][0]
+        row_inside = coord_mn[r, 0][0] < q_room
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            kv_idx = col_start + coord_mn[0, c][1]
+            if row_inside & (coord_mn[0, c][1] < kv_room):
+                _mask_one(acc_mn, r, c, mod(batch_idx, head_idx, q_idx, kv_idx))
+
+
+@cute.jit
+def _mask_one(acc_mn: cute.Tensor, r: cutlass.Constexpr, c: cutlass.Constexpr, keep):
+    if cutlass.const_expr(isinstance(keep, bool)):  # (a mod that ignores its indices)
+        if cutlass.const_expr(not keep):
+            acc_mn[r, c] = -Float32.inf
+    else:
+        acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
+
+
+@cute.jit
+def apply_mask_mod_transposed(acc_mn: cute.Tensor, coord_mn: cute.Tensor, key_start: Int32,
+                              q_start: Int32, seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32,
+                              head_idx: Int32, mod: cutlass.Constexpr):
+    """apply_mask_mod for a transposed score tile (keys as rows, queries as columns: the
+    backward's S^T)."""
+    q_room, kv_room = seqlen_q - q_start, seqlen_k - key_start
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        kv_idx = key_start + coord_mn[r, 0][0]
+        key_inside = coord_mn[r, 0][0] < kv_room
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            q_idx = q_start + coord_mn[0, c][1]
+            if key_inside & (coord_mn[0, c][1] < q_room):
+                _mask_one(acc_mn, r, c, mod(batch_idx, head_idx, q_idx, kv_idx))
+
+
+@cute.jit
+def apply_score_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32,
+                    col_start: Int32, seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32,
+                    head_idx: Int32, scale: Float32, mod: cutlass.Constexpr):
+    """The scores as FlexAttention's score_mod sees them, scaled by `scale` (softmax_scale), then
+    replaced by mod(score, b, h, q_idx, kv_idx): what the softmax then takes (its exponent's
+    scale is log2(e) alone). Called only inside the sequence, as apply_mask_mod; the scores
+    past it are left to the sequence bounds' mask, applied after."""
+    q_room, kv_room = seqlen_q - row_start, seqlen_k - col_start
+    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+        q_idx = row_start + coord_mn[r, 0][0]
+        row_inside = coord_mn[r, 0][0] < q_room
+        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+            kv_idx = col_start + coord_mn[0, c][1]
+            if row_inside & (coord_mn[0, c][1] < kv_room):
+                acc_mn[r, c] = Float32(mod(acc_mn[r, c] * scale, batch_idx, head_idx, q_idx,
+                                           kv_idx))

@@ -1,0 +1,173 @@
+"""GPU: FlexAttention mask_mods and score_mods traced into the sm90 forward
+(kernels/common/mods.py), against the float32 reference with the same mods, FlashAttention's
+rule; strict=True (the
+kernel must serve the call), NaN-poisoned out= / lse=. Dense tiles (the mod on every block) and
+block-sparse lists from sparse.from_mask_mod (the mod on their partial blocks), with the
+call's causal flag on top, GQA, odd lengths; document masks and prefix-LM lengths read from
+tensors; rows the mod leaves without keys get out 0 and lse -inf."""
+import pytest
+import torch
+
+from cuteattn import flash_attn_func, sparse
+from cuteattn.reference import attention_ref
+from cuteattn.testing import assert_close_fa, assert_lse_close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU (the traced mask_mod is the sm90 forward's)")]
+
+
+def sliding_of(w):
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= w) & (kv_idx - q_idx <= w)
+    return sliding
+
+
+def document_of(lengths, device="cuda"):
+    docs = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+
+    def document(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+    return document
+
+
+def prefix_lm_of(prefix):
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < prefix[b])
+    return prefix_lm
+
+
+def check(q, k, v, mask_mod, block_sparse=None, **kw):
+    b, sq, h, _ = q.shape
+    out = torch.full((b, sq, h, v.shape[-1]), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    flash_attn_func(q, k, v, mask_mod=mask_mod, block_sparse=block_sparse, return_lse=True,
+                    strict=True, out=out, lse=lse, **kw)
+    ref, ref_lse = attention_ref(q, k, v, mask_mod=mask_mod, block_sparse=block_sparse, **kw)
+    low, _ = attention_ref(q, k, v, mask_mod=mask_mod, block_sparse=block_sparse, upcast=False, **kw)
+    assert_close_fa(out, ref, low)
+    assert_lse_close(lse, ref_lse)
+
+
+def alibi_of(heads):
+    slopes = torch.tensor([2.0 ** (-8 * (i + 1) / heads) for i in range(heads)], device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi
+
+
+def halved(score, b, h, q_idx, kv_idx):
+    return score * 0.5
+
+
+@pytest.mark.parametrize("score", ["alibi", "halved"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["alone", "document"])
+def test_score_mods(seed, score, d, with_mask):
+    """A score_mod on every score (ALiBi reading its slopes per head; a plain rescale), alone or
+    with a document mask_mod, causal."""
+    s = 777
+    q, k, v = inputs(2, s, s, 4, 2, d)
+    score_mod = alibi_of(4) if score == "alibi" else halved
+    mask_mod = MODS["document"](s) if with_mask else None
+    b, sq, h, _ = q.shape
+    out = torch.full((b, sq, h, d), float("nan"), device="cuda", dtype=q.dtype)
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    flash_attn_func(q, k, v, causal=True, score_mod=score_mod, mask_mod=mask_mod,
+                    return_lse=True, strict=True, out=out, lse=lse)
+    kw = dict(causal=True, score_mod=score_mod, mask_mod=mask_mod)
+    ref, ref_lse = attention_ref(q, k, v, **kw)
+    low, _ = attention_ref(q, k, v, upcast=False, **kw)
+    assert_close_fa(out, ref, low)
+    assert_lse_close(lse, ref_lse)
+
+
+def inputs(b, sq, sk, h, hk, d, dtype=torch.bfloat16):
+    return (torch.randn(b, sq, h, d, device="cuda", dtype=dtype),
+            torch.randn(b, sk, hk, d, device="cuda", dtype=dtype),
+            torch.randn(b, sk, hk, d, device="cuda", dtype=dtype))
+
+
+MODS = {"sliding": lambda s: sliding_of(77),
+        "document": lambda s: document_of([s // 3, 1, s - s // 3 - 1]),
+        "prefix": lambda s: prefix_lm_of(torch.tensor([5, s // 2], dtype=torch.int32, device="cuda"))}
+
+
+@pytest.mark.parametrize("mod", list(MODS))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s", [700, 1031])
+def test_dense_tiles(seed, mod, d, causal, s):
+    q, k, v = inputs(2, s, s, 4, 2, d)
+    check(q, k, v, MODS[mod](s), causal=causal)
+
+
+@pytest.mark.parametrize("mod", list(MODS))
+@pytest.mark.parametrize("block", [(128, 128), (64, 64)], ids=["128x128", "64x64"])
+def test_block_sparse_partial_blocks(seed, mod, block):
+    """Lists from from_mask_mod: full blocks skip the mod, partial ones apply it, others are
+    never visited."""
+    s = 1000
+    q, k, v = inputs(2, s, s, 4, 4, 128)
+    fn = MODS[mod](s)
+    lists = sparse.from_mask_mod(fn, 2, 4, s, s, *block, device="cuda")
+    check(q, k, v, fn, block_sparse=lists)
+
+
+def test_rows_without_keys(seed):
+    """A mod that leaves some rows no key: their out is 0 and lse -inf."""
+    def none_before_100(b, h, q_idx, kv_idx):
+        return (q_idx >= 100) & (kv_idx <= q_idx)
+    q, k, v = inputs(1, 300, 300, 2, 2, 64)
+    check(q, k, v, none_before_100)
+
+
+def test_untraceable_mod_falls_back(seed):
+    """A mod calling torch functions runs on the reference, with a warning naming why."""
+    def calls_torch(b, h, q_idx, kv_idx):
+        return torch.abs(q_idx - kv_idx) < 9
+    q, k, v = inputs(1, 200, 200, 2, 2, 64)
+    with pytest.warns(Warning, match="could not be traced"):
+        out = flash_attn_func(q, k, v, mask_mod=calls_torch)
+    ref, _ = attention_ref(q, k, v, mask_mod=calls_torch)
+    low, _ = attention_ref(q, k, v, mask_mod=calls_torch, upcast=False)
+    assert_close_fa(out, ref, low)
+
+
+def check_grads(q, k, v, mask_mod, block_sparse=None, **kw):
+    """dq, dk, dv through autograd (the backward kernel with the mask_mod traced in) against
+    the reference's autograd with the same mask_mod."""
+    from test_gpu_bwd import check_grads as check, poison_allocator, reference_grads
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_func(*leaves, mask_mod=mask_mod, block_sparse=block_sparse, strict=True, **kw)
+    dout = torch.randn_like(out)
+    poison_allocator()
+    got = torch.autograd.grad(out, leaves, dout)
+    ref, low = reference_grads(attention_ref, (q, k, v), dout, mask_mod=mask_mod,
+                               block_sparse=block_sparse, **kw)
+    check(got, ref, low)
+
+
+@pytest.mark.parametrize("mod", list(MODS))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sparse_lists", [False, True], ids=["dense", "lists128"])
+def test_mask_mod_gradients(seed, mod, d, sparse_lists):
+    s = 700
+    q, k, v = inputs(2, s, s, 4, 2, d)
+    fn = MODS[mod](s)
+    lists = sparse.from_mask_mod(fn, 2, 4, s, s, 128, 128, device="cuda") if sparse_lists else None
+    check_grads(q, k, v, fn, block_sparse=lists, causal=mod == "sliding")
+
+
+def test_mask_mod_gradients_deterministic(seed):
+    """deterministic=True with a mask_mod: bitwise-equal gradients over repeated runs."""
+    q, k, v = inputs(1, 513, 513, 4, 4, 128)
+    fn = MODS["document"](513)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    dout = torch.randn(1, 513, 4, 128, device="cuda", dtype=q.dtype)
+    runs = [torch.autograd.grad(flash_attn_func(*leaves, mask_mod=fn, strict=True,
+                                                deterministic=True), leaves, dout)
+            for _ in range(3)]
+    for later in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], later))

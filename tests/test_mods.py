@@ -1,0 +1,270 @@
+"""A mask_mod as a kernel's compile key (launch_common.mod_key) and the tensors handed to
+the kernel, without a GPU: what the key holds, when two functions share a kernel and when they
+do not, what cannot be traced and why; and the compile-only trace of the forward with mask_mods
+of each kind (pytest -m compile)."""
+import os
+import re
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")  # before cutlass is imported
+
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+
+from cuteattn import compile_cache  # noqa: E402
+from cuteattn.kernels.launch_common import (UnsupportedMod, mod_key,  # noqa: E402
+                                            mod_tensors_of)
+
+WINDOW = 64
+DOCS = torch.tensor([0, 0, 1, 1, 2], dtype=torch.int64)
+
+
+def sliding(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx <= WINDOW) & (kv_idx <= q_idx)
+
+
+def document(b, h, q_idx, kv_idx):
+    return DOCS[q_idx] == DOCS[kv_idx]
+
+
+def prefix_lm_of(prefix):
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) | (kv_idx < prefix[b])
+    return prefix_lm
+
+
+def window_of(w):
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx <= w) & (kv_idx - q_idx <= w)
+    return window
+
+
+def test_key_holds_constants_and_tensor_kinds():
+    key = mod_key(sliding)
+    assert key.name == "sliding" and ("WINDOW", 64) in key.constants and key.tensors == ()
+    key = mod_key(document)
+    assert key.tensors == (("int32", 1),) and key.tensor_names == ("DOCS",)  # (int64 as int32)
+    (docs,) = mod_tensors_of(document, key)
+    assert docs.dtype == torch.int32 and docs.tolist() == DOCS.tolist()
+    prefix = torch.tensor([[3], [9]], dtype=torch.int32)
+    fn = prefix_lm_of(prefix)
+    key = mod_key(fn)
+    assert key.tensors == (("int32", 2),) and key.tensor_cells == (0,)
+    assert mod_tensors_of(fn, key)[0] is prefix
+    compile_cache.key_text(key)  # (a disk-cache key: stable text)
+
+
+def test_same_code_and_constants_share_a_kernel():
+    """Closures of one function share a key when their constants are equal and their tensors of
+    one kind (the tensors are arguments, not part of the code); a changed constant does not."""
+    assert mod_key(window_of(8)) == mod_key(window_of(8))
+    assert mod_key(window_of(8)) != mod_key(window_of(16))
+    a, b = (prefix_lm_of(torch.tensor([n], dtype=torch.int32)) for n in (1, 2))
+    assert mod_key(a) == mod_key(b)
+    c = prefix_lm_of(torch.tensor([[1]], dtype=torch.int32))
+    assert mod_key(a) != mod_key(c)  # (another rank)
+    assert mod_key(sliding) != mod_key(window_of(64))  # (other code)
+
+
+@pytest.mark.parametrize("fn,reason", [
+    (lambda b, h: True, "must take (b, h, q_idx, kv_idx)"),
+    (prefix_lm_of(torch.zeros(2, dtype=torch.bool)), "torch.bool tensor"),
+    (prefix_lm_of([1, 2]), "closes over a list"),
+    (len, "not a plain Python function"),
+])
+def test_untraceable_forms_say_why(fn, reason):
+    with pytest.raises(UnsupportedMod, match=re.escape(reason)):
+        mod_key(fn)
+
+
+def test_too_many_tensors():
+    t = torch.zeros(4, dtype=torch.int32)
+
+    def three(b, h, q_idx, kv_idx):
+        return (t[q_idx] == t[kv_idx]) & (DOCS[q_idx] == DOCS[kv_idx]) & (t[b] == 0)
+    assert mod_key(three).tensors == (("int32", 1), ("int32", 1))
+    u = torch.zeros(4, dtype=torch.int32)
+
+    def four(b, h, q_idx, kv_idx):
+        return (t[q_idx] == u[kv_idx]) & (DOCS[q_idx] == DOCS[kv_idx])
+    with pytest.raises(UnsupportedMod, match="at most 2"):
+        mod_key(four)
+
+
+SLOPES = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+
+def alibi(score, b, h, q_idx, kv_idx):
+    return score + SLOPES[h] * (kv_idx - q_idx)
+
+
+def test_score_mod_key():
+    key = mod_key(alibi, "score_mod")
+    assert key.kind == "score_mod" and key.tensors == (("float32", 1),)
+    with pytest.raises(UnsupportedMod, match=re.escape("must take (b, h, q_idx, kv_idx)")):
+        mod_key(alibi, "mask_mod")
+    with pytest.raises(UnsupportedMod, match=re.escape("must take (score, b, h, q_idx, kv_idx)")):
+        mod_key(sliding, "score_mod")
+
+
+COMPILE_CASES = [("sliding", sliding, 128, None), ("document", document, 64, None),
+                 ("prefix", prefix_lm_of(torch.tensor([5, 7], dtype=torch.int32)), 256, None),
+                 ("document-sparse-128", document, 128, (128, 128)),
+                 ("sliding-sparse-64", sliding, 128, (64, 64))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,fn,d,block", COMPILE_CASES, ids=[c[0] for c in COMPILE_CASES])
+def test_compile_forward_with_mask_mod(name, fn, d, block, capfd, tmp_path, monkeypatch):
+    """The forward with the mask_mod traced in: compiles for sm_90a without spills; a mod that
+    reads a tensor loads from global memory."""
+    from cuteattn.kernels.sm90 import config
+    from cuteattn.kernels.sm90.compile import compile_fwd
+    monkeypatch.chdir(tmp_path)
+    cfg = config.fwd_config(cutlass.BFloat16, d, d, False, False, False, False, False,
+                            sparse_block=block, mask_mod=mod_key(fn))
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}", mod_fns=(fn, None)).__ptx__
+    assert "wgmma.mma_async" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
+
+
+SCORE_CASES = [("alibi", alibi, None, 128, None), ("alibi-document", alibi, document, 128, None),
+               ("alibi-document-sparse", alibi, document, 128, (128, 128)),
+               ("alibi-document-d64", alibi, document, 64, None)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,score,mask,d,block", SCORE_CASES, ids=[c[0] for c in SCORE_CASES])
+def test_compile_forward_with_score_mod(name, score, mask, d, block, capfd, tmp_path, monkeypatch):
+    """A score_mod (ALiBi reading its slopes), alone or with a mask_mod: spill-free."""
+    from cuteattn.kernels.sm90 import config
+    from cuteattn.kernels.sm90.compile import compile_fwd
+    monkeypatch.chdir(tmp_path)
+    cfg = config.fwd_config(cutlass.BFloat16, d, d, True, False, False, False, False,
+                            sparse_block=block, mask_mod=mod_key(mask) if mask else None,
+                            score_mod=mod_key(score, "score_mod"))
+    compile_fwd(cfg, options="--keep-ptx remarks{ptx}", mod_fns=(mask, score))
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
+
+
+BWD_CASES = [("document", document, 64, 0), ("sliding", sliding, 96, 0),
+             ("document-lists", document, 128, 128), ("prefix", prefix_lm_of(
+                 torch.tensor([5, 7], dtype=torch.int32)), 128, 0)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,fn,d,sparse_q", BWD_CASES, ids=[c[0] for c in BWD_CASES])
+def test_compile_backward_with_mask_mod(name, fn, d, sparse_q, capfd, tmp_path, monkeypatch):
+    """The backward with the mask_mod traced into its S^T masking: spill-free."""
+    from cuteattn.kernels.sm90.bwd import Sm90BwdConfig
+    from cuteattn.kernels.sm90.compile import compile_bwd
+    monkeypatch.chdir(tmp_path)
+    cfg = Sm90BwdConfig(cutlass.BFloat16, d, causal=True, dq_single_wg=d == 96,
+                        sparse_q_block=sparse_q, mask_mod=mod_key(fn))
+    compile_bwd(cfg, options="--keep-ptx remarks{ptx}", mask_mod_fn=fn)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
+
+
+def test_score_mod_scalars():
+    """With a score_mod the kernel scales the scores itself and the exponent takes log2(e)."""
+    import dataclasses
+    import math
+    from cuteattn.kernels.launch_common import kernel_scalars
+    from cuteattn.spec import AttentionSpec
+    spec = AttentionSpec(dtype=torch.bfloat16, head_dim=64, head_dim_v=64, causal=False,
+                         local=False, has_softcap=False, varlen_q=False, varlen_k=False,
+                         softmax_scale=0.125)
+    plain = kernel_scalars(spec)[:2]
+    assert plain == (0.125, pytest.approx(0.125 * math.log2(math.e)))
+    modded = kernel_scalars(dataclasses.replace(spec, score_mod=mod_key(alibi, "score_mod")))[:2]
+    assert modded == (0.125, pytest.approx(math.log2(math.e)))
+
+
+@pytest.mark.compile
+def test_a_torch_call_does_not_trace():
+    """A mask_mod calling torch functions has a key but fails to trace: the API catches that
+    and serves the call on the reference (tests/test_api_cpu.py checks the routing)."""
+    from cuteattn.kernels.sm90 import config
+    from cuteattn.kernels.sm90.compile import compile_fwd
+
+    def calls_torch(b, h, q_idx, kv_idx):
+        return torch.abs(q_idx - kv_idx) < 4
+    cfg = config.fwd_config(cutlass.BFloat16, 64, 64, False, False, False, False, False,
+                            mask_mod=mod_key(calls_torch))
+    with pytest.raises(Exception):
+        compile_fwd(cfg, mod_fns=(calls_torch, None))
+
+
+def test_api_routes_a_traceable_mask_mod_to_the_kernel(monkeypatch):
+    """flash_attn_func(mask_mod=...) hands the forward kernel the mod's key (with the function
+    attached for tracing) and the tensors it reads; block-sparse lists go along; a mod that
+    fails to trace is remembered and served by the reference with the reason. (GPU-free: the
+    kernel choice and launch are stand-ins.)"""
+    from cuteattn import api, flash_attn_func, sparse
+    calls, selected = [], []
+
+    def launch(q, k, v, out, lse, sparse=None, mod_tensors=()):
+        calls.append(dict(sparse=sparse, mod_tensors=mod_tensors))
+        out.zero_()
+        lse.zero_()
+
+    def cached_launch(spec, device):
+        selected.append(spec)
+        return launch, None
+    monkeypatch.setattr(api, "_sparse_reason", lambda *a: None)
+    monkeypatch.setattr(api, "_cached_launch", cached_launch)
+    q, k, v = (torch.randn(1, 5, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    flash_attn_func(q, k, v, mask_mod=document, strict=True)
+    spec = selected[-1]
+    assert spec.mask_mod == mod_key(document) and spec.mask_mod.fn is document
+    assert spec.sparse_q_block == 0 and calls[-1]["sparse"] is None
+    assert calls[-1]["mod_tensors"][0].tolist() == DOCS.tolist()
+    lists = sparse.from_topk(torch.zeros(1, 1, 1, 1, dtype=torch.int32), 1, 128, 128, partial=True)
+    flash_attn_func(q, k, v, mask_mod=sliding, block_sparse=lists, strict=True)
+    assert selected[-1].sparse_q_block == 128 and len(calls[-1]["sparse"]) == 4
+
+    def failing(spec, device):
+        raise TypeError("abs(): argument 'input' must be Tensor, not Int32")
+    monkeypatch.setattr(api, "_cached_launch", failing)
+    monkeypatch.setattr(api, "_untraceable", {})
+    before = len(calls)
+    with pytest.raises(RuntimeError, match="could not be traced into the kernel"):
+        flash_attn_func(q, k, v, mask_mod=window_of(3), strict=True)
+    with pytest.warns(Warning, match="could not be traced"):
+        out = flash_attn_func(q, k, v, mask_mod=window_of(3))  # (the reference: remembered)
+    assert len(calls) == before and out.shape == q.shape
+
+
+def test_api_runs_gradients_through_both_kernels(monkeypatch):
+    """With q/k/v requiring grad, the call records the forward kernel and the backward kernel
+    (with the same traced mask_mod and its tensors); a score_mod's gradient has no kernel, so
+    such a call takes the reference. (GPU-free stand-ins for the kernels.)"""
+    from cuteattn import api, flash_attn_func
+    seen = []
+
+    def forward_launch(q, k, v, out, lse, sparse=None, mod_tensors=()):
+        out.fill_(1.0)
+        lse.zero_()
+
+    def backward_launch(dout, q, k, v, out, lse, sparse=(), mod_tensors=()):
+        seen.append(dict(sparse=sparse, mod_tensors=mod_tensors))
+        return torch.zeros_like(q), torch.ones_like(k), torch.zeros_like(v)
+
+    def cached_launch(spec, device):
+        if spec.kind == "bwd" and spec.score_mod is not None:
+            return None, "score_mod gradients: no sm90 backward kernel yet"
+        return (backward_launch if spec.kind == "bwd" else forward_launch), None
+    monkeypatch.setattr(api, "_sparse_reason", lambda *a: None)
+    monkeypatch.setattr(api, "_cached_launch", cached_launch)
+    q, k, v = (torch.randn(1, 5, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flash_attn_func(q, k, v, mask_mod=document, strict=True)
+    assert torch.all(out == 1)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert torch.all(dk == 1) and seen[-1]["sparse"] == ()
+    assert seen[-1]["mod_tensors"][0].tolist() == DOCS.tolist()
+    with pytest.raises(RuntimeError, match="score_mod gradients"):
+        flash_attn_func(q, k, v, score_mod=alibi, strict=True)
