@@ -62,14 +62,17 @@ class MaskBlocks:
         rows = cutlass.min(seqlen_q - q_first, cfg.q_block)
         keys = cutlass.min(seqlen_k - kv_first, cfg.kv_block)
         some, every = Int32(0), Int32(1)
-        for i in cutlass.range(tidx, rows * keys, cfg.threads, unroll=1):
-            q_idx, kv_idx = q_first + i // keys, kv_first + i % keys
-            keep = mod(batch_idx, head_idx, q_idx, kv_idx)
-            if const_expr(isinstance(keep, bool)):  # (a mod that ignores its indices)
-                some, every = Int32(1 if keep else 0) | some, Int32(1 if keep else 0) & every
-            else:
-                hit = cutlass.select_(keep, Int32(1), Int32(0))
-                some, every = some | hit, every & hit
+        # the block's pairs, keys fastest, a static count (a division by the static kv_block is a
+        # multiply and shift; by the runtime count of keys it would be a long sequence)
+        for i in cutlass.range(tidx, cfg.q_block * cfg.kv_block, cfg.threads, unroll=1):
+            r, c = i // cfg.kv_block, i % cfg.kv_block
+            if (r < rows) & (c < keys):
+                keep = mod(batch_idx, head_idx, q_first + r, kv_first + c)
+                if const_expr(isinstance(keep, bool)):  # (a mod that ignores its indices)
+                    some, every = Int32(1 if keep else 0) | some, Int32(1 if keep else 0) & every
+                else:
+                    hit = cutlass.select_(keep, Int32(1), Int32(0))
+                    some, every = some | hit, every & hit
         smem = cutlass.memory.SmemAllocator()
         warps = cfg.threads // 32
         votes = smem.allocate_tensor(Int32, cute.make_layout((2, warps), stride=(warps, 1)), 4)
