@@ -22,23 +22,28 @@ from cuteattn.reference import apply_rotary_ref, attention_kvcache_ref, attentio
 from cuteattn.spec import AttentionSpec
 
 PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
+# The decode kernel's K/V ring is sized to half the shared memory (sm80/config.decode_stages), so
+# two CTAs share an SM; split-KV counts CTAs against both. Measured on an H200 (CUDA-graph
+# replays, docs/perf-log.md): 256 CTAs beat 128 by 1-33% at batch 1 and 8.
+DECODE_CTAS_PER_SM = 2
 
 
-def split_count(work_tiles: int, num_sms: int, key_blocks: int, max_splits: int = 128,
+def split_count(work_tiles: int, slots: int, key_blocks: int, max_splits: int = 128,
                 target: float = 0.95) -> int:
     """How many ranges to split each tile's keys into (num_splits=0): 1 when the tiles alone
-    (batch x kv heads x query blocks, with pack-GQA) fill 80% of the SMs; else the fewest splits
-    whose last wave is at least `target` full relative to the best split count, never more
-    splits than key blocks (and counts that leave the longest split as long as one fewer would
-    are skipped). At batch 1 with 8 kv heads over a long cache on 132 SMs: 16 splits, 128 CTAs."""
-    if work_tiles <= 0 or work_tiles >= 0.8 * num_sms:
+    (batch x kv heads x query blocks, with pack-GQA) fill 80% of the GPU's CTA slots (`slots`:
+    SMs x the decode kernel's DECODE_CTAS_PER_SM); else the fewest splits whose last wave of
+    slots is at least `target` full relative to the best split count, never more splits than
+    key blocks (and counts that leave the longest split as long as one fewer would are
+    skipped). At batch 1 with 8 kv heads over a long cache on 132 SMs: 31 splits, 248 CTAs."""
+    if work_tiles <= 0 or work_tiles >= 0.8 * slots:
         return 1
-    limit = max(1, min(max_splits, num_sms, key_blocks))
+    limit = max(1, min(max_splits, slots, key_blocks))
     efficiency = {}
     for splits in range(1, limit + 1):
         if splits > 1 and -(-key_blocks // splits) == -(-key_blocks // (splits - 1)):
             continue
-        waves = work_tiles * splits / num_sms
+        waves = work_tiles * splits / slots
         efficiency[splits] = waves / math.ceil(waves)
     best = max(efficiency.values())
     return min(s for s, e in efficiency.items() if e >= target * best)
@@ -417,7 +422,7 @@ def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
         tiles = spec.batch * spec.nheads_k * -(-spec.seqlen_q * g // 64)
     else:
         tiles = spec.batch * spec.nheads * -(-spec.seqlen_q // 64)
-    return split_count(tiles, sms, -(-capacity // 128))
+    return split_count(tiles, sms * DECODE_CTAS_PER_SM, -(-capacity // 128))
 
 
 def _check_paged_lengths(cu_seqlens_k, seqused_k, block_table, page: int, capacity: int,

@@ -186,9 +186,25 @@ MASK_MOD_CHUNK = 1 << 27
 def from_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                   q_block: int, kv_block: int, device=None) -> BlockSparseMask:
     """By evaluating mask_mod over every block: all pairs attended -> full, some -> partial,
-    none -> left out (as many query blocks at a time as keep the evaluated pairs within
-    MASK_MOD_CHUNK, so memory stays bounded and a long sequence takes a few steps)."""
+    none -> left out. On a GPU in one launch of a kernel the mod is traced into
+    (_mask_mod_blocks_kernel); otherwise, or for a mod no kernel can trace, in PyTorch, as many
+    query blocks at a time as keep the evaluated pairs within MASK_MOD_CHUNK, so memory stays
+    bounded and a long sequence takes a few steps."""
     _check_block_sizes(q_block, kv_block)
+    state = _mask_mod_blocks_kernel(mask_mod, batch, heads, seqlen_q, seqlen_k, q_block,
+                                    kv_block, device)
+    if state is not None:
+        attended = state > 0
+        return from_block_mask(attended, q_block, kv_block, partial=attended & (state < 2))
+    attended, full = mask_mod_blocks_torch(mask_mod, batch, heads, seqlen_q, seqlen_k, q_block,
+                                           kv_block, device)
+    return from_block_mask(attended, q_block, kv_block, partial=attended & ~full)
+
+
+def mask_mod_blocks_torch(mask_mod: Callable, batch: int, heads: int, seqlen_q: int,
+                          seqlen_k: int, q_block: int, kv_block: int, device=None) -> tuple:
+    """from_mask_mod's evaluation in PyTorch (any mod, any device; the kernel's reference):
+    booleans (batch, heads, query blocks, key blocks) (some pair attended, every pair)."""
     nq, nk = -(-seqlen_q // q_block), -(-seqlen_k // kv_block)
     pad_k = nk * kv_block - seqlen_k
     step = max(1, MASK_MOD_CHUNK // max(1, batch * heads * q_block * seqlen_k))
@@ -210,8 +226,22 @@ def from_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int, seq
         shape = (batch, heads, blocks, q_block, nk, kv_block)
         any_rows.append(m_any.view(shape).any(dim=5).any(dim=3))
         all_rows.append(m_all.view(shape).all(dim=5).all(dim=3))
-    attended, full = torch.cat(any_rows, dim=2), torch.cat(all_rows, dim=2)
-    return from_block_mask(attended, q_block, kv_block, partial=attended & ~full)
+    return torch.cat(any_rows, dim=2), torch.cat(all_rows, dim=2)
+
+
+def _mask_mod_blocks_kernel(mask_mod, batch, heads, seqlen_q, seqlen_k, q_block, kv_block,
+                            device):
+    """from_mask_mod's block states from one kernel launch (kernels/common/mask_blocks.py) on
+    a CUDA GPU of sm_80 or later, for a mod that compiles into a kernel; else None (the PyTorch
+    evaluation, mask_mod_blocks_torch, then serves)."""
+    device = torch.device(device) if device is not None else None
+    if (device is None or device.type != "cuda" or seqlen_q <= 0 or seqlen_k <= 0
+            or torch.cuda.get_device_capability(device) < (8, 0)):
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    from .kernels.launch_common import mask_mod_blocks
+    return mask_mod_blocks(mask_mod, batch, heads, seqlen_q, seqlen_k, q_block, kv_block, device)
 
 
 def expand(mask: BlockSparseMask, q_block: int, kv_block: int) -> BlockSparseMask:

@@ -287,6 +287,21 @@ def test_fp8_reasons():
     assert can(sparse_q_block=128, sparse_kv_block=128).startswith("fp8 block-sparse")
 
 
+def test_paged_prefill_goes_to_the_portable_kernel():
+    """The sm90 forward serves a paged prefill by the portable kernel (the sm80 family's rules
+    and launch): packed q with a page size, compiled head dims only."""
+    import dataclasses
+    from cuteattn.kernels.sm80 import launch as sm80_launch
+    paged = dataclasses.replace(make_spec(torch.bfloat16, 128, "causal", True), paged_kv=True,
+                                page_size=16)
+    assert sm90_launch.PAGED_PREFILL is sm80_launch.FORWARD
+    assert sm90_launch.FORWARD.can_implement(paged) is None
+    assert sm90_launch.FORWARD.can_implement(dataclasses.replace(
+        paged, head_dim=80, head_dim_v=80)).startswith("head_dim 80 is not supported by the sm80")
+    assert sm90_launch.FORWARD.can_implement(dataclasses.replace(paged, varlen_q=False)) == (
+        "paged keys need packed q (flash_attn_varlen_func) and a page size")
+
+
 @pytest.mark.parametrize("dv", [64, 128, 256])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "packed"])
 def test_compile_fp8_value_transpose(dv, varlen, capfd, tmp_path, monkeypatch):

@@ -171,3 +171,40 @@ def test_mask_mod_gradients_deterministic(seed):
             for _ in range(3)]
     for later in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], later))
+
+
+BLOCK_MODS = {
+    "document": lambda: document_of([129, 1, 400, 170, 331]),
+    "sliding": lambda: sliding_of(100),
+    "prefix": lambda: prefix_lm_of(torch.tensor([5, 300], dtype=torch.int32, device="cuda")),
+    "by head": lambda: (lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (h == 1)),
+    "all": lambda: (lambda b, h, q_idx, kv_idx: True),
+    "none": lambda: (lambda b, h, q_idx, kv_idx: False),
+}
+
+
+@pytest.mark.parametrize("mod", list(BLOCK_MODS))
+@pytest.mark.parametrize("block", [(128, 128), (128, 64), (64, 64)], ids=["128x128", "128x64", "64x64"])
+@pytest.mark.parametrize("lens", [(700, 700), (63, 1031)], ids=["700", "63x1031"])
+def test_mask_mod_blocks_kernel_matches_torch(seed, mod, block, lens):
+    """sparse.from_mask_mod's kernel (common/mask_blocks.py) gives every block pair the state
+    the PyTorch evaluation gives it: per batch and head, short last blocks, constant mods."""
+    from cuteattn.kernels.launch_common import mask_mod_blocks
+    fn, (sq, sk) = BLOCK_MODS[mod](), lens
+    state = mask_mod_blocks(fn, 2, 3, sq, sk, *block, torch.device("cuda", torch.cuda.current_device()))
+    assert state is not None, "the kernel did not take the mod"
+    attended, full = sparse.mask_mod_blocks_torch(fn, 2, 3, sq, sk, *block, device="cuda")
+    assert torch.equal(state > 0, attended) and torch.equal(state == 2, full & attended)
+    assert torch.equal(state.clamp(0, 2), state)  # (nothing but the three states written)
+
+
+def test_mask_mod_blocks_untraceable_uses_torch(seed):
+    """A mod no kernel traces still builds its lists (the PyTorch evaluation), the same ones."""
+    def calls_torch(b, h, q_idx, kv_idx):
+        return torch.abs(q_idx - kv_idx) < 90
+    lists = sparse.from_mask_mod(calls_torch, 1, 2, 500, 500, 128, 128, device="cuda")
+    attended, full = sparse.mask_mod_blocks_torch(calls_torch, 1, 2, 500, 500, 128, 128, device="cuda")
+    want = sparse.from_block_mask(attended, 128, 128, partial=attended & ~full)
+    got_full, got_partial = lists.block_masks()
+    want_full, want_partial = want.block_masks()
+    assert torch.equal(got_full, want_full) and torch.equal(got_partial, want_partial)

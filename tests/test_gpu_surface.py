@@ -198,3 +198,13 @@ def test_one_side_packed(seed, path, mask, side):
 def test_one_side_packed_with_seqused(seed):
     run_varlen(LENS_Q, LENS_K, 8, 1, 64, 64, torch.float16, batched_k=True,
                seqused_q=used(USED_Q), seqused_k=used(USED_K), causal=True)
+
+
+@pytest.mark.parametrize("page", [16, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_prefill_default_path(seed, page, causal, monkeypatch):
+    """flash_attn_varlen_func(block_table=) on whatever path the GPU gets by default (on Hopper
+    the sm90 forward hands it to the portable kernel): the portable path's own test, strict."""
+    import test_gpu_sm80
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    test_gpu_sm80.test_paged_prefill(seed, page, causal)

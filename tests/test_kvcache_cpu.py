@@ -339,11 +339,13 @@ def test_num_splits_give_the_same_result(seed, splits, sink):
 
 def test_split_count_heuristic():
     from cuteattn.kvcache import split_count
-    assert split_count(8, 132, 1024) == 16        # batch 1, 8 kv heads, 131072 keys: 128 CTAs
-    assert split_count(64, 132, 256) == 2         # batch 8: 128 CTAs
-    assert split_count(512, 132, 64) == 1         # batch 64 fills the GPU alone
-    assert split_count(8, 132, 3) == 3            # never more splits than key blocks
-    assert split_count(0, 132, 10) == 1
+    slots = 2 * 132  # an H200: 132 SMs, two decode CTAs each
+    assert split_count(8, slots, 1024) == 31      # batch 1, 8 kv heads, 131072 keys: 248 CTAs
+    assert split_count(64, slots, 256) == 4       # batch 8: 256 CTAs
+    assert split_count(128, slots, 256) == 2      # batch 16: 256 CTAs
+    assert split_count(512, slots, 64) == 1       # batch 64 fills the GPU alone
+    assert split_count(8, slots, 3) == 3          # never more splits than key blocks
+    assert split_count(0, slots, 10) == 1
 
 
 def test_the_reference_path_checks_values_even_without_validate():

@@ -268,3 +268,28 @@ def test_api_runs_gradients_through_both_kernels(monkeypatch):
     assert seen[-1]["mod_tensors"][0].tolist() == DOCS.tolist()
     with pytest.raises(RuntimeError, match="score_mod gradients"):
         flash_attn_func(q, k, v, score_mod=alibi, strict=True)
+
+
+BLOCKS_CASES = [("document-128x128", document, 128, 128), ("sliding-128x64", sliding, 128, 64),
+                ("prefix-64x64", prefix_lm_of(torch.tensor([5, 7], dtype=torch.int32)), 64, 64),
+                ("constant", lambda b, h, q_idx, kv_idx: True, 128, 128)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,fn,q_block,kv_block", BLOCKS_CASES, ids=[c[0] for c in BLOCKS_CASES])
+def test_compile_mask_mod_blocks(name, fn, q_block, kv_block, capfd, tmp_path, monkeypatch):
+    """sparse.from_mask_mod's kernel (common/mask_blocks.py): the mod traced in, spill-free, its
+    warp votes present; a tensor-reading mod loads from global memory."""
+    from cuteattn.kernels.common import arguments as common_arguments
+    from cuteattn.kernels.common.mask_blocks import MaskBlocks, MaskBlocksConfig
+    from cuteattn.kernels.compile_common import compile_kernel
+    from cuteattn.kernels.sm90 import arguments as sm90_arguments
+    monkeypatch.chdir(tmp_path)
+    key = mod_key(fn)
+    cfg = MaskBlocksConfig(key, q_block, kv_block)
+    fakes = common_arguments.fakes(cfg, sm90_arguments.MASK_BLOCKS_ARGUMENTS, None)
+    ptx = compile_kernel(MaskBlocks(cfg, fn), fakes, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "vote.sync.any" in ptx and "vote.sync.all" in ptx
+    assert ("ld.global" in ptx) == bool(key.tensors)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0

@@ -13,7 +13,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def make_inputs(cell: Cell, device: torch.device) -> dict:
     dtype = DTYPES[cell.dtype]
-    if cell.kind == "decode":
+    if cell.kind in ("decode", "prefill"):
         return _decode_inputs(cell, device, dtype)
     if cell.kind == "fp8":
         return _fp8_inputs(cell, device)
@@ -204,6 +204,35 @@ def _fp8(cell, x, device):
             "fa4": "flash-attn-4 runs FP8 on sm100 only"}
 
 
+def _prefill(cell, x, device):
+    """name -> callable for a prefill cell: cuteattn's paged varlen call, our fixed-length
+    forward on the same keys laid out contiguously, FA4's paged varlen; outputs (b, sq, h, d)."""
+    from cuteattn import flash_attn_func, flash_attn_varlen_func
+    strict = device.type == "cuda"
+    b, sq, sk = cell.batch, cell.seqlen_q, cell.seqlen_k
+    cu = lambda n: torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=device)
+    q = x["q"].flatten(0, 1)
+    unpack = lambda o: o.view(b, sq, *o.shape[1:])
+    impls = {"cuteattn": lambda: unpack(flash_attn_varlen_func(
+        q, x["k"], x["v"], cu(sq), cu(sk), sq, sk, causal=True, block_table=x["table"],
+        strict=strict))}
+    if device.type != "cuda":
+        return {"cuteattn (reference)": impls["cuteattn"]}
+    keys = [_decode_keys(x, i) for i in range(b)]
+    k, v = (torch.stack([kv[j] for kv in keys]) for j in (0, 1))
+    impls["cuteattn-fixed"] = lambda: flash_attn_func(x["q"], k, v, causal=True, strict=True)
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func as fa4
+    except Exception as e:
+        impls["fa4"] = f"flash_attn.cute not importable ({type(e).__name__})"
+        return impls
+    first = lambda r: r[0] if isinstance(r, tuple) else r
+    impls["fa4"] = lambda: unpack(first(fa4(q, x["k"], x["v"], cu_seqlens_q=cu(sq),
+                                            max_seqlen_q=sq, seqused_k=x["lens"],
+                                            max_seqlen_k=sk, page_table=x["table"], causal=True)))
+    return impls
+
+
 def _decode_keys(x, b: int):
     """Sequence b's keys and values (L, hk, d), gathered from the pages if paged."""
     if x["table"] is None:
@@ -307,6 +336,8 @@ def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
     For a "bwd" cell each callable runs the backward alone (the forward ran once, here)."""
     if cell.kind == "decode":
         return _decode(cell, x, device)
+    if cell.kind == "prefill":
+        return _prefill(cell, x, device)
     if cell.kind == "fp8":
         return _fp8(cell, x, device)
     if cell.kind == "mods":
@@ -365,7 +396,7 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
         return _check_mods(cell, x, out)
     if cell.kind == "sparse_bwd":
         return _check_sparse_dq(cell, x, out[0], dout)
-    if cell.kind == "decode":  # batch 0, kv head 0's query heads, against its whole cache
+    if cell.kind in ("decode", "prefill"):  # batch 0, kv head 0's query heads, its whole cache
         k0, v0 = _decode_keys(x, 0)
         if cell.kv_dtype:  # the real values: stored x descale, in float32 for the reference
             k0, v0 = (t.float() * x[f"{n}_descale"][0][None, :, None] for t, n in ((k0, "k"), (v0, "v")))

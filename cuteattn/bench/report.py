@@ -61,8 +61,8 @@ def print_table(results: list[dict], impls: list[str]) -> None:
               f"geometric mean {s['geomean']:.2f}x, {s['at_least_1x']} at or above 1.00x")
     shares = builder_shares(results)
     if shares:
-        print("block-sparse builders (top-k lists, expanded; GPU time) as a share of cuteattn's "
-              "kernel time: " + ", ".join(f"{label} {share:.1%}" for label, share in shares))
+        print("block-sparse builders (GPU time: top-k lists expanded, or from_mask_mod) as a share "
+              "of cuteattn's kernel time: " + ", ".join(f"{label} {share:.1%}" for label, share in shares))
 
 
 def builder_shares(results: list[dict]) -> list:

@@ -29,8 +29,10 @@ class Cell:
     kind: str                 # "fwd" (flash_attn_func), "varlen" (flash_attn_varlen_func),
                               # "bwd" (flash_attn_func's backward alone), "fp8" (flash_attn_func
                               # on float8_e4m3fn inputs with descales), "sparse" (block-sparse
-                              # flash_attn_func) or "decode"
-                              # (flash_attn_with_kvcache: seqlen_q new rows, seqlen_k cached keys)
+                              # flash_attn_func), "decode" (flash_attn_with_kvcache: seqlen_q
+                              # new rows, seqlen_k cached keys) or "prefill" (a chunk of
+                              # seqlen_q queries over seqlen_k keys in pages:
+                              # flash_attn_varlen_func(block_table=))
     d: int
     batch: int
     nheads: int
@@ -40,7 +42,7 @@ class Cell:
     causal: bool
     dtype: str = "bf16"
     lens: tuple[int, ...] | None = None   # varlen: per-sequence lengths (q and k alike)
-    page_size: int | None = None          # decode: the cache's page size (None: contiguous)
+    page_size: int | None = None          # decode, prefill: the cache's page size (None: contiguous)
     sparsity: float | None = None         # sparse: the fraction of logical blocks left out
     block_q: int | None = None            # sparse: the physical block (the logical one is 256)
     block_k: int | None = None
@@ -94,6 +96,9 @@ class Cell:
                     f"{self.block_q}x{self.block_k}")
         if self.kind == "mods":
             return f"mods {self.mod} d{self.d} h{self.nheads} S{self.seqlen_q} {mask}"
+        if self.kind == "prefill":
+            return (f"prefill b{self.batch} {self.seqlen_q}x{self.seqlen_k} h{self.nheads}/"
+                    f"{self.nheads_k} page {self.page_size} {mask}")
         if self.kind == "decode":
             cache = f"page {self.page_size}" if self.page_size else "contiguous"
             fp8 = " fp8 cache" if self.kv_dtype else ""
@@ -226,7 +231,15 @@ def decode_grid(quick: bool = False, fp8_kv: bool = False) -> list[Cell]:
         return [Cell("decode", 128, b, 32, hk, 1, n, False, page_size=p, kv_dtype="fp8_e4m3")
                 for b, n in shapes for hk in (8, 4) for p in (16, 128, None)]
     return [Cell("decode", 128, b, 32, 8, 1, n, False, page_size=p)
-            for b, n in shapes for p in (16, 128, None)]
+            for b, n in shapes for p in (16, 128, None)] + prefill_grid(quick)
+
+
+def prefill_grid(quick: bool = False) -> list[Cell]:
+    """A chunked prefill step: 2048 new queries (causal, bottom-right) over a 16k-token paged
+    cache, 4 sequences, bf16, 32 query heads over 8, d=128, pages of 16 and 128; beside our
+    fixed-length forward on the same keys laid out contiguously."""
+    return [Cell("prefill", 128, 4, 32, 8, 2048, 16384, True, page_size=p)
+            for p in ((128,) if quick else (16, 128))]
 
 
 def cpu_grid() -> list[Cell]:
@@ -235,6 +248,7 @@ def cpu_grid() -> list[Cell]:
         Cell("varlen", 64, 3, 2, 2, 96, 96, True, lens=(32, 96, 64)),
         Cell("decode", 64, 2, 4, 2, 1, 64, False, page_size=16),
         Cell("decode", 64, 2, 4, 2, 1, 64, False, kv_dtype="fp8_e4m3"),
+        Cell("prefill", 64, 2, 4, 2, 32, 64, True, page_size=16),
         Cell("fp8", 64, 1, 2, 2, 64, 64, True),
         Cell("sparse", 64, 1, 2, 2, 512, 512, False, sparsity=0.5, block_q=128, block_k=64),
     ]

@@ -420,6 +420,61 @@ def mod_tensors_of(fn, key) -> list:
     return [(t.int() if t.dtype == torch.int64 else t).contiguous() for t in found]
 
 
+_UNTRACEABLE_BLOCKS: dict = {}  # KernelMod -> why mask_blocks.py could not trace it
+
+
+def mask_mod_blocks(fn, batch: int, heads: int, seqlen_q: int, seqlen_k: int, q_block: int,
+                    kv_block: int, device: torch.device) -> Optional[torch.Tensor]:
+    """sparse.from_mask_mod's evaluation in one launch (common/mask_blocks.py): int32 (batch,
+    heads, query blocks, key blocks) of 0 (no pair attended), 1 (some), 2 (all); None when the
+    mod cannot be compiled into a kernel (the PyTorch form then evaluates it)."""
+    from .common.mask_blocks import MaskBlocksConfig
+    from .sm90 import arguments as sm90_arguments
+    try:
+        key = mod_key(fn, "mask_mod")
+    except UnsupportedMod:
+        return None
+    if key in _UNTRACEABLE_BLOCKS:
+        return None
+    cfg = MaskBlocksConfig(key, q_block, kv_block)
+    tvm_ffi = use_tvm_ffi()
+    try:
+        compiled = _compiled_mask_blocks(cfg, fn, tvm_ffi)
+    except Exception as e:  # the DSL could not trace it (a torch call, an unsupported operator)
+        _UNTRACEABLE_BLOCKS[key] = f"{type(e).__name__}: {e}"
+        return None
+    tensors = mod_tensors_of(fn, key)
+    if any(t.device != device for t in tensors):  # (the PyTorch form says what is wrong)
+        return None
+    state = torch.empty(batch, heads, -(-seqlen_q // q_block), -(-seqlen_k // kv_block),
+                        dtype=torch.int32, device=device)
+    values = (*tensors, *[None] * (2 - len(tensors)), state, seqlen_q, seqlen_k)
+    entries = sm90_arguments.MASK_BLOCKS_ARGUMENTS
+    args = values if tvm_ffi else tuple(to_runtime(a, x) for a, x in zip(entries, values))
+    call_kernel(compiled, tvm_ffi, args, device)
+    return state
+
+
+@functools.lru_cache(maxsize=None)
+def _mask_blocks_sources() -> tuple:
+    from .. import compile_cache
+    return compile_cache.module_sources("cuteattn.kernels.common.mask_blocks")
+
+
+def _compiled_mask_blocks(cfg, fn, tvm_ffi: bool):
+    from .. import compile_cache
+
+    def build():
+        from .common import arguments as common_arguments
+        from .common.mask_blocks import MaskBlocks
+        from .compile_common import compile_kernel
+        from .sm90 import arguments as sm90_arguments
+        fakes = common_arguments.fakes(cfg, sm90_arguments.MASK_BLOCKS_ARGUMENTS, None)
+        return compile_kernel(MaskBlocks(cfg, fn), fakes, tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("common", "mask_blocks", tvm_ffi, cfg), build,
+                                        persist=tvm_ffi, sources=_mask_blocks_sources())
+
+
 # ---- the KV-cache update before a decode kernel (common/kv_append.py) ----
 
 _FP8_CACHE_KINDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}

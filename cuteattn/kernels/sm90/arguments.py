@@ -19,7 +19,7 @@ from ..common.arguments import (FLOAT32, INT32, NO_SPARSE, NO_VARLEN, OPTIONAL_T
                                 SparseMetadata, VarlenMetadata, int32_vector, key_side, lse_rows,
                                 query_side)
 
-__all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "FP8_VALUE_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Fp8Descales",
+__all__ = ["ARGUMENTS", "BWD_ARGUMENTS", "FP8_VALUE_ARGUMENTS", "MASK_BLOCKS_ARGUMENTS", "SCALARS", "Arg", "Binder", "FLOAT32", "Fp8Descales",
            "Group", "INT32", "ModTensors", "NO_FP8", "NO_MOD", "NO_SPARSE", "NO_VARLEN", "OPTIONAL_TENSOR", "SCALAR_TYPES", "STREAM", "TENSOR",
            "SparseMetadata", "VarlenMetadata",
            "fakes", "flat", "group_names", "names"]
@@ -151,6 +151,16 @@ FP8_VALUE_ARGUMENTS = (
     Arg("mCuSeqlensK", OPTIONAL_TENSOR, _packed_offsets, align=4),
     Arg("mCuSeqlensV", OPTIONAL_TENSOR, _packed_offsets, align=4),  # (written)
     Arg("max_seqlen", INT32),
+)
+
+# sparse.from_mask_mod's evaluation (common/mask_blocks.py): the mod's tensors, the block states
+MASK_BLOCKS_ARGUMENTS = (
+    Arg("mModTensor0", OPTIONAL_TENSOR, _mod_tensor(0), align=4),
+    Arg("mModTensor1", OPTIONAL_TENSOR, _mod_tensor(1), align=4),
+    Arg("mState", TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
+        Int32, (sym["b"], sym["h"], sym["nq"], sym["nk"]), align, memspace), align=4),
+    Arg("seqlen_q", INT32),
+    Arg("seqlen_k", INT32),
 )
 
 

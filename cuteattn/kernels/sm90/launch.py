@@ -22,6 +22,7 @@ from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scalars, l2_groups, sm_count,
                             to_runtime, unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from ..common.convert import FP8_KEY_ORDER
+from ..sm80 import launch as sm80_launch
 from . import arguments, config
 from .arguments import (NO_FP8, NO_MOD, NO_SPARSE, NO_VARLEN, Fp8Descales, ModTensors,
                         SparseMetadata, VarlenMetadata)
@@ -298,10 +299,14 @@ def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
 
 
 class Sm90Forward:
-    """The kernel family of ("sm90", "fwd") (dispatch.KernelFamily)."""
+    """The kernel family of ("sm90", "fwd") (dispatch.KernelFamily). A paged prefill
+    (flash_attn_varlen_func(block_table=)) it hands to the portable kernel, compiled for sm_90a,
+    which reads the pages (a TMA load cannot gather rows of pages smaller than its box)."""
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
+        if spec.paged_kv:
+            return PAGED_PREFILL.can_implement(spec)
         if spec.dtype == FP8:
             return unserved_fp8(spec) or unserved_form(spec, ARCH, "forward")
         return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
@@ -309,8 +314,8 @@ class Sm90Forward:
                 or unserved_form(spec, ARCH, "forward", mods=True) or unserved_sparse(spec)
                 or unserved_mods(spec))
 
-    def launch(self, spec: AttentionSpec) -> Launch:
-        return Launch(spec)
+    def launch(self, spec: AttentionSpec):
+        return PAGED_PREFILL.launch(spec) if spec.paged_kv else Launch(spec)
 
 
 def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
@@ -329,4 +334,5 @@ def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
     return None
 
 
+PAGED_PREFILL = sm80_launch.FORWARD
 FORWARD = Sm90Forward()
