@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from cuteattn import flash_attn_func, sparse
+from cuteattn import mods as cmods
 from cuteattn.reference import attention_ref
 from cuteattn.testing import assert_close_fa, assert_lse_close
 
@@ -126,7 +127,7 @@ def test_rows_without_keys(seed):
 def test_untraceable_mod_falls_back(seed):
     """A mod calling torch functions runs on the reference, with a warning naming why."""
     def calls_torch(b, h, q_idx, kv_idx):
-        return torch.abs(q_idx - kv_idx) < 9
+        return (q_idx - kv_idx).abs() < 9  # (a tensor method: the DSL's integers have none)
     q, k, v = inputs(1, 200, 200, 2, 2, 64)
     with pytest.warns(Warning, match="could not be traced"):
         out = flash_attn_func(q, k, v, mask_mod=calls_torch)
@@ -201,10 +202,34 @@ def test_mask_mod_blocks_kernel_matches_torch(seed, mod, block, lens):
 def test_mask_mod_blocks_untraceable_uses_torch(seed):
     """A mod no kernel traces still builds its lists (the PyTorch evaluation), the same ones."""
     def calls_torch(b, h, q_idx, kv_idx):
-        return torch.abs(q_idx - kv_idx) < 90
+        return (q_idx - kv_idx).abs() < 90  # (a tensor method: untraceable)
     lists = sparse.from_mask_mod(calls_torch, 1, 2, 500, 500, 128, 128, device="cuda")
     attended, full = sparse.mask_mod_blocks_torch(calls_torch, 1, 2, 500, 500, 128, 128, device="cuda")
     want = sparse.from_block_mask(attended, 128, 128, partial=attended & ~full)
     got_full, got_partial = lists.block_masks()
     want_full, want_partial = want.block_masks()
     assert torch.equal(got_full, want_full) and torch.equal(got_partial, want_partial)
+
+
+READY_MADE = {  # cuteattn.mods: (kind, the mod for a sequence of s tokens)
+    "causal": ("mask_mod", lambda s: cmods.causal()),
+    "sliding_window": ("mask_mod", lambda s: cmods.sliding_window(100, 20)),
+    "document_causal": ("mask_mod", lambda s: cmods.document_from_lengths(
+        [s // 3, 0, s - s // 3], device="cuda", causal=True)),
+    "prefix_lm": ("mask_mod", lambda s: cmods.prefix_lm(torch.tensor([17, s // 2], device="cuda"))),
+    "alibi": ("score_mod", lambda s: cmods.alibi(4, device="cuda")),
+    "softcap": ("score_mod", lambda s: cmods.softcap(20.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(READY_MADE))
+def test_ready_made_mods(seed, name):
+    """Each of cuteattn.mods on the kernel (strict), against the reference with the same mod."""
+    kind, make = READY_MADE[name]
+    s = 333
+    q, k, v = inputs(2, s, s, 4, 2, 128)
+    mod = make(s)
+    if kind == "mask_mod":
+        check(q, k, v, mod)
+    else:
+        check(q, k, v, None, score_mod=mod)

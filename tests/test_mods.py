@@ -186,13 +186,14 @@ def test_score_mod_scalars():
 
 @pytest.mark.compile
 def test_a_torch_call_does_not_trace():
-    """A mask_mod calling torch functions has a key but fails to trace: the API catches that
-    and serves the call on the reference (tests/test_api_cpu.py checks the routing)."""
+    """A mask_mod calling a torch function the kernel has no counterpart for (common/mods.
+    TorchInKernel) has a key but fails to trace: the API catches that and serves the call on
+    the reference (tests/test_api_cpu.py checks the routing)."""
     from cuteattn.kernels.sm90 import config
     from cuteattn.kernels.sm90.compile import compile_fwd
 
     def calls_torch(b, h, q_idx, kv_idx):
-        return torch.abs(q_idx - kv_idx) < 4
+        return torch.fmod(q_idx - kv_idx, 4) == 0
     cfg = config.fwd_config(cutlass.BFloat16, 64, 64, False, False, False, False, False,
                             mask_mod=mod_key(calls_torch))
     with pytest.raises(Exception):
@@ -293,3 +294,37 @@ def test_compile_mask_mod_blocks(name, fn, q_block, kv_block, capfd, tmp_path, m
     assert ("ld.global" in ptx) == bool(key.tensors)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0
+
+
+def softcap_of(cap):
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+    return softcap
+
+
+def gated(score, b, h, q_idx, kv_idx):  # torch.where, torch.abs, torch.exp on kernel values
+    near = torch.abs(q_idx - kv_idx) < 64
+    return torch.where(near, score, score - torch.exp(torch.minimum(score, 0.0)))
+
+
+TORCH_CASES = [("softcap", softcap_of(30.0), 128), ("gated", gated, 64)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,fn,d", TORCH_CASES, ids=[c[0] for c in TORCH_CASES])
+def test_compile_score_mod_with_torch_functions(name, fn, d, capfd, tmp_path, monkeypatch):
+    """torch's element-wise functions inside a score_mod trace (TorchInKernel): a softcap
+    written as FlexAttention writes it compiles spill-free to tanh.approx, as the built-in
+    softcap does; its constant is part of the key."""
+    from cuteattn.kernels.sm90 import config
+    from cuteattn.kernels.sm90.compile import compile_fwd
+    monkeypatch.chdir(tmp_path)
+    key = mod_key(fn, "score_mod")
+    cfg = config.fwd_config(cutlass.BFloat16, d, d, True, False, False, False, False,
+                            score_mod=key)
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}", mod_fns=(None, fn)).__ptx__
+    assert ("tanh.approx.f32" in ptx) == (name == "softcap")
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
+    if name == "softcap":
+        assert mod_key(softcap_of(20.0), "score_mod") != key

@@ -1,13 +1,15 @@
 """FlexAttention's mask_mod and score_mod compiled into a kernel.
 
 A mask_mod(b, h, q_idx, kv_idx) -> bool, or a score_mod(score, b, h, q_idx, kv_idx) -> score,
-written with Python operators (comparisons, + - * // %, & | ~) and indexing of torch tensors
+written with Python operators (comparisons, + - * / // %, & | ~), indexing of torch tensors
 (document ids, prefix lengths, ALiBi slopes: ones it closes over or module-level ones it names)
-is traced by the DSL with the kernel's own index values: each such tensor becomes a kernel
-argument (a cute tensor in its place while tracing), and everything else it reads (closure
-constants, module-level numbers it names) becomes part of the kernel's compile key, so a
-changed constant compiles anew. A mod that calls torch functions or is otherwise not traceable
-keeps running on the reference (the API says why).
+and torch's element-wise functions that TorchInKernel lists (torch.tanh for a softcap,
+torch.where, ...) is traced by the DSL with the kernel's own index values: each such tensor
+becomes a kernel argument (a cute tensor in its place while tracing), and everything else it
+reads (closure constants, module-level numbers it names) becomes part of the kernel's compile
+key, so a changed constant compiles anew. A mod that calls other torch functions (or tensor
+methods, such as .abs()) or is otherwise not traceable keeps running on the reference (the API
+says why).
 
 `KernelMod` is that key (a frozen dataclass, the config field of a kernel that applies the
 mod; launch_common.mod_key reads a function into one); `apply_mask_mod` and `apply_score_mod`
@@ -43,15 +45,85 @@ class KernelMod:
 
 
 def traced(fn, mod: KernelMod, cute_tensors: tuple):
-    """fn with the tensors it reads replaced by `cute_tensors` (in mod.tensors' order): what the
-    kernel calls while it is traced."""
+    """fn with the tensors it reads replaced by `cute_tensors` (in mod.tensors' order), and the
+    torch module it names by TorchInKernel: what the kernel calls while it is traced."""
     cells = list(fn.__closure__ or ())
     for slot, t in zip(mod.tensor_cells, cute_tensors):
         cells[slot] = types.CellType(t)
     names = dict(zip(mod.tensor_names, cute_tensors[len(mod.tensor_cells):]))
+    for name in fn.__code__.co_names:
+        value = fn.__globals__.get(name)
+        if isinstance(value, types.ModuleType) and value.__name__ == "torch":
+            names[name] = TorchInKernel
     scope = {**fn.__globals__, **names} if names else fn.__globals__
     return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
                               tuple(cells) or None)
+
+
+def _float(x):
+    return x if isinstance(x, Float32) else Float32(x)
+
+
+class TorchInKernel:
+    """What `torch.<function>` means inside a traced mod. FlexAttention's mods apply torch's
+    element-wise functions to index and score tensors; the kernel calls a mod on one element at
+    a time, so each function here is the DSL's scalar operation (transcendentals in the fast
+    approximate forms the kernel's own softcap uses). A function not listed leaves the mod
+    untraceable (the reference then serves it, saying so)."""
+
+    @staticmethod
+    def tanh(x):
+        return cute.math.tanh(_float(x), fastmath=True)
+
+    @staticmethod
+    def exp(x):
+        return cute.math.exp(_float(x), fastmath=True)
+
+    @staticmethod
+    def exp2(x):
+        return cute.math.exp2(_float(x), fastmath=True)
+
+    @staticmethod
+    def log(x):
+        return cute.math.log(_float(x), fastmath=True)
+
+    @staticmethod
+    def log2(x):
+        return cute.math.log2(_float(x), fastmath=True)
+
+    @staticmethod
+    def sqrt(x):
+        return cute.math.sqrt(_float(x), fastmath=True)
+
+    @staticmethod
+    def sigmoid(x):
+        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-_float(x), fastmath=True))
+
+    @staticmethod
+    def abs(x):
+        return cutlass.max(x, -x)
+
+    @staticmethod
+    def minimum(a, b):
+        return cutlass.min(a, b)
+
+    @staticmethod
+    def maximum(a, b):
+        return cutlass.max(a, b)
+
+    @staticmethod
+    def clamp(x, min=None, max=None):
+        if min is not None:
+            x = cutlass.max(x, min)
+        if max is not None:
+            x = cutlass.min(x, max)
+        return x
+
+    @staticmethod
+    def where(condition, a, b):
+        if isinstance(a, Float32) or isinstance(b, Float32) or isinstance(a, float) or isinstance(b, float):
+            a, b = _float(a), _float(b)
+        return cutlass.select_(condition, a, b)
 
 
 @cute.jit
