@@ -287,19 +287,47 @@ def test_fp8_reasons():
     assert can(sparse_q_block=128, sparse_kv_block=128).startswith("fp8 block-sparse")
 
 
-def test_paged_prefill_goes_to_the_portable_kernel():
-    """The sm90 forward serves a paged prefill by the portable kernel (the sm80 family's rules
-    and launch): packed q with a page size, compiled head dims only."""
+def test_paged_prefill_routes():
+    """A paged prefill: the sm90 forward reads pages of a multiple of 64 keys itself (its key
+    blocks inside a page); smaller pages, and forms it declines with pages, go to the portable
+    kernel (the sm80 family's rules and launch): packed q with a page size, compiled head dims."""
     import dataclasses
     from cuteattn.kernels.sm80 import launch as sm80_launch
     paged = dataclasses.replace(make_spec(torch.bfloat16, 128, "causal", True), paged_kv=True,
                                 page_size=16)
     assert sm90_launch.PAGED_PREFILL is sm80_launch.FORWARD
     assert sm90_launch.FORWARD.can_implement(paged) is None
+    assert sm90_launch.unserved_paged(paged).startswith("pages of 16 keys")
+    for page, d in ((64, 128), (128, 128), (256, 64), (128, 80)):
+        spec = dataclasses.replace(paged, page_size=page, head_dim=d, head_dim_v=d)
+        assert sm90_launch.unserved_paged(spec) is None
+        assert sm90_launch.sm90_config(spec).page_size == page
+        assert page % sm90_launch.sm90_config(spec).tile_n == 0
     assert sm90_launch.FORWARD.can_implement(dataclasses.replace(
         paged, head_dim=80, head_dim_v=80)).startswith("head_dim 80 is not supported by the sm80")
     assert sm90_launch.FORWARD.can_implement(dataclasses.replace(paged, varlen_q=False)) == (
         "paged keys need packed q (flash_attn_varlen_func) and a page size")
+
+
+PAGED_CASES = [(64, 64, "none"), (64, 128, "causal"), (96, 256, "none"), (128, 128, "causal"),
+               (128, 128, "window"), (128, 256, "softcap"), (192, 128, "causal"), (256, 128, "none")]
+
+
+@pytest.mark.parametrize("d,page,mask", PAGED_CASES, ids=[f"d{d}-page{p}-{m}" for d, p, m in PAGED_CASES])
+def test_compile_paged_forward(d, page, mask, capfd, tmp_path, monkeypatch):
+    """The forward reading keys from pages (a TMA copy per key block, the block found through
+    the page table; the last page's rows past the sequence zeroed in V): spill-free, and the
+    V block with the sequence's end published by a plain arrive after its own barrier."""
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    causal, local, softcap = mask in ("causal", "softcap"), mask == "window", mask == "softcap"
+    cfg = config.fwd_config(cutlass.BFloat16, d, d, causal, local, softcap, True, False,
+                            has_seqused_k=True, page_size=page)
+    assert page % cfg.tile_n == 0
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "cp.async.bulk.tensor" in ptx and "mbarrier.init" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
 
 
 @pytest.mark.parametrize("dv", [64, 128, 256])

@@ -113,9 +113,11 @@ def test_sm90_serves_the_backward(gpu, registry):
     assert dispatch.can_implement(make_spec(kind="bwd"), CUDA) is None
     for fields, reason in ((dict(head_dim=192, head_dim_v=192), "head_dim 192"),
                            (dict(head_dim=136, head_dim_v=136), "head_dim 136"),
-                           (dict(head_dim=128, head_dim_v=96), "head_dim_v 96")):
+                           (dict(head_dim=96, head_dim_v=128), "head_dim_v 128")):
         assert reason in dispatch.can_implement(make_spec(kind="bwd", **fields), CUDA)
     for fields in (dict(local=True, window_left=None, window_right=-2),
+                   dict(head_dim=128, head_dim_v=64), dict(head_dim=128, head_dim_v=96),
+                   dict(head_dim=80, head_dim_v=40),
                    dict(has_seqused_q=True, has_seqused_k=True), dict(varlen_q=True),
                    dict(varlen_k=True, has_seqused_k=True)):
         assert dispatch.can_implement(make_spec(kind="bwd", **fields), CUDA) is None
@@ -146,12 +148,17 @@ def test_backward_buffers_at_the_kernel_width_and_cut_back():
     dq_acc.copy_(torch.randn_like(dq_acc))
     dk.copy_(torch.randn_like(dk))
     dv.copy_(torch.randn_like(dv))
-    dq, dk2, dv2 = bwd_postprocess(dq_acc, dk, dv, q, k, ratio=2)
+    dq, dk2, dv2 = bwd_postprocess(dq_acc, dk, dv, q, k, k, ratio=2)
     assert dq.shape == q.shape and dk2.shape == dv2.shape == k.shape
     assert all(t.is_contiguous() for t in (dq, dk2, dv2))
     assert torch.equal(dq, dq_acc[..., :80])
     assert torch.equal(dk2, dk.view(2, 7, 2, 2, 96).sum(-2)[..., :80])
     assert torch.equal(dv2, dv.view(2, 7, 2, 2, 96).sum(-2)[..., :80])
+    # v narrower than q (head_dim_v 48): dV cut to v's head dim, dK to q's
+    v = torch.randn(2, 7, 2, 48)
+    dq, dk2, dv2 = bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio=2)
+    assert dk2.shape == k.shape and dv2.shape == v.shape and dv2.is_contiguous()
+    assert torch.equal(dv2, dv.view(2, 7, 2, 2, 96).sum(-2)[..., :48])
 
 
 def test_registered_family_serves_its_kind(gpu, registry):

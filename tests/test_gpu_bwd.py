@@ -77,11 +77,11 @@ def check_grads(got, ref, low, names=("dq", "dk", "dv"), rows=None):
         assert_close_fa(g, r, lo, name=name)
 
 
-def run_fixed(dtype, d, h, hk, sq, sk, deterministic=False, **kw):
+def run_fixed(dtype, d, h, hk, sq, sk, deterministic=False, dv=None, **kw):
     b = 2
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hk, dv or d, device="cuda", dtype=dtype, requires_grad=True)
     out = flash_attn_func(q, k, v, deterministic=deterministic, strict=True, **kw)
     dout = torch.randn_like(out)
     poison_allocator()
@@ -147,10 +147,10 @@ def cu(lens):
 
 
 def run_varlen(lens_q, lens_k, h, hk, d, dtype, seqused_q=None, seqused_k=None,
-               deterministic=False, **kw):
+               deterministic=False, dv=None, **kw):
     q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lens_k), hk, dv or d, device="cuda", dtype=dtype, requires_grad=True)
     cu_q, cu_k = cu(lens_q), cu(lens_k)
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
                                  seqused_q=seqused_q, seqused_k=seqused_k, strict=True,
@@ -378,3 +378,34 @@ def test_bwd_padded_varlen_deterministic(seed):
         for a, b in zip(got, again):
             assert torch.equal(a, b)
     check_grads(got, ref, low)
+
+
+NARROW_V = [(128, 64), (128, 96), (96, 64), (64, 32), (80, 40), (112, 56)]
+
+
+@pytest.mark.parametrize("dims", NARROW_V, ids=lambda x: f"d{x[0]}v{x[1]}")
+@pytest.mark.parametrize("mask", ["none", "causal", "softcap_causal"])
+def test_bwd_head_dim_v_narrower(seed, dims, mask):
+    """Gradients with v narrower than q/k (head_dim_v < head_dim): the kernel of q's width
+    reads v and dO zero-filled past their own head dim; dV comes back at v's, dQ and dK at
+    q's, against the float32 reference."""
+    d, dv = dims
+    dtype = DTYPES[NARROW_V.index(dims) % 2]
+    inputs, dout, got = run_fixed(dtype, d, 8, 2, 203, 317, dv=dv, **MASKS[mask])
+    assert got[2].shape == inputs[2].shape and got[2].is_contiguous()
+    ref, low = reference_grads(attention_ref, inputs, dout, **MASKS[mask])
+    check_grads(got, ref, low)
+
+
+def test_bwd_head_dim_v_narrower_varlen_deterministic(seed):
+    """The same with packed sequences (an empty one) and deterministic dQ, bitwise repeatable."""
+    lens_q, lens_k = [0, 1, 63, 129, 700], [5, 0, 63, 700, 129]
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(seed)  # (the same inputs both times)
+        runs.append(run_varlen(lens_q, lens_k, 8, 2, 128, torch.bfloat16, dv=64,
+                               deterministic=True, causal=True))
+    got, ref, low = runs[0]
+    assert got[2].shape[-1] == 64
+    check_grads(got, ref, low)
+    assert all(torch.equal(a, b) for a, b in zip(got, runs[1][0]))

@@ -193,11 +193,14 @@ def test_block_sparse_backward_of_64_key_blocks(seed, case):
 
 
 def test_backward_no_kernel_serves_falls_back(seed):
-    """A block-sparse backward no kernel serves yet (head_dim_v != head_dim; the forward serves
-    it): strict mode names the reason before the forward runs."""
+    """A block-sparse backward no kernel serves yet (a mask_mod on 64-key lists; the forward
+    serves it): strict mode names the reason before the forward runs."""
     q, k, v = (x.requires_grad_() for x in inputs(1, 256, 256, 2, 2, 64, torch.bfloat16))
-    v = v.detach()[..., :32].contiguous().requires_grad_()
     lists = random_lists(1, 2, 256, 256, (64, 64), 1)
-    with pytest.raises(RuntimeError, match=r"head_dim_v 32\) has no sm90 backward kernel"):
-        flash_attn_func(q, k, v, block_sparse=lists, strict=True)
-    flash_attn_func(q.detach(), k.detach(), v.detach(), block_sparse=lists, strict=True)  # (served)
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 100
+    with pytest.raises(RuntimeError, match=r"mask_mod with 64-key block-sparse lists"):
+        flash_attn_func(q, k, v, block_sparse=lists, mask_mod=near, strict=True)
+    flash_attn_func(q.detach(), k.detach(), v.detach(), block_sparse=lists, mask_mod=near,
+                    strict=True)  # (served)

@@ -208,3 +208,52 @@ def test_paged_prefill_default_path(seed, page, causal, monkeypatch):
     import test_gpu_sm80
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     test_gpu_sm80.test_paged_prefill(seed, page, causal)
+
+
+def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63, 200, 0, 130),
+                      lens_k=(130, 63, 700, 5, 1000), h=8, hk=2):
+    """flash_attn_varlen_func(block_table=) on the default path, strict: packed q over keys in
+    shuffled pages (one page in two sequences' tables), every cache row no sequence uses set
+    to NaN (rows past a sequence's end inside its last page must not reach the output: P is 0
+    there, but 0 x NaN is not), against the reference on the keys gathered by hand."""
+    pages_per_seq = -(-max(lens_k) // page)
+    n_pages = len(lens_k) * pages_per_seq + 2
+    cache_k = torch.full((n_pages, page, hk, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    cache_v = cache_k.clone()
+    table = torch.randperm(n_pages, device="cuda")[: len(lens_k) * pages_per_seq]
+    table = table.reshape(len(lens_k), pages_per_seq).int()
+    table[3, 0] = table[0, 0]  # a shared first page (prefix sharing): sequence 3 reads 0's keys
+    keys, values = [], []
+    for b, n in enumerate(lens_k):
+        rows = table[b].long()
+        if b != 3:
+            for t in (cache_k, cache_v):
+                flat = t[rows].reshape(-1, hk, d)
+                flat[:n] = torch.randn(n, hk, d, device="cuda", dtype=torch.bfloat16)
+                t[rows] = flat.view(-1, page, hk, d)
+        keys.append(cache_k[rows].reshape(-1, hk, d)[:n])
+        values.append(cache_v[rows].reshape(-1, hk, d)[:n])
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_q, cu_k = cu(lens_q), cu(lens_k)
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_attn_varlen_func(q, cache_k, cache_v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                      causal=causal, window_size=window_size, block_table=table,
+                                      return_lse=True, strict=True, validate=True)
+    k, v = torch.cat(keys), torch.cat(values)
+    assert not k.isnan().any()  # (the reference's keys: only rows the sequences use)
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window_size)
+    low, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window_size,
+                                  upcast=False)
+    assert_close_fa(out, ref, low)
+    assert_lse_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("page", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_paged_prefill_pages_read_by_sm90(seed, page, d, mask, monkeypatch):
+    """Pages of a multiple of 64 keys: on Hopper the sm90 forward reads them itself (a TMA copy
+    per key block from its page)."""
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 30))}[mask]
+    run_paged_prefill(page, d, **kw)

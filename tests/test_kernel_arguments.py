@@ -45,7 +45,7 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           mVDescale: Optional[cute.Tensor], mCuSeqlensV: Optional[cute.Tensor],
           mModTensor0: Optional[cute.Tensor], mModTensor1: Optional[cute.Tensor],
           mModTensor2: Optional[cute.Tensor], mModTensor3: Optional[cute.Tensor],
-          mTileCounter: cute.Tensor,
+          mPageTable: Optional[cute.Tensor], mTileCounter: cute.Tensor,
           qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
           window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
           l2_small_groups: Int32,
@@ -53,7 +53,7 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
     i = 0
     for t in (mQ, mK, mV, mO, mLSE, mFullCount, mFullIndex, mPartialCount, mPartialIndex,
               mQDescale, mKDescale, mVDescale, mModTensor0, mModTensor1, mModTensor2,
-              mModTensor3):
+              mModTensor3, mPageTable):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
@@ -72,9 +72,9 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
         i += 1
 
 
-def expected(tensors, spec, sparse=(), descales=(), mod=()):
+def expected(tensors, spec, sparse=(), descales=(), mod=(), table=()):
     out = []
-    for t in (*tensors[:5], *sparse, *descales, *mod):
+    for t in (*tensors[:5], *sparse, *descales, *mod, *table):
         for n, st in zip(t.shape, t.stride()):
             out += [n, st]
     for t in tensors[5:]:
@@ -116,12 +116,13 @@ def qkv_views(b, s, h, d):
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
 @pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused",
-                                    "block-sparse", "fp8", "fp8-varlen", "mask-mod"])
+                                    "block-sparse", "fp8", "fp8-varlen", "mask-mod", "paged"])
 def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     if tvm_ffi:
         pytest.importorskip("tvm_ffi")
-    varlen = layout.startswith("varlen") or layout == "fp8-varlen"
-    seqused = layout == "varlen-seqused"
+    varlen = layout.startswith("varlen") or layout in ("fp8-varlen", "paged")
+    seqused = layout in ("varlen-seqused", "paged")
+    page = 128 if layout == "paged" else 0
     block = (128, 64) if layout == "block-sparse" else None
     fp8 = layout.startswith("fp8")
     # a mask_mod reading a 1-D int32 tensor it closes over and a 2-D float32 module-level one
@@ -130,9 +131,9 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
                    torch.rand(4), None) if layout == "mask-mod" else ()
     keys = dict(mask_mod=mod_key(_mod_reading(*mod_tensors[:2])),
                 score_mod=mod_key(_alibi(mod_tensors[2]), "score_mod")) if mod_tensors else {}
-    cfg = fwd_config(cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen,
+    cfg = fwd_config(cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen and not page,
                      has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block,
-                     **keys)
+                     page_size=page, **keys)
     # block-sparse lists: counts broadcast over the batch, index lists per (batch, head)
     sparse = (torch.tensor([[[1, 2]]], dtype=torch.int32),
               torch.zeros(2, 4, 2, 5, dtype=torch.int32)[..., :4],  # a padded last mode
@@ -148,6 +149,9 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     elif layout == "gqa":
         q = torch.randn(2, 33, 8, 128, dtype=torch.bfloat16)
         k, v = (torch.randn(2, 71, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    elif layout == "paged":  # 5 pages of 128 keys, the pages in the batch mode's place
+        q = packed(300, 4, 128)
+        k, v = (torch.randn(5, page, 2, 128, dtype=torch.bfloat16) for _ in range(2))
     else:
         q, k, v = packed(300, 4, 128), packed(500, 2, 128), packed(500, 2, 128)
         if fp8:
@@ -156,7 +160,7 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     if varlen:
         lse = torch.empty(q.shape[1], q.shape[0])
         cu_q = torch.tensor([0, 100, 300], dtype=torch.int32)
-        cu_k = torch.tensor([0, 250, 500], dtype=torch.int32)
+        cu_k = None if page else torch.tensor([0, 250, 500], dtype=torch.int32)
         used = (torch.tensor([90, 7], dtype=torch.int32), torch.tensor([250, 3], dtype=torch.int32)) \
             if seqused else (None, None)
     else:
@@ -164,6 +168,7 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         cu_q = cu_k = None
         used = (None, None)
     descales = tuple(torch.rand(2, 2) + 0.5 for _ in range(3)) if fp8 else ()
+    table = (torch.tensor([[4, 0, 2], [1, 3, 0]], dtype=torch.int32),) if page else ()
     cu_v = None
     if fp8:
         v, cu_v = launch.fp8_value_operand(v, cu_k)
@@ -185,16 +190,17 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, tvm_ffi=True,
                                           counter=counter, sparse=SparseMetadata(*sparse),
                                           fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
-                                          mod=ModTensors(*mod_tensors)), info)
+                                          mod=ModTensors(*mod_tensors), page_table=(table or (None,))[0]),
+                 info)
     else:
         compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter,
                                           sparse=SparseMetadata(*sparse),
                                           fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
-                                          mod=ModTensors(*mod_tensors)),
+                                          mod=ModTensors(*mod_tensors), page_table=(table or (None,))[0]),
                  _to_cute(info, 8))
     want = expected((q, k, v, *tensors[3:]), spec, sparse, descales,
-                    [t for t in mod_tensors if t is not None])
+                    [t for t in mod_tensors if t is not None], table)
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
     # the two float32 scalars (in micro-units): equal up to float32 rounding
@@ -230,7 +236,7 @@ def test_declaration_drives_fakes_and_launch_arguments():
     assert [name for name, f in optional.items() if f is None] == [
         "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex",
         "mQDescale", "mKDescale", "mVDescale", "mCuSeqlensV", "mModTensor0", "mModTensor1",
-        "mModTensor2", "mModTensor3"]
+        "mModTensor2", "mModTensor3", "mPageTable"]
     q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 10, 20], dtype=torch.int32)

@@ -130,24 +130,29 @@ def compiled_width(d: int, widths) -> Optional[int]:
 
 
 def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
-                           padded_dims: bool = False) -> Optional[str]:
+                           padded_dims: bool = False, narrower_v: bool = False) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's dtype or head
     dims, or None. Without `padded_dims`, q's head dim must be one of `head_dims` and v's equal
     to it; with it (a kernel that pads, see compiled_width) any head dim up to the widest, and
-    v's any up to q's."""
+    v's any up to q's. A backward takes v's head dim equal to q's, or with `narrower_v` (one
+    that reads each tensor zero-filled past its own width: sm90's TMA) any up to q's."""
     if spec.dtype not in CUTLASS_DTYPES:
         return f"dtype {spec.dtype} is not supported by the {arch} {who} (fp16, bf16)"
     supported = ", ".join(map(str, head_dims))
     if who == "backward":
-        # a padding backward (sm90) runs a head dim between widths on the next one up, with
-        # its gradient buffers at that width (BackwardLaunch); v's head dim equal to q's
+        # a padding backward runs a head dim between widths on the next one up, with its
+        # gradient buffers at that width (BackwardLaunch); with narrower_v, v and dO at their
+        # own head dim inside that width (read zero-filled: their columns past it add nothing
+        # to dP = dO V^T and come out 0 in dV, which bwd_postprocess cuts to v's width)
         served = (compiled_width(spec.head_dim, head_dims) is not None if padded_dims
                   else spec.head_dim in head_dims)
-        if not served or spec.head_dim_v != spec.head_dim:
+        v_served = (spec.head_dim_v <= spec.head_dim if narrower_v
+                    else spec.head_dim_v == spec.head_dim)
+        if not served or not v_served:
             return (f"head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}) has no {arch} "
                     f"backward kernel yet (supported: {supported}"
                     f"{', and head dims between them padded to the next' if padded_dims else ''}"
-                    f"; head_dim_v equal to head_dim)")
+                    f"; head_dim_v {'at most' if narrower_v else 'equal to'} head_dim)")
         return None
     if padded_dims:
         if compiled_width(spec.head_dim, head_dims) is None:
@@ -282,17 +287,19 @@ def bwd_buffers(spec: AttentionSpec, q, k, width: int):
             alloc(dkv_shape, dtype=q.dtype, device=q.device))
 
 
-def bwd_postprocess(dq_acc, dk, dv, q, k, ratio: int):
-    """(dq in q's dtype, dk and dv summed over the query heads of each kv head), at the
-    tensors' head dim (contiguous) when the buffers are wider (bwd_buffers)."""
-    d = q.shape[-1]
+def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int):
+    """(dq in q's dtype, dk and dv summed over the query heads of each kv head), each at its
+    tensor's head dim (contiguous) when the buffers are wider (bwd_buffers)."""
+    d, d_v = q.shape[-1], v.shape[-1]
     dq = dq_acc[..., :d].to(q.dtype).contiguous()
     if ratio > 1:
         group = (*k.shape[:-2], k.shape[-2], ratio, dk.shape[-1])
         dk = dk.view(group).sum(-2)
         dv = dv.view(group).sum(-2)
     if dk.shape[-1] != d:
-        dk, dv = dk[..., :d].contiguous(), dv[..., :d].contiguous()
+        dk = dk[..., :d].contiguous()
+    if dv.shape[-1] != d_v:
+        dv = dv[..., :d_v].contiguous()
     return dq, dk, dv
 
 
@@ -351,7 +358,7 @@ class BackwardLaunch:
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
-        return bwd_postprocess(dq_acc, dk, dv, q, k, spec.qhead_per_kvhead)
+        return bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
 
 
 # ---- FlexAttention's mask_mod / score_mod traced into a kernel (common/mods.py) ----

@@ -81,14 +81,27 @@ BOTH_MODS_TILE_N = {64: 64}  # (a mask_mod and a score_mod together)
 SPARSE_MAX_HEAD_DIM = 128
 
 
+# Paged keys: a key block lies inside one page (one TMA copy a block, the page's rows), so
+# tile_n divides the page size: the widest of these within the head dim's tile. Smaller pages
+# (vLLM's 16) go to the portable kernel, which reads a page per copy pass.
+PAGED_TILE_N = (128, 64)
+
+
+def paged_tile_n(tile_n: int, page_size: int):
+    """The key block for pages of page_size keys, at most tile_n; None if none divides it."""
+    fits = [n for n in PAGED_TILE_N if n <= tile_n and page_size % n == 0]
+    return max(fits) if fits else None
+
+
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
                max_seqlen_q: int | None = None, sparse_block: tuple | None = None,
-               mask_mod=None, score_mod=None) -> Sm90FwdConfig:
+               mask_mod=None, score_mod=None, page_size: int = 0) -> Sm90FwdConfig:
     """head_dim / head_dim_v: the tensors' (any multiple of 8 up to 256, head_dim_v <= head_dim);
     the kernel runs on the next compiled widths (launch_common.compiled_width). max_seqlen_q (the
-    longest query sequence, when known) picks the short-sequence tiles."""
+    longest query sequence, when known) picks the short-sequence tiles. page_size: keys in
+    pages (paged_tile_n says which sizes the kernel reads; others raise ValueError)."""
     true_dv = head_dim_v
     head_dim, head_dim_v = (compiled_width(x, SUPPORTED_HEAD_DIMS) for x in (head_dim, head_dim_v))
     fp8 = dtype.width == 8
@@ -109,6 +122,12 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         tile_n = min(tile_n, MASK_MOD_TILE_N.get(head_dim, tile_n))
     if mask_mod is not None and score_mod is not None:
         tile_n = min(tile_n, BOTH_MODS_TILE_N.get(head_dim, tile_n))
+    if page_size:
+        paged = paged_tile_n(tile_n, page_size)
+        if paged is None:
+            raise ValueError(f"pages of {page_size} keys: the sm90 forward reads pages of a "
+                             f"multiple of {min(PAGED_TILE_N)} keys")
+        tile_n = paged
     cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,
         tile_n=tile_n, num_wg=num_wg,
@@ -120,7 +139,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         pingpong=head_dim <= 128,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
-        mask_mod=mask_mod, score_mod=score_mod,
+        mask_mod=mask_mod, score_mod=score_mod, page_size=page_size,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

@@ -99,6 +99,11 @@ class Sm90FwdConfig:
     # FlexAttention's score_mod, likewise, on every score before the masks (the softmax's
     # exponent then takes log2(e) alone: the launch passes it)
     score_mod: Optional[KernelMod] = None
+    # Keys in pages of this many rows (flash_attn_varlen_func(block_table=), packed q): K and V
+    # arrive as the cache's pages (num_pages, page_size, h_k, d), like batched keys with a
+    # page in the batch's place; each key block lies inside one page (tile_n divides
+    # page_size), found through mPageTable; the keys' count is seqused_k. 0: not paged.
+    page_size: int = 0
 
     @property
     def tile_m(self) -> int:
@@ -177,6 +182,7 @@ class FlashFwdSm90:
         mModTensor1: Optional[cute.Tensor],
         mModTensor2: Optional[cute.Tensor],    # the tensors cfg.score_mod reads
         mModTensor3: Optional[cute.Tensor],
+        mPageTable: Optional[cute.Tensor],     # paged keys: int32 (b, max_pages) page ids
         mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -244,8 +250,10 @@ class FlashFwdSm90:
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mFullCount, mFullIndex, mPartialCount, mPartialIndex,
             (mQDescale, mKDescale, mVDescale, mCuSeqlensV), (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
-            mTileCounter,
-            mQ.shape[0], mK.shape[0], qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
+            mPageTable, mTileCounter,
+            # (paged: a sequence's keys are at most its table's pages)
+            mQ.shape[0], mPageTable.shape[1] * cfg.page_size if const_expr(cfg.page_size) else mK.shape[0],
+            qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
             tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
         ).launch(
@@ -273,6 +281,9 @@ class FlashFwdSm90:
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, k_elems], 1024],
             "sVt": cute.struct.Align[cute.struct.MemRange[self.dtype, v_elems], 1024],
             "mbar_tile": cute.struct.MemRange[cutlass.Int64, 2],
+            # paged keys: the V block whose page runs past the sequence lands here first
+            # (load_v_past_end), then is published on the V pipeline's barrier
+            "mbar_v_fix": cute.struct.MemRange[cutlass.Int64, 1],
             "next_tile": cute.struct.MemRange[Int32, 1],  # the tile hand-off slot (TileWalk)
         }
         if self.cfg.o_path == "own_buffer":
@@ -295,7 +306,7 @@ class FlashFwdSm90:
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
         fp8_args: tuple,  # (q, k, v descales, cu_seqlens_v)
-        mod_tensors: tuple, mTileCounter: cute.Tensor,
+        mod_tensors: tuple, mPageTable: Optional[cute.Tensor], mTileCounter: cute.Tensor,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
@@ -362,7 +373,8 @@ class FlashFwdSm90:
                     tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
                     pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                     lambda: visit(seqlen, m_block, head_idx, batch_idx),
-                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3])
+                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
+                    mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.page_size) else None)
                 walk.walk(True, tile_info, load_tile,
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
@@ -426,50 +438,130 @@ class FlashFwdSm90:
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
              pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen: SeqlenInfo,
-             visit, m_block, head_idx, head_idx_kv, batch_idx, mCuSeqlensV=None):
+             visit, m_block, head_idx, head_idx_kv, batch_idx, mCuSeqlensV=None,
+             mPageTable=None, v_fix_barrier=None):
         """Producer warp, one tile: the first K and V block, then Q (one TMA per consumer
         warpgroup), then the other K and V blocks. The first block goes before Q because its
         ring slots free up during the previous tile's last GEMMs, while Q's buffer is only free
         once the previous tile's epilogue is done with it. Returns the advanced states."""
+        cfg = self.cfg
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
-        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (None, 0))
-        if const_expr(self.cfg.fp8 and self.cfg.varlen_k):
-            # fp8 V^T: each sequence's keys from a 16-aligned column (fp8_value.py), not cu_seqlens_k's
-            vt = cute.domain_offset((0, mCuSeqlensV[batch_idx]), mVt[None, None, head_idx_kv])
-        else:
-            vt = seqlen.vt_view(mVt, head_idx_kv, batch_idx)
-        gVt = cute.local_tile(vt, (self.dv, self.tile_n), (0, None))
         one = cute.make_layout(1)
+        # the K / V blocks of a (head, batch) view, as TMA sources
+        k_blocks = lambda view: cpasync.tma_partition(
+            tma_atom_k, 0, one, cute.group_modes(sK, 0, 2),
+            cute.group_modes(cute.local_tile(view, (self.tile_n, self.d), (None, 0)), 0, 2))
+        v_blocks = lambda view: cpasync.tma_partition(
+            tma_atom_v, 0, one, cute.group_modes(sVt, 0, 2),
+            cute.group_modes(cute.local_tile(view, (self.dv, self.tile_n), (0, None)), 0, 2))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_k, 0, one, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_v, 0, one, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2))
-        load_kv = lambda state, n_block: self.load_kv(
-            tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipeline_k, pipeline_v, state, n_block)
+        if const_expr(cfg.page_size):
+            # each block from its page (the table's), in the page's place of the batch mode
+            num_pages = mK.shape[3]
+            tKsK, _ = k_blocks(mK[None, None, head_idx_kv, 0])
+            tVsV, _ = v_blocks(mVt[None, None, head_idx_kv, 0])
+
+            def sources(n_block):
+                page, block = self.paged_block(mPageTable, batch_idx, n_block, num_pages)
+                return (k_blocks(mK[None, None, head_idx_kv, page])[1][None, block],
+                        v_blocks(mVt[None, None, head_idx_kv, page])[1][None, block])
+        else:
+            tKsK, tKgK = k_blocks(seqlen.k_view(mK, head_idx_kv, batch_idx))
+            if const_expr(cfg.fp8 and cfg.varlen_k):
+                # fp8 V^T: each sequence's keys from a 16-aligned column (fp8_value.py), not cu_seqlens_k's
+                vt = cute.domain_offset((0, mCuSeqlensV[batch_idx]), mVt[None, None, head_idx_kv])
+            else:
+                vt = seqlen.vt_view(mVt, head_idx_kv, batch_idx)
+            tVsV, tVgV = v_blocks(vt)
+            sources = lambda n_block: (tKgK[None, n_block], tVgV[None, n_block])
+        load_kv = lambda state, n_block, v_past_end: self.load_kv(
+            tma_atom_k, tKsK, tma_atom_v, tVsV, pipeline_k, pipeline_v, state,
+            *sources(n_block), v_past_end, v_fix_barrier)
 
         visit = visit()  # (built here: where it is computed sets the code's order)
         n_blocks = visit.count()
+        # Paged keys: rows past the sequence's end inside its last page are whatever the cache
+        # held (maybe NaN), and their P of 0 times NaN is NaN in the P V GEMM; that block (only
+        # ever the first visited: blocks are visited from the last down) has V's rows zeroed
+        # before the consumers see it (finish_v_past_end)
+        past_end = cutlass.Boolean(False)
+        first_stage = kv_state.index
         if n_blocks > 0:
-            kv_state = load_kv(kv_state, visit.first())
+            first = visit.first()
+            if const_expr(cfg.page_size):
+                past_end = (first + 1) * self.tile_n > seqlen.seqlen_k
+            kv_state = load_kv(kv_state, first, past_end)
         pipeline_q.producer_acquire(q_state)
         for wg in cutlass.range_constexpr(self.num_wg):
             cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         q_state.advance()
+        if const_expr(cfg.page_size):
+            if past_end:
+                self.finish_v_past_end(sVt, pipeline_v, first_stage, v_fix_barrier,
+                                       seqlen.seqlen_k - visit.first() * self.tile_n)
         for i in cutlass.range(1, n_blocks, unroll=1):
-            kv_state = load_kv(kv_state, visit.block(i))
+            kv_state = load_kv(kv_state, visit.block(i), False)
         return q_state, kv_state
 
     @cute.jit
-    def load_kv(self, tma_atom_k, tKgK, tKsK, tma_atom_v, tVgV, tVsV, pipeline_k, pipeline_v,
-                kv_state, n_block):
+    def load_kv(self, tma_atom_k, tKsK, tma_atom_v, tVsV, pipeline_k, pipeline_v, kv_state,
+                k_block, v_block, v_past_end=False, v_fix_barrier=None):
+        """K and V of one block (k_block, v_block: their TMA sources) into the ring's next
+        stage. With v_past_end (paged keys only), V lands on v_fix_barrier instead of the V
+        pipeline's barrier: finish_v_past_end then zeroes the rows past the sequence's end and
+        publishes the stage."""
         pipeline_k.producer_acquire(kv_state)
-        cute.copy(tma_atom_k, tKgK[None, n_block], tKsK[None, kv_state.index],
+        cute.copy(tma_atom_k, k_block, tKsK[None, kv_state.index],
                   tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
-        pipeline_v.producer_acquire(kv_state)
-        cute.copy(tma_atom_v, tVgV[None, n_block], tVsV[None, kv_state.index],
-                  tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+        if const_expr(self.cfg.page_size):
+            if v_past_end:
+                pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(v_fix_barrier, 1)
+                cute.arch.mbarrier_init_fence()
+                cute.arch.sync_warp()
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(v_fix_barrier, self.v_bytes)
+                cute.copy(tma_atom_v, v_block, tVsV[None, kv_state.index],
+                          tma_bar_ptr=v_fix_barrier)
+            else:
+                pipeline_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_v, v_block, tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+        else:
+            pipeline_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_v, v_block, tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
         kv_state.advance()
         return kv_state
+
+    @cute.jit
+    def finish_v_past_end(self, sVt, pipeline_v, stage, v_fix_barrier, valid):
+        """The producer warp, once V of the block with the sequence's end has landed on
+        v_fix_barrier: its keys from `valid` on set to zero, made visible to the consumers'
+        wgmma (the async proxy), then the V pipeline's barrier of that stage arrived on (no
+        bytes expected: the phase completes)."""
+        lane = cute.arch.lane_idx()
+        cute.arch.mbarrier_wait(v_fix_barrier, 0)
+        stale = (self.tile_n - valid) * self.dv
+        for i in cutlass.range(lane, stale, 32, unroll=1):
+            sVt[i % self.dv, valid + i // self.dv, stage] = self.dtype(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(pipeline_v.sync_object_full.get_barrier(stage))
+
+    @cute.jit
+    def paged_block(self, mPageTable, batch_idx, n_block, num_pages):
+        """(page, block within the page) of key block n_block of sequence batch_idx: the page
+        from the table (an id outside the cache becomes num_pages, past its end, where TMA
+        reads zeros)."""
+        cfg = self.cfg
+        key = n_block * self.tile_n
+        page = mPageTable[batch_idx, key // cfg.page_size]
+        page = cutlass.select_((page >= 0) & (page < num_pages), page, num_pages)
+        return page, (key % cfg.page_size) // self.tile_n
 
     @cute.jit
     def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,

@@ -9,6 +9,7 @@ dispatch.py registers the family (families.py lists it) when an sm90 device firs
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -37,10 +38,12 @@ def sm90_config(spec: AttentionSpec):
     sequence length class too, config.SHORT_SEQLEN)."""
     return config.fwd_config(
         KERNEL_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
-        spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
-        max_seqlen_q=spec.seqlen_q,
+        # (paged keys: the pages are the batch mode, their counts always in seqused_k)
+        spec.has_softcap, spec.varlen_q, spec.varlen_k and not spec.paged_kv, spec.has_seqused_q,
+        spec.has_seqused_k or spec.paged_kv, max_seqlen_q=spec.seqlen_q,
         sparse_block=(spec.sparse_q_block, spec.sparse_kv_block) if spec.sparse_q_block else None,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
+        page_size=spec.page_size if spec.paged_kv else 0,
     )
 
 
@@ -110,7 +113,7 @@ def launch_scalars(spec: AttentionSpec) -> dict:
 # both in the kernel's order.
 PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *arguments.group_names("varlen"),
             *arguments.group_names("sparse"), *arguments.group_names("fp8"),
-            *arguments.group_names("mod"), "mTileCounter")
+            *arguments.group_names("mod"), "mPageTable", "mTileCounter")
 
 
 def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
@@ -121,14 +124,14 @@ def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, varlen: VarlenMetad
                      tvm_ffi: bool = False, scalars: Optional[dict] = None,
                      counter: Optional[torch.Tensor] = None,
                      sparse: SparseMetadata = NO_SPARSE, fp8: Fp8Descales = NO_FP8,
-                     mod: ModTensors = NO_MOD) -> tuple:
+                     mod: ModTensors = NO_MOD, page_table=None) -> tuple:
     """The compiled kernel's arguments, less the stream, in the order arguments.ARGUMENTS
     declares: cute runtime tensors and scalars, or for TVM-FFI as they are.
     `scalars`: launch_scalars(spec), when the caller kept them."""
     if counter is None:
         counter = tile_counter(spec.device_index, per_stream=False)
     bind = _binder(launch_scalars(spec) if scalars is None else scalars, tvm_ffi)
-    return bind(q, k, v, out, lse, *varlen, *sparse, *fp8, *mod, counter)
+    return bind(q, k, v, out, lse, *varlen, *sparse, *fp8, *mod, page_table, counter)
 
 
 class Launch:
@@ -148,12 +151,15 @@ class Launch:
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None, sparse: SparseMetadata = NO_SPARSE,
-                 descales=(None, None, None), mod_tensors=()) -> None:
+                 descales=(None, None, None), mod_tensors=(), page_table=None) -> None:
         """sparse: the block-sparse lists (int32, contiguous in their last mode) when the spec
         is block-sparse. descales: fp8 inputs' (q, k, v) descales, float32 (batch, nheads_k);
         None = 1.0. mod_tensors: the tensors traced mods read, ModTensors' order
-        (launch_common.mod_tensors_of)."""
+        (launch_common.mod_tensors_of). page_table: paged keys' int32 (batch, max_pages) (k, v:
+        the pages (num_pages, page_size, h_k, d); the key counts in seqused_k)."""
         fp8 = NO_FP8
+        if page_table is not None:
+            page_table = page_table.contiguous()  # (the kernel takes its pages' mode contiguous)
         if self.spec.dtype == FP8:
             # the bytes cross into the kernel (arguments.py); V transposed for the fp8 P V GEMM
             v, cu_v = fp8_value_operand(v, cu_seqlens_k, self.spec.seqlen_k)
@@ -168,7 +174,7 @@ class Launch:
         counter = tile_counter(self.spec.device_index, per_stream=self.dynamic_tiles)
         # the varlen values in VarlenMetadata's order, as PER_CALL has them
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         *sparse, *fp8, *ModTensors(*mod_tensors), counter)
+                         *sparse, *fp8, *ModTensors(*mod_tensors), page_table, counter)
         call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
@@ -300,13 +306,14 @@ def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
 
 class Sm90Forward:
     """The kernel family of ("sm90", "fwd") (dispatch.KernelFamily). A paged prefill
-    (flash_attn_varlen_func(block_table=)) it hands to the portable kernel, compiled for sm_90a,
-    which reads the pages (a TMA load cannot gather rows of pages smaller than its box)."""
+    (flash_attn_varlen_func(block_table=)) it reads itself when each key block fits in a page
+    (a TMA copy per block: config.paged_tile_n); smaller pages, and the forms it declines
+    there, it hands to the portable kernel, compiled for sm_90a, which gathers rows per page."""
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         if spec.paged_kv:
-            return PAGED_PREFILL.can_implement(spec)
+            return None if unserved_paged(spec) is None else PAGED_PREFILL.can_implement(spec)
         if spec.dtype == FP8:
             return unserved_fp8(spec) or unserved_form(spec, ARCH, "forward")
         return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
@@ -315,7 +322,27 @@ class Sm90Forward:
                 or unserved_mods(spec))
 
     def launch(self, spec: AttentionSpec):
-        return PAGED_PREFILL.launch(spec) if spec.paged_kv else Launch(spec)
+        if spec.paged_kv and unserved_paged(spec) is not None:
+            return PAGED_PREFILL.launch(spec)
+        return Launch(spec)
+
+
+def unserved_paged(spec: AttentionSpec) -> Optional[str]:
+    """The reason the sm90 forward does not read a paged prefill's pages itself, or None."""
+    if not spec.varlen_q or spec.page_size <= 0:
+        return "paged keys need packed q (flash_attn_varlen_func) and a page size"
+    if spec.dtype == FP8 or spec.sparse_q_block or spec.mask_mod is not None or spec.score_mod is not None:
+        return "paged keys with fp8, block-sparse lists or mods: no sm90 kernel"
+    form = dataclasses.replace(spec, paged_kv=False, varlen_k=True, has_seqused_k=True)
+    reason = (unserved_dtype_or_dims(form, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
+                                     padded_dims=True) or unserved_form(form, ARCH, "forward"))
+    if reason is not None:
+        return reason
+    try:
+        sm90_config(spec)
+    except ValueError as e:  # pages no key block fits (config.paged_tile_n)
+        return str(e)
+    return None
 
 
 def unserved_sparse(spec: AttentionSpec) -> Optional[str]:

@@ -72,7 +72,8 @@ class Sm90Backward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
-        return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS, padded_dims=True)
+        return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS, padded_dims=True,
+                                       narrower_v=True)
                 or unserved_form(spec, ARCH, "backward", mods=True) or unserved_sparse(spec)
                 or unserved_mods(spec))
 
