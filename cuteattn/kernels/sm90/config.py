@@ -160,6 +160,17 @@ def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdC
     raise ValueError(f"no K/V ring for block-sparse {q_block}x{kv_block} at head_dim {dense.head_dim}")
 
 
+def narrower_tiles(cfg: Sm90FwdConfig) -> list:
+    """cfg, then the same kernel with key blocks 16 narrower each time (down to 32), each with
+    its O staging chosen again: the candidates for a traced mod (compile_common.
+    first_spill_free), whose register need depends on the user's function. A block-sparse
+    config keeps its block (the lists' shape)."""
+    if cfg.sparse:
+        return [cfg]
+    return [cfg] + [with_o_path(dataclasses.replace(cfg, tile_n=n, o_path="q_buffer"))
+                    for n in range(cfg.tile_n - 16, 31, -16)]
+
+
 def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """Where O is staged (Sm90FwdConfig.o_path), the first that applies: its own buffer, where
     it fits beside Q and the K/V ring (d <= 96); the ring stage of the tile's last V block,

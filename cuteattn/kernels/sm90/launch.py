@@ -23,6 +23,7 @@ from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scalars, l2_groups, sm_count,
                             to_runtime, unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from ..common.convert import FP8_KEY_ORDER
+from ..compile_common import first_spill_free
 from ..sm80 import launch as sm80_launch
 from . import arguments, config
 from .arguments import (NO_FP8, NO_MOD, NO_SPARSE, NO_VARLEN, Fp8Descales, ModTensors,
@@ -65,7 +66,13 @@ def _compiled(cfg, tvm_ffi: bool, mod_fns: tuple = (None, None)):
     key stands for its function, in mod_fns, traced on a miss)."""
     def build():
         from .compile import compile_fwd_with_report
-        return compile_fwd_with_report(cfg, tvm_ffi=tvm_ffi, mod_fns=mod_fns)
+        compile_one = lambda c: compile_fwd_with_report(c, tvm_ffi=tvm_ffi, mod_fns=mod_fns)
+        if cfg.mask_mod is None and cfg.score_mod is None:
+            return compile_one(cfg)
+        # a traced mod's registers depend on the user's function: the widest tile that
+        # compiles without spills (the host side does not depend on tile_n)
+        _, compiled, report = first_spill_free(config.narrower_tiles(cfg), compile_one)
+        return compiled, report
     key = (ARCH, KIND, tvm_ffi, cfg)
     return compile_cache.get_or_compile(key, build, persist=tvm_ffi, sources=sources())
 
