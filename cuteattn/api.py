@@ -489,8 +489,8 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
     """((out, lse), None) from the forward kernel with the mask_mod and / or score_mod traced
     into it (the mask_mod on every block, or with block-sparse lists on their partial blocks;
     the score_mod on every score), or (None, the reason none serves the call). A call that
-    records a gradient runs the backward kernel with the mask_mod traced in too (_Modded); a
-    score_mod's gradient has no kernel yet (the reference serves it)."""
+    records a gradient runs the backward kernel with the mods traced in too (_Modded; the
+    score_mod with its derivative); one whose mod tensors need a gradient, the reference."""
     from .kernels.launch_common import UnsupportedMod, mod_key, mod_tensors_of
     reason = _sparse_reason(q, k, v, varlen, sink)
     if reason is None and (spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0):
@@ -527,11 +527,13 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
         if fn is not None:
             found = mod_tensors_of(fn, keys[kind])
             tensors[slot:slot + len(found)] = found
-    if _needs_grad(q, k, v):
+    if _needs_grad(q, k, v) or any(getattr(t, "requires_grad", False) for t in tensors):
+        if any(getattr(t, "requires_grad", False) for t in tensors):
+            return None, "a mod's tensor requires grad: its gradient runs on the reference"
         try:
             backward, reason = _cached_launch(dataclasses.replace(kspec, kind="bwd"), q.device)
-        except Exception as e:  # (the backward traces the mask_mod too)
-            return None, f"mask_mod could not be traced into the backward ({type(e).__name__})"
+        except Exception as e:  # (the backward traces the mods too)
+            return None, f"mask_mod / score_mod could not be traced into the backward ({type(e).__name__})"
         if backward is None:
             return None, "mask_mod / score_mod: backward: " + reason
         return _Modded.apply(q, k, v, kspec, launch, backward, physical, tensors), None
@@ -545,8 +547,10 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
 
 
 class _Modded(torch.autograd.Function):
-    """Attention with a traced mask_mod on the kernels, forward and backward (dense, or on
-    block-sparse lists as _BlockSparse walks them); the mod's own tensors get no gradient."""
+    """Attention with traced mods on the kernels, forward and backward (dense, or on
+    block-sparse lists as _BlockSparse walks them); a score_mod's gradient by the score is the
+    backward kernel's, traced with a Dual score (the mods' own tensors need none: _mods_kernel
+    sends those that do to the reference)."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask, mod_tensors):
@@ -557,7 +561,7 @@ class _Modded(torch.autograd.Function):
         forward_launch(q, k, v, out, lse, **lists, mod_tensors=mod_tensors)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backward_launch, ctx.mask, ctx.deterministic = backward_launch, mask, spec.deterministic
-        ctx.mod_tensors = mod_tensors[:2]  # (the backward traces the mask_mod only)
+        ctx.mod_tensors = mod_tensors
         ctx.mark_non_differentiable(lse)
         return out, lse
 

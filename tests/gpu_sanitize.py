@@ -101,6 +101,7 @@ def cases() -> dict:
     out["mods_prefix_lists"] = lambda: tm.test_block_sparse_partial_blocks(0, "prefix", (128, 128))
     out["mods_alibi_document"] = lambda: tm.test_score_mods(0, "alibi", 64, True)
     out["mods_gradients"] = lambda: tm.test_mask_mod_gradients(0, "document", 128, True)
+    out["mods_score_gradients"] = lambda: tm.test_score_mod_gradients(0, "softcap", 128, True)
     out["mods_blocks_kernel"] = lambda: tm.test_mask_mod_blocks_kernel_matches_torch(
         0, "document", (128, 64), (63, 1031))  # (from_mask_mod's kernel, short last blocks)
     # the backward (dq, dk, dv through autograd, checked against the reference's gradients)

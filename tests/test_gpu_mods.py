@@ -233,3 +233,42 @@ def test_ready_made_mods(seed, name):
         check(q, k, v, mod)
     else:
         check(q, k, v, None, score_mod=mod)
+
+
+def gated(score, b, h, q_idx, kv_idx):  # torch.where / abs / exp / minimum on kernel values
+    near = torch.abs(q_idx - kv_idx) < 64
+    return torch.where(near, score, score - torch.exp(torch.minimum(score, 0.0)))
+
+
+SCORE_GRADS = {"alibi": lambda: alibi_of(4), "halved": lambda: halved,
+               "softcap": lambda: cmods.softcap(5.0), "gated": lambda: gated}
+
+
+@pytest.mark.parametrize("score", list(SCORE_GRADS))
+@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["alone", "document"])
+def test_score_mod_gradients(seed, score, d, with_mask):
+    """A score_mod's gradient on the backward kernel (traced with a Dual score: its value and
+    derivative in one pass), alone or with a document mask_mod, causal, against the
+    reference's autograd through the same mods."""
+    s = 555
+    q, k, v = inputs(2, s, s, 4, 2, d)
+    mask_mod = MODS["document"](s) if with_mask else None
+    check_grads(q, k, v, mask_mod, causal=True, score_mod=SCORE_GRADS[score]())
+
+
+def test_score_mod_with_learnable_tensor_falls_back(seed):
+    """A score_mod whose tensor requires grad (learnable slopes) runs on the reference, which
+    differentiates the slopes too; strict mode names that."""
+    import cuteattn
+    q, k, v = (x.requires_grad_() for x in inputs(1, 130, 130, 4, 4, 64))
+    slopes = torch.rand(4, device="cuda", requires_grad=True)
+
+    def learnable(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    with pytest.raises(RuntimeError, match="a mod's tensor requires grad"):
+        flash_attn_func(q, k, v, score_mod=learnable, strict=True)
+    with pytest.warns(cuteattn.FallbackWarning, match="a mod's tensor requires grad"):
+        out = flash_attn_func(q, k, v, score_mod=learnable)
+    (g,) = torch.autograd.grad(out.float().sum(), (slopes,))
+    assert torch.isfinite(g).all() and g.abs().sum() > 0

@@ -295,6 +295,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
               mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
               mKeyHalves: Optional[cute.Tensor], mDqTurns: Optional[cute.Tensor],
               mModTensor0: Optional[cute.Tensor], mModTensor1: Optional[cute.Tensor],
+              mModTensor2: Optional[cute.Tensor], mModTensor3: Optional[cute.Tensor],
               qhead_per_kvhead: Int32, softmax_scale: Float32, score_scale: Float32,
               softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
               num_n_blocks: Int32, info: cute.Tensor):
@@ -310,7 +311,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
             info[i + 1] = Int64(t[1])
             i += 2
     for t in (mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves, mDqTurns,
-              mModTensor0, mModTensor1):
+              mModTensor0, mModTensor1, mModTensor2, mModTensor3):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
@@ -328,9 +329,9 @@ def test_bwd_declaration_matches_kernel_and_probe():
     assert names + [arguments.STREAM] == parameter_names(FlashBwdSm90.__call__)
     assert parameter_names(probe_bwd) == names + ["info"]
     assert list(BWD_PER_CALL) == [n for n in names if n in BWD_PER_CALL]
-    assert [n for n in names if n not in BWD_PER_CALL][:8] == [
+    assert [n for n in names if n not in BWD_PER_CALL][:10] == [
         "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex", "mKeyHalves", "mDqTurns",
-        "mModTensor0", "mModTensor1"]
+        "mModTensor0", "mModTensor1", "mModTensor2", "mModTensor3"]
 
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
@@ -366,7 +367,7 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
         compiled = cute.compile(probe_bwd, *fake_bwd_arguments(cfg), _to_cute(info, 8))
         run = lambda *args: compiled(*args[:-1], _to_cute(info, 8))  # the stream: not a param
     monkeypatch.setattr(launch_bwd, "use_tvm_ffi", lambda: tvm_ffi)
-    monkeypatch.setattr(launch_bwd, "_compiled", lambda cfg, tvm, mask_mod_fn=None: run)
+    monkeypatch.setattr(launch_bwd, "_compiled", lambda cfg, tvm, mask_mod_fn=None, score_mod_fn=None: run)
     bl = launch_bwd.BwdLaunch(spec)
     seen = {}
     bind = bl.bind
@@ -387,7 +388,7 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
         bl(dout, q, k, v, o, lse)
     values = seen["values"]
     tensors, (cu_q, cu_k, used_q, used_k), semaphore, n_blocks = values[:9], values[9:13], values[13], values[-1]
-    assert values[14:-1] == (None,) * 8  # no block-sparse lists, tables nor mod tensors: dense
+    assert values[14:-1] == (None,) * 10  # no block-sparse lists, tables nor mod tensors: dense
     want = []
     for t in (*tensors, semaphore):
         for n, st in zip(t.shape, t.stride()):

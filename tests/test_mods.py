@@ -242,8 +242,9 @@ def test_api_routes_a_traceable_mask_mod_to_the_kernel(monkeypatch):
 
 def test_api_runs_gradients_through_both_kernels(monkeypatch):
     """With q/k/v requiring grad, the call records the forward kernel and the backward kernel
-    (with the same traced mask_mod and its tensors); a score_mod's gradient has no kernel, so
-    such a call takes the reference. (GPU-free stand-ins for the kernels.)"""
+    (with the same traced mods and their tensors: the mask_mod's, then the score_mod's); a
+    mod whose own tensor requires grad takes the reference, which differentiates it too.
+    (GPU-free stand-ins for the kernels.)"""
     from cuteattn import api, flash_attn_func
     seen = []
 
@@ -255,20 +256,53 @@ def test_api_runs_gradients_through_both_kernels(monkeypatch):
         seen.append(dict(sparse=sparse, mod_tensors=mod_tensors))
         return torch.zeros_like(q), torch.ones_like(k), torch.zeros_like(v)
 
-    def cached_launch(spec, device):
-        if spec.kind == "bwd" and spec.score_mod is not None:
-            return None, "score_mod gradients: no sm90 backward kernel yet"
-        return (backward_launch if spec.kind == "bwd" else forward_launch), None
     monkeypatch.setattr(api, "_sparse_reason", lambda *a: None)
-    monkeypatch.setattr(api, "_cached_launch", cached_launch)
+    monkeypatch.setattr(api, "_cached_launch", lambda spec, device: (
+        backward_launch if spec.kind == "bwd" else forward_launch, None))
     q, k, v = (torch.randn(1, 5, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     out = flash_attn_func(q, k, v, mask_mod=document, strict=True)
     assert torch.all(out == 1)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     assert torch.all(dk == 1) and seen[-1]["sparse"] == ()
     assert seen[-1]["mod_tensors"][0].tolist() == DOCS.tolist()
-    with pytest.raises(RuntimeError, match="score_mod gradients"):
-        flash_attn_func(q, k, v, score_mod=alibi, strict=True)
+    slopes = torch.rand(2)
+    out = flash_attn_func(q, k, v, mask_mod=document, score_mod=_alibi_of(slopes), strict=True)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    tensors = seen[-1]["mod_tensors"]
+    assert tensors[0].tolist() == DOCS.tolist() and torch.equal(tensors[2], slopes)
+    learnable = torch.rand(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="a mod's tensor requires grad"):
+        flash_attn_func(q, k, v, score_mod=_alibi_of(learnable), strict=True)
+
+
+def _alibi_of(slopes):
+    def alibi_bias(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi_bias
+
+
+BWD_SCORE_CASES = [("alibi", alibi, None, 128), ("softcap", None, None, 128),
+                   ("alibi-document", alibi, document, 64), ("softcap-document", None, document, 96)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,score,mask,d", BWD_SCORE_CASES, ids=[c[0] for c in BWD_SCORE_CASES])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_compile_backward_with_score_mod(name, score, mask, d, causal, capfd, tmp_path, monkeypatch):
+    """The backward with a score_mod traced with a Dual score (its value and derivative in the
+    one pass that makes P and dS), alone or with a mask_mod: spill-free at d 64-128."""
+    from cuteattn.kernels.sm90.bwd import Sm90BwdConfig
+    from cuteattn.kernels.sm90.compile import compile_bwd
+    monkeypatch.chdir(tmp_path)
+    score = score or softcap_of(20.0)
+    cfg = Sm90BwdConfig(dtype=cutlass.BFloat16, head_dim=d, causal=causal, dq_single_wg=d == 96,
+                        score_mod=mod_key(score, "score_mod"),
+                        mask_mod=mod_key(mask) if mask else None)
+    ptx = compile_bwd(cfg, options="--keep-ptx remarks{ptx}", mask_mod_fn=mask,
+                      score_mod_fn=score).__ptx__
+    assert ("tanh.approx.f32" in ptx) == name.startswith("softcap")
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
 
 
 BLOCKS_CASES = [("document-128x128", document, 128, 128), ("sliding-128x64", sliding, 128, 64),

@@ -325,9 +325,9 @@ class BackwardLaunch:
         self.sparse_names = tuple(n for n in ("mFullCount", "mFullIndex", "mPartialCount",
                                               "mPartialIndex", "mKeyHalves", "mDqTurns")
                                   if n in arguments.names(entries))
-        # and a traced mask_mod's tensors after them (common/mods.py)
-        self.mod_names = tuple(n for n in ("mModTensor0", "mModTensor1")
-                               if n in arguments.names(entries))
+        # and a traced mask_mod's and score_mod's tensors after them (common/mods.py)
+        self.mod_names = tuple(n for n in ("mModTensor0", "mModTensor1", "mModTensor2",
+                                           "mModTensor3") if n in arguments.names(entries))
         per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, *self.mod_names, BWD_PER_CALL[-1])
         self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
 

@@ -64,6 +64,71 @@ def _float(x):
     return x if isinstance(x, Float32) else Float32(x)
 
 
+class Dual:
+    """A score and its derivative by the raw score (forward-mode differentiation): what the
+    backward passes a score_mod as `score`, so that tracing the user's function also traces
+    d mod / d score (a score_mod's gradient). Arithmetic with plain values (indices, tensor
+    elements, constants) keeps the derivative's chain rule; comparisons compare the values."""
+
+    def __init__(self, value, deriv):
+        self.v, self.d = _float(value), _float(deriv)
+
+    @staticmethod
+    def parts(x):
+        return (x.v, x.d) if isinstance(x, Dual) else (_float(x), Float32(0.0))
+
+    def __add__(self, other):
+        v, d = Dual.parts(other)
+        return Dual(self.v + v, self.d + d)
+
+    __radd__ = __add__
+
+    def __sub__(self, other):
+        v, d = Dual.parts(other)
+        return Dual(self.v - v, self.d - d)
+
+    def __rsub__(self, other):
+        v, d = Dual.parts(other)
+        return Dual(v - self.v, d - self.d)
+
+    def __mul__(self, other):
+        v, d = Dual.parts(other)
+        return Dual(self.v * v, self.d * v + self.v * d)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        v, d = Dual.parts(other)
+        return Dual(self.v / v, (self.d * v - self.v * d) / (v * v))
+
+    def __rtruediv__(self, other):
+        v, d = Dual.parts(other)
+        return Dual(v / self.v, (d * self.v - v * self.d) / (self.v * self.v))
+
+    def __neg__(self):
+        return Dual(-self.v, -self.d)
+
+    def __lt__(self, other):
+        return self.v < Dual.parts(other)[0]
+
+    def __le__(self, other):
+        return self.v <= Dual.parts(other)[0]
+
+    def __gt__(self, other):
+        return self.v > Dual.parts(other)[0]
+
+    def __ge__(self, other):
+        return self.v >= Dual.parts(other)[0]
+
+
+def _unary(x, f, df):
+    """f(x), and for a Dual the chain rule with df(value, f(value))."""
+    if isinstance(x, Dual):
+        y = f(x.v)
+        return Dual(y, x.d * df(x.v, y))
+    return f(_float(x))
+
+
 class TorchInKernel:
     """What `torch.<function>` means inside a traced mod. FlexAttention's mods apply torch's
     element-wise functions to index and score tensors; the kernel calls a mod on one element at
@@ -73,54 +138,68 @@ class TorchInKernel:
 
     @staticmethod
     def tanh(x):
-        return cute.math.tanh(_float(x), fastmath=True)
+        return _unary(x, lambda v: cute.math.tanh(v, fastmath=True),
+                      lambda v, y: Float32(1.0) - y * y)
 
     @staticmethod
     def exp(x):
-        return cute.math.exp(_float(x), fastmath=True)
+        return _unary(x, lambda v: cute.math.exp(v, fastmath=True), lambda v, y: y)
 
     @staticmethod
     def exp2(x):
-        return cute.math.exp2(_float(x), fastmath=True)
+        return _unary(x, lambda v: cute.math.exp2(v, fastmath=True),
+                      lambda v, y: y * Float32(0.6931471805599453))
 
     @staticmethod
     def log(x):
-        return cute.math.log(_float(x), fastmath=True)
+        return _unary(x, lambda v: cute.math.log(v, fastmath=True), lambda v, y: Float32(1.0) / v)
 
     @staticmethod
     def log2(x):
-        return cute.math.log2(_float(x), fastmath=True)
+        return _unary(x, lambda v: cute.math.log2(v, fastmath=True),
+                      lambda v, y: Float32(1.4426950408889634) / v)
 
     @staticmethod
     def sqrt(x):
-        return cute.math.sqrt(_float(x), fastmath=True)
+        return _unary(x, lambda v: cute.math.sqrt(v, fastmath=True),
+                      lambda v, y: Float32(0.5) / y)
 
     @staticmethod
     def sigmoid(x):
-        return Float32(1.0) / (Float32(1.0) + cute.math.exp(-_float(x), fastmath=True))
+        return _unary(x, lambda v: Float32(1.0) / (Float32(1.0) + cute.math.exp(-v, fastmath=True)),
+                      lambda v, y: y * (Float32(1.0) - y))
 
     @staticmethod
     def abs(x):
+        if isinstance(x, Dual):
+            return TorchInKernel.where(x.v < Float32(0.0), -x, x)
         return cutlass.max(x, -x)
 
     @staticmethod
     def minimum(a, b):
+        if isinstance(a, Dual) or isinstance(b, Dual):
+            return TorchInKernel.where(a <= b, a, b)
         return cutlass.min(a, b)
 
     @staticmethod
     def maximum(a, b):
+        if isinstance(a, Dual) or isinstance(b, Dual):
+            return TorchInKernel.where(a >= b, a, b)
         return cutlass.max(a, b)
 
     @staticmethod
     def clamp(x, min=None, max=None):
         if min is not None:
-            x = cutlass.max(x, min)
+            x = TorchInKernel.maximum(x, min)
         if max is not None:
-            x = cutlass.min(x, max)
+            x = TorchInKernel.minimum(x, max)
         return x
 
     @staticmethod
     def where(condition, a, b):
+        if isinstance(a, Dual) or isinstance(b, Dual):
+            (av, ad), (bv, bd) = Dual.parts(a), Dual.parts(b)
+            return Dual(cutlass.select_(condition, av, bv), cutlass.select_(condition, ad, bd))
         if isinstance(a, Float32) or isinstance(b, Float32) or isinstance(a, float) or isinstance(b, float):
             a, b = _float(a), _float(b)
         return cutlass.select_(condition, a, b)
@@ -168,6 +247,12 @@ def apply_mask_mod_transposed(acc_mn: cute.Tensor, coord_mn: cute.Tensor, key_st
             q_idx = q_start + coord_mn[0, c][1]
             if key_inside & (coord_mn[0, c][1] < q_room):
                 _mask_one(acc_mn, r, c, mod(batch_idx, head_idx, q_idx, kv_idx))
+
+
+def value_and_grad(mod, score, batch_idx, head_idx, q_idx, kv_idx):
+    """(mod(score, ...), d mod / d score): the score_mod traced with a Dual score (a mod that
+    ignores its score has derivative 0)."""
+    return Dual.parts(mod(Dual(score, Float32(1.0)), batch_idx, head_idx, q_idx, kv_idx))
 
 
 @cute.jit

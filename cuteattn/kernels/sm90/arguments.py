@@ -193,14 +193,18 @@ SPARSE_BACKWARD = Group("sparse_backward", SparseBackward, (
 ))
 
 class MaskModTensors(NamedTuple):
-    """The backward's: the tensors a traced mask_mod reads (common/mods.py)."""
+    """The backward's: the tensors a traced mask_mod reads, then a score_mod's (common/mods.py)."""
     t0: Any = None
     t1: Any = None
+    t2: Any = None
+    t3: Any = None
 
 
 BWD_MOD = Group("bwd_mod", MaskModTensors, (
     Arg("mModTensor0", OPTIONAL_TENSOR, _mod_tensor(0), align=4),
     Arg("mModTensor1", OPTIONAL_TENSOR, _mod_tensor(1), align=4),
+    Arg("mModTensor2", OPTIONAL_TENSOR, _mod_tensor(2), align=4),
+    Arg("mModTensor3", OPTIONAL_TENSOR, _mod_tensor(3), align=4),
 ))
 
 # (the transposed block-sparse lists and their tables; a mask_mod's tensors)

@@ -49,7 +49,7 @@ from ..common.dq_order import in_turn, semaphore_slot
 from ..common.global_atomics import red_add_f32x2
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
 from ..common.mask import apply_mask_transposed
-from ..common.mods import KernelMod, apply_mask_mod_transposed, traced
+from ..common.mods import KernelMod, apply_mask_mod_transposed, traced, value_and_grad
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import varlen_tile_coord
@@ -97,6 +97,9 @@ class Sm90BwdConfig:
     # FlexAttention's mask_mod traced in (common/mods.py), as the forward applies it: every
     # step of a dense key block, the partial query blocks of a block-sparse one
     mask_mod: Optional[KernelMod] = None
+    # FlexAttention's score_mod traced in with its derivative (common/mods.Dual): the scores
+    # become mod(s * softmax_scale) as in the forward, dS is multiplied by d mod / d score
+    score_mod: Optional[KernelMod] = None
 
     @property
     def sparse(self) -> bool:
@@ -137,11 +140,14 @@ def _transposed(storage_field, layout):
 
 
 class FlashBwdSm90:
-    def __init__(self, cfg: Sm90BwdConfig, mask_mod_fn=None):
-        """mask_mod_fn: the function cfg.mask_mod keys (traced with the kernel's indices)."""
+    def __init__(self, cfg: Sm90BwdConfig, mask_mod_fn=None, score_mod_fn=None):
+        """mask_mod_fn / score_mod_fn: the functions cfg.mask_mod and cfg.score_mod key (traced
+        with the kernel's indices)."""
         assert (cfg.mask_mod is None) == (mask_mod_fn is None)
+        assert (cfg.score_mod is None) == (score_mod_fn is None)
         assert not (cfg.mask_mod is not None and cfg.sparse_kv_half)
-        self.mask_mod_fn = mask_mod_fn
+        assert not (cfg.score_mod is not None and cfg.has_softcap)
+        self.mask_mod_fn, self.score_mod_fn = mask_mod_fn, score_mod_fn
         assert cfg.tile_n == NUM_CONSUMER_WG * WG_ROWS
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
         self.cfg = cfg
@@ -198,6 +204,8 @@ class FlashBwdSm90:
         mDqTurns: Optional[cute.Tensor],       # int32 (B|1, H|1, nq, nk) (sparse, deterministic)
         mModTensor0: Optional[cute.Tensor],    # the tensors cfg.mask_mod reads
         mModTensor1: Optional[cute.Tensor],
+        mModTensor2: Optional[cute.Tensor],    # the tensors cfg.score_mod reads
+        mModTensor3: Optional[cute.Tensor],
         qhead_per_kvhead: Int32,
         softmax_scale: Float32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -244,7 +252,7 @@ class FlashBwdSm90:
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse, tma_lse, tma_atom_dsum, tma_dsum, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mSemaphore, mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves, mDqTurns,
-            (mModTensor0, mModTensor1),
+            (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
             sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
@@ -435,7 +443,7 @@ class FlashBwdSm90:
                 pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo, block_info: BlockInfo,
                 softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
                 n_block, head_idx, batch_idx, rows, rows_q, tidx, mKeyHalves=None,
-                mDqTurns=None, mod_tensors=(None, None)):
+                mDqTurns=None, mod_tensors=(None, None, None, None)):
         """Both consumer warpgroups (tidx in [0, 256)): the walk over the query blocks, then dK
         and dV out. mKeyHalves (sparse_kv_half): whether each 64-key block attends a listed
         query block; a warpgroup whose block does not leaves it out (all its scores masked)."""
@@ -513,8 +521,12 @@ class FlashBwdSm90:
             # dS^T = P^T * (dP^T - D). With softcap both wait for dP, so that one pass has the
             # tanh t of each score for its derivative 1 - t^2 (kept over the wait, 32 more live
             # registers spilled); clamped at 0, which is exact for real t and zeroes masked ones.
+            # A score_mod likewise waits for dP: one pass takes each raw score (the masks have
+            # made it -inf where it is not attended) to P and dS with the mod's value and
+            # derivative (no derivative kept per element over the wait).
             rows_per_col = cute.size(acc_S_mn, mode=[0])
-            warpgroup.wait_group(0 if const_expr(cfg.has_softcap) else 1)
+            chained = cfg.has_softcap or cfg.score_mod is not None
+            warpgroup.wait_group(0 if const_expr(chained) else 1)
             if const_expr(cfg.has_softcap):
                 softcap_scores(acc_S, score_scale)
             if block_info.needs_mask_transposed(seqlen.seqlen_q, seqlen.seqlen_k, key_start,
@@ -536,7 +548,29 @@ class FlashBwdSm90:
                 if not self.half_attends(mKeyHalves, batch_idx, head_idx, n_block * 2 + wg,
                                          m_block // (cfg.sparse_q_block // self.tile_m)):
                     acc_S.fill(-Float32.inf)  # P = 0, so dS = 0: nothing from this block
-            if const_expr(cfg.has_softcap):
+            if const_expr(cfg.score_mod is not None):
+                # P = exp2(mod(s * scale) log2(e) - lse2), dS (by the scaled score) =
+                # P (dP - D) mod'(s * scale); softmax_scale joins at dK and dQ. Only inside the
+                # sequence and where no mask took the score (the mod reads its tensors there).
+                score_mod = traced(self.score_mod_fn, cfg.score_mod,
+                                   mod_tensors[2:2 + len(cfg.score_mod.tensors)])
+                key0, q_room = n_block * self.tile_n, seqlen.seqlen_q - q_start
+                for c in cutlass.range_constexpr(num_cols):
+                    lse2, dsum = lse2_of(c), dsum_of(c)
+                    q_inside = coord_st[0, c][1] < q_room
+                    for r in cutlass.range_constexpr(rows_per_col):
+                        s = acc_S_mn[r, c]
+                        p, ds = Float32(0.0), Float32(0.0)
+                        if q_inside & (key0 + coord_st[r, 0][0] < seqlen.seqlen_k) & (s != -Float32.inf):
+                            y, g = value_and_grad(score_mod, s * score_scale, batch_idx, head_idx,
+                                                  q_start + coord_st[0, c][1],
+                                                  key0 + coord_st[r, 0][0])
+                            p = cute.math.exp2(y * softmax_scale_log2 - lse2, fastmath=True)
+                            ds = p * ((acc_dP_mn[r, c] - dsum) * g)
+                        acc_S_mn[r, c] = p
+                        acc_dP_mn[r, c] = ds
+                convert_fragment(acc_S, tVrP)
+            elif const_expr(cfg.has_softcap):
                 for c in cutlass.range_constexpr(num_cols):
                     lse2, dsum = lse2_of(c), dsum_of(c)
                     for r in cutlass.range_constexpr(rows_per_col):

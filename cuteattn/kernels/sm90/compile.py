@@ -42,9 +42,10 @@ def fake_bwd_arguments(cfg) -> tuple:
     return arguments.fakes(cfg, entries=arguments.BWD_ARGUMENTS)
 
 
-def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False, mask_mod_fn=None):
-    """The compiled backward kernel for cfg (bwd.Sm90BwdConfig), like compile_fwd (mask_mod_fn:
-    the function cfg.mask_mod keys)."""
+def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False, mask_mod_fn=None,
+                score_mod_fn=None):
+    """The compiled backward kernel for cfg (bwd.Sm90BwdConfig), like compile_fwd (mask_mod_fn,
+    score_mod_fn: the functions cfg.mask_mod and cfg.score_mod key)."""
     from .bwd import FlashBwdSm90
-    return compile_kernel(FlashBwdSm90(cfg, mask_mod_fn), fake_bwd_arguments(cfg), options,
-                          tvm_ffi)
+    return compile_kernel(FlashBwdSm90(cfg, mask_mod_fn, score_mod_fn), fake_bwd_arguments(cfg),
+                          options, tvm_ffi)

@@ -41,7 +41,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         dq_single_wg=head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
         sparse_q_block=spec.sparse_q_block,
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
-        mask_mod=spec.mask_mod,
+        mask_mod=spec.mask_mod, score_mod=spec.score_mod,
     )
 
 
@@ -50,10 +50,11 @@ def sources() -> tuple:
     return compile_cache.module_sources(COMPILE_MODULE)
 
 
-def _compiled(cfg: Sm90BwdConfig, tvm_ffi: bool, mask_mod_fn=None):
+def _compiled(cfg: Sm90BwdConfig, tvm_ffi: bool, mask_mod_fn=None, score_mod_fn=None):
     def build():
         from .compile import compile_bwd
-        return compile_bwd(cfg, tvm_ffi=tvm_ffi, mask_mod_fn=mask_mod_fn), {}
+        return compile_bwd(cfg, tvm_ffi=tvm_ffi, mask_mod_fn=mask_mod_fn,
+                           score_mod_fn=score_mod_fn), {}
     return compile_cache.get_or_compile((ARCH, KIND, tvm_ffi, cfg), build, persist=tvm_ffi,
                                         sources=sources())
 
@@ -63,8 +64,9 @@ class BwdLaunch(BackwardLaunch):
 
     def __init__(self, spec: AttentionSpec):
         cfg, tvm_ffi = bwd_config(spec), use_tvm_ffi()
-        super().__init__(spec, cfg, _compiled(cfg, tvm_ffi, getattr(spec.mask_mod, "fn", None)),
-                         tvm_ffi, arguments.BWD_ARGUMENTS)
+        fns = (getattr(spec.mask_mod, "fn", None), getattr(spec.score_mod, "fn", None))
+        super().__init__(spec, cfg, _compiled(cfg, tvm_ffi, *fns), tvm_ffi,
+                         arguments.BWD_ARGUMENTS)
 
 
 class Sm90Backward:
@@ -96,17 +98,20 @@ def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
 
 
 def unserved_mods(spec: AttentionSpec) -> Optional[str]:
-    """The reason the backward does not trace spec's mods, or None (also without them)."""
-    if spec.score_mod is not None:
-        return "score_mod gradients: no sm90 backward kernel yet"
-    if spec.mask_mod is None:
+    """The reason the backward does not trace spec's mods, or None (also without them). A
+    score_mod is traced with a Dual score (common/mods.py): its derivative by the score is
+    the gradient's; the tensors it reads get none (the API sends those that need one to the
+    reference)."""
+    if spec.mask_mod is None and spec.score_mod is None:
         return None
     if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
-        return "mask_mod with packed sequences or seqused: no sm90 backward kernel yet"
+        return "mask_mod / score_mod with packed sequences or seqused: no sm90 backward kernel yet"
     if spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2:
-        return "mask_mod with 64-key block-sparse lists: no sm90 backward kernel yet"
-    if not hasattr(spec.mask_mod, "fn"):
-        return "mask_mod: the function is not attached to the spec"
+        return "mask_mod / score_mod with 64-key block-sparse lists: no sm90 backward kernel yet"
+    if spec.score_mod is not None and spec.has_softcap:
+        return "softcap with a score_mod: no sm90 backward kernel (write the softcap in the score_mod)"
+    if not all(hasattr(m, "fn") for m in (spec.mask_mod, spec.score_mod) if m is not None):
+        return "mask_mod / score_mod: the function is not attached to the spec"
     return None
 
 
