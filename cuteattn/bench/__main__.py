@@ -34,7 +34,8 @@ def parse_args(argv=None):
                    help="FlexAttention mods traced into the kernel (a document mask_mod, a sliding "
                         "window, ALiBi as a score_mod; B=1, H=16, d=128, S 8k/16k), with and "
                         "without block-sparse lists, beside torch's flex_attention, instead of "
-                        "the forward grid")
+                        "the forward grid; with --bwd the backward alone (cells of kind "
+                        "'mods_bwd')")
     p.add_argument("--sparse", action="store_true",
                    help="block-sparse forward (B=1, H=12, d=128, S 8k/32k; dense, 50%% and 90%% of "
                         "256x256 logical blocks left out; physical 128x128, 128x64, 64x64) beside "
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
         elif args.sparse:
             grid = shapes.sparse_grid(quick=args.quick, bwd=args.bwd)
         elif args.mods:
-            grid = shapes.mods_grid(quick=args.quick)
+            grid = shapes.mods_grid(quick=args.quick, bwd=args.bwd)
         elif args.bwd:
             grid = shapes.bwd_grid(quick=args.quick)
         else:

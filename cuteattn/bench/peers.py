@@ -19,9 +19,10 @@ def make_inputs(cell: Cell, device: torch.device) -> dict:
         return _fp8_inputs(cell, device)
     if cell.kind in ("sparse", "sparse_bwd"):
         return _sparse_inputs(cell, device, dtype, grad=cell.kind == "sparse_bwd")
-    if cell.kind == "mods":
+    if cell.kind in ("mods", "mods_bwd"):
         x = {n: torch.randn(cell.batch, cell.seqlen_q, cell.nheads, cell.d, device=device,
-                            dtype=dtype) for n in ("q", "k", "v")}
+                            dtype=dtype, requires_grad=cell.kind == "mods_bwd")
+             for n in ("q", "k", "v")}
         x["mask_mod"], x["score_mod"] = mod_functions(cell, device)
         return x
     grad = cell.kind == "bwd"
@@ -342,6 +343,9 @@ def implementations(cell: Cell, x: dict, device: torch.device) -> dict:
         return _fp8(cell, x, device)
     if cell.kind == "mods":
         return _mods(cell, x, device)
+    if cell.kind == "mods_bwd":
+        return {name: fn if isinstance(fn, str) else _backward_of(fn, x)
+                for name, fn in _mods(cell, x, device).items()}
     if cell.kind == "sparse":
         return _sparse(cell, x, device)
     if cell.kind == "sparse_bwd":
@@ -394,6 +398,8 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
         return _check_sparse(cell, x, out)
     if cell.kind == "mods":
         return _check_mods(cell, x, out)
+    if cell.kind == "mods_bwd":
+        return _check_mods_dq(cell, x, out[0], dout)
     if cell.kind == "sparse_bwd":
         return _check_sparse_dq(cell, x, out[0], dout)
     if cell.kind in ("decode", "prefill"):  # batch 0, kv head 0's query heads, its whole cache
@@ -496,13 +502,37 @@ def _check_mods(cell, x, out, rows: int = 256):
     (attention_ref evaluates them on that block of rows)."""
     sl = lambda t, n: t[:1, :n, :1]
     q, k, v = sl(x["q"], rows), sl(x["k"], cell.seqlen_k), sl(x["v"], cell.seqlen_k)
-    kw = dict(mask_mod=x["mask_mod"], score_mod=x["score_mod"])
-    if cell.causal:  # (the rows are the sequence's first: causal is top-left for them)
-        inner = x["mask_mod"] or (lambda b, h, q_idx, kv_idx: q_idx >= 0)
-        kw["mask_mod"] = lambda b, h, q_idx, kv_idx: inner(b, h, q_idx, kv_idx) & (kv_idx <= q_idx)
+    kw = _mods_for_rows(cell, x)  # (the rows are the sequence's first: causal is top-left)
     ref, _ = attention_ref(q.float(), k.float(), v.float(), **kw)
     low, _ = attention_ref(q, k, v, upcast=False, **kw)
     err, base = fa_error(out[:1, :rows, :1], ref, low)
+    bound = 2 * base + FA_FLOOR
+    return dict(ok=bool(err <= bound), err=err, bound=bound)
+
+
+def _mods_for_rows(cell, x) -> dict:
+    """The cell's mods for attention_ref over the sequence's first rows (causal, top-left for
+    them, folded into the mask_mod)."""
+    kw = dict(mask_mod=x["mask_mod"], score_mod=x["score_mod"])
+    if cell.causal:
+        inner = x["mask_mod"] or (lambda b, h, q_idx, kv_idx: q_idx >= 0)
+        kw["mask_mod"] = lambda b, h, q_idx, kv_idx: inner(b, h, q_idx, kv_idx) & (kv_idx <= q_idx)
+    return kw
+
+
+def _check_mods_dq(cell, x, dq, dout, rows: int = 256):
+    """dq of the first query rows of batch 0, head 0 (it depends on those rows alone) against
+    the float32 reference's autograd through the same mods."""
+    sl = lambda t, n: t.detach()[:1, :n, :1]
+    q, k, v, g = sl(x["q"], rows), sl(x["k"], cell.seqlen_k), sl(x["v"], cell.seqlen_k), sl(dout, rows)
+    kw = _mods_for_rows(cell, x)
+
+    def dq_of(dtype, upcast):
+        leaf = q.to(dtype).requires_grad_()
+        out, _ = attention_ref(leaf, k.to(dtype), v.to(dtype), upcast=upcast, **kw)
+        out.backward(g.to(out.dtype))
+        return leaf.grad
+    err, base = fa_error(dq[:1, :rows, :1], dq_of(torch.float32, True), dq_of(q.dtype, False))
     bound = 2 * base + FA_FLOOR
     return dict(ok=bool(err <= bound), err=err, bound=bound)
 

@@ -79,7 +79,7 @@ class Cell:
         if self.kind in ("sparse", "sparse_bwd"):  # only the selected pairs count
             keep, blocks = self.kept_blocks()
             pairs = self.batch * self.seqlen_q * self.seqlen_k * keep / blocks
-        elif self.kind == "mods":  # the pairs the mask_mod (and causal) let through
+        elif self.kind in ("mods", "mods_bwd"):  # the pairs the mask_mod (and causal) let through
             pairs = self.batch * mod_pairs(self.mod, self.seqlen_q, self.causal)
         elif self.lens is None:
             pairs = self.batch * attended_pairs(self.seqlen_q, self.seqlen_k, self.causal)
@@ -87,15 +87,17 @@ class Cell:
             pairs = sum(attended_pairs(n, n, self.causal) for n in self.lens)
         # 2 flops per MAC in each GEMM: Q K^T over d, P V over dv
         dims = self.d + (self.d if self.dv is None else self.dv)
-        return (2.5 if self.kind in ("bwd", "sparse_bwd") else 1.0) * 2.0 * self.nheads * dims * pairs
+        backward = self.kind in ("bwd", "sparse_bwd", "mods_bwd")
+        return (2.5 if backward else 1.0) * 2.0 * self.nheads * dims * pairs
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
         if self.kind in ("sparse", "sparse_bwd"):
             return (f"{self.kind.replace('_', ' ')} d{self.d} h{self.nheads} S{self.seqlen_q} {self.sparsity:.0%} "
                     f"{self.block_q}x{self.block_k}")
-        if self.kind == "mods":
-            return f"mods {self.mod} d{self.d} h{self.nheads} S{self.seqlen_q} {mask}"
+        if self.kind in ("mods", "mods_bwd"):
+            kind = self.kind.replace("_", " ")
+            return f"{kind} {self.mod} d{self.d} h{self.nheads} S{self.seqlen_q} {mask}"
         if self.kind == "prefill":
             return (f"prefill b{self.batch} {self.seqlen_q}x{self.seqlen_k} h{self.nheads}/"
                     f"{self.nheads_k} page {self.page_size} {mask}")
@@ -214,11 +216,11 @@ def mod_pairs(mod: str, seqlen: int, causal: bool) -> int:
     return attended_pairs(seqlen, seqlen, causal)
 
 
-def mods_grid(quick: bool = False) -> list[Cell]:
+def mods_grid(quick: bool = False, bwd: bool = False) -> list[Cell]:
     """bf16, B=1, H=16, d=128, S 8k and 16k, each MODS entry, causal (document, alibi) or not
-    (sliding)."""
+    (sliding); with bwd the backward alone ("mods_bwd" cells)."""
     seqlens = (8192,) if quick else (8192, 16384)
-    return [Cell("mods", 128, 1, 16, 16, s, s, mod != "sliding", mod=mod)
+    return [Cell("mods_bwd" if bwd else "mods", 128, 1, 16, 16, s, s, mod != "sliding", mod=mod)
             for s in seqlens for mod in MODS]
 
 
@@ -249,6 +251,7 @@ def cpu_grid() -> list[Cell]:
         Cell("decode", 64, 2, 4, 2, 1, 64, False, page_size=16),
         Cell("decode", 64, 2, 4, 2, 1, 64, False, kv_dtype="fp8_e4m3"),
         Cell("prefill", 64, 2, 4, 2, 32, 64, True, page_size=16),
+        Cell("mods_bwd", 64, 1, 2, 2, 128, 128, True, mod="alibi"),
         Cell("fp8", 64, 1, 2, 2, 64, 64, True),
         Cell("sparse", 64, 1, 2, 2, 512, 512, False, sparsity=0.5, block_q=128, block_k=64),
     ]
