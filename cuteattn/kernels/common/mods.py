@@ -13,7 +13,7 @@ says why).
 
 `KernelMod` is that key (a frozen dataclass, the config field of a kernel that applies the
 mod; launch_common.mod_key reads a function into one); `apply_mask_mod` and `apply_score_mod`
-apply them to a score tile.
+apply them to a score tile; `value_and_grad` traces a score_mod with its derivative (Dual).
 """
 from __future__ import annotations
 
@@ -208,45 +208,28 @@ class TorchInKernel:
 @cute.jit
 def apply_mask_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32, col_start: Int32,
                    seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32, head_idx: Int32,
-                   mod: cutlass.Constexpr):
+                   mod: cutlass.Constexpr, transposed: cutlass.Constexpr = False):
     """Sets to -inf the scores whose (batch, head, query, key) mod(b, h, q_idx, kv_idx) refuses.
-    `acc_mn` / `coord_mn`: the (rows, cols) views of the score tile and of its identity tensor.
-    The mod is called only inside the sequence: a tile's rows and keys run past its end (those
-    scores the sequence bounds mask anyway), and a mod indexing a tensor of the sequence's
-    length (document ids) must not read past it."""
-    q_room, kv_room = seqlen_q - row_start, seqlen_k - col_start  # (one compare an element)
+    `acc_mn` / `coord_mn`: the (rows, cols) views of the score tile and of its identity tensor,
+    queries as rows, or with `transposed` keys as rows (the backward's S^T). The mod is called
+    only inside the sequence: a tile's rows and keys run past its end (those scores the
+    sequence bounds mask anyway), and a mod indexing a tensor of the sequence's length
+    (document ids) must not read past it."""
+    rows_len, cols_len = (seqlen_k, seqlen_q) if cutlass.const_expr(transposed) else (seqlen_q, seqlen_k)
+    row_room, col_room = rows_len - row_start, cols_len - col_start  # (one compare an element)
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-        q_idx = row_start + coord_mn[r, 0][0]
-        row_inside = coord_mn[r, 0][0] < q_room
+        row_idx = row_start + coord_mn[r, 0][0]
+        row_inside = coord_mn[r, 0][0] < row_room
         for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-            kv_idx = col_start + coord_mn[0, c][1]
-            if row_inside & (coord_mn[0, c][1] < kv_room):
-                _mask_one(acc_mn, r, c, mod(batch_idx, head_idx, q_idx, kv_idx))
-
-
-@cute.jit
-def _mask_one(acc_mn: cute.Tensor, r: cutlass.Constexpr, c: cutlass.Constexpr, keep):
-    if cutlass.const_expr(isinstance(keep, bool)):  # (a mod that ignores its indices)
-        if cutlass.const_expr(not keep):
-            acc_mn[r, c] = -Float32.inf
-    else:
-        acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
-
-
-@cute.jit
-def apply_mask_mod_transposed(acc_mn: cute.Tensor, coord_mn: cute.Tensor, key_start: Int32,
-                              q_start: Int32, seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32,
-                              head_idx: Int32, mod: cutlass.Constexpr):
-    """apply_mask_mod for a transposed score tile (keys as rows, queries as columns: the
-    backward's S^T)."""
-    q_room, kv_room = seqlen_q - q_start, seqlen_k - key_start
-    for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-        kv_idx = key_start + coord_mn[r, 0][0]
-        key_inside = coord_mn[r, 0][0] < kv_room
-        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-            q_idx = q_start + coord_mn[0, c][1]
-            if key_inside & (coord_mn[0, c][1] < q_room):
-                _mask_one(acc_mn, r, c, mod(batch_idx, head_idx, q_idx, kv_idx))
+            col_idx = col_start + coord_mn[0, c][1]
+            if row_inside & (coord_mn[0, c][1] < col_room):
+                q_idx, kv_idx = (col_idx, row_idx) if cutlass.const_expr(transposed) else (row_idx, col_idx)
+                keep = mod(batch_idx, head_idx, q_idx, kv_idx)
+                if cutlass.const_expr(isinstance(keep, bool)):  # (a mod that ignores its indices)
+                    if cutlass.const_expr(not keep):
+                        acc_mn[r, c] = -Float32.inf
+                else:
+                    acc_mn[r, c] = Float32(cutlass.select_(keep, acc_mn[r, c], -Float32.inf))
 
 
 def value_and_grad(mod, score, batch_idx, head_idx, q_idx, kv_idx):

@@ -49,7 +49,7 @@ from ..common.dq_order import in_turn, semaphore_slot
 from ..common.global_atomics import red_add_f32x2
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
 from ..common.mask import apply_mask_transposed
-from ..common.mods import KernelMod, apply_mask_mod_transposed, traced, value_and_grad
+from ..common.mods import KernelMod, apply_mask_mod, traced, value_and_grad
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import varlen_tile_coord
@@ -536,9 +536,9 @@ class FlashBwdSm90:
                                       window_right, cfg.causal, cfg.local)
             if const_expr(cfg.mask_mod is not None):
                 mod = traced(self.mask_mod_fn, cfg.mask_mod, mod_tensors[:len(cfg.mask_mod.tensors)])
-                apply_mod = lambda: apply_mask_mod_transposed(
+                apply_mod = lambda: apply_mask_mod(
                     acc_S_mn, coord_st, n_block * self.tile_n, q_start, seqlen.seqlen_q,
-                    seqlen.seqlen_k, batch_idx, head_idx, mod)
+                    seqlen.seqlen_k, batch_idx, head_idx, mod, transposed=True)
                 if const_expr(cfg.sparse):  # the partial query blocks of the transposed lists
                     if it // (cfg.sparse_q_block // self.tile_m) >= rows.lists.num_full:
                         apply_mod()
