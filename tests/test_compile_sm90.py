@@ -288,21 +288,25 @@ def test_fp8_reasons():
 
 
 def test_paged_prefill_routes():
-    """A paged prefill: the sm90 forward reads pages of a multiple of 64 keys itself (its key
-    blocks inside a page); smaller pages, and forms it declines with pages, go to the portable
-    kernel (the sm80 family's rules and launch): packed q with a page size, compiled head dims."""
+    """A paged prefill: the sm90 forward reads pages itself, of a multiple of 64 keys (its key
+    blocks inside a page) or of 16 at head dims of a multiple of 64 (a block's slices from
+    their pages); other pages, and forms it declines with pages, go to the portable kernel
+    (the sm80 family's rules and launch): packed q with a page size, compiled head dims."""
     import dataclasses
     from cuteattn.kernels.sm80 import launch as sm80_launch
     paged = dataclasses.replace(make_spec(torch.bfloat16, 128, "causal", True), paged_kv=True,
                                 page_size=16)
     assert sm90_launch.PAGED_PREFILL is sm80_launch.FORWARD
     assert sm90_launch.FORWARD.can_implement(paged) is None
-    assert sm90_launch.unserved_paged(paged).startswith("pages of 16 keys")
-    for page, d in ((64, 128), (128, 128), (256, 64), (128, 80)):
+    at_96 = dataclasses.replace(paged, head_dim=96, head_dim_v=96)
+    assert sm90_launch.FORWARD.can_implement(at_96) is None  # (the portable kernel's)
+    assert sm90_launch.unserved_paged(at_96).startswith("pages of 16 keys at head_dim 96")
+    for page, d in ((64, 128), (128, 128), (256, 64), (128, 80), (16, 128), (32, 256), (16, 64)):
         spec = dataclasses.replace(paged, page_size=page, head_dim=d, head_dim_v=d)
         assert sm90_launch.unserved_paged(spec) is None
-        assert sm90_launch.sm90_config(spec).page_size == page
-        assert page % sm90_launch.sm90_config(spec).tile_n == 0
+        cfg = sm90_launch.sm90_config(spec)
+        assert cfg.page_size == page
+        assert page % cfg.tile_n == 0 if page >= 64 else cfg.tile_n % page == 0
     assert sm90_launch.FORWARD.can_implement(dataclasses.replace(
         paged, head_dim=80, head_dim_v=80)).startswith("head_dim 80 is not supported by the sm80")
     assert sm90_launch.FORWARD.can_implement(dataclasses.replace(paged, varlen_q=False)) == (
@@ -310,7 +314,9 @@ def test_paged_prefill_routes():
 
 
 PAGED_CASES = [(64, 64, "none"), (64, 128, "causal"), (96, 256, "none"), (128, 128, "causal"),
-               (128, 128, "window"), (128, 256, "softcap"), (192, 128, "causal"), (256, 128, "none")]
+               (128, 128, "window"), (128, 256, "softcap"), (192, 128, "causal"), (256, 128, "none"),
+               (128, 16, "causal"), (128, 16, "window"), (64, 16, "none"), (256, 32, "causal"),
+               (192, 48, "softcap")]
 
 
 @pytest.mark.parametrize("d,page,mask", PAGED_CASES, ids=[f"d{d}-page{p}-{m}" for d, p, m in PAGED_CASES])
@@ -323,7 +329,7 @@ def test_compile_paged_forward(d, page, mask, capfd, tmp_path, monkeypatch):
     causal, local, softcap = mask in ("causal", "softcap"), mask == "window", mask == "softcap"
     cfg = config.fwd_config(cutlass.BFloat16, d, d, causal, local, softcap, True, False,
                             has_seqused_k=True, page_size=page)
-    assert page % cfg.tile_n == 0
+    assert page % cfg.tile_n == 0 if page >= 64 else cfg.tile_n % page == 0
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "cp.async.bulk.tensor" in ptx and "mbarrier.init" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]

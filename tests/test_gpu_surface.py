@@ -248,12 +248,13 @@ def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63
     assert_lse_close(lse, ref_lse)
 
 
-@pytest.mark.parametrize("page", [64, 128, 256])
+@pytest.mark.parametrize("page", [16, 48, 64, 128, 256])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_paged_prefill_pages_read_by_sm90(seed, page, d, mask, monkeypatch):
-    """Pages of a multiple of 64 keys: on Hopper the sm90 forward reads them itself (a TMA copy
-    per key block from its page)."""
+    """On Hopper the sm90 forward reads the pages itself: a TMA copy per key block from its
+    page (pages of a multiple of 64 keys), or per (page, 64 columns) slice of a block (pages
+    of 16 and 48 keys: a block spans pages, some wholly past a sequence's end)."""
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 30))}[mask]
     run_paged_prefill(page, d, **kw)

@@ -81,16 +81,22 @@ BOTH_MODS_TILE_N = {64: 64}  # (a mask_mod and a score_mod together)
 SPARSE_MAX_HEAD_DIM = 128
 
 
-# Paged keys: a key block lies inside one page (one TMA copy a block, the page's rows), so
-# tile_n divides the page size: the widest of these within the head dim's tile. Smaller pages
-# (vLLM's 16) go to the portable kernel, which reads a page per copy pass.
+# Paged keys. Pages of a multiple of 64 keys hold whole key blocks (one TMA copy a block): tile_n
+# divides the page size, the widest of these within the head dim's tile. Smaller pages (vLLM's
+# 16) are slices of a block, one TMA copy a (page, 64 columns) slice: tile_n a multiple of
+# the page size, head dims a multiple of 64 (the copies' box is one swizzle atom wide).
 PAGED_TILE_N = (128, 64)
 
 
-def paged_tile_n(tile_n: int, page_size: int):
-    """The key block for pages of page_size keys, at most tile_n; None if none divides it."""
-    fits = [n for n in PAGED_TILE_N if n <= tile_n and page_size % n == 0]
-    return max(fits) if fits else None
+def paged_tile_n(tile_n: int, page_size: int, head_dim: int, head_dim_v: int):
+    """The key block for pages of page_size keys, at most tile_n; None if the kernel cannot
+    read such pages."""
+    if page_size % 64 == 0:
+        fits = [n for n in PAGED_TILE_N if n <= tile_n and page_size % n == 0]
+        return max(fits) if fits else None
+    if page_size % 16 or head_dim % 64 or head_dim_v % 64 or page_size > tile_n:
+        return None
+    return tile_n - tile_n % page_size
 
 
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
@@ -123,10 +129,11 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     if mask_mod is not None and score_mod is not None:
         tile_n = min(tile_n, BOTH_MODS_TILE_N.get(head_dim, tile_n))
     if page_size:
-        paged = paged_tile_n(tile_n, page_size)
+        paged = paged_tile_n(tile_n, page_size, head_dim, head_dim_v)
         if paged is None:
-            raise ValueError(f"pages of {page_size} keys: the sm90 forward reads pages of a "
-                             f"multiple of {min(PAGED_TILE_N)} keys")
+            raise ValueError(f"pages of {page_size} keys at head_dim {head_dim}: the sm90 forward "
+                             f"reads pages of a multiple of 64 keys, or of 16 at head dims of a "
+                             f"multiple of 64")
         tile_n = paged
     cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,

@@ -225,10 +225,17 @@ class FlashFwdSm90:
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
             tma_load, mQ, cute.slice_(sQ_layout, (None, None, 0)), (WG_ROWS, self.d))
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
-            tma_load, mK, cute.slice_(sK_layout, (None, None, 0)), (self.tile_n, self.d))
-        tma_atom_v, tma_vt = cpasync.make_tiled_tma_atom(
-            tma_load, mVt, cute.slice_(sVt_layout, (None, None, 0)), (self.dv, self.tile_n))
+        k_box, v_box = cute.slice_(sK_layout, (None, None, 0)), cute.slice_(sVt_layout, (None, None, 0))
+        k_tile, v_tile = (self.tile_n, self.d), (self.dv, self.tile_n)
+        if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
+            # pages smaller than a key block: one (page, 64-column) slice a copy (load)
+            k_tile, v_tile = (cfg.page_size, 64), (64, cfg.page_size)
+            k_box = cute.slice_(sm90_utils.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, (WG_ROWS, *k_tile), self.dtype, 1), (None, None, 0))
+            v_box = cute.slice_(sm90_utils.make_smem_layout_b(
+                LayoutEnum.COL_MAJOR, (WG_ROWS, *v_tile), self.dtype, 1), (None, None, 0))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, k_box, k_tile)
+        tma_atom_v, tma_vt = cpasync.make_tiled_tma_atom(tma_load, mVt, v_box, v_tile)
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
@@ -455,16 +462,26 @@ class FlashFwdSm90:
             tma_atom_v, 0, one, cute.group_modes(sVt, 0, 2),
             cute.group_modes(cute.local_tile(view, (self.dv, self.tile_n), (0, None)), 0, 2))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        if const_expr(cfg.page_size):
+        # copy_k / copy_v(n_block, stage, barrier): the TMA copies of a key block into a stage
+        if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
+            copy_k, copy_v = self.page_slice_copies(tma_atom_k, mK, sK, tma_atom_v, mVt, sVt,
+                                                    mPageTable, batch_idx, head_idx_kv,
+                                                    seqlen.seqlen_k)
+        elif const_expr(cfg.page_size):
             # each block from its page (the table's), in the page's place of the batch mode
             num_pages = mK.shape[3]
             tKsK, _ = k_blocks(mK[None, None, head_idx_kv, 0])
             tVsV, _ = v_blocks(mVt[None, None, head_idx_kv, 0])
 
-            def sources(n_block):
+            def copy_k(n_block, stage, barrier):
                 page, block = self.paged_block(mPageTable, batch_idx, n_block, num_pages)
-                return (k_blocks(mK[None, None, head_idx_kv, page])[1][None, block],
-                        v_blocks(mVt[None, None, head_idx_kv, page])[1][None, block])
+                src = k_blocks(mK[None, None, head_idx_kv, page])[1][None, block]
+                cute.copy(tma_atom_k, src, tKsK[None, stage], tma_bar_ptr=barrier)
+
+            def copy_v(n_block, stage, barrier):
+                page, block = self.paged_block(mPageTable, batch_idx, n_block, num_pages)
+                src = v_blocks(mVt[None, None, head_idx_kv, page])[1][None, block]
+                cute.copy(tma_atom_v, src, tVsV[None, stage], tma_bar_ptr=barrier)
         else:
             tKsK, tKgK = k_blocks(seqlen.k_view(mK, head_idx_kv, batch_idx))
             if const_expr(cfg.fp8 and cfg.varlen_k):
@@ -473,10 +490,12 @@ class FlashFwdSm90:
             else:
                 vt = seqlen.vt_view(mVt, head_idx_kv, batch_idx)
             tVsV, tVgV = v_blocks(vt)
-            sources = lambda n_block: (tKgK[None, n_block], tVgV[None, n_block])
+            copy_k = lambda n_block, stage, barrier: cute.copy(
+                tma_atom_k, tKgK[None, n_block], tKsK[None, stage], tma_bar_ptr=barrier)
+            copy_v = lambda n_block, stage, barrier: cute.copy(
+                tma_atom_v, tVgV[None, n_block], tVsV[None, stage], tma_bar_ptr=barrier)
         load_kv = lambda state, n_block, v_past_end: self.load_kv(
-            tma_atom_k, tKsK, tma_atom_v, tVsV, pipeline_k, pipeline_v, state,
-            *sources(n_block), v_past_end, v_fix_barrier)
+            copy_k, copy_v, pipeline_k, pipeline_v, state, n_block, v_past_end, v_fix_barrier)
 
         visit = visit()  # (built here: where it is computed sets the code's order)
         n_blocks = visit.count()
@@ -505,15 +524,14 @@ class FlashFwdSm90:
         return q_state, kv_state
 
     @cute.jit
-    def load_kv(self, tma_atom_k, tKsK, tma_atom_v, tVsV, pipeline_k, pipeline_v, kv_state,
-                k_block, v_block, v_past_end=False, v_fix_barrier=None):
-        """K and V of one block (k_block, v_block: their TMA sources) into the ring's next
-        stage. With v_past_end (paged keys only), V lands on v_fix_barrier instead of the V
+    def load_kv(self, copy_k, copy_v, pipeline_k, pipeline_v, kv_state, n_block,
+                v_past_end=False, v_fix_barrier=None):
+        """K and V of block n_block (copy_k, copy_v: its TMA copies) into the ring's next stage.
+        With v_past_end (paged keys only), V lands on v_fix_barrier instead of the V
         pipeline's barrier: finish_v_past_end then zeroes the rows past the sequence's end and
         publishes the stage."""
         pipeline_k.producer_acquire(kv_state)
-        cute.copy(tma_atom_k, k_block, tKsK[None, kv_state.index],
-                  tma_bar_ptr=pipeline_k.producer_get_barrier(kv_state))
+        copy_k(n_block, kv_state.index, pipeline_k.producer_get_barrier(kv_state))
         if const_expr(self.cfg.page_size):
             if v_past_end:
                 pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
@@ -523,18 +541,56 @@ class FlashFwdSm90:
                 cute.arch.sync_warp()
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(v_fix_barrier, self.v_bytes)
-                cute.copy(tma_atom_v, v_block, tVsV[None, kv_state.index],
-                          tma_bar_ptr=v_fix_barrier)
+                copy_v(n_block, kv_state.index, v_fix_barrier)
             else:
                 pipeline_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_v, v_block, tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+                copy_v(n_block, kv_state.index, pipeline_v.producer_get_barrier(kv_state))
         else:
             pipeline_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_v, v_block, tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipeline_v.producer_get_barrier(kv_state))
+            copy_v(n_block, kv_state.index, pipeline_v.producer_get_barrier(kv_state))
         kv_state.advance()
         return kv_state
+
+    def page_slice_copies(self, tma_atom_k, mK, sK, tma_atom_v, mVt, sVt, mPageTable,
+                          batch_idx, head_idx_kv, seqlen_k):
+        """(copy_k, copy_v) for pages smaller than a key block (Sm90FwdConfig.page_size <
+        tile_n): copy_page_slices for K and for V."""
+        copy_k = lambda n_block, stage, barrier: self.copy_page_slices(
+            tma_atom_k, mK, sK, mPageTable, batch_idx, head_idx_kv, seqlen_k, n_block, stage,
+            barrier, False)
+        copy_v = lambda n_block, stage, barrier: self.copy_page_slices(
+            tma_atom_v, mVt, sVt, mPageTable, batch_idx, head_idx_kv, seqlen_k, n_block, stage,
+            barrier, True)
+        return copy_k, copy_v
+
+    @cute.jit
+    def copy_page_slices(self, tma_atom, mX, sX, mPageTable, batch_idx, head_idx_kv, seqlen_k,
+                         n_block, stage, barrier, transposed: cutlass.Constexpr):
+        """Key block n_block into `stage`, one page_size-key slice a page: each slice's page from
+        the table, its head dim 64 columns a TMA copy (the atom's box is one 128-byte swizzle
+        atom wide, so a slice of the stage's layout is the atom's own layout). mX / sX: K and its
+        ring (keys, d), or with `transposed` V^T and its ring (d_v, keys). A slice wholly past
+        the sequence (whose table entry may hold anything) is read past the cache's end: zeros."""
+        cfg = self.cfg
+        page, cols = cfg.page_size, 64
+        num_pages, max_pages = mX.shape[3], mPageTable.shape[1]
+        one = cute.make_layout(1)
+        width = self.dv if const_expr(transposed) else self.d
+        for i in cutlass.range(self.tile_n // page, unroll=1):
+            first = n_block * self.tile_n + i * page
+            entry = mPageTable[batch_idx, cutlass.min(first // page, max_pages - 1)]
+            valid = (first < seqlen_k) & (entry >= 0) & (entry < num_pages)
+            pid = cutlass.select_(valid, entry, num_pages)
+            for j in cutlass.range_constexpr(width // cols):
+                if const_expr(transposed):
+                    dst = cute.local_tile(sX[None, None, stage], (cols, page), (j, i))
+                    src = cute.local_tile(mX[None, None, head_idx_kv, pid], (cols, page), (j, 0))
+                else:
+                    dst = cute.local_tile(sX[None, None, stage], (page, cols), (i, j))
+                    src = cute.local_tile(mX[None, None, head_idx_kv, pid], (page, cols), (0, j))
+                t_dst, t_src = cpasync.tma_partition(tma_atom, 0, one, cute.group_modes(dst, 0, 2),
+                                                     cute.group_modes(src, 0, 2))
+                cute.copy(tma_atom, t_src, t_dst, tma_bar_ptr=barrier)
 
     @cute.jit
     def finish_v_past_end(self, sVt, pipeline_v, stage, v_fix_barrier, valid):

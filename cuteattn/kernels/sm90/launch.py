@@ -313,9 +313,10 @@ def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
 
 class Sm90Forward:
     """The kernel family of ("sm90", "fwd") (dispatch.KernelFamily). A paged prefill
-    (flash_attn_varlen_func(block_table=)) it reads itself when each key block fits in a page
-    (a TMA copy per block: config.paged_tile_n); smaller pages, and the forms it declines
-    there, it hands to the portable kernel, compiled for sm_90a, which gathers rows per page."""
+    (flash_attn_varlen_func(block_table=)) it reads itself where config.paged_tile_n finds a
+    key block for the page size (a TMA copy per block, or per page slice of a block); other
+    pages, and the forms it declines there, it hands to the portable kernel, compiled for
+    sm_90a, which gathers rows per page."""
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
