@@ -492,7 +492,8 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
     records a gradient runs the backward kernel with the mods traced in too (_Modded; the
     score_mod with its derivative); one whose mod tensors need a gradient, the reference."""
     from .kernels.launch_common import UnsupportedMod, mod_key, mod_tensors_of
-    reason = _sparse_reason(q, k, v, varlen, sink)
+    # (packed sequences: b is the sequence's index, q_idx / kv_idx positions within it)
+    reason = _sparse_reason(q, k, v, varlen if mask is not None else None, sink)
     if reason is None and (spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0):
         reason = "an empty problem (the reference's results)"
     if reason is not None:
@@ -538,11 +539,14 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
             return None, "mask_mod / score_mod: backward: " + reason
         return _Modded.apply(q, k, v, kspec, launch, backward, physical, tensors), None
     if out is None:
-        out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
-                          device=q.device)
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse_shape = ((spec.batch, spec.nheads, spec.seqlen_q) if varlen is None
+                     else _varlen_lse_shape(q, spec))
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     lists = {"sparse": _kernel_lists(physical)} if physical is not None else {}
-    launch(q, k, v, out, lse, **lists, mod_tensors=tensors)
+    meta = {} if varlen is None else {n: varlen[n] for n in (
+        "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")}
+    launch(q, k, v, out, lse, **meta, **lists, mod_tensors=tensors)
     return (out, lse), None
 
 

@@ -272,3 +272,28 @@ def test_score_mod_with_learnable_tensor_falls_back(seed):
         out = flash_attn_func(q, k, v, score_mod=learnable)
     (g,) = torch.autograd.grad(out.float().sum(), (slopes,))
     assert torch.isfinite(g).all() and g.abs().sum() > 0
+@pytest.mark.parametrize("mods", ["document", "alibi", "both"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_sequences_with_mods(seed, mods, d):
+    """flash_attn_varlen_func with mods on the kernel (strict): b is the sequence's index and
+    q_idx / kv_idx positions within it (FlashAttention-4's varlen semantics), empty and odd
+    sequences, q and k lengths differing; against the varlen reference with the same mods."""
+    from cuteattn import flash_attn_varlen_func
+    from cuteattn.reference import attention_varlen_ref
+    lens_q, lens_k = [0, 1, 63, 129, 300], [5, 0, 63, 300, 129]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device="cuda")
+    docs = torch.arange(max(lens_k), device="cuda") // 50  # a document every 50 positions
+
+    def document(b, h, q_idx, kv_idx):
+        return docs[q_idx] == docs[kv_idx]
+    kw = dict(mask_mod=document if mods != "alibi" else None,
+              score_mod=alibi_of(4) if mods != "document" else None)
+    q = torch.randn(sum(lens_q), 4, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                      causal=True, return_lse=True, strict=True, **kw)
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu(lens_q), cu(lens_k), causal=True, **kw)
+    low, _ = attention_varlen_ref(q, k, v, cu(lens_q), cu(lens_k), causal=True, upcast=False, **kw)
+    assert_close_fa(out, ref, low)
+    assert_lse_close(lse, ref_lse)

@@ -240,6 +240,39 @@ def test_api_routes_a_traceable_mask_mod_to_the_kernel(monkeypatch):
     assert len(calls) == before and out.shape == q.shape
 
 
+def test_api_routes_packed_sequences_with_mods(monkeypatch):
+    """flash_attn_varlen_func(mask_mod=..., score_mod=...): the varlen spec with the mods' keys,
+    the launch given the sequence metadata and buffers of the varlen layouts (out like q, lse
+    (h, total_q) for packed q, (b, h, sq) for batched q); block-sparse lists with packed
+    sequences still go to the reference. (GPU-free stand-ins for the kernel.)"""
+    from cuteattn import api, flash_attn_varlen_func, sparse
+    calls, selected = [], []
+
+    def launch(q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+               seqused_k=None, sparse=None, mod_tensors=()):
+        calls.append(dict(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, used_k=seqused_k, out=out.shape,
+                          lse=lse.shape, mod_tensors=mod_tensors))
+        out.zero_()
+        lse.zero_()
+    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink: (
+        "no kernel for packed sequences yet" if varlen is not None else None))
+    monkeypatch.setattr(api, "_cached_launch", lambda spec, device: (selected.append(spec) or launch, None))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    q, k, v = (torch.randn(8, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, mask_mod=document, score_mod=alibi, strict=True)
+    spec = selected[-1]
+    assert spec.varlen_q and spec.varlen_k and spec.mask_mod == mod_key(document)
+    assert spec.score_mod == mod_key(alibi, "score_mod")
+    assert calls[-1]["cu_q"] is cu and calls[-1]["out"] == q.shape and calls[-1]["lse"] == (2, 8)
+    qb = torch.randn(2, 5, 2, 64, dtype=torch.bfloat16)  # batched q, packed keys
+    flash_attn_varlen_func(qb, k, v, None, cu, 5, 5, mask_mod=document, strict=True)
+    assert calls[-1]["cu_q"] is None and calls[-1]["lse"] == (2, 2, 5)
+    lists = sparse.from_topk(torch.zeros(1, 1, 1, 1, dtype=torch.int32), 1, 128, 128, partial=True)
+    with pytest.raises(RuntimeError, match="packed sequences"):
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, mask_mod=document, block_sparse=lists,
+                               strict=True)
+
+
 def test_api_runs_gradients_through_both_kernels(monkeypatch):
     """With q/k/v requiring grad, the call records the forward kernel and the backward kernel
     (with the same traced mods and their tensors: the mask_mod's, then the score_mod's); a

@@ -289,8 +289,9 @@ def unserved_mods(spec: AttentionSpec) -> Optional[str]:
     mods = [m for m in (spec.mask_mod, spec.score_mod) if m is not None]
     if not mods:
         return None
-    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
-        return "mask_mod / score_mod with packed sequences or seqused: no sm90 kernel yet"
+    if spec.sparse_q_block and (spec.varlen_q or spec.varlen_k or spec.has_seqused_q
+                                or spec.has_seqused_k):
+        return "mask_mod / score_mod on block-sparse lists with packed sequences: no sm90 kernel yet"
     if spec.score_mod is not None and spec.has_softcap:
         return "softcap with a score_mod: no sm90 kernel (write the softcap in the score_mod)"
     if not all(hasattr(m, "fn") for m in mods):
