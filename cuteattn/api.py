@@ -531,6 +531,8 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
     if _needs_grad(q, k, v) or any(getattr(t, "requires_grad", False) for t in tensors):
         if any(getattr(t, "requires_grad", False) for t in tensors):
             return None, "a mod's tensor requires grad: its gradient runs on the reference"
+        if varlen is not None:  # (_Modded holds the fixed-length layouts)
+            return None, "mask_mod / score_mod gradients with packed sequences: no kernel yet"
         try:
             backward, reason = _cached_launch(dataclasses.replace(kspec, kind="bwd"), q.device)
         except Exception as e:  # (the backward traces the mods too)
