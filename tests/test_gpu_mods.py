@@ -235,9 +235,9 @@ def test_ready_made_mods(seed, name):
         check(q, k, v, None, score_mod=mod)
 
 
-def gated(score, b, h, q_idx, kv_idx):  # torch.where / abs / exp / minimum on kernel values
+def gated(score, b, h, q_idx, kv_idx):  # torch.where / abs / exp / clamp on kernel values
     near = torch.abs(q_idx - kv_idx) < 64
-    return torch.where(near, score, score - torch.exp(torch.minimum(score, 0.0)))
+    return torch.where(near, score, score - torch.exp(torch.clamp(score, max=0.0)))
 
 
 SCORE_GRADS = {"alibi": lambda: alibi_of(4), "halved": lambda: halved,

@@ -371,7 +371,7 @@ def softcap_of(cap):
 
 def gated(score, b, h, q_idx, kv_idx):  # torch.where, torch.abs, torch.exp on kernel values
     near = torch.abs(q_idx - kv_idx) < 64
-    return torch.where(near, score, score - torch.exp(torch.minimum(score, 0.0)))
+    return torch.where(near, score, score - torch.exp(torch.clamp(score, max=0.0)))
 
 
 TORCH_CASES = [("softcap", softcap_of(30.0), 128), ("gated", gated, 64)]
@@ -416,3 +416,14 @@ def test_traced_mods_take_the_widest_spill_free_tile(capfd, monkeypatch, tmp_pat
     sm90_launch._compiled(cfg, False, (document, None))
     info = compile_cache.stats()["kernel_info"][("sm90", "fwd", False, cfg)]
     assert info["spill_store_bytes"] == 0
+
+
+def test_torch_minimum_refuses_a_number_as_eager_torch_does():
+    """torch.minimum(score, 0.0) raises in eager torch (so in the reference); the traced form
+    raises too, so a mod never works on one path and fails on the other. clamp takes numbers."""
+    from cuteattn.kernels.common.mods import TorchInKernel
+    with pytest.raises(TypeError):
+        torch.minimum(torch.zeros(1), 0.0)
+    for fn in (TorchInKernel.minimum, TorchInKernel.maximum):
+        with pytest.raises(TypeError, match="torch.clamp"):
+            fn(1.0, 0.0)

@@ -129,6 +129,14 @@ def _unary(x, f, df):
     return f(_float(x))
 
 
+def _both_tensors(name, a, b):
+    """torch.minimum/maximum refuse a Python number; so does the traced form, so that a mod
+    behaves the same in the kernel and in the reference (which runs it in eager torch)."""
+    if any(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)):
+        raise TypeError(f"torch.{name} takes two tensors, as in eager torch; for a constant "
+                        f"bound write torch.clamp(x, {'max' if name == 'minimum' else 'min'}=c)")
+
+
 class TorchInKernel:
     """What `torch.<function>` means inside a traced mod. FlexAttention's mods apply torch's
     element-wise functions to index and score tensors; the kernel calls a mod on one element at
@@ -176,23 +184,33 @@ class TorchInKernel:
         return cutlass.max(x, -x)
 
     @staticmethod
-    def minimum(a, b):
+    def _smaller(a, b):
         if isinstance(a, Dual) or isinstance(b, Dual):
             return TorchInKernel.where(a <= b, a, b)
         return cutlass.min(a, b)
 
     @staticmethod
-    def maximum(a, b):
+    def _larger(a, b):
         if isinstance(a, Dual) or isinstance(b, Dual):
             return TorchInKernel.where(a >= b, a, b)
         return cutlass.max(a, b)
 
     @staticmethod
+    def minimum(a, b):
+        _both_tensors("minimum", a, b)
+        return TorchInKernel._smaller(a, b)
+
+    @staticmethod
+    def maximum(a, b):
+        _both_tensors("maximum", a, b)
+        return TorchInKernel._larger(a, b)
+
+    @staticmethod
     def clamp(x, min=None, max=None):
         if min is not None:
-            x = TorchInKernel.maximum(x, min)
+            x = TorchInKernel._larger(x, min)
         if max is not None:
-            x = TorchInKernel.minimum(x, max)
+            x = TorchInKernel._smaller(x, max)
         return x
 
     @staticmethod
