@@ -570,17 +570,22 @@ class FlashFwdSm90:
         the table, its head dim 64 columns a TMA copy (the atom's box is one 128-byte swizzle
         atom wide, so a slice of the stage's layout is the atom's own layout). mX / sX: K and its
         ring (keys, d), or with `transposed` V^T and its ring (d_v, keys). A slice wholly past
-        the sequence (whose table entry may hold anything) is read past the cache's end: zeros."""
+        the sequence (whose table entry may hold anything) is read past the cache's end: zeros.
+        The block's table entries are read at once, one a lane (the whole producer warp runs
+        this), then passed round by shuffles: read one after another, each read's latency
+        held up its slice's copies, and the page-16 prefill ran at half the speed of 128."""
         cfg = self.cfg
         page, cols = cfg.page_size, 64
+        slices = self.tile_n // page  # (at most 16: pages are >= 16 keys, blocks <= 256)
         num_pages, max_pages = mX.shape[3], mPageTable.shape[1]
         one = cute.make_layout(1)
         width = self.dv if const_expr(transposed) else self.d
-        for i in cutlass.range(self.tile_n // page, unroll=1):
-            first = n_block * self.tile_n + i * page
-            entry = mPageTable[batch_idx, cutlass.min(first // page, max_pages - 1)]
-            valid = (first < seqlen_k) & (entry >= 0) & (entry < num_pages)
-            pid = cutlass.select_(valid, entry, num_pages)
+        first = n_block * self.tile_n + cutlass.min(cute.arch.lane_idx(), slices - 1) * page
+        entry = mPageTable[batch_idx, cutlass.min(first // page, max_pages - 1)]
+        valid = (first < seqlen_k) & (entry >= 0) & (entry < num_pages)
+        lane_pid = cutlass.select_(valid, entry, num_pages)
+        for i in cutlass.range_constexpr(slices):
+            pid = cute.arch.shuffle_sync(lane_pid, i)
             for j in cutlass.range_constexpr(width // cols):
                 if const_expr(transposed):
                     dst = cute.local_tile(sX[None, None, stage], (cols, page), (j, i))
