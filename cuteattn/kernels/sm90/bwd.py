@@ -100,6 +100,10 @@ class Sm90BwdConfig:
     # FlexAttention's score_mod traced in with its derivative (common/mods.Dual): the scores
     # become mod(s * softmax_scale) as in the forward, dS is multiplied by d mod / d score
     score_mod: Optional[KernelMod] = None
+    # the next query block's S^T (and dP^T: "sdp"; "s": S^T only) GEMMs issued before this
+    # block's dQ share is waited on and added (FA3's order): the tensor cores work while the
+    # dQ reductions go out. "": none
+    overlap: str = ""
 
     @property
     def sparse(self) -> bool:
@@ -498,12 +502,14 @@ class FlashBwdSm90:
             turn_of(m_block))
 
         dkv.set(warpgroup.Field.ACCUMULATE, True)
-        make_sdp = lambda: sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, (NUM_CONSUMER_WG, 1, 1), (WG_ROWS, self.tile_m))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)  # always: K's buffer stages dK at the end
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
+        sdp_operands = (acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO)
+        if const_expr(cfg.overlap != ""):
+            if rows.start() < rows.stop():
+                self.issue_sdp(pipeline_q, pipeline_do, state, *sdp_operands,
+                               cfg.overlap == "sdp")
         for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
             m_block = rows.block(it)
             q_start = m_block * self.tile_m
@@ -513,10 +519,9 @@ class FlashBwdSm90:
             # NaN: launch_common.bwd_preprocess; their P is 0 by the mask)
             lse2_of = lambda c: sLSE2[coord_st[0, c][1], state.index]
             dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
-            pipeline_q.consumer_wait(state)
-            gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, state.index], True)
-            pipeline_do.consumer_wait(state)
-            gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, state.index], True)
+            if const_expr(cfg.overlap != "sdp"):
+                self.issue_sdp(pipeline_q, pipeline_do, state, *sdp_operands,
+                               cfg.overlap == "", True)
             # P^T = exp2(S^T * scale_log2 - lse_log2), masked entries 0; then
             # dS^T = P^T * (dP^T - D). With softcap both wait for dP, so that one pass has the
             # tanh t of each score for its derivative 1 - t^2 (kept over the wait, 32 more live
@@ -602,16 +607,23 @@ class FlashBwdSm90:
             gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
             cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
+            # wait for this block's GEMMs (dV, dK, dQ); with `overlap` the next block's S^T
+            # (and dP^T) are issued first and stay in flight under the dQ additions
+            following = state
+            if const_expr(cfg.overlap != ""):
+                following = state.clone()
+                following.advance()
+            next_sdp = (it + 1 < rows.stop(), pipeline_q, pipeline_do, following, *sdp_operands)
             if const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                                 softmax_scale, m_block, tidx)
+                                 softmax_scale, m_block, tidx, next_sdp)
                 else:
-                    warpgroup.wait_group(0)
+                    self.wait_block(*next_sdp)
                     self.dq_order(order, m_block, tidx, None)
             else:
                 self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                             softmax_scale, m_block, tidx)
+                             softmax_scale, m_block, tidx, next_sdp)
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             state.advance()
@@ -634,17 +646,47 @@ class FlashBwdSm90:
                              self.dtype, self.d, WG_ROWS, WG_THREADS)
 
     @cute.jit
+    def issue_sdp(self, pipeline_q, pipeline_do, st, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO,
+                  s: cutlass.Constexpr = True, dp: cutlass.Constexpr = True):
+        """S^T = K Q^T (s) and dP^T = V dO^T (dp) of the query block in stage st, a wgmma
+        group each."""
+        make_sdp = lambda: sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, (NUM_CONSUMER_WG, 1, 1), (WG_ROWS, self.tile_m))
+        if const_expr(s):
+            pipeline_q.consumer_wait(st)
+            gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, st.index], True)
+        if const_expr(dp):
+            pipeline_do.consumer_wait(st)
+            gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, st.index], True)
+
+    @cute.jit
+    def wait_block(self, has_next, pipeline_q, pipeline_do, following, *sdp_operands):
+        """Waits for this block's GEMMs; with cfg.overlap (and a next block) issues the next
+        block's S^T (and dP^T) first and leaves them in flight."""
+        if const_expr(self.cfg.overlap == ""):
+            warpgroup.wait_group(0)
+        else:
+            if has_next:
+                both = self.cfg.overlap == "sdp"
+                self.issue_sdp(pipeline_q, pipeline_do, following, *sdp_operands, True, both)
+                warpgroup.wait_group(2 if const_expr(both) else 1)
+            else:
+                warpgroup.wait_group(0)
+
+    @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
-                m_block, tidx):
+                m_block, tidx, next_sdp):
         """dQ's share of this key block for query block m_block: dS K, scaled, added to the
-        float32 accumulator (rows inside the sequence only)."""
+        float32 accumulator (rows inside the sequence only). next_sdp: wait_block's
+        arguments."""
         thr_dq = dq.get_slice(tidx)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         fresh = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, (1, self.cfg.dq_wgs, 1), (self.tile_m, self.cfg.dq_cols))
         gemm_async(fresh, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
-        warpgroup.wait_group(0)
+        self.wait_block(*next_sdp)
         coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         acc_mn = acc_mn_view(acc_dQ)
         self.dq_order(order, m_block, tidx,
