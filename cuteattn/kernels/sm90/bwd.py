@@ -100,9 +100,11 @@ class Sm90BwdConfig:
     # FlexAttention's score_mod traced in with its derivative (common/mods.Dual): the scores
     # become mod(s * softmax_scale) as in the forward, dS is multiplied by d mod / d score
     score_mod: Optional[KernelMod] = None
-    # the next query block's S^T (and dP^T: "sdp"; "s": S^T only) GEMMs issued before this
-    # block's dQ share is waited on and added (FA3's order): the tensor cores work while the
-    # dQ reductions go out. "": none
+    # dQ's share of a query block is added to the accumulator at the next block's start, under
+    # that block's S^T GEMM ("s") or S^T and dP^T GEMMs ("sdp"), so that the tensor cores work
+    # while the reductions go out; "": added at once, the tensor cores idle. (The GEMMs in
+    # flight are issued and waited on in one iteration: a wgmma accumulator in flight across
+    # the loop's back edge or a branch is copied by the phi's moves before it is written.)
     overlap: str = ""
 
     @property
@@ -506,10 +508,11 @@ class FlashBwdSm90:
         pipeline_kv.consumer_wait(kv_state)  # always: K's buffer stages dK at the end
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
         sdp_operands = (acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO)
-        if const_expr(cfg.overlap != ""):
-            if rows.start() < rows.stop():
-                self.issue_sdp(pipeline_q, pipeline_do, state, *sdp_operands,
-                               cfg.overlap == "sdp")
+        deferred = cfg.overlap != ""
+        assert not (deferred and cfg.dq_single_wg), "overlap: dQ's share in both warpgroups only"
+        if const_expr(deferred):  # dQ's share, carried to the next block's start (done)
+            thr_dq = dq.get_slice(tidx)
+            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
             m_block = rows.block(it)
             q_start = m_block * self.tile_m
@@ -519,9 +522,13 @@ class FlashBwdSm90:
             # NaN: launch_common.bwd_preprocess; their P is 0 by the mask)
             lse2_of = lambda c: sLSE2[coord_st[0, c][1], state.index]
             dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
-            if const_expr(cfg.overlap != "sdp"):
-                self.issue_sdp(pipeline_q, pipeline_do, state, *sdp_operands,
-                               cfg.overlap == "", True)
+            self.issue_sdp(pipeline_q, pipeline_do, state, *sdp_operands, True, cfg.overlap != "s")
+            if const_expr(deferred):
+                if it > rows.start():  # the previous block's dQ share, under this block's GEMMs
+                    self.dq_add(acc_dQ, thr_dq, gdQ, order, seqlen.seqlen_q, softmax_scale,
+                                rows.block(it - 1), tidx)
+                if const_expr(cfg.overlap == "s"):
+                    self.issue_sdp(pipeline_q, pipeline_do, state, *sdp_operands, False, True)
             # P^T = exp2(S^T * scale_log2 - lse_log2), masked entries 0; then
             # dS^T = P^T * (dP^T - D). With softcap both wait for dP, so that one pass has the
             # tanh t of each score for its derivative 1 - t^2 (kept over the wait, 32 more live
@@ -607,26 +614,26 @@ class FlashBwdSm90:
             gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
             cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
-            # wait for this block's GEMMs (dV, dK, dQ); with `overlap` the next block's S^T
-            # (and dP^T) are issued first and stay in flight under the dQ additions
-            following = state
-            if const_expr(cfg.overlap != ""):
-                following = state.clone()
-                following.advance()
-            next_sdp = (it + 1 < rows.stop(), pipeline_q, pipeline_do, following, *sdp_operands)
-            if const_expr(cfg.dq_single_wg):
+            if const_expr(deferred):
+                self.dq_gemm(dq, acc_dQ, tQrdS, tQrKt, ds_stage)
+                warpgroup.wait_group(0)
+            elif const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                                 softmax_scale, m_block, tidx, next_sdp)
+                                 softmax_scale, m_block, tidx)
                 else:
-                    self.wait_block(*next_sdp)
+                    warpgroup.wait_group(0)
                     self.dq_order(order, m_block, tidx, None)
             else:
                 self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                             softmax_scale, m_block, tidx, next_sdp)
+                             softmax_scale, m_block, tidx)
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             state.advance()
+        if const_expr(deferred):  # the last block's dQ share
+            if rows.start() < rows.stop():
+                self.dq_add(acc_dQ, thr_dq, gdQ, order, seqlen.seqlen_q, softmax_scale,
+                            rows.block(rows.stop() - 1), tidx)
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -661,32 +668,28 @@ class FlashBwdSm90:
             gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, st.index], True)
 
     @cute.jit
-    def wait_block(self, has_next, pipeline_q, pipeline_do, following, *sdp_operands):
-        """Waits for this block's GEMMs; with cfg.overlap (and a next block) issues the next
-        block's S^T (and dP^T) first and leaves them in flight."""
-        if const_expr(self.cfg.overlap == ""):
-            warpgroup.wait_group(0)
-        else:
-            if has_next:
-                both = self.cfg.overlap == "sdp"
-                self.issue_sdp(pipeline_q, pipeline_do, following, *sdp_operands, True, both)
-                warpgroup.wait_group(2 if const_expr(both) else 1)
-            else:
-                warpgroup.wait_group(0)
-
-    @cute.jit
-    def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
-                m_block, tidx, next_sdp):
-        """dQ's share of this key block for query block m_block: dS K, scaled, added to the
-        float32 accumulator (rows inside the sequence only). next_sdp: wait_block's
-        arguments."""
-        thr_dq = dq.get_slice(tidx)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
+    def dq_gemm(self, dq, acc_dQ, tQrdS, tQrKt, ds_stage):
+        """Issues dQ's share of this key block, dS K (one wgmma group)."""
         fresh = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, (1, self.cfg.dq_wgs, 1), (self.tile_m, self.cfg.dq_cols))
         gemm_async(fresh, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
-        self.wait_block(*next_sdp)
+
+    @cute.jit
+    def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
+                m_block, tidx):
+        """dQ's share of this key block for query block m_block: dS K, scaled, added to the
+        float32 accumulator (rows inside the sequence only)."""
+        thr_dq = dq.get_slice(tidx)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
+        self.dq_gemm(dq, acc_dQ, tQrdS, tQrKt, ds_stage)
+        warpgroup.wait_group(0)
+        self.dq_add(acc_dQ, thr_dq, gdQ, order, seqlen_q, softmax_scale, m_block, tidx)
+
+    @cute.jit
+    def dq_add(self, acc_dQ, thr_dq, gdQ, order, seqlen_q, softmax_scale, m_block, tidx):
+        """dQ's share (its GEMM done) for query block m_block, scaled, added to the float32
+        accumulator (rows inside the sequence only; deterministic: in this key block's turn)."""
         coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         acc_mn = acc_mn_view(acc_dQ)
         self.dq_order(order, m_block, tidx,
