@@ -16,6 +16,7 @@ cutlass = pytest.importorskip("cutlass")
 pytestmark = pytest.mark.compile  # deselected by a plain `pytest -q`; .ci/run runs them
 
 from cuteattn.kernels.sm90 import launch_bwd  # noqa: E402
+from cuteattn.kernels.sm90.compile import compile_bwd  # noqa: E402
 from cuteattn.spec import AttentionSpec  # noqa: E402
 
 MASKS = ("none", "causal", "local", "softcap")
@@ -63,19 +64,17 @@ def test_compile_sm90_bwd(case, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
     cfg = launch_bwd.bwd_config(make_spec(*case))
     assert cfg.smem_bytes() <= 227 * 1024, f"{cfg} needs {cfg.smem_bytes()} bytes of shared memory"
-    chosen, compiled, report = launch_bwd.compile_spill_free(cfg, options="--keep-ptx remarks{ptx}")
-    ptx = compiled.__ptx__
+    ptx = compile_bwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "wgmma.mma_async" in ptx, "the GEMMs must be Hopper wgmma"
     assert "cp.async.bulk.tensor" in ptx, "Q, dO, K, V, LSE and D must be loaded with TMA"
     assert "setmaxnreg" in ptx, "registers must move from the producer to the consumers"
     assert "red.global.add.v2.f32" in ptx, "dQ must accumulate with vector reductions"
     if cfg.deterministic:
         assert "ld.global.acquire.gpu" in ptx and "red.release.gpu" in ptx
-    assert "registers" in report, "ptxas did not report register use"
-    assert report.get("spill_store_bytes", 0) == KNOWN_SPILLS.get(case, 0), f"{chosen} spills"
-    # the plain variants keep the next block's GEMMs in flight (OVERLAPS: their registers fit)
-    if case[2] in ("none", "causal") and not any(case[3:]):
-        assert chosen.overlap == {64: "sdp", 96: "", 128: "s"}[case[1]], chosen
+    report = capfd.readouterr().err
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", report)]
+    assert spills, f"ptxas did not report register use:\n{report[-2000:]}"
+    assert max(spills) == KNOWN_SPILLS.get(case, 0), f"{cfg} spill stores:\n{report[-2000:]}"
 
 
 def test_d96_takes_dq_in_one_warpgroup():
@@ -109,11 +108,11 @@ def test_compile_block_sparse_backward(case, capfd, tmp_path, monkeypatch):
     cfg = launch_bwd.bwd_config(spec)
     assert cfg.sparse and cfg.sparse_q_block == q_block and cfg.sparse_kv_half == (kv_block == 64)
     assert cfg.deterministic == deterministic
-    chosen, compiled, report = launch_bwd.compile_spill_free(cfg, options="--keep-ptx remarks{ptx}")
-    ptx = compiled.__ptx__
+    ptx = compile_bwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     assert ("ld.global.acquire.gpu" in ptx) == deterministic  # (the turn's semaphore polls)
-    assert "registers" in report and not report.get("spill_store_bytes"), f"{chosen} spills"
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
 
 
 def test_block_sparse_backward_reasons():

@@ -159,14 +159,14 @@ BWD_CASES = [("document", document, 64, 0), ("sliding", sliding, 96, 0),
 @pytest.mark.parametrize("name,fn,d,sparse_q", BWD_CASES, ids=[c[0] for c in BWD_CASES])
 def test_compile_backward_with_mask_mod(name, fn, d, sparse_q, capfd, tmp_path, monkeypatch):
     """The backward with the mask_mod traced into its S^T masking: spill-free."""
-    from cuteattn.kernels.sm90 import launch_bwd
     from cuteattn.kernels.sm90.bwd import Sm90BwdConfig
+    from cuteattn.kernels.sm90.compile import compile_bwd
     monkeypatch.chdir(tmp_path)
     cfg = Sm90BwdConfig(cutlass.BFloat16, d, causal=True, dq_single_wg=d == 96,
-                        sparse_q_block=sparse_q, mask_mod=mod_key(fn),
-                        overlap=launch_bwd.OVERLAPS[d][0])
-    chosen, _, report = launch_bwd.compile_spill_free(cfg, mask_mod_fn=fn)
-    assert "registers" in report and not report.get("spill_store_bytes"), chosen
+                        sparse_q_block=sparse_q, mask_mod=mod_key(fn))
+    compile_bwd(cfg, options="--keep-ptx remarks{ptx}", mask_mod_fn=fn)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
 
 
 def test_score_mod_scalars():
@@ -324,18 +324,18 @@ BWD_SCORE_CASES = [("alibi", alibi, None, 128), ("softcap", None, None, 128),
 def test_compile_backward_with_score_mod(name, score, mask, d, causal, capfd, tmp_path, monkeypatch):
     """The backward with a score_mod traced with a Dual score (its value and derivative in the
     one pass that makes P and dS), alone or with a mask_mod: spill-free at d 64-128."""
-    from cuteattn.kernels.sm90 import launch_bwd
     from cuteattn.kernels.sm90.bwd import Sm90BwdConfig
+    from cuteattn.kernels.sm90.compile import compile_bwd
     monkeypatch.chdir(tmp_path)
     score = score or softcap_of(20.0)
     cfg = Sm90BwdConfig(dtype=cutlass.BFloat16, head_dim=d, causal=causal, dq_single_wg=d == 96,
                         score_mod=mod_key(score, "score_mod"),
-                        mask_mod=mod_key(mask) if mask else None,
-                        overlap=launch_bwd.OVERLAPS[d][0])
-    chosen, compiled, report = launch_bwd.compile_spill_free(
-        cfg, mask_mod_fn=mask, score_mod_fn=score, options="--keep-ptx remarks{ptx}")
-    assert ("tanh.approx.f32" in compiled.__ptx__) == name.startswith("softcap")
-    assert "registers" in report and not report.get("spill_store_bytes"), chosen
+                        mask_mod=mod_key(mask) if mask else None)
+    ptx = compile_bwd(cfg, options="--keep-ptx remarks{ptx}", mask_mod_fn=mask,
+                      score_mod_fn=score).__ptx__
+    assert ("tanh.approx.f32" in ptx) == name.startswith("softcap")
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
 
 
 BLOCKS_CASES = [("document-128x128", document, 128, 128), ("sliding-128x64", sliding, 128, 64),

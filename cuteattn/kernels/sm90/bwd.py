@@ -100,12 +100,6 @@ class Sm90BwdConfig:
     # FlexAttention's score_mod traced in with its derivative (common/mods.Dual): the scores
     # become mod(s * softmax_scale) as in the forward, dS is multiplied by d mod / d score
     score_mod: Optional[KernelMod] = None
-    # dQ's share of a query block is added to the accumulator at the next block's start, under
-    # that block's S^T GEMM ("s") or S^T and dP^T GEMMs ("sdp"), so that the tensor cores work
-    # while the reductions go out; "": added at once, the tensor cores idle. (The GEMMs in
-    # flight are issued and waited on in one iteration: a wgmma accumulator in flight across
-    # the loop's back edge or a branch is copied by the phi's moves before it is written.)
-    overlap: str = ""
 
     @property
     def sparse(self) -> bool:
@@ -504,15 +498,12 @@ class FlashBwdSm90:
             turn_of(m_block))
 
         dkv.set(warpgroup.Field.ACCUMULATE, True)
+        make_sdp = lambda: sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            Float32, (NUM_CONSUMER_WG, 1, 1), (WG_ROWS, self.tile_m))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)  # always: K's buffer stages dK at the end
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-        sdp_operands = (acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO)
-        deferred = cfg.overlap != ""
-        assert not (deferred and cfg.dq_single_wg), "overlap: dQ's share in both warpgroups only"
-        if const_expr(deferred):  # dQ's share, carried to the next block's start (done)
-            thr_dq = dq.get_slice(tidx)
-            acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
             m_block = rows.block(it)
             q_start = m_block * self.tile_m
@@ -522,13 +513,10 @@ class FlashBwdSm90:
             # NaN: launch_common.bwd_preprocess; their P is 0 by the mask)
             lse2_of = lambda c: sLSE2[coord_st[0, c][1], state.index]
             dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
-            self.issue_sdp(pipeline_q, pipeline_do, state, *sdp_operands, True, cfg.overlap != "s")
-            if const_expr(deferred):
-                if it > rows.start():  # the previous block's dQ share, under this block's GEMMs
-                    self.dq_add(acc_dQ, thr_dq, gdQ, order, seqlen.seqlen_q, softmax_scale,
-                                rows.block(it - 1), tidx)
-                if const_expr(cfg.overlap == "s"):
-                    self.issue_sdp(pipeline_q, pipeline_do, state, *sdp_operands, False, True)
+            pipeline_q.consumer_wait(state)
+            gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, state.index], True)
+            pipeline_do.consumer_wait(state)
+            gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, state.index], True)
             # P^T = exp2(S^T * scale_log2 - lse_log2), masked entries 0; then
             # dS^T = P^T * (dP^T - D). With softcap both wait for dP, so that one pass has the
             # tanh t of each score for its derivative 1 - t^2 (kept over the wait, 32 more live
@@ -614,10 +602,7 @@ class FlashBwdSm90:
             gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
             cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
-            if const_expr(deferred):
-                self.dq_gemm(dq, acc_dQ, tQrdS, tQrKt, ds_stage)
-                warpgroup.wait_group(0)
-            elif const_expr(cfg.dq_single_wg):
+            if const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
                                  softmax_scale, m_block, tidx)
@@ -630,10 +615,6 @@ class FlashBwdSm90:
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             state.advance()
-        if const_expr(deferred):  # the last block's dQ share
-            if rows.start() < rows.stop():
-                self.dq_add(acc_dQ, thr_dq, gdQ, order, seqlen.seqlen_q, softmax_scale,
-                            rows.block(rows.stop() - 1), tidx)
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -653,43 +634,17 @@ class FlashBwdSm90:
                              self.dtype, self.d, WG_ROWS, WG_THREADS)
 
     @cute.jit
-    def issue_sdp(self, pipeline_q, pipeline_do, st, acc_S, acc_dP, tSrK, tSrQ, tPrV, tPrdO,
-                  s: cutlass.Constexpr = True, dp: cutlass.Constexpr = True):
-        """S^T = K Q^T (s) and dP^T = V dO^T (dp) of the query block in stage st, a wgmma
-        group each."""
-        make_sdp = lambda: sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, (NUM_CONSUMER_WG, 1, 1), (WG_ROWS, self.tile_m))
-        if const_expr(s):
-            pipeline_q.consumer_wait(st)
-            gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, st.index], True)
-        if const_expr(dp):
-            pipeline_do.consumer_wait(st)
-            gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, st.index], True)
-
-    @cute.jit
-    def dq_gemm(self, dq, acc_dQ, tQrdS, tQrKt, ds_stage):
-        """Issues dQ's share of this key block, dS K (one wgmma group)."""
-        fresh = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, self.cfg.dq_wgs, 1), (self.tile_m, self.cfg.dq_cols))
-        gemm_async(fresh, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
-
-    @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
                 m_block, tidx):
         """dQ's share of this key block for query block m_block: dS K, scaled, added to the
         float32 accumulator (rows inside the sequence only)."""
         thr_dq = dq.get_slice(tidx)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
-        self.dq_gemm(dq, acc_dQ, tQrdS, tQrKt, ds_stage)
+        fresh = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, self.cfg.dq_wgs, 1), (self.tile_m, self.cfg.dq_cols))
+        gemm_async(fresh, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
         warpgroup.wait_group(0)
-        self.dq_add(acc_dQ, thr_dq, gdQ, order, seqlen_q, softmax_scale, m_block, tidx)
-
-    @cute.jit
-    def dq_add(self, acc_dQ, thr_dq, gdQ, order, seqlen_q, softmax_scale, m_block, tidx):
-        """dQ's share (its GEMM done) for query block m_block, scaled, added to the float32
-        accumulator (rows inside the sequence only; deterministic: in this key block's turn)."""
         coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         acc_mn = acc_mn_view(acc_dQ)
         self.dq_order(order, m_block, tidx,

@@ -49,10 +49,3 @@ def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False, mask_mod_fn=None,
     from .bwd import FlashBwdSm90
     return compile_kernel(FlashBwdSm90(cfg, mask_mod_fn, score_mod_fn), fake_bwd_arguments(cfg),
                           options, tvm_ffi)
-
-
-def compile_bwd_with_report(cfg, tvm_ffi: bool = False, mask_mod_fn=None, score_mod_fn=None,
-                            options: str = "remarks{ptx}"):
-    """compile_bwd, plus what ptxas reported (ptxas_report; options must hold remarks{ptx})."""
-    return ptxas_report(lambda: compile_bwd(cfg, options=options, tvm_ffi=tvm_ffi,
-                                            mask_mod_fn=mask_mod_fn, score_mod_fn=score_mod_fn))

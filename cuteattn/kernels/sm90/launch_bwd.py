@@ -11,7 +11,6 @@ A backward call is three steps on the current stream, no host synchronisation:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Optional
 
@@ -20,25 +19,18 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
-from ..compile_common import first_spill_free
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
                             unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
 COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
-# Sm90BwdConfig.overlap candidates by head dim, most overlap first: a launch takes the first
-# that compiles without spills. The next block's S^T and dP^T in flight hold 64 more registers
-# a thread: d=64 has them; d=128 has room for S^T's 32 in its plain variants (with both, every
-# variant spilled 400-640 bytes); d=96 (its whole dQ share in one warpgroup) for neither
-OVERLAPS = {64: ("sdp", "s", ""), 96: ("",), 128: ("s", "")}
 
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     """A head dim between the compiled widths runs on the next one up: TMA reads q, k, v and
     dO zero-filled past their head dim, and the gradient buffers have the compiled width
-    (launch_common.bwd_buffers). The overlap is the first candidate's (_compiled may take a
-    later one)."""
+    (launch_common.bwd_buffers)."""
     head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
     return Sm90BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, causal=spec.causal,
@@ -49,7 +41,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         dq_single_wg=head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
         sparse_q_block=spec.sparse_q_block,
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
-        mask_mod=spec.mask_mod, score_mod=spec.score_mod, overlap=OVERLAPS[head_dim][0],
+        mask_mod=spec.mask_mod, score_mod=spec.score_mod,
     )
 
 
@@ -58,21 +50,11 @@ def sources() -> tuple:
     return compile_cache.module_sources(COMPILE_MODULE)
 
 
-def compile_spill_free(cfg: Sm90BwdConfig, tvm_ffi: bool = False, mask_mod_fn=None,
-                       score_mod_fn=None, options: str = "remarks{ptx}"):
-    """(config, compiled, ptxas report) of cfg with the first of its head dim's OVERLAPS that
-    compiles without spills (the last whatever it reports)."""
-    from .compile import compile_bwd_with_report
-    candidates = [dataclasses.replace(cfg, overlap=o) for o in OVERLAPS[cfg.head_dim]]
-    return first_spill_free(candidates, lambda c: compile_bwd_with_report(
-        c, tvm_ffi, mask_mod_fn, score_mod_fn, options))
-
-
 def _compiled(cfg: Sm90BwdConfig, tvm_ffi: bool, mask_mod_fn=None, score_mod_fn=None):
-    """The compiled kernel of cfg (keyed by cfg, the first candidate's config)."""
     def build():
-        _, compiled, report = compile_spill_free(cfg, tvm_ffi, mask_mod_fn, score_mod_fn)
-        return compiled, report
+        from .compile import compile_bwd
+        return compile_bwd(cfg, tvm_ffi=tvm_ffi, mask_mod_fn=mask_mod_fn,
+                           score_mod_fn=score_mod_fn), {}
     return compile_cache.get_or_compile((ARCH, KIND, tvm_ffi, cfg), build, persist=tvm_ffi,
                                         sources=sources())
 
