@@ -462,23 +462,27 @@ class FlashFwdSm90:
             tma_atom_v, 0, one, cute.group_modes(sVt, 0, 2),
             cute.group_modes(cute.local_tile(view, (self.dv, self.tile_n), (0, None)), 0, 2))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        # copy_k / copy_v(n_block, stage, barrier): the TMA copies of a key block into a stage
+        # copy_k / copy_v(n_block, stage, barrier, where): the TMA copies of a key block into a
+        # stage; where = lookup(n_block), read before the producer waits for the stage (pages
+        # smaller than a block: the block's page ids, so that the table read's latency hides
+        # under the wait; otherwise unused)
+        lookup = lambda n_block: n_block
         if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
-            copy_k, copy_v = self.page_slice_copies(tma_atom_k, mK, sK, tma_atom_v, mVt, sVt,
-                                                    mPageTable, batch_idx, head_idx_kv,
-                                                    seqlen.seqlen_k)
+            copy_k, copy_v, lookup = self.page_slice_copies(
+                tma_atom_k, mK, sK, tma_atom_v, mVt, sVt, mPageTable, batch_idx, head_idx_kv,
+                seqlen.seqlen_k)
         elif const_expr(cfg.page_size):
             # each block from its page (the table's), in the page's place of the batch mode
             num_pages = mK.shape[3]
             tKsK, _ = k_blocks(mK[None, None, head_idx_kv, 0])
             tVsV, _ = v_blocks(mVt[None, None, head_idx_kv, 0])
 
-            def copy_k(n_block, stage, barrier):
+            def copy_k(n_block, stage, barrier, where):
                 page, block = self.paged_block(mPageTable, batch_idx, n_block, num_pages)
                 src = k_blocks(mK[None, None, head_idx_kv, page])[1][None, block]
                 cute.copy(tma_atom_k, src, tKsK[None, stage], tma_bar_ptr=barrier)
 
-            def copy_v(n_block, stage, barrier):
+            def copy_v(n_block, stage, barrier, where):
                 page, block = self.paged_block(mPageTable, batch_idx, n_block, num_pages)
                 src = v_blocks(mVt[None, None, head_idx_kv, page])[1][None, block]
                 cute.copy(tma_atom_v, src, tVsV[None, stage], tma_bar_ptr=barrier)
@@ -490,12 +494,13 @@ class FlashFwdSm90:
             else:
                 vt = seqlen.vt_view(mVt, head_idx_kv, batch_idx)
             tVsV, tVgV = v_blocks(vt)
-            copy_k = lambda n_block, stage, barrier: cute.copy(
+            copy_k = lambda n_block, stage, barrier, where: cute.copy(
                 tma_atom_k, tKgK[None, n_block], tKsK[None, stage], tma_bar_ptr=barrier)
-            copy_v = lambda n_block, stage, barrier: cute.copy(
+            copy_v = lambda n_block, stage, barrier, where: cute.copy(
                 tma_atom_v, tVgV[None, n_block], tVsV[None, stage], tma_bar_ptr=barrier)
         load_kv = lambda state, n_block, v_past_end: self.load_kv(
-            copy_k, copy_v, pipeline_k, pipeline_v, state, n_block, v_past_end, v_fix_barrier)
+            copy_k, copy_v, pipeline_k, pipeline_v, state, n_block, v_past_end, v_fix_barrier,
+            lookup(n_block))
 
         visit = visit()  # (built here: where it is computed sets the code's order)
         n_blocks = visit.count()
@@ -525,13 +530,13 @@ class FlashFwdSm90:
 
     @cute.jit
     def load_kv(self, copy_k, copy_v, pipeline_k, pipeline_v, kv_state, n_block,
-                v_past_end=False, v_fix_barrier=None):
+                v_past_end=False, v_fix_barrier=None, where=None):
         """K and V of block n_block (copy_k, copy_v: its TMA copies) into the ring's next stage.
         With v_past_end (paged keys only), V lands on v_fix_barrier instead of the V
         pipeline's barrier: finish_v_past_end then zeroes the rows past the sequence's end and
         publishes the stage."""
         pipeline_k.producer_acquire(kv_state)
-        copy_k(n_block, kv_state.index, pipeline_k.producer_get_barrier(kv_state))
+        copy_k(n_block, kv_state.index, pipeline_k.producer_get_barrier(kv_state), where)
         if const_expr(self.cfg.page_size):
             if v_past_end:
                 pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
@@ -541,58 +546,64 @@ class FlashFwdSm90:
                 cute.arch.sync_warp()
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(v_fix_barrier, self.v_bytes)
-                copy_v(n_block, kv_state.index, v_fix_barrier)
+                copy_v(n_block, kv_state.index, v_fix_barrier, where)
             else:
                 pipeline_v.producer_acquire(kv_state)
-                copy_v(n_block, kv_state.index, pipeline_v.producer_get_barrier(kv_state))
+                copy_v(n_block, kv_state.index, pipeline_v.producer_get_barrier(kv_state), where)
         else:
             pipeline_v.producer_acquire(kv_state)
-            copy_v(n_block, kv_state.index, pipeline_v.producer_get_barrier(kv_state))
+            copy_v(n_block, kv_state.index, pipeline_v.producer_get_barrier(kv_state), where)
         kv_state.advance()
         return kv_state
 
     def page_slice_copies(self, tma_atom_k, mK, sK, tma_atom_v, mVt, sVt, mPageTable,
                           batch_idx, head_idx_kv, seqlen_k):
-        """(copy_k, copy_v) for pages smaller than a key block (Sm90FwdConfig.page_size <
-        tile_n): copy_page_slices for K and for V."""
-        copy_k = lambda n_block, stage, barrier: self.copy_page_slices(
-            tma_atom_k, mK, sK, mPageTable, batch_idx, head_idx_kv, seqlen_k, n_block, stage,
-            barrier, False)
-        copy_v = lambda n_block, stage, barrier: self.copy_page_slices(
-            tma_atom_v, mVt, sVt, mPageTable, batch_idx, head_idx_kv, seqlen_k, n_block, stage,
-            barrier, True)
-        return copy_k, copy_v
+        """(copy_k, copy_v, lookup) for pages smaller than a key block (Sm90FwdConfig.page_size
+        < tile_n): copy_page_slices for K and for V, block_page_ids as the lookup."""
+        copy_k = lambda n_block, stage, barrier, lane_pid: self.copy_page_slices(
+            tma_atom_k, mK[None, None, head_idx_kv, None], sK, n_block, stage, barrier, lane_pid,
+            False)
+        copy_v = lambda n_block, stage, barrier, lane_pid: self.copy_page_slices(
+            tma_atom_v, mVt[None, None, head_idx_kv, None], sVt, n_block, stage, barrier,
+            lane_pid, True)
+        lookup = lambda n_block: self.block_page_ids(mPageTable, batch_idx, seqlen_k, n_block,
+                                                     mK.shape[3])
+        return copy_k, copy_v, lookup
 
     @cute.jit
-    def copy_page_slices(self, tma_atom, mX, sX, mPageTable, batch_idx, head_idx_kv, seqlen_k,
-                         n_block, stage, barrier, transposed: cutlass.Constexpr):
-        """Key block n_block into `stage`, one page_size-key slice a page: each slice's page from
-        the table, its head dim 64 columns a TMA copy (the atom's box is one 128-byte swizzle
-        atom wide, so a slice of the stage's layout is the atom's own layout). mX / sX: K and its
-        ring (keys, d), or with `transposed` V^T and its ring (d_v, keys). A slice wholly past
-        the sequence (whose table entry may hold anything) is read past the cache's end: zeros.
-        The block's table entries are read at once, one a lane (the whole producer warp runs
-        this), then passed round by shuffles: read one after another, each read's latency
-        held up its slice's copies, and the page-16 prefill ran at half the speed of 128."""
-        cfg = self.cfg
-        page, cols = cfg.page_size, 64
+    def block_page_ids(self, mPageTable, batch_idx, seqlen_k, n_block, num_pages):
+        """Lane i's value: the page of key block n_block's slice i (page_size keys), read from
+        the table by every lane at once (the whole producer warp runs this); a slice wholly
+        past the sequence, or an entry outside the cache, gets num_pages (past the cache's end,
+        where TMA reads zeros). One read a slice, one after another, held each slice's copies
+        up by the read's latency (the page-16 prefill ran at half the speed of page 128)."""
+        page = self.cfg.page_size
         slices = self.tile_n // page  # (at most 16: pages are >= 16 keys, blocks <= 256)
-        num_pages, max_pages = mX.shape[3], mPageTable.shape[1]
+        first = n_block * self.tile_n + cutlass.min(cute.arch.lane_idx(), slices - 1) * page
+        entry = mPageTable[batch_idx, cutlass.min(first // page, mPageTable.shape[1] - 1)]
+        valid = (first < seqlen_k) & (entry >= 0) & (entry < num_pages)
+        return cutlass.select_(valid, entry, num_pages)
+
+    @cute.jit
+    def copy_page_slices(self, tma_atom, mX, sX, n_block, stage, barrier, lane_pid,
+                         transposed: cutlass.Constexpr):
+        """Key block n_block into `stage`, one page_size-key slice a page (lane_pid: the
+        slices' pages, block_page_ids), its head dim 64 columns a TMA copy (the atom's box is
+        one 128-byte swizzle atom wide, so a slice of the stage's layout is the atom's own
+        layout). mX / sX: K of one kv head (keys, d, pages) and its ring, or with `transposed`
+        V^T (d_v, keys, pages) and its ring."""
+        page, cols = self.cfg.page_size, 64
         one = cute.make_layout(1)
         width = self.dv if const_expr(transposed) else self.d
-        first = n_block * self.tile_n + cutlass.min(cute.arch.lane_idx(), slices - 1) * page
-        entry = mPageTable[batch_idx, cutlass.min(first // page, max_pages - 1)]
-        valid = (first < seqlen_k) & (entry >= 0) & (entry < num_pages)
-        lane_pid = cutlass.select_(valid, entry, num_pages)
-        for i in cutlass.range_constexpr(slices):
+        for i in cutlass.range_constexpr(self.tile_n // page):
             pid = cute.arch.shuffle_sync(lane_pid, i)
             for j in cutlass.range_constexpr(width // cols):
                 if const_expr(transposed):
                     dst = cute.local_tile(sX[None, None, stage], (cols, page), (j, i))
-                    src = cute.local_tile(mX[None, None, head_idx_kv, pid], (cols, page), (j, 0))
+                    src = cute.local_tile(mX[None, None, pid], (cols, page), (j, 0))
                 else:
                     dst = cute.local_tile(sX[None, None, stage], (page, cols), (i, j))
-                    src = cute.local_tile(mX[None, None, head_idx_kv, pid], (page, cols), (0, j))
+                    src = cute.local_tile(mX[None, None, pid], (page, cols), (0, j))
                 t_dst, t_src = cpasync.tma_partition(tma_atom, 0, one, cute.group_modes(dst, 0, 2),
                                                      cute.group_modes(src, 0, 2))
                 cute.copy(tma_atom, t_src, t_dst, tma_bar_ptr=barrier)
