@@ -175,6 +175,9 @@ def _mods(cell, x, device):
             x["q"], x["k"], x["v"], causal=cell.causal, strict=True, block_sparse=lists, **mods)
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        # the backward is timed as repeats over one forward's graph (retain_graph), which a
+        # compiled backward that donates its saved buffers refuses (seen on the 16k cells)
+        torch._functorch.config.donated_buffer = False
         flex = torch.compile(flex_attention)
         mask_mod = x["mask_mod"]
         if cell.causal:
