@@ -269,6 +269,13 @@ def flash_attn_func(
             if hit is not None and not _needs_grad(q, k, v) and not torch.compiler.is_compiling():
                 out, lse = _launch_sparse(q, k, v, *hit, block_sparse)
                 return (out, lse) if return_lse else out
+        if (torch.compiler.is_compiling() and mask_mod is None and score_mod is None
+                and out is None and lse is None and learnable_sink is None):
+            # an opaque op with autograd (ops.py): the kernels run inside the compiled graph
+            from cuteattn import ops
+            out, lse = ops.attention_sparse(q, k, v, block_sparse, softmax_scale, causal,
+                                            window_size, softcap, deterministic, strict)
+            return (out, lse) if return_lse else out
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
                            learnable_sink, block_sparse, mask_mod, score_mod, out=out, lse=lse,
                            sparse_sig=sig, deterministic=deterministic)
@@ -432,19 +439,52 @@ class _BlockSparse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        from cuteattn import sparse
         q, k, v, out, lse = ctx.saved_tensors
-        halves = None
-        if ctx.mask.kv_block < sparse.BACKWARD_KEY_BLOCK:
-            paired, halves = sparse.transpose_paired(ctx.mask)
-            lists = _kernel_lists(paired)
-        else:
-            lists = _kernel_lists(sparse.transpose(ctx.mask))
-        # deterministic=True: each key block's turn to add into a query block's dQ
-        turns = sparse.dq_turns(ctx.mask) if ctx.deterministic else None
-        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse,
-                                         sparse=(*lists, halves, turns))
+        dq, dk, dv = _sparse_backward(ctx.backward_launch, ctx.mask, ctx.deterministic, dout,
+                                      q, k, v, out, lse)
         return dq, dk, dv, None, None, None, None
+
+
+def _sparse_backward(launch, mask, deterministic, dout, q, k, v, out, lse) -> tuple:
+    """(dq, dk, dv) from the block-sparse backward kernel on mask's lists (in its block shape)."""
+    from cuteattn import sparse
+    halves = None
+    if mask.kv_block < sparse.BACKWARD_KEY_BLOCK:
+        paired, halves = sparse.transpose_paired(mask)
+        lists = _kernel_lists(paired)
+    else:
+        lists = _kernel_lists(sparse.transpose(mask))
+    # deterministic=True: each key block's turn to add into a query block's dQ
+    turns = sparse.dq_turns(mask) if deterministic else None
+    return launch(dout.contiguous(), q, k, v, out, lse, sparse=(*lists, halves, turns))
+
+
+def forward_sparse(q, k, v, mask, softmax_scale, causal, window_size, softcap, strict):
+    """flash_attn_func with block-sparse lists, without autograd (ops.py's custom op runs this
+    under torch.compile): the kernel, or the reference with the usual warning. (out, lse)."""
+    with torch.no_grad():
+        return _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, None, mask,
+                       None, None)
+
+
+def backward_sparse(dout, q, k, v, out, lse, mask, softmax_scale, causal, window_size, softcap,
+                    deterministic, strict) -> tuple:
+    """Gradients (dq, dk, dv) of forward_sparse's (out, lse): the block-sparse backward kernel,
+    or the reference's written-out backward with the usual warning (strict mode raises)."""
+    spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                              window_size=window_size, softcap=softcap)
+    spec = dataclasses.replace(spec, deterministic=bool(deterministic), kind="bwd")
+    if _is_empty(spec, out):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    reason = _sparse_reason(q, k, v, None, None)
+    if reason is None:
+        kspec, physical = _sparse_spec(spec, mask)
+        launch, reason = _cached_launch(kspec, q.device)
+        if launch is not None:
+            return _sparse_backward(launch, physical, spec.deterministic, dout, q, k, v, out, lse)
+    _fall_back(f"block-sparse attention: backward: {reason}", strict)
+    grads = attention_ref_backward(dout, q, k, v, **_reference_kwargs(spec), block_sparse=mask)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 def _cached_launch(spec, device):

@@ -173,6 +173,79 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                        right, softcap, bool(validate), bool(deterministic), _strict_code(strict))
 
 
+# ---- block-sparse lists (fixed length) ----
+
+@torch.library.custom_op("cuteattn::fwd_sparse", mutates_args=())
+def _fwd_sparse(q: Tensor, k: Tensor, v: Tensor, full_count: Tensor, full_index: Tensor,
+                partial_count: Tensor, partial_index: Tensor, q_block: int, kv_block: int,
+                softmax_scale: float, causal: bool, window_left: Optional[int],
+                window_right: Optional[int], softcap: float, deterministic: bool,
+                strict: int) -> tuple[Tensor, Tensor]:
+    out, lse = api.forward_sparse(q, k, v, _lists(full_count, full_index, partial_count,
+                                                  partial_index, q_block, kv_block),
+                                  softmax_scale, causal, (window_left, window_right), softcap,
+                                  _strict(strict))
+    return out.contiguous(), lse.contiguous()
+
+
+@_fwd_sparse.register_fake
+def _fwd_sparse_fake(q, k, v, *args):
+    b, sq, h, _ = q.shape
+    return (q.new_empty((b, sq, h, v.shape[-1])), q.new_empty((b, h, sq), dtype=torch.float32))
+
+
+@torch.library.custom_op("cuteattn::bwd_sparse", mutates_args=())
+def _bwd_sparse(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                full_count: Tensor, full_index: Tensor, partial_count: Tensor,
+                partial_index: Tensor, q_block: int, kv_block: int, softmax_scale: float,
+                causal: bool, window_left: Optional[int], window_right: Optional[int],
+                softcap: float, deterministic: bool, strict: int) -> tuple[Tensor, Tensor, Tensor]:
+    grads = api.backward_sparse(dout, q, k, v, out, lse,
+                                _lists(full_count, full_index, partial_count, partial_index,
+                                       q_block, kv_block),
+                                softmax_scale, causal, (window_left, window_right), softcap,
+                                deterministic, _strict(strict))
+    return _as_inputs(grads, (q, k, v))
+
+
+@_bwd_sparse.register_fake
+def _bwd_sparse_fake(dout, q, k, v, *args):
+    return _contiguous_like(q, k, v)
+
+
+def _fwd_sparse_setup(ctx, inputs, output):
+    q, k, v, *lists_and_scalars = inputs
+    ctx.save_for_backward(q, k, v, *output, *lists_and_scalars[:4])
+    ctx.scalars = lists_and_scalars[4:]  # (q_block, kv_block, scale, causal, ..., strict)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fwd_sparse_backward(ctx, dout, dlse):
+    q, k, v, out, lse, *lists = ctx.saved_tensors
+    dq, dk, dv = _bwd_sparse(dout.contiguous(), q, k, v, out, lse, *lists, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * 13
+
+
+_fwd_sparse.register_autograd(_fwd_sparse_backward, setup_context=_fwd_sparse_setup)
+
+
+def _lists(full_count, full_index, partial_count, partial_index, q_block, kv_block):
+    from cuteattn.sparse import BlockSparseMask
+    return BlockSparseMask(q_block, kv_block, full_count, full_index, partial_count, partial_index)
+
+
+def attention_sparse(q, k, v, mask, softmax_scale, causal, window_size, softcap, deterministic,
+                     strict):
+    """flash_attn_func(block_sparse=mask) through the custom op (torch.compile): returns
+    (out, lse). The lists' rules are checked here, before the op, as in eager calls."""
+    from cuteattn import sparse
+    scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
+    sparse.check(mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
+    return _fwd_sparse(q, k, v, mask.full_count, mask.full_index, mask.partial_count,
+                       mask.partial_index, mask.q_block, mask.kv_block, scale, causal, left,
+                       right, softcap, bool(deterministic), _strict_code(strict))
+
+
 # ---- KV cache (inference: no autograd) ----
 
 @torch.library.custom_op("cuteattn::kvcache", mutates_args=("k_cache", "v_cache"))

@@ -223,9 +223,11 @@ def attention_ref_backward(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     learnable_sink: torch.Tensor | None = None,
+    block_sparse=None,
 ) -> tuple:
     """(dq, dk, dv) of `attention_ref`'s output against dout, in float32, written out (no autograd:
-    it also runs where autograd is off, inside a custom op). The steps a backward kernel takes:
+    it also runs where autograd is off, inside a custom op). block_sparse
+    (sparse.BlockSparseMask): the pairs its blocks list, as attention_ref attends them. The steps a backward kernel takes:
     P from the recomputed scores, dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO * O)), through
     the softcap's derivative (1 - tanh^2) and the scale, then dQ = dS K and dK = dS^T Q; GQA sums
     dK and dV over the query heads of each kv head. Rows that see no key have P = 0: gradient 0.
@@ -245,7 +247,8 @@ def attention_ref_backward(
     for rows in _query_chunks(q, k):  # query rows are independent; dK and dV sum over them
         qc, doc = q[:, rows], do[:, rows]
         _, probs, t, lse = _scores_and_probs(qc, kr, scale, causal, window_size, softcap,
-                                             learnable_sink, rows=(rows.start, sq))
+                                             learnable_sink, (None, None, block_sparse),
+                                             rows=(rows.start, sq))
         out = torch.einsum("bhqk,bkhd->bqhd", probs, vr)
         dvr += torch.einsum("bhqk,bqhd->bkhd", probs, doc)
         dp = torch.einsum("bqhd,bkhd->bhqk", doc, vr)

@@ -216,3 +216,92 @@ def test_modifiers_and_block_lists_compile_fullgraph():
     g_got = torch.autograd.grad(got.float().sum(), (q, slopes))
     g_want = torch.autograd.grad(want.float().sum(), (q, slopes))
     assert all(torch.allclose(a, b, atol=1e-3) for a, b in zip(g_got, g_want))
+
+
+def graph_recording_backend():
+    """aot_eager that keeps the targets of every op call in the forward and backward graphs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    seen = {"fw": set(), "bw": set()}
+
+    def recorder(kind):
+        def compiler(gm, example_inputs):
+            seen[kind] |= {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+            return make_boxed_func(gm.forward)
+        return compiler
+    return aot_autograd(fw_compiler=recorder("fw"), bw_compiler=recorder("bw")), seen
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_lists_compile_into_one_op_with_its_backward(causal):
+    """Block-sparse lists alone (no mods) under torch.compile(fullgraph=True): the call is one
+    opaque op (cuteattn::fwd_sparse, its backward cuteattn::bwd_sparse), not the reference
+    traced into the graph, so the kernels can run inside compiled models; on the CPU the op
+    runs the reference: the same output as eager, gradients by the written-out backward
+    within float32 rounding of autograd's. GQA, odd lengths, rows with no listed block."""
+    from cuteattn import sparse
+    torch.manual_seed(0)
+    b, s, h, hk, d = 2, 77, 4, 2, 64
+    q = torch.randn(b, s, h, d, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, s, hk, d, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, s, hk, d, dtype=torch.bfloat16, requires_grad=True)
+    chosen = torch.rand(b, h, 3, 3) < 0.6
+    chosen[0, 0, 1] = False  # a query block with nothing listed: out 0, lse -inf, gradient 0
+    blocks = sparse.from_block_mask(chosen, 32, 32, partial=torch.rand(b, h, 3, 3) < 0.3)
+
+    def f(q, k, v):
+        return flash_attn_func(q, k, v, causal=causal, block_sparse=blocks, return_lse=True)
+
+    backend, seen = graph_recording_backend()
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    (got, got_lse), (want, want_lse) = compiled(q, k, v), f(q, k, v)
+    assert "cuteattn.fwd_sparse.default" in seen["fw"]
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    assert torch.isneginf(got_lse[0, 0, 32:64]).all() and (got[0, 32:64, 0] == 0).all()
+    dout = torch.randn_like(got)
+    g_got = torch.autograd.grad(got, (q, k, v), dout)
+    assert "cuteattn.bwd_sparse.default" in seen["bw"]
+    g_want = torch.autograd.grad(want, (q, k, v), dout)
+    for a, w in zip(g_got, g_want):
+        assert a.dtype == w.dtype and a.shape == w.shape
+        assert (a.float() - w.float()).abs().max() <= 1e-2 * w.float().abs().max() + 1e-3
+    assert (g_got[0][0, 32:64, 0] == 0).all()
+
+
+def test_block_lists_rules_raise_at_the_call_under_compile():
+    """The lists' shape rules are checked before the op, so a bad mask raises at the call in
+    compiled code as in eager."""
+    from cuteattn import sparse
+    q = torch.randn(1, 64, 2, 64, dtype=torch.bfloat16)
+    blocks = sparse.from_block_mask(torch.ones(1, 2, 1, 1, dtype=torch.bool), 32, 32)  # 1x1: too few
+    f = torch.compile(lambda q: flash_attn_func(q, q, q, block_sparse=blocks), backend="aot_eager")
+    with pytest.raises(Exception, match="block_sparse.full_count must have shape"):
+        f(q)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_block_lists_compile_on_the_gpu_kernels():
+    """On the GPU the compiled call runs the block-sparse kernels, forward and backward (no
+    fallback), equal to eager bitwise (the backward in deterministic mode); lists of 256x256
+    logical blocks (expanded inside the op) too."""
+    from cuteattn import sparse
+    torch.manual_seed(0)
+    b, s, h, hk, d = 2, 1000, 4, 2, 128
+    make = lambda heads: torch.randn(b, s, heads, d, device="cuda", dtype=torch.bfloat16,
+                                     requires_grad=True)
+    q, k, v = make(h), make(hk), make(hk)
+    for block in (128, 256):
+        n = -(-s // block)
+        blocks = sparse.from_block_mask(torch.rand(b, h, n, n, device="cuda") < 0.5, block, block)
+        f = lambda q, k, v: flash_attn_func(q, k, v, causal=True, block_sparse=blocks,
+                                            deterministic=True)
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FallbackWarning)
+            got, want = compiled(q, k, v), f(q, k, v)
+            assert torch.equal(got, want)
+            dout = torch.randn_like(got)
+            g_got = torch.autograd.grad(got, (q, k, v), dout)
+            g_want = torch.autograd.grad(want, (q, k, v), dout)
+        assert all(torch.equal(a, w) for a, w in zip(g_got, g_want))
