@@ -310,7 +310,7 @@ def flash_attn_func(
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
             mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None, sparse_sig=None,
-            deterministic=False):
+            deterministic=False, validate=False):
     """flash_attn_func / flash_attn_varlen_func (varlen: its metadata, max lengths included)
     with FlexAttention's modifiers: checked, then the block-sparse kernel where one serves the
     call (_sparse_kernel), else the reference, differentiated by torch autograd itself (a
@@ -318,7 +318,8 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
     usual. out / lse (fixed length): preallocated buffers, written in place (not under autograd,
     whose results are new tensors). sparse_sig: the call's _sparse_signature, under which a
     block-sparse launch is kept for the next such call. deterministic: the backward's
-    (a block-sparse backward kernel that cannot promise it is not taken)."""
+    (a block-sparse backward kernel that cannot promise it is not taken). validate (packed
+    sequences): their metadata's values checked first (a sync), as flash_attn_varlen_func's."""
     from cuteattn import sparse
     if varlen is None:
         spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -327,6 +328,9 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
         spec = _checks.varlen_spec(q, k, v, **varlen, softmax_scale=softmax_scale,
                                    causal=causal, window_size=window_size, softcap=softcap)
     spec = dataclasses.replace(_checks.with_sink(spec, sink, q), deterministic=bool(deterministic))
+    if varlen is not None and validate:
+        _varlen_host_values(q, k, spec, {n: varlen[n] for n in (
+            "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")})
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if mod is not None and not callable(mod):
             raise TypeError(f"{name} must be callable; got {type(mod)}")
@@ -377,12 +381,10 @@ def _sparse_spec(spec: AttentionSpec, mask) -> tuple:
     return dataclasses.replace(spec, sparse_q_block=mask.q_block, sparse_kv_block=mask.kv_block), mask
 
 
-def _sparse_reason(q, k, v, varlen, sink):
+def _sparse_reason(q, sink):
     """Why no block-sparse kernel serves this call whatever the GPU (None: one may)."""
     if q.device.type != "cuda":
         return f"no kernel for {q.device.type} tensors"
-    if varlen is not None:
-        return "no kernel for packed sequences yet"
     if sink is not None:
         return "no kernel with a learnable sink yet"
     if torch.compiler.is_compiling():
@@ -476,7 +478,7 @@ def backward_sparse(dout, q, k, v, out, lse, mask, softmax_scale, causal, window
     spec = dataclasses.replace(spec, deterministic=bool(deterministic), kind="bwd")
     if _is_empty(spec, out):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    reason = _sparse_reason(q, k, v, None, None)
+    reason = _sparse_reason(q, None)
     if reason is None:
         kspec, physical = _sparse_spec(spec, mask)
         launch, reason = _cached_launch(kspec, q.device)
@@ -502,20 +504,27 @@ def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None, sig=No
     call). Its lists' values are not read on the host (no sync): the kernel keeps every load
     inside k/v whatever they hold (kernels/common/block_sparse.py); the reference path checks
     them."""
-    reason = _sparse_reason(q, k, v, varlen, sink)
+    reason = _sparse_reason(q, sink)
     if reason is not None:
         return None, "block-sparse attention: " + reason
-    if spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+    if (spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0 or q.numel() == 0
+            or k.numel() == 0):
         return None, "block-sparse attention: an empty problem (the reference's results)"
     kspec, physical = _sparse_spec(spec, mask)
     launch, reason = _cached_launch(kspec, q.device)
     if launch is None:
         return None, "block-sparse attention: " + reason
-    if _needs_grad(q, k, v):
+    if _needs_grad(q, k, v):  # (packed sequences: the backward family declines them)
         backward, reason = _cached_launch(dataclasses.replace(kspec, kind="bwd"), q.device)
         if backward is None:
             return None, "block-sparse attention: backward: " + reason
         return _BlockSparse.apply(q, k, v, kspec, launch, backward, physical), None
+    if varlen is not None:  # packed sequences: the lists per sequence
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.empty(_varlen_lse_shape(q, spec), dtype=torch.float32, device=q.device)
+        meta = {n: varlen[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")}
+        launch(q, k, v, out, lse, **meta, sparse=_kernel_lists(physical))
+        return (out, lse), None
     if physical is mask:  # (an expanded mask is expanded again on every call: not kept)
         _remember(sig, kspec, launch)
     return _launch_sparse(q, k, v, kspec, launch, physical, out, lse), None
@@ -533,7 +542,7 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
     score_mod with its derivative); one whose mod tensors need a gradient, the reference."""
     from .kernels.launch_common import UnsupportedMod, mod_key, mod_tensors_of
     # (packed sequences: b is the sequence's index, q_idx / kv_idx positions within it)
-    reason = _sparse_reason(q, k, v, varlen if mask is not None else None, sink)
+    reason = _sparse_reason(q, sink)
     if reason is None and (spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0):
         reason = "an empty problem (the reference's results)"
     if reason is not None:
@@ -733,7 +742,7 @@ def flash_attn_varlen_func(
                       seqused_k=seqused_k)
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
                            learnable_sink, block_sparse, mask_mod, score_mod, varlen,
-                           deterministic=deterministic)
+                           deterministic=deterministic, validate=validate)
         return (out, lse) if return_lse else out
     if block_table is not None:  # paged keys (FlashAttention's paged prefill)
         from cuteattn.kvcache import paged_varlen

@@ -218,22 +218,28 @@ SPARSE_CASES = [(d, bq, bk, m) for (bq, bk), d, m in
                 [((128, 128), 128, "none"), ((128, 128), 64, "causal"), ((128, 128), 128, "softcap"),
                  ((128, 64), 128, "local"), ((128, 64), 64, "none"), ((128, 64), 128, "softcap"),
                  ((64, 64), 128, "causal"), ((64, 64), 64, "local"), ((64, 64), 80, "softcap")]]
+# (with packed sequences: the lists per sequence)
+SPARSE_CASES = [c + (False,) for c in SPARSE_CASES] + [
+    (128, 128, 128, "causal", True), (64, 128, 64, "none", True), (128, 64, 64, "local", True)]
 
 
-@pytest.mark.parametrize("d,bq,bk,mask", SPARSE_CASES,
-                         ids=[f"d{d}-{bq}x{bk}-{m}" for d, bq, bk, m in SPARSE_CASES])
-def test_compile_block_sparse(d, bq, bk, mask, capfd, tmp_path, monkeypatch):
+@pytest.mark.parametrize("d,bq,bk,mask,varlen", SPARSE_CASES,
+                         ids=[f"d{d}-{bq}x{bk}-{m}{'-varlen' if v else ''}"
+                              for d, bq, bk, m, v in SPARSE_CASES])
+def test_compile_block_sparse(d, bq, bk, mask, varlen, capfd, tmp_path, monkeypatch):
     from cuteattn.kernels.sm90 import config
     monkeypatch.chdir(tmp_path)
     spec = AttentionSpec(
         dtype=torch.float16, head_dim=d, head_dim_v=d, causal=mask == "causal",
-        local=mask == "local", has_softcap=mask == "softcap", varlen_q=False, varlen_k=False,
+        local=mask == "local", has_softcap=mask == "softcap", varlen_q=varlen, varlen_k=varlen,
+        has_seqused_k=varlen,
         softmax_scale=d ** -0.5, seqlen_q=4096, seqlen_k=4096,
         window_left=64 if mask == "local" else None, window_right=0 if mask == "local" else None,
         softcap=20.0 if mask == "softcap" else 0.0, sparse_q_block=bq, sparse_kv_block=bk)
     assert sm90_launch.FORWARD.can_implement(spec) is None
     cfg = sm90_launch.sm90_config(spec)
     assert cfg.sparse and (cfg.tile_m, cfg.tile_n) == (bq, bk) and cfg.dynamic_tiles
+    assert cfg.varlen_q == cfg.varlen_k == cfg.has_seqused_k == varlen
     assert cfg.smem_bytes() <= config.SMEM_LIMIT
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
@@ -251,7 +257,7 @@ def test_block_sparse_reasons():
     assert can(sparse_q_block=256, sparse_kv_block=256).startswith(
         "block-sparse blocks of 256x256: the sm90 kernel takes 128x128, 128x64, 64x64")
     assert can(head_dim=192, head_dim_v=192).startswith("block-sparse at head_dim 192")
-    assert can(varlen_q=True, varlen_k=True).startswith("block-sparse with packed sequences")
+    assert can(varlen_q=True, varlen_k=True) is None  # (per sequence: FlashAttention-4's form)
 
 
 FP8_CASES = [(d, m, v) for d in SUPPORTED_HEAD_DIMS for m in MASKS for v in (False, True)]

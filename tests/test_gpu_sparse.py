@@ -129,6 +129,37 @@ def test_exact_expansion(seed, seqlen, keep):
         assert (o.float() - outs[0].float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{q}x{k}" for q, k in BLOCKS])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_packed_sequences(seed, block, mask):
+    """flash_attn_varlen_func(block_sparse=): the lists' batch mode is the sequence, their
+    blocks count from its start (FlashAttention-4's varlen semantics); each sequence against the
+    reference on its own lists. Lengths with an empty sequence, a sequence without keys, odd
+    and unequal q/k lengths; GQA."""
+    from cuteattn import flash_attn_varlen_func
+    lens_q, lens_k = [700, 0, 129, 1000, 64], [900, 5, 129, 1000, 0]
+    h, hk, d = 4, 2, 128
+    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
+                                   device="cuda")
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lists = random_lists(len(lens_q), h, max(lens_q), max(lens_k), block, 3)
+    kw = MASKS[mask]
+    out, lse = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                      block_sparse=lists, return_lse=True, strict=True, **kw)
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        if sq == 0:
+            continue
+        rows, keys = slice(sum(lens_q[:b]), sum(lens_q[:b + 1])), slice(sum(lens_k[:b]), sum(lens_k[:b + 1]))
+        one = sparse.select_batch(lists, b)
+        args = (q[rows][None], k[keys][None], v[keys][None])
+        ref, ref_lse = attention_ref(*args, block_sparse=one, **kw)
+        lowprec, _ = attention_ref(*args, block_sparse=one, upcast=False, **kw)
+        assert_close_fa(out[rows][None], ref, lowprec, name=f"out of sequence {b}")
+        assert_lse_close(lse[:, rows][None], ref_lse, name=f"lse of sequence {b}")
+
+
 def test_lying_lists_stay_inside_the_tensors(seed):
     """Counts above nk and indices outside [0, nk) (validated only on the reference path): the
     kernel clamps them, so the call returns (any values) without touching memory outside k/v;

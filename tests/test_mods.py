@@ -251,11 +251,10 @@ def test_api_routes_packed_sequences_with_mods(monkeypatch):
     def launch(q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                seqused_k=None, sparse=None, mod_tensors=()):
         calls.append(dict(cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, used_k=seqused_k, out=out.shape,
-                          lse=lse.shape, mod_tensors=mod_tensors))
+                          lse=lse.shape, mod_tensors=mod_tensors, sparse=sparse))
         out.zero_()
         lse.zero_()
-    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink: (
-        "no kernel for packed sequences yet" if varlen is not None else None))
+    monkeypatch.setattr(api, "_sparse_reason", lambda q, sink: None)
     monkeypatch.setattr(api, "_cached_launch", lambda spec, device: (selected.append(spec) or launch, None))
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     q, k, v = (torch.randn(8, 2, 64, dtype=torch.bfloat16) for _ in range(3))
@@ -267,10 +266,15 @@ def test_api_routes_packed_sequences_with_mods(monkeypatch):
     qb = torch.randn(2, 5, 2, 64, dtype=torch.bfloat16)  # batched q, packed keys
     flash_attn_varlen_func(qb, k, v, None, cu, 5, 5, mask_mod=document, strict=True)
     assert calls[-1]["cu_q"] is None and calls[-1]["lse"] == (2, 2, 5)
+    # block lists per sequence too (with or without mods), and validate=True reads the metadata
     lists = sparse.from_topk(torch.zeros(1, 1, 1, 1, dtype=torch.int32), 1, 128, 128, partial=True)
-    with pytest.raises(RuntimeError, match="packed sequences"):
-        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, mask_mod=document, block_sparse=lists,
-                               strict=True)
+    for mods in (dict(mask_mod=document), {}):
+        flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, block_sparse=lists, strict=True, **mods)
+        assert selected[-1].sparse_q_block == 128 and selected[-1].varlen_q
+        assert calls[-1]["cu_q"] is cu and calls[-1]["sparse"] is not None
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        flash_attn_varlen_func(q, k, v, torch.tensor([0, 9, 8], dtype=torch.int32), cu, 5, 5,
+                               block_sparse=lists, validate=True, strict=True)
 
 
 def test_api_runs_gradients_through_both_kernels(monkeypatch):

@@ -197,7 +197,7 @@ def test_block_sparse_calls_reach_the_kernel_once_dispatched(monkeypatch):
         return (backward if spec.kind == "bwd" else launch), None
 
     monkeypatch.setattr(api, "_select_kernel", select)
-    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink: None)
+    monkeypatch.setattr(api, "_sparse_reason", lambda q, sink: None)
     monkeypatch.setattr(api, "_launches", {})
     q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16)
     lists = sparse.from_topk(torch.tensor([[[[0], [1]]]]).expand(1, 2, 2, 1), 2, 128, 128)
@@ -252,7 +252,7 @@ def test_block_sparse_deterministic_reaches_the_backward_spec(monkeypatch):
         return None, "stand-in: no kernel"
 
     monkeypatch.setattr(api, "_select_kernel", select)
-    monkeypatch.setattr(api, "_sparse_reason", lambda q, k, v, varlen, sink: None)
+    monkeypatch.setattr(api, "_sparse_reason", lambda q, sink: None)
     monkeypatch.setattr(api, "_launches", {})
     q = torch.randn(1, 256, 2, 64, dtype=torch.bfloat16, requires_grad=True)
     lists = sparse.from_topk(torch.tensor([[[[0], [1]]]]).expand(1, 2, 2, 1), 2, 128, 128)
@@ -320,3 +320,32 @@ def test_from_mask_mod_chunks_agree(seed, chunk, monkeypatch):
     # and the lists mean exactly the mod's pairs on their partial blocks, nothing else
     dense = got.dense(1000, 777, mod, batch=2, heads=3)
     assert torch.equal(dense, sparse.evaluate_mask_mod(mod, 2, 3, 1000, 777, "cpu"))
+
+
+def test_packed_sequences_take_each_sequences_lists():
+    """flash_attn_varlen_func(block_sparse=) on the reference (CPU): sequence b attends what
+    the lists' batch entry b lists, blocks counted from its own start: equal to each sequence
+    alone with its lists (the rule the GPU kernel is tested against)."""
+    import itertools
+    import warnings
+    from cuteattn import FallbackWarning, flash_attn_varlen_func
+    from cuteattn.reference import attention_ref
+    torch.manual_seed(0)
+    lens_q, lens_k = [70, 0, 33, 100], [90, 5, 33, 0]
+    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
+    q = torch.randn(sum(lens_q), 4, 32, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 32, dtype=torch.bfloat16) for _ in range(2))
+    nq, nk = -(-max(lens_q) // 32), -(-max(lens_k) // 32)
+    lists = sparse.from_block_mask(torch.rand(4, 4, nq, nk) < 0.5, 32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        out, lse = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q),
+                                          max(lens_k), causal=True, block_sparse=lists,
+                                          return_lse=True)
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
+        rows = slice(sum(lens_q[:b]), sum(lens_q[:b + 1]))
+        keys = slice(sum(lens_k[:b]), sum(lens_k[:b + 1]))
+        ref, ref_lse = attention_ref(q[rows][None], k[keys][None], v[keys][None], causal=True,
+                                     block_sparse=sparse.select_batch(lists, b))
+        assert torch.allclose(out[rows].float(), ref[0], atol=1e-2)
+        assert torch.equal(torch.isneginf(lse[:, rows]), torch.isneginf(ref_lse[0]))

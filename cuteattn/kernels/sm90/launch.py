@@ -289,9 +289,6 @@ def unserved_mods(spec: AttentionSpec) -> Optional[str]:
     mods = [m for m in (spec.mask_mod, spec.score_mod) if m is not None]
     if not mods:
         return None
-    if spec.sparse_q_block and (spec.varlen_q or spec.varlen_k or spec.has_seqused_q
-                                or spec.has_seqused_k):
-        return "mask_mod / score_mod on block-sparse lists with packed sequences: no sm90 kernel yet"
     if spec.score_mod is not None and spec.has_softcap:
         return "softcap with a score_mod: no sm90 kernel (write the softcap in the score_mod)"
     if not all(hasattr(m, "fn") for m in mods):
@@ -365,8 +362,8 @@ def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
     if spec.head_dim > config.SPARSE_MAX_HEAD_DIM:
         return (f"block-sparse at head_dim {spec.head_dim}: the sm90 kernel takes head dims up "
                 f"to {config.SPARSE_MAX_HEAD_DIM}")
-    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
-        return "block-sparse with packed sequences or seqused: no sm90 kernel yet"
+    # packed sequences: the lists' batch mode is the sequence, their blocks count from its
+    # start (FlashAttention-4's varlen semantics); the kernel's tiles already index them so
     return None
 
 
