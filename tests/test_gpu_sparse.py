@@ -130,7 +130,7 @@ def test_exact_expansion(seed, seqlen, keep):
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{q}x{k}" for q, k in BLOCKS])
-@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "mask_mod"])
 def test_packed_sequences(seed, block, mask):
     """flash_attn_varlen_func(block_sparse=): the lists' batch mode is the sequence, their
     blocks count from its start (FlashAttention-4's varlen semantics); each sequence against the
@@ -145,7 +145,9 @@ def test_packed_sequences(seed, block, mask):
     k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     lists = random_lists(len(lens_q), h, max(lens_q), max(lens_k), block, 3)
-    kw = MASKS[mask]
+    # (a mask_mod on the partial blocks: positions within the sequence)
+    kw = dict(mask_mod=lambda b, hh, q_idx, kv_idx: kv_idx <= q_idx + 50) if mask == "mask_mod" \
+        else MASKS[mask]
     out, lse = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
                                       block_sparse=lists, return_lse=True, strict=True, **kw)
     for b, (sq, sk) in enumerate(zip(lens_q, lens_k)):
