@@ -145,6 +145,7 @@ def cases() -> dict:
         *sp.inputs(2, 300, 300, 4, 4, 64, fp16), sp.random_lists(2, 4, 300, 300, (128, 64), 2),
         causal=True)
     out["sparse_lying_lists"] = lambda: sp.test_lying_lists_stay_inside_the_tensors(0)
+    out["sparse_packed_64x64"] = lambda: sp.test_packed_sequences(0, (64, 64), "causal")
     out["sparse_backward_causal"] = lambda: sp.check_grads(
         *sp.inputs(1, 333, 400, 4, 2, 128, bf16), sp.random_lists(1, 4, 333, 400, (128, 128), 2),
         causal=True)
