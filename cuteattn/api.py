@@ -262,7 +262,8 @@ def flash_attn_func(
     if block_sparse is not None or mask_mod is not None or score_mod is not None:
         sig = None
         if (mask_mod is None and score_mod is None and out is None and lse is None
-                and learnable_sink is None and type(window_size) is tuple):
+                and learnable_sink is None and type(window_size) is tuple
+                and not torch.compiler.is_compiling()):
             sig = _sparse_signature(q, k, v, block_sparse, softmax_scale, causal, window_size,
                                     softcap)
             hit = _launches.get(sig) if sig is not None else None
