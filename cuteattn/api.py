@@ -331,8 +331,7 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
                                    causal=causal, window_size=window_size, softcap=softcap)
     spec = dataclasses.replace(_checks.with_sink(spec, sink, q), deterministic=bool(deterministic))
     if varlen is not None and validate:
-        _varlen_host_values(q, k, spec, {n: varlen[n] for n in (
-            "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")})
+        _varlen_host_values(q, k, spec, _index_tensors(varlen))
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if mod is not None and not callable(mod):
             raise TypeError(f"{name} must be callable; got {type(mod)}")
@@ -362,7 +361,7 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
         out.copy_(o)
         lse.copy_(l)
         return out, lse
-    meta = {n: varlen[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")}
+    meta = _index_tensors(varlen)
     host = _varlen_host_values(q, k, spec, meta)
     packed = [_checks.batched_as_packed(x, meta[cu])[0] for x, cu in
               ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"))]
@@ -370,6 +369,23 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
     if not spec.varlen_q:  # batched q: lse (h, b * sq) -> (b, h, sq)
         lse = lse.view(spec.nheads, q.shape[0], q.shape[1]).permute(1, 0, 2)
     return out.view(*q.shape[:-1], v.shape[-1]).to(q.dtype), lse
+
+
+def _index_tensors(varlen: dict | None) -> dict:
+    """The packed sequences' index tensors of a call's varlen metadata, as launches take them
+    (none for fixed lengths)."""
+    if varlen is None:
+        return {}
+    return {n: varlen[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")}
+
+
+def _new_outputs(q, v, spec: AttentionSpec, varlen: dict | None) -> tuple:
+    """Fresh (out, lse) for a modded or block-sparse call: out in q's layout with v's head dim,
+    lse (batch, heads, seqlen_q) or, for packed q, (heads, total_q)."""
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse_shape = ((spec.batch, spec.nheads, spec.seqlen_q) if varlen is None
+                 else _varlen_lse_shape(q, spec))
+    return out, torch.empty(lse_shape, dtype=torch.float32, device=q.device)
 
 
 def _sparse_spec(spec: AttentionSpec, mask) -> tuple:
@@ -522,10 +538,8 @@ def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None, sig=No
             return None, "block-sparse attention: backward: " + reason
         return _BlockSparse.apply(q, k, v, kspec, launch, backward, physical), None
     if varlen is not None:  # packed sequences: the lists per sequence
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.empty(_varlen_lse_shape(q, spec), dtype=torch.float32, device=q.device)
-        meta = {n: varlen[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")}
-        launch(q, k, v, out, lse, **meta, sparse=_kernel_lists(physical))
+        out, lse = _new_outputs(q, v, spec, varlen)
+        launch(q, k, v, out, lse, **_index_tensors(varlen), sparse=_kernel_lists(physical))
         return (out, lse), None
     if physical is mask:  # (an expanded mask is expanded again on every call: not kept)
         _remember(sig, kspec, launch)
@@ -592,14 +606,9 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
             return None, "mask_mod / score_mod: backward: " + reason
         return _Modded.apply(q, k, v, kspec, launch, backward, physical, tensors), None
     if out is None:
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse_shape = ((spec.batch, spec.nheads, spec.seqlen_q) if varlen is None
-                     else _varlen_lse_shape(q, spec))
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        out, lse = _new_outputs(q, v, spec, varlen)
     lists = {"sparse": _kernel_lists(physical)} if physical is not None else {}
-    meta = {} if varlen is None else {n: varlen[n] for n in (
-        "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")}
-    launch(q, k, v, out, lse, **meta, **lists, mod_tensors=tensors)
+    launch(q, k, v, out, lse, **_index_tensors(varlen), **lists, mod_tensors=tensors)
     return (out, lse), None
 
 
