@@ -244,8 +244,9 @@ def flash_attn_func(
     (cuteattn.sparse.BlockSparseMask), mask_mod(b, h, q_idx, kv_idx) and score_mod(score, b, h,
     q_idx, kv_idx): FlexAttention's modifiers (FlashAttention-4's block-sparse form),
     differentiable, including through tensors a score_mod closes over.
-    A learnable sink runs on the sm90 kernels (forward and backward; not yet with block-sparse
-    lists, mods, fp8 or pages, which take the reference).
+    fp8 inputs and the modifiers run on sm90 kernels (the README's table says which forms);
+    a learnable sink too (forward and backward; not yet with block-sparse lists, mods, fp8 or
+    pages, which take the reference).
 
     Gradients (q, k or v requiring grad) flow through torch autograd: the backward kernel where
     one serves the problem (sm_90a, head_dim 64/96/128), else the float32 reference backward
