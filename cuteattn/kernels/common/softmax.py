@@ -13,6 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)  # (a natural-log logit, such as a sink, in exp2 units)
 
 
 @dataclass(frozen=True)

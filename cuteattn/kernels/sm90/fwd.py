@@ -18,7 +18,6 @@ Everything shape-like (batch, sequence lengths, head counts, window sizes, scale
 value: one compiled kernel serves every shape with the same static configuration.
 """
 import enum
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,12 +41,11 @@ from ..common.mask import apply_mask
 from ..common.mods import KernelMod, apply_mask_mod, apply_score_mod, traced
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.softmax import OnlineSoftmax
+from ..common.softmax import LOG2E, OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from .gemm import PingPong, gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
-LOG2E = math.log2(math.e)
 
 
 
