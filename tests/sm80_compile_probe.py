@@ -1,7 +1,7 @@
 """Compiles sm80 forward variants for one target arch and prints what ptxas and the PTX say, as
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
-form: varlen (a bool) for the forward, "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
+form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
 "sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2]"
 for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen": the paged prefill, packed q).
@@ -63,7 +63,11 @@ def main():
                             smem=cfg.smem_bytes(), targets=re.findall(r"\.target (\S+)", ptx),
                             marks={m: m in ptx for m in MARKS}, **info))
             continue
-        if isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
+        if isinstance(form, str) and form.startswith("sink"):  # the forward with a learnable sink
+            varlen = "varlen" in form
+            cfg = fwd_configs(DTYPES[dtype], d, d, *masks, varlen, varlen, smem_limit=smem,
+                              has_sink=True)
+        elif isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
             flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
             cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),

@@ -38,7 +38,10 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # head dims between the compiled widths (padded) and v narrower than q/k
                ["bf16", "80/80", "causal", False], ["fp16", "192/128", "local", True],
                ["bf16", "72/40", "softcap", False], ["bf16", "256/128", "none", False],
-               ["fp16", "112/112", "none", True]]
+               ["fp16", "112/112", "none", True],
+               # a learnable sink (the epilogue's denominator)
+               ["bf16", 128, "causal", "sink"], ["fp16", 64, "none", "sink,varlen"],
+               ["bf16", 256, "local", "sink"]]
             # the decode kernel (flash_attn_with_kvcache): contiguous and paged caches, splits
             + [["bf16", 128, "none", "decode"], ["bf16", 128, "causal", "decode,split,bidx,leftpad"],
                ["fp16", 64, "local", "decode,page=16,split"], ["bf16", 96, "softcap", "decode,page=128"],

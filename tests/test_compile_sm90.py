@@ -4,6 +4,7 @@ GPU (CUTE_DSL_ARCH), and check what the compiler made of them: the Hopper instru
 
 Covers every head dim and every mask kind at least once, both dtypes, and the varlen switch.
 """
+import dataclasses
 import os
 import re
 
@@ -356,3 +357,31 @@ def test_compile_fp8_value_transpose(dv, varlen, capfd, tmp_path, monkeypatch):
     assert ptx.count("prmt.b32") >= 32 and "st.global" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0
+
+
+SINK_CASES = [(64, "causal", False), (128, "none", True), (128, "window", False),
+              (256, "causal", True), (96, "softcap", False)]
+
+
+@pytest.mark.parametrize("d,mask,varlen", SINK_CASES,
+                         ids=[f"d{d}-{m}{'-varlen' if v else ''}" for d, m, v in SINK_CASES])
+def test_compile_forward_with_learnable_sink(d, mask, varlen, capfd, tmp_path, monkeypatch):
+    """A learnable sink (gpt-oss) joins the epilogue's denominator: spill-free; the family
+    takes sinks on its plain and packed forms (not with lists or mods yet)."""
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    spec = AttentionSpec(
+        dtype=torch.bfloat16, head_dim=d, head_dim_v=d, causal=mask == "causal",
+        local=mask == "window", has_softcap=mask == "softcap", varlen_q=varlen, varlen_k=varlen,
+        softmax_scale=d ** -0.5, window_left=64 if mask == "window" else None,
+        window_right=0 if mask == "window" else None, softcap=20.0 if mask == "softcap" else 0.0,
+        has_sink=True)
+    assert sm90_launch.FORWARD.can_implement(spec) is None
+    assert sm90_launch.FORWARD.can_implement(dataclasses.replace(
+        spec, sparse_q_block=128, sparse_kv_block=128)).startswith("learnable attention sinks")
+    cfg = sm90_launch.sm90_config(spec)
+    assert cfg.has_sink and cfg.smem_bytes() <= config.SMEM_LIMIT
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "wgmma.mma_async" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"

@@ -187,7 +187,7 @@ SM90_REASONS = [
     (dict(head_dim=64, head_dim_v=128),
      "head_dim_v 128 > head_dim 64 is not supported by the sm90 forward (head_dim_v <= head_dim)"),
     (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm90 forward"),
-    (dict(has_sink=True), "learnable attention sinks: no sm90 forward takes them yet"),
+    (dict(has_sink=True, dtype=torch.float8_e4m3fn), "learnable attention sinks: no sm90 forward takes them yet"),
     (dict(dtype=torch.float8_e4m3fn, head_dim=80, head_dim_v=80), "fp8 at head_dim 80"),
 ]
 
@@ -207,7 +207,8 @@ def test_sm90_forward_serves_supported_problems(gpu, d):
                    dict(varlen_q=True), dict(varlen_k=True, has_seqused_q=True),
                    dict(has_seqused_q=True, has_seqused_k=True),
                    dict(local=True, window_left=None, window_right=-1),
-                   dict(local=True, window_left=-4, window_right=9)):
+                   dict(local=True, window_left=-4, window_right=9),
+                   dict(has_sink=True), dict(has_sink=True, varlen_q=True, varlen_k=True)):
         assert dispatch.can_implement(make_spec(head_dim=d, head_dim_v=d, **fields), CUDA) is None
 
 

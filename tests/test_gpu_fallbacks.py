@@ -46,7 +46,10 @@ def fp8_call():
 
 CASES = {
     "head_dim_v 128 over 64": (flash_attn_func, lambda: fixed(d=64, dv=128), "head_dim_v 128 > head_dim 64"),
-    "sink": (flash_attn_func, lambda: dict(fixed(), learnable_sink=torch.randn(4)), "sinks"),
+    # (sinks run on the sm90 kernels, tests/test_gpu_sinks.py; with block-sparse lists not yet)
+    "sink with lists": (flash_attn_func, lambda: dict(
+        fixed(sq=64, sk=64), learnable_sink=torch.randn(4),
+        block_sparse=sparse.from_topk(torch.tensor([[[[0]]]]), 1, 128, 128)), "learnable sink"),
     "fp8 at head_dim 80": (flash_attn_func, fp8_call, "fp8 at head_dim 80"),
     # (a torch method on an index: the DSL's integers have none, so the kernel cannot trace it)
     "mask_mod": (flash_attn_func, lambda: dict(fixed(), mask_mod=lambda b, h, i, j: (i - j).abs() < 5),

@@ -45,7 +45,8 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
           mVDescale: Optional[cute.Tensor], mCuSeqlensV: Optional[cute.Tensor],
           mModTensor0: Optional[cute.Tensor], mModTensor1: Optional[cute.Tensor],
           mModTensor2: Optional[cute.Tensor], mModTensor3: Optional[cute.Tensor],
-          mPageTable: Optional[cute.Tensor], mTileCounter: cute.Tensor,
+          mPageTable: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+          mTileCounter: cute.Tensor,
           qhead_per_kvhead: Int32, score_scale: Float32, softmax_scale_log2: Float32,
           window_left: Int32, window_right: Int32, max_ctas: Int32, l2_group: Int32,
           l2_small_groups: Int32,
@@ -53,7 +54,7 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
     i = 0
     for t in (mQ, mK, mV, mO, mLSE, mFullCount, mFullIndex, mPartialCount, mPartialIndex,
               mQDescale, mKDescale, mVDescale, mModTensor0, mModTensor1, mModTensor2,
-              mModTensor3, mPageTable):
+              mModTensor3, mPageTable, mSink):
         if cutlass.const_expr(t is not None):
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
@@ -72,9 +73,9 @@ def probe(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mL
         i += 1
 
 
-def expected(tensors, spec, sparse=(), descales=(), mod=(), table=()):
+def expected(tensors, spec, sparse=(), descales=(), mod=(), table=(), sink=()):
     out = []
-    for t in (*tensors[:5], *sparse, *descales, *mod, *table):
+    for t in (*tensors[:5], *sparse, *descales, *mod, *table, *sink):
         for n, st in zip(t.shape, t.stride()):
             out += [n, st]
     for t in tensors[5:]:
@@ -116,7 +117,7 @@ def qkv_views(b, s, h, d):
 
 @pytest.mark.parametrize("tvm_ffi", [False, True], ids=["dlpack", "tvm-ffi"])
 @pytest.mark.parametrize("layout", ["fixed", "fixed-qkv-views", "gqa", "varlen", "varlen-seqused",
-                                    "block-sparse", "fp8", "fp8-varlen", "mask-mod", "paged"])
+                                    "block-sparse", "fp8", "fp8-varlen", "mask-mod", "paged", "sink"])
 def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
     if tvm_ffi:
         pytest.importorskip("tvm_ffi")
@@ -133,13 +134,14 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
                 score_mod=mod_key(_alibi(mod_tensors[2]), "score_mod")) if mod_tensors else {}
     cfg = fwd_config(cutlass.Float8E4M3FN if fp8 else cutlass.BFloat16, 128, 128, False, False, True, varlen, varlen and not page,
                      has_seqused_q=seqused, has_seqused_k=seqused, sparse_block=block,
-                     page_size=page, **keys)
+                     page_size=page, has_sink=layout == "sink", **keys)
+    sink = (torch.randn(4),) if layout == "sink" else ()  # float32 (nheads,)
     # block-sparse lists: counts broadcast over the batch, index lists per (batch, head)
     sparse = (torch.tensor([[[1, 2]]], dtype=torch.int32),
               torch.zeros(2, 4, 2, 5, dtype=torch.int32)[..., :4],  # a padded last mode
               torch.tensor([[[0, 1]], [[1, 0]]], dtype=torch.int32).repeat(1, 4, 1),
               torch.zeros(1, 4, 2, 4, dtype=torch.int32)) if block else ()
-    if layout in ("fixed", "block-sparse", "mask-mod"):
+    if layout in ("fixed", "block-sparse", "mask-mod", "sink"):
         q, k, v = (torch.randn(2, 96, 4, 128, dtype=torch.bfloat16) for _ in range(3))
     elif layout == "fp8":  # as the launch hands them over: bytes, V transposed (fp8_value_operand)
         q = torch.randn(2, 33, 8, 128).to(torch.float8_e4m3fn)
@@ -190,17 +192,19 @@ def test_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi):
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, tvm_ffi=True,
                                           counter=counter, sparse=SparseMetadata(*sparse),
                                           fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
-                                          mod=ModTensors(*mod_tensors), page_table=(table or (None,))[0]),
+                                          mod=ModTensors(*mod_tensors), page_table=(table or (None,))[0],
+                                          sink=(sink or (None,))[0]),
                  info)
     else:
         compiled = cute.compile(probe, *fake_arguments(cfg), _to_cute(info, 8))
         compiled(*launch.launch_arguments(spec, q, k, v, o, lse, varlen_args, counter=counter,
                                           sparse=SparseMetadata(*sparse),
                                           fp8=Fp8Descales(*descales, cu_v) if fp8 else Fp8Descales(),
-                                          mod=ModTensors(*mod_tensors), page_table=(table or (None,))[0]),
+                                          mod=ModTensors(*mod_tensors), page_table=(table or (None,))[0],
+                                          sink=(sink or (None,))[0]),
                  _to_cute(info, 8))
     want = expected((q, k, v, *tensors[3:]), spec, sparse, descales,
-                    [t for t in mod_tensors if t is not None], table)
+                    [t for t in mod_tensors if t is not None], table, sink)
     got = info[: len(want)].tolist()
     assert got[:-2] == want[:-2]  # every extent, stride, index value and integer scalar
     # the two float32 scalars (in micro-units): equal up to float32 rounding
@@ -236,7 +240,7 @@ def test_declaration_drives_fakes_and_launch_arguments():
     assert [name for name, f in optional.items() if f is None] == [
         "mSeqUsedQ", "mFullCount", "mFullIndex", "mPartialCount", "mPartialIndex",
         "mQDescale", "mKDescale", "mVDescale", "mCuSeqlensV", "mModTensor0", "mModTensor1",
-        "mModTensor2", "mModTensor3", "mPageTable"]
+        "mModTensor2", "mModTensor3", "mPageTable", "mSink"]
     q = torch.randn(20, 4, 64, dtype=torch.bfloat16)
     k = torch.randn(20, 2, 64, dtype=torch.bfloat16)
     cu = torch.tensor([0, 10, 20], dtype=torch.int32)

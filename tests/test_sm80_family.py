@@ -84,7 +84,6 @@ def test_no_tile_fits_a_tiny_shared_memory(monkeypatch):
     (dict(head_dim=80, head_dim_v=80, paged_kv=True, varlen_q=True, page_size=16),
      "head_dim 80 is not supported by the sm80 forward (supported: 64, 96, 128, 192, 256)"),
     (dict(dtype=torch.float32), "dtype torch.float32 is not supported by the sm80 forward (fp16, bf16)"),
-    (dict(has_sink=True), "learnable attention sinks: no sm80 forward takes them yet"),
 ])
 def test_sm80_forward_reasons(fields, reason):
     assert sm80_launch.FORWARD.can_implement(make_spec(**fields)) == reason
@@ -105,8 +104,11 @@ def test_sm80_forward_pads_other_head_dims(d, dv):
 @pytest.mark.parametrize("d", config.SUPPORTED_HEAD_DIMS)
 def test_sm80_forward_serves_supported_problems(d):
     for mask in (dict(), dict(causal=True), dict(local=True, window_left=64, window_right=0),
-                 dict(has_softcap=True, softcap=30.0), dict(varlen_q=True, varlen_k=True)):
-        assert sm80_launch.FORWARD.can_implement(make_spec(head_dim=d, head_dim_v=d, **mask)) is None
+                 dict(has_softcap=True, softcap=30.0), dict(varlen_q=True, varlen_k=True),
+                 dict(has_sink=True), dict(has_sink=True, varlen_q=True, varlen_k=True)):
+        spec = make_spec(head_dim=d, head_dim_v=d, **mask)
+        assert sm80_launch.FORWARD.can_implement(spec) is None
+        assert all(c.has_sink == spec.has_sink for c in sm80_launch.sm80_configs(spec))
 
 
 def test_launch_scalars_match_the_kernel_arguments():
@@ -350,8 +352,8 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
             assert cfg.smem_bytes() <= 99 * 1024
     reasons = {
         "head_dim 256 (head_dim_v 256) has no sm80 backward": dict(head_dim=256, head_dim_v=256),
-        "learnable attention sinks: no sm80 backward": dict(has_sink=True),
     }
+    assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd", has_sink=True)) is None
     for reason, fields in reasons.items():
         assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd", **fields)).startswith(reason)
     monkeypatch.delenv("CUTEATTN_PATH")  # the family's own archs serve it without asking by name

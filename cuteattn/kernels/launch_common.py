@@ -171,13 +171,14 @@ def unserved_dtype_or_dims(spec: AttentionSpec, arch: str, who: str, head_dims,
     return None
 
 
-def unserved_form(spec: AttentionSpec, arch: str, who: str, mods: bool = False) -> Optional[str]:
+def unserved_form(spec: AttentionSpec, arch: str, who: str, mods: bool = False,
+                  sinks: bool = False) -> Optional[str]:
     """The reason the `arch` `who` ("forward", "backward") does not take spec's form, or None:
-    a learnable sink; paged keys; a mask_mod or score_mod (unless `mods`: the family traces
-    them)."""
+    a learnable sink (unless `sinks`); paged keys; a mask_mod or score_mod (unless `mods`: the
+    family traces them)."""
     if (spec.mask_mod is not None or spec.score_mod is not None) and not mods:
         return f"mask_mod / score_mod: no {arch} {who} traces them yet"
-    if spec.has_sink:
+    if spec.has_sink and not sinks:
         return f"learnable attention sinks: no {arch} {who} takes them yet"
     if spec.paged_kv:
         return f"paged keys (block_table): no {arch} {who} reads pages yet"

@@ -13,6 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)  # (a natural-log logit, such as a sink, in exp2 units)
 
 
 @dataclass(frozen=True)
@@ -72,22 +73,38 @@ class OnlineSoftmax:
                 acc_o_mn[r, c] = acc_o_mn[r, c] * self.row_scale[r]
 
     @cute.jit
-    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, out_scale=None):
+    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, out_scale=None, sink_log2=None):
         """Normalises the output rows and writes each row's natural-log LSE into `lse`.
         A row that saw no key gets output 0 and LSE -inf. `out_scale` (fp8's v descale)
-        multiplies every output value too."""
+        multiplies every output value too. `sink_log2` (a learnable sink's logit times log2(e)):
+        one more term of every row's denominator, carrying no value (gpt-oss); summed relative
+        to the larger of it and the row's offset, so that neither can overflow the other."""
         for r in cutlass.range_constexpr(self.num_rows):
             total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             inv = Float32(0.0)
             row_lse = -Float32.inf
-            if total > 0.0:
-                inv = cute.arch.rcp_approx(total)
+            if cutlass.const_expr(sink_log2 is not None):
+                # the probabilities were taken relative to this offset (step's safe max)
+                safe_max = self.row_max[r]
+                if safe_max == -Float32.inf:
+                    safe_max = Float32(0.0)
+                offset = safe_max * self.scale_log2 - self.p_max_log2
+                top = cute.arch.fmax(offset, sink_log2)
+                down = cute.math.exp2(offset - top, fastmath=True)
+                total = total * down + cute.math.exp2(sink_log2 - top, fastmath=True)
+                inv = cute.arch.rcp_approx(total) * down
                 if cutlass.const_expr(out_scale is not None):
                     inv = inv * out_scale
-                row_lse = self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)
-                if cutlass.const_expr(self.p_max_log2 != 0.0):
-                    row_lse = row_lse - self.p_max_log2
-                row_lse = row_lse * LN2
+                row_lse = (top + cute.math.log2(total, fastmath=True)) * LN2
+            else:
+                if total > 0.0:
+                    inv = cute.arch.rcp_approx(total)
+                    if cutlass.const_expr(out_scale is not None):
+                        inv = inv * out_scale
+                    row_lse = self.row_max[r] * self.scale_log2 + cute.math.log2(total, fastmath=True)
+                    if cutlass.const_expr(self.p_max_log2 != 0.0):
+                        row_lse = row_lse - self.p_max_log2
+                    row_lse = row_lse * LN2
             lse[r] = row_lse
             for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                 acc_o_mn[r, c] = acc_o_mn[r, c] * inv

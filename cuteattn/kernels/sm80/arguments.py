@@ -83,6 +83,10 @@ ARGUMENTS = (
     Arg("mLSE", TENSOR, lse_rows, align=4),
     VARLEN,
     CACHE,
+    # learnable sinks (Sm80FwdConfig.has_sink): float32 (h,), a logit per query head
+    Arg("mSink", OPTIONAL_TENSOR, lambda cfg, sym, align, memspace: fake_tensor(
+        Float32, (sym["h"],), align, memspace) if cfg.has_sink else None,
+        align=4),
     Arg("qhead_per_kvhead", INT32),
     Arg("score_scale", FLOAT32),          # softmax_scale, or softmax_scale / softcap
     Arg("softmax_scale_log2", FLOAT32),   # log2(e) * (softmax_scale, or softcap)

@@ -46,7 +46,8 @@ SMEM_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
 
 def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                 has_softcap: bool, varlen_q: bool, varlen_k: bool, has_seqused_q: bool = False,
-                has_seqused_k: bool = False, smem_limit: int = 99 * 1024) -> list:
+                has_seqused_k: bool = False, smem_limit: int = 99 * 1024,
+                has_sink: bool = False) -> list:
     """The configs of the listed tiles that fit `smem_limit` bytes, preferred first (the launch
     takes the first that compiles spill-free); ValueError if none fits. head_dim / head_dim_v:
     the tensors' (a multiple of 8 up to 256, head_dim_v <= head_dim), run on the next compiled
@@ -60,7 +61,7 @@ def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool
         tile_n=tile_n,
         num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
-        has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1)
+        has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1, has_sink=has_sink)
         for tile_m, tile_n, warps, *stages in tiles]
     configs = [cfg for cfg in configs if cfg.smem_bytes() <= smem_limit]
     if not configs:

@@ -32,7 +32,7 @@ from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major
 from ..common.mask import apply_mask
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.softmax import OnlineSoftmax
+from ..common.softmax import LOG2E, OnlineSoftmax
 from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
 from . import mma
 
@@ -79,6 +79,10 @@ class Sm80FwdConfig:
     # converted to `dtype` in one K/V buffer before its MMAs; the per-(batch, kv head) descales
     # scale the scores (k's, folded into the softmax scale) and the output (v's).
     kv_fp8: Optional[type] = None
+    # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of each row's
+    # denominator in the epilogue (OnlineSoftmax.finalize); a tile's rows are one query head
+    # (not with pack_gqa or split_kv: decoding merges the sink in its combine kernel)
+    has_sink: bool = False
 
     @property
     def kv_elem_bytes(self) -> int:
@@ -142,6 +146,7 @@ class FlashFwdSm80:
         mLSEPartial: Optional[cute.Tensor],   # float32 (splits, b, h, s_q) (split_kv)
         mKDescale: Optional[cute.Tensor],     # float32 (b, h_k): an fp8 cache's (kv_fp8)
         mVDescale: Optional[cute.Tensor],
+        mSink: Optional[cute.Tensor],         # float32 (h,): learnable sinks (has_sink)
         qhead_per_kvhead: Int32,
         score_scale: Float32,
         softmax_scale_log2: Float32,
@@ -194,7 +199,7 @@ class FlashFwdSm80:
         self.kernel(
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mKvBatchIdx, mLeftpadK, mPageTable, mOPartial, mLSEPartial, mKDescale, mVDescale,
-            qhead_per_kvhead, num_m_blocks, num_heads, batch, l2_group, l2_small_groups,
+            mSink, qhead_per_kvhead, num_m_blocks, num_heads, batch, l2_group, l2_small_groups,
             score_scale, softmax_scale_log2, window_left, window_right, num_splits,
             sQ_layout, sK_layout, sV_layout, SharedStorage,
         ).launch(
@@ -232,7 +237,7 @@ class FlashFwdSm80:
         mKvBatchIdx: Optional[cute.Tensor], mLeftpadK: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor], mOPartial: Optional[cute.Tensor],
         mLSEPartial: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
-        mVDescale: Optional[cute.Tensor],
+        mVDescale: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
         qhead_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32, num_splits: Int32,
@@ -298,15 +303,17 @@ class FlashFwdSm80:
             self.attend(mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
                         seqlen, m_block, head_idx, head_idx_kv, batch_idx,
                         kv_batch, split, num_splits, score_scale, softmax_scale_log2,
-                        window_left, window_right, tidx, staging, v_descale)
+                        window_left, window_right, tidx, staging, v_descale,
+                        mSink[head_idx] * Float32(LOG2E) if const_expr(cfg.has_sink) else None)
 
     @cute.jit
     def attend(self, mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
                seqlen: SeqlenInfo, m_block, head_idx, head_idx_kv, batch_idx, kv_batch, split,
                num_splits, score_scale, softmax_scale_log2, window_left, window_right, tidx,
-               staging=None, v_descale=None):
+               staging=None, v_descale=None, sink_log2=None):
         """One tile (with split_kv, one key range of it): load, the key loop, the epilogue.
-        staging, v_descale: an fp8 cache's ring of bytes (K's, V's) and v's descale."""
+        staging, v_descale: an fp8 cache's ring of bytes (K's, V's) and v's descale. sink_log2:
+        the tile's query head's learnable sink, times log2(e) (cfg.has_sink)."""
         cfg = self.cfg
         # the block geometry is over query positions (tile_q of them per tile with pack-GQA);
         # loads, stores and the element mask over the tile's rows
@@ -430,7 +437,7 @@ class FlashFwdSm80:
         if const_expr(ring):
             cute.arch.cp_async_wait_group(0)  # (the last groups are empty; none left in flight)
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        softmax.finalize(acc_O_mn, lse)
+        softmax.finalize(acc_O_mn, lse, None, sink_log2)
         if const_expr(self.fp8):
             for i in cutlass.range_constexpr(cute.size(acc_O)):
                 acc_O[i] = acc_O[i] * v_descale

@@ -83,7 +83,7 @@ def sm80_configs(spec: AttentionSpec) -> list:
     return config.fwd_configs(
         CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
-        smem_limit=smem_limit(spec.device_index))
+        smem_limit=smem_limit(spec.device_index), has_sink=spec.has_sink)
 
 
 def compiled_forward(spec: AttentionSpec, tvm_ffi: bool):
@@ -131,7 +131,7 @@ def launch_scalars(spec: AttentionSpec) -> dict:
 # The arguments each call passes, in the order a launch passes them (the forward: one split,
 # the cache group for the paged prefill's page table; the decode kernel: the splits too).
 PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *group_names("varlen", arguments.ARGUMENTS),
-            *group_names("cache", arguments.ARGUMENTS))
+            *group_names("cache", arguments.ARGUMENTS), "mSink")
 DECODE_PER_CALL = PER_CALL + ("num_splits",)
 
 
@@ -147,14 +147,15 @@ class Launch:
                            arguments.ARGUMENTS, None if self.tvm_ffi else to_runtime)
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                 seqused_k=None, page_table=None) -> None:
+                 seqused_k=None, page_table=None, learnable_sink=None) -> None:
         """page_table: the paged prefill's block table (k, v: the paged cache; the key lengths
-        in seqused_k, cu_seqlens_k None)."""
+        in seqused_k, cu_seqlens_k None). learnable_sink: float32 (nheads,) when the spec has
+        a sink."""
         # cp.async moves 16 bytes: bases and strides 16-byte aligned (odd views are copied)
         q, k, v = aligned16(q), aligned16(k), aligned16(v)
         out_k = aligned16(out)
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         None, None, page_table, None, None, None, None)
+                         None, None, page_table, None, None, None, None, learnable_sink)
         call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
@@ -224,7 +225,7 @@ class DecodeLaunch:
             lse_part = torch.empty(num_splits, b, h, sq, dtype=torch.float32, device=q.device)
         args = self.bind(q, k_cache, v_cache, out_k, lse, None, None, None, seqused_k,
                          kv_batch_idx, leftpad_k, page_table, o_part, lse_part, k_descale,
-                         v_descale, num_splits)
+                         v_descale, None, num_splits)
         call_kernel(self._fn(partials), self.tvm_ffi, args, q.device)
         if partials:  # the combine: the exact merge of the splits (and the sink) by their LSE
             fn, bind = self._combine(learnable_sink is not None)
@@ -255,7 +256,8 @@ class Sm80Forward:
                 return "paged keys need packed q (flash_attn_varlen_func) and a page size"
             form = dataclasses.replace(spec, paged_kv=False, varlen_k=True)
             return unserved_form(form, ARCH, "forward")
-        return unserved_form(spec, ARCH, "forward")
+        # (a learnable sink: the epilogue's denominator, plain and packed forms)
+        return unserved_form(spec, ARCH, "forward", sinks=True)
 
     def launch(self, spec: AttentionSpec) -> Launch:
         return Launch(spec)

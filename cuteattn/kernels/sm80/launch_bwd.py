@@ -97,7 +97,7 @@ class Sm80Backward:
         reason = unserved_on(spec, _major(spec))
         if reason is not None:
             return reason
-        return unserved_form(spec, ARCH, "backward")
+        return unserved_form(spec, ARCH, "backward", sinks=True)  # (dsink: api._sink_gradient)
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
         return BwdLaunch(spec)

@@ -115,6 +115,9 @@ ARGUMENTS = (
     # paged keys (Sm90FwdConfig.page_size): int32 (b, max_pages), each sequence's pages
     Arg("mPageTable", OPTIONAL_TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
         Int32, (sym["table_b"], sym["pages"]), align, memspace) if cfg.page_size else None, align=4),
+    # learnable sinks (Sm90FwdConfig.has_sink): float32 (h,), a logit per query head
+    Arg("mSink", OPTIONAL_TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
+        Float32, (sym["h"],), align, memspace) if cfg.has_sink else None, align=4),
     # int32 (2,), zero between launches: the dynamic tile scheduler's counter (fwd.py)
     Arg("mTileCounter", TENSOR, int32_vector(), align=4),
     Arg("qhead_per_kvhead", INT32),

@@ -103,7 +103,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
                max_seqlen_q: int | None = None, sparse_block: tuple | None = None,
-               mask_mod=None, score_mod=None, page_size: int = 0) -> Sm90FwdConfig:
+               mask_mod=None, score_mod=None, page_size: int = 0,
+               has_sink: bool = False) -> Sm90FwdConfig:
     """head_dim / head_dim_v: the tensors' (any multiple of 8 up to 256, head_dim_v <= head_dim);
     the kernel runs on the next compiled widths (launch_common.compiled_width). max_seqlen_q (the
     longest query sequence, when known) picks the short-sequence tiles. page_size: keys in
@@ -146,7 +147,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         pingpong=head_dim <= 128,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
-        mask_mod=mask_mod, score_mod=score_mod, page_size=page_size,
+        mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

@@ -41,10 +41,11 @@ from ..common.mask import apply_mask
 from ..common.mods import KernelMod, apply_mask_mod, apply_score_mod, traced
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.softmax import OnlineSoftmax
+from ..common.softmax import LOG2E, OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from .gemm import PingPong, gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
+
 
 
 
@@ -104,6 +105,9 @@ class Sm90FwdConfig:
     # page in the batch's place; each key block lies inside one page (tile_n divides
     # page_size), found through mPageTable; the keys' count is seqused_k. 0: not paged.
     page_size: int = 0
+    # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of every
+    # row's softmax denominator, with no value (OnlineSoftmax.finalize)
+    has_sink: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -183,6 +187,7 @@ class FlashFwdSm90:
         mModTensor2: Optional[cute.Tensor],    # the tensors cfg.score_mod reads
         mModTensor3: Optional[cute.Tensor],
         mPageTable: Optional[cute.Tensor],     # paged keys: int32 (b, max_pages) page ids
+        mSink: Optional[cute.Tensor],          # float32 (h,): learnable sinks (cfg.has_sink)
         mTileCounter: cute.Tensor,  # int32 (2,), zero between launches (dynamic_tiles only)
         qhead_per_kvhead: Int32,
         score_scale: Float32,      # multiplies raw scores (softmax_scale, or scale / softcap)
@@ -257,7 +262,7 @@ class FlashFwdSm90:
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mFullCount, mFullIndex, mPartialCount, mPartialIndex,
             (mQDescale, mKDescale, mVDescale, mCuSeqlensV), (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
-            mPageTable, mTileCounter,
+            mPageTable, mSink, mTileCounter,
             # (paged: a sequence's keys are at most its table's pages)
             mQ.shape[0], mPageTable.shape[1] * cfg.page_size if const_expr(cfg.page_size) else mK.shape[0],
             qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
@@ -313,7 +318,8 @@ class FlashFwdSm90:
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
         fp8_args: tuple,  # (q, k, v descales, cu_seqlens_v)
-        mod_tensors: tuple, mPageTable: Optional[cute.Tensor], mTileCounter: cute.Tensor,
+        mod_tensors: tuple, mPageTable: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+        mTileCounter: cute.Tensor,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32,
         num_m_blocks: Int32, num_heads: Int32, batch: Int32, num_tiles: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
@@ -394,7 +400,8 @@ class FlashFwdSm90:
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                 block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
                 softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
-                m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, wg, tidx % WG_THREADS)
+                m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, wg, tidx % WG_THREADS,
+                mSink)
             # K and V advance together over a whole tile: one state carries both across tiles
             walk.walk(False, tile_info, consume_tile,
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
@@ -640,7 +647,7 @@ class FlashFwdSm90:
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo, visit,
                 score_scale, softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
-                m_block, head_idx, head_idx_kv, batch_idx, wg, tidx):
+                m_block, head_idx, head_idx_kv, batch_idx, wg, tidx, mSink=None):
         """One consumer warpgroup, one tile: 64 query rows against every visible key block, then
         the epilogue. Returns the advanced pipeline states."""
         cfg = self.cfg
@@ -757,7 +764,8 @@ class FlashFwdSm90:
                 v_state.advance()
 
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
-        softmax.finalize(acc_O_mn, lse, out_scale)
+        sink_log2 = mSink[head_idx] * Float32(LOG2E) if const_expr(cfg.has_sink) else None
+        softmax.finalize(acc_O_mn, lse, out_scale, sink_log2)
         epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma_pv,
                            self.dv, row_start, seqlen.seqlen_q, WG_ROWS)
         store = lambda sO_all, wait_barrier, wait_threads: self.store_o(

@@ -44,7 +44,7 @@ def sm90_config(spec: AttentionSpec):
         spec.has_seqused_k or spec.paged_kv, max_seqlen_q=spec.seqlen_q,
         sparse_block=(spec.sparse_q_block, spec.sparse_kv_block) if spec.sparse_q_block else None,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
-        page_size=spec.page_size if spec.paged_kv else 0,
+        page_size=spec.page_size if spec.paged_kv else 0, has_sink=spec.has_sink,
     )
 
 
@@ -120,7 +120,7 @@ def launch_scalars(spec: AttentionSpec) -> dict:
 # both in the kernel's order.
 PER_CALL = ("mQ", "mK", "mV", "mO", "mLSE", *arguments.group_names("varlen"),
             *arguments.group_names("sparse"), *arguments.group_names("fp8"),
-            *arguments.group_names("mod"), "mPageTable", "mTileCounter")
+            *arguments.group_names("mod"), "mPageTable", "mSink", "mTileCounter")
 
 
 def _binder(scalars: dict, tvm_ffi: bool) -> arguments.Binder:
@@ -131,14 +131,14 @@ def launch_arguments(spec: AttentionSpec, q, k, v, out, lse, varlen: VarlenMetad
                      tvm_ffi: bool = False, scalars: Optional[dict] = None,
                      counter: Optional[torch.Tensor] = None,
                      sparse: SparseMetadata = NO_SPARSE, fp8: Fp8Descales = NO_FP8,
-                     mod: ModTensors = NO_MOD, page_table=None) -> tuple:
+                     mod: ModTensors = NO_MOD, page_table=None, sink=None) -> tuple:
     """The compiled kernel's arguments, less the stream, in the order arguments.ARGUMENTS
     declares: cute runtime tensors and scalars, or for TVM-FFI as they are.
     `scalars`: launch_scalars(spec), when the caller kept them."""
     if counter is None:
         counter = tile_counter(spec.device_index, per_stream=False)
     bind = _binder(launch_scalars(spec) if scalars is None else scalars, tvm_ffi)
-    return bind(q, k, v, out, lse, *varlen, *sparse, *fp8, *mod, page_table, counter)
+    return bind(q, k, v, out, lse, *varlen, *sparse, *fp8, *mod, page_table, sink, counter)
 
 
 class Launch:
@@ -158,12 +158,14 @@ class Launch:
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None, sparse: SparseMetadata = NO_SPARSE,
-                 descales=(None, None, None), mod_tensors=(), page_table=None) -> None:
+                 descales=(None, None, None), mod_tensors=(), page_table=None,
+                 learnable_sink=None) -> None:
         """sparse: the block-sparse lists (int32, contiguous in their last mode) when the spec
         is block-sparse. descales: fp8 inputs' (q, k, v) descales, float32 (batch, nheads_k);
         None = 1.0. mod_tensors: the tensors traced mods read, ModTensors' order
         (launch_common.mod_tensors_of). page_table: paged keys' int32 (batch, max_pages) (k, v:
-        the pages (num_pages, page_size, h_k, d); the key counts in seqused_k)."""
+        the pages (num_pages, page_size, h_k, d); the key counts in seqused_k).
+        learnable_sink: float32 (nheads,) when the spec has a sink."""
         fp8 = NO_FP8
         if page_table is not None:
             page_table = page_table.contiguous()  # (the kernel takes its pages' mode contiguous)
@@ -181,7 +183,8 @@ class Launch:
         counter = tile_counter(self.spec.device_index, per_stream=self.dynamic_tiles)
         # the varlen values in VarlenMetadata's order, as PER_CALL has them
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         *sparse, *fp8, *ModTensors(*mod_tensors), page_table, counter)
+                         *sparse, *fp8, *ModTensors(*mod_tensors), page_table, learnable_sink,
+                         counter)
         call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
@@ -324,13 +327,18 @@ class Sm90Forward:
             return unserved_fp8(spec) or unserved_form(spec, ARCH, "forward")
         return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
                                        padded_dims=True)
-                or unserved_form(spec, ARCH, "forward", mods=True) or unserved_sparse(spec)
-                or unserved_mods(spec))
+                or unserved_form(spec, ARCH, "forward", mods=True, sinks=not _mods_or_lists(spec))
+                or unserved_sparse(spec) or unserved_mods(spec))
 
     def launch(self, spec: AttentionSpec):
         if spec.paged_kv and unserved_paged(spec) is not None:
             return PAGED_PREFILL.launch(spec)
         return Launch(spec)
+
+
+def _mods_or_lists(spec: AttentionSpec) -> bool:
+    """Block-sparse lists or mods (their API path passes no sink to the kernel yet)."""
+    return bool(spec.sparse_q_block) or spec.mask_mod is not None or spec.score_mod is not None
 
 
 def unserved_paged(spec: AttentionSpec) -> Optional[str]:

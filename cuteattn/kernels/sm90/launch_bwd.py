@@ -74,9 +74,14 @@ class Sm90Backward:
     arch, kind = ARCH, KIND
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
+        # (a learnable sink: the forward's LSE holds it, so P and dS are the kernel's as they
+        # are; the sink's own gradient is api._sink_gradient's)
         return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS, padded_dims=True,
                                        narrower_v=True)
-                or unserved_form(spec, ARCH, "backward", mods=True) or unserved_sparse(spec)
+                or unserved_form(spec, ARCH, "backward", mods=True,
+                                 sinks=not (spec.sparse_q_block or spec.mask_mod is not None
+                                            or spec.score_mod is not None))
+                or unserved_sparse(spec)
                 or unserved_mods(spec))
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
