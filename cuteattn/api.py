@@ -853,8 +853,9 @@ def _run_backward(spec, dout, q, k, v, out, lse, strict, varlen: dict | None = N
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), zero_sink
     launch, reason = _select_kernel(spec, q.device)
     if reason is None:
-        dsink = None if sink is None else _sink_gradient(dout, out, lse, sink, spec, varlen)
-        return (*launch(dout, q, k, v, out, lse, **(varlen or {})), dsink)
+        if sink is None:
+            return (*launch(dout, q, k, v, out, lse, **(varlen or {})), None)
+        return launch(dout, q, k, v, out, lse, **(varlen or {}), sink=sink)  # dsink its 4th
     _fall_back(f"backward: {reason}", strict)  # its own warning: the forward may have a kernel
     if varlen is None:
         grads = attention_ref_backward(dout, q, k, v, **_reference_kwargs(spec, sink))
@@ -866,40 +867,6 @@ def _run_backward(spec, dout, q, k, v, out, lse, strict, varlen: dict | None = N
                                               varlen["seqused_k"], **_reference_kwargs(spec, sink))
     dsink = grads[3] if sink is not None else None
     return (*(g.view(x.shape) for g, x in zip(grads[:3], (q, k, v))), dsink)
-
-
-def _sink_gradient(dout, out, lse, sink, spec, varlen: dict | None) -> torch.Tensor:
-    """The learnable sink's gradient: a softmax column carrying no value, so
-    dsink[h] = -sum over rows of P_sink * D, P_sink = exp(sink[h] - lse) (the forward's LSE
-    includes the sink) and D = rowsum(dO * O); float32 (nheads,). Rows outside every sequence
-    or past seqused_q (whose out / lse the kernel leaves unwritten) count nothing."""
-    dsum = (dout.float() * out.float()).sum(-1)  # (b, sq, h) or packed (total_q, h)
-    if spec.varlen_q:  # lse (h, total_q)
-        dsum = dsum.transpose(0, 1)
-        p_sink = torch.exp(sink.view(-1, 1) - lse)
-    else:  # lse (b, h, sq)
-        dsum = dsum.transpose(1, 2)
-        p_sink = torch.exp(sink.view(1, -1, 1) - lse)
-    terms = p_sink * dsum
-    if varlen is not None:
-        terms = torch.where(_rows_in_use(spec, varlen, lse), terms, torch.zeros((), device=terms.device))
-    return -terms.sum(dim=tuple(i for i in range(terms.dim()) if i != terms.dim() - 2))
-
-
-def _rows_in_use(spec, varlen: dict, lse: torch.Tensor) -> torch.Tensor:
-    """Bool, broadcastable to lse: the query rows inside a sequence and within seqused_q
-    (computed on the device: no sync)."""
-    cu_q, used_q = varlen.get("cu_seqlens_q"), varlen.get("seqused_q")
-    if spec.varlen_q:  # rows of the packed q: lse (h, total_q)
-        rows = torch.arange(lse.shape[-1], device=lse.device)
-        seq = torch.searchsorted(cu_q[1:].contiguous(), rows, right=True).clamp(max=spec.batch - 1)
-        start = cu_q[seq]
-        length = cu_q[seq + 1] - start if used_q is None else used_q[seq]
-        return ((rows - start) < length) & (rows < cu_q[-1])
-    if used_q is None:  # batched q, every row used
-        return torch.ones((), dtype=torch.bool, device=lse.device)
-    rows = torch.arange(lse.shape[-1], device=lse.device)
-    return (rows.view(1, 1, -1) < used_q.view(-1, 1, 1))
 
 
 def backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softcap, deterministic,

@@ -1,9 +1,9 @@
 """Learnable sinks on a kernel path, on the CPU: the API hands the sink to a family that takes
-it (spec.has_sink) and computes the sink's gradient itself (api._sink_gradient) from the
-forward's out and LSE; stand-in launches compute what the kernels compute (the float32
-reference with the sink), so what is checked is the API's part: the sink reaches the forward,
-and dsink (rows outside sequences or past seqused_q, NaN-poisoned here, counting nothing)
-equals the reference's written-out gradient."""
+it (spec.has_sink); stand-in launches compute what the kernels compute (the float32 reference
+with the sink) and the backward's dsink as the kernel launches do (launch_common.sink_gradient
+from the preprocess's rows, here bwd_preprocess's PyTorch form), so what is checked is the
+sink's way through the API and that gradient: rows outside sequences or past seqused_q,
+NaN-poisoned here, count nothing, and dsink equals the reference's written-out gradient."""
 import itertools
 import warnings
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from cuteattn import FallbackWarning, api, flash_attn_func, flash_attn_varlen_func
+from cuteattn.kernels import launch_common
 from cuteattn.reference import (attention_ref, attention_ref_backward, attention_varlen_ref,
                                 attention_varlen_ref_backward)
 
@@ -29,12 +30,13 @@ def stand_in_kernels(monkeypatch, seen):
             lse.copy_(l)
             return
         o, l = attention_varlen_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, **kw)
-        used = api._rows_in_use(spec_of[0], dict(cu_seqlens_q=cu_seqlens_q, seqused_q=seqused_q), l)
+        used = rows_in_use(spec_of[0].batch, cu_seqlens_q, seqused_q, l.shape[-1])
         out.copy_(torch.where(used.view(-1, 1, 1), o.view(out.shape).to(out.dtype), float("nan")))
         lse.copy_(torch.where(used, l, float("nan")))
 
     def backward(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
-                 seqused_k=None):
+                 seqused_k=None, sink=None):
+        assert sink is not None and torch.equal(sink.detach(), sink_of[0])
         kw = dict(softmax_scale=spec_of[0].softmax_scale, causal=spec_of[0].causal,
                   learnable_sink=sink_of[0])
         if cu_seqlens_q is None:
@@ -42,7 +44,9 @@ def stand_in_kernels(monkeypatch, seen):
         else:
             grads = attention_varlen_ref_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                   seqused_q, seqused_k, **kw)
-        return tuple(g.to(x.dtype) for g, x in zip(grads[:3], (q, k, v)))
+        lse2, dsum = launch_common.bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q)
+        dsink = launch_common.sink_gradient(sink.detach(), lse2, dsum)
+        return (*(g.to(x.dtype) for g, x in zip(grads[:3], (q, k, v))), dsink)
 
     spec_of, sink_of = [None], [None]
 
@@ -52,6 +56,19 @@ def stand_in_kernels(monkeypatch, seen):
         return (backward if spec.kind == "bwd" else forward), None
     monkeypatch.setattr(api, "_select_kernel", select)
     return sink_of
+
+
+def rows_in_use(batch, cu_q, used_q, rows):
+    """Bool (rows,) of packed q (or broadcastable to a batched lse): the rows inside a
+    sequence and within seqused_q, the ones the kernels write."""
+    if cu_q is None:
+        r = torch.arange(rows)
+        return torch.ones((), dtype=torch.bool) if used_q is None else r.view(1, 1, -1) < used_q.view(-1, 1, 1)
+    r = torch.arange(rows)
+    seq = torch.searchsorted(cu_q[1:].contiguous(), r, right=True).clamp(max=batch - 1)
+    start = cu_q[seq]
+    length = cu_q[seq + 1] - start if used_q is None else used_q[seq]
+    return ((r - start) < length) & (r < cu_q[-1])
 
 
 def test_sink_reaches_the_kernel_and_its_gradient_is_the_apis(monkeypatch):

@@ -333,10 +333,12 @@ class BackwardLaunch:
         self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                 seqused_q=None, seqused_k=None, sparse: tuple = (), mod_tensors: tuple = ()):
-        """sparse: a block-sparse spec's transposed lists (sparse.transpose of the forward's:
-        per key block, the query blocks that see it), in SparseMetadata's order; for lists of
-        64-key blocks the pairs' lists and the halves' table (sparse.transpose_paired).
+                 seqused_q=None, seqused_k=None, sparse: tuple = (), mod_tensors: tuple = (),
+                 sink=None):
+        """(dq, dk, dv), and dsink after them when a learnable sink (float32 (nheads,)) is
+        given. sparse: a block-sparse spec's transposed lists (sparse.transpose of the
+        forward's: per key block, the query blocks that see it), in SparseMetadata's order; for
+        lists of 64-key blocks the pairs' lists and the halves' table (sparse.transpose_paired).
         mod_tensors: the tensors a traced mask_mod reads (mod_tensors_of)."""
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
@@ -359,7 +361,23 @@ class BackwardLaunch:
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
-        return bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
+        grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
+        return grads if sink is None else (*grads, sink_gradient(sink, lse2, dsum))
+
+
+def sink_gradient(sink, lse2, dsum) -> torch.Tensor:
+    """The learnable sink's gradient from the preprocess's rows: the sink is a softmax column
+    carrying no value, so dsink[h] = -sum over rows of P_sink * D with P_sink = exp(sink[h] - lse)
+    (the forward's LSE includes the sink; lse2 is it in log2 units) and D = rowsum(dO * O).
+    Rows the kernel leaves out (past seqused_q: lse2 +inf, D 0) and padding rows (lse2 and D 0)
+    add nothing; P_sink <= 1 on real rows, so the clamp only keeps padding rows finite.
+    lse2 and dsum: (b, h, rows) or packed (h, rows); returns float32 (h,)."""
+    head_dim = lse2.dim() - 2
+    shape = [1] * lse2.dim()
+    shape[head_dim] = -1
+    p_sink = torch.exp2((sink.float().view(shape) * LOG2E - lse2).clamp(max=0.0))
+    terms = p_sink * dsum
+    return -terms.sum(dim=tuple(i for i in range(terms.dim()) if i != head_dim))
 
 
 # ---- FlexAttention's mask_mod / score_mod traced into a kernel (common/mods.py) ----
