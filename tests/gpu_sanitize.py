@@ -155,9 +155,9 @@ def cases() -> dict:
         *sp.inputs(1, 333, 400, 4, 2, 128, bf16), sp.random_lists(1, 4, 333, 400, (128, 128), 2),
         deterministic=True)
     # learnable sinks on the sm90 forward and backward (tests/test_gpu_sinks.py)
-    import test_gpu_sinks as sk
-    out["surface_sink_causal"] = lambda: sk.test_rows_without_keys_and_large_sinks(0)
-    out["surface_sink_packed"] = lambda: sk.test_sink_with_packed_sequences(0, True)
+    import test_gpu_sinks as sinks_tests
+    out["surface_sink_causal"] = lambda: sinks_tests.test_rows_without_keys_and_large_sinks(0)
+    out["surface_sink_packed"] = lambda: sinks_tests.test_sink_with_packed_sequences(0, True)
     # paged keys read by the sm90 forward (TMA per block from its page; NaN past the ends)
     out["surface_paged_d128_causal"] = lambda: su.run_paged_prefill(128, 128, causal=True)
     out["surface_paged_d64_page64"] = lambda: su.run_paged_prefill(64, 64)
