@@ -117,6 +117,11 @@ def cases() -> dict:
     # padded head dims: the 96 kernel at 80 (q/k/v/dO read zero-filled, buffers at 96)
     out["bwd_d80_causal_padded"] = lambda: _bwd_fixed(tb, bf16, 80, 8, 2, 257, 257, causal=True)
     out["bwd_varlen_d80_padded"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=80)
+    # head dims over 128: the warpgroups split the head dim (P^T and dS^T through shared memory)
+    out["bwd_d256_causal_deterministic"] = lambda: _bwd_fixed(
+        tb, bf16, 256, 8, 2, 257, 257, deterministic=True, causal=True)
+    out["bwd_d192_window"] = lambda: _bwd_fixed(tb, bf16, 192, 4, 4, 129, 300, window_size=(64, 32))
+    out["bwd_varlen_d224_padded_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=224, causal=True)
     out["bwd_varlen_d64_window_seqused_deterministic"] = lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=64, deterministic=True, window_size=(64, 0),
         seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 DTYPES = [torch.float16, torch.bfloat16]
-HEAD_DIMS = [64, 96, 128]
+HEAD_DIMS = [64, 96, 128, 192, 256]  # (over 128: the split-head-dim kernel)
 HEADS = [(4, 4), (8, 2), (4, 1)]  # MHA, GQA, MQA
 MASKS = {
     "none": {},
@@ -110,11 +110,12 @@ def test_bwd_strided_qkv(seed):
     check_grads(dqkv.unbind(2), ref, low)
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "window"])
-def test_bwd_deterministic_is_bitwise_reproducible(seed, mask):
+@pytest.mark.parametrize("d,mask", [(128, "none"), (128, "causal"), (128, "window"),
+                                    (256, "causal"), (192, "window")])
+def test_bwd_deterministic_is_bitwise_reproducible(seed, d, mask):
     """deterministic=True: five backward passes give bitwise-identical gradients (and right)."""
     kw = MASKS[mask]
-    inputs, dout, first = run_fixed(torch.bfloat16, 128, 8, 2, 1031, 1031, deterministic=True,
+    inputs, dout, first = run_fixed(torch.bfloat16, d, 8, 2, 1031, 1031, deterministic=True,
                                     **kw)
     q, k, v = inputs
     for _ in range(4):
@@ -326,7 +327,8 @@ def test_preprocess_kernel_equals_the_pytorch_steps(seed, form, dv):
 PADDED = [(80, "none", (4, 4), (113, 203)), (80, "causal", (8, 2), (700, 700)),
           (40, "window", (6, 1), (203, 113)), (8, "causal", (4, 4), (65, 129)),
           (112, "softcap", (4, 2), (1023, 1023)), (72, "right", (4, 4), (1, 64)),
-          (120, "none", (6, 3), (129, 65))]
+          (120, "none", (6, 3), (129, 65)), (160, "causal", (4, 2), (300, 300)),
+          (224, "window", (4, 4), (129, 257))]
 
 
 def padded_id(case):
@@ -380,7 +382,7 @@ def test_bwd_padded_varlen_deterministic(seed):
     check_grads(got, ref, low)
 
 
-NARROW_V = [(128, 64), (128, 96), (96, 64), (64, 32), (80, 40), (112, 56)]
+NARROW_V = [(128, 64), (128, 96), (96, 64), (64, 32), (80, 40), (112, 56), (192, 128), (256, 128)]
 
 
 @pytest.mark.parametrize("dims", NARROW_V, ids=lambda x: f"d{x[0]}v{x[1]}")

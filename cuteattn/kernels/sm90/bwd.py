@@ -100,6 +100,12 @@ class Sm90BwdConfig:
     # FlexAttention's score_mod traced in with its derivative (common/mods.Dual): the scores
     # become mod(s * softmax_scale) as in the forward, dS is multiplied by d mod / d score
     score_mod: Optional[KernelMod] = None
+    # head dims over 128 (dK and dV of 64 keys by d in float32 would be 2d registers a thread
+    # if each warpgroup owned its keys): a key block of 64, which both warpgroups share. They
+    # split the head dim for dK, dV and dQ (d / 2 columns each: 64 + 64 accumulator registers
+    # at d=256) and the queries for S^T and dP^T (tile_m / 2 each); P^T and dS^T go through
+    # shared memory (the dK / dV GEMMs need every query of the block as their K mode).
+    split_d: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -111,6 +117,11 @@ class Sm90BwdConfig:
         return self.head_dim if self.dq_single_wg else self.head_dim // NUM_CONSUMER_WG
 
     @property
+    def wg_keys(self) -> int:
+        """Keys of the block each consumer warpgroup covers (split_d: all of them)."""
+        return self.tile_n if self.split_d else WG_ROWS
+
+    @property
     def dq_wgs(self) -> int:
         """Consumer warpgroups that compute dQ."""
         return 1 if self.dq_single_wg else NUM_CONSUMER_WG
@@ -119,8 +130,9 @@ class Sm90BwdConfig:
         elem = self.dtype.width // 8
         qdo = 2 * self.num_stages * self.tile_m * self.head_dim
         kv = 2 * self.tile_n * self.head_dim
-        ds = 2 * self.tile_m * self.tile_n
-        return (qdo + kv + ds) * elem + 1024
+        ds = 2 * self.tile_m * self.tile_n * (2 if self.split_d else 1)  # (and P^T)
+        rows = 2 * self.num_stages * self.tile_m * 4  # LSE and D
+        return (qdo + kv + ds) * elem + rows + 1024
 
 
 def _k_major_layout(dtype, rows: int, cols: int, stages: int, major: int):
@@ -148,7 +160,9 @@ class FlashBwdSm90:
         assert not (cfg.mask_mod is not None and cfg.sparse_kv_half)
         assert not (cfg.score_mod is not None and cfg.has_softcap)
         self.mask_mod_fn, self.score_mod_fn = mask_mod_fn, score_mod_fn
-        assert cfg.tile_n == NUM_CONSUMER_WG * WG_ROWS
+        assert cfg.tile_n == (WG_ROWS if cfg.split_d else NUM_CONSUMER_WG * WG_ROWS)
+        assert not (cfg.split_d and (cfg.dq_single_wg or cfg.sparse or cfg.mask_mod is not None
+                                     or cfg.score_mod is not None))
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
         self.cfg = cfg
         self.dtype = cfg.dtype
@@ -164,14 +178,29 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------------------------------
     # Host side
     # ------------------------------------------------------------------------------------------
+    def make_sdp(self):
+        """S^T = K Q^T and dP^T = V dO^T: M = keys (one warpgroup per 64), N = queries; with
+        split_d, M = the block's 64 keys and N split between the warpgroups."""
+        K = cute.nvgpu.OperandMajorMode.K
+        if const_expr(self.cfg.split_d):
+            return sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, K, K, Float32, (1, NUM_CONSUMER_WG, 1),
+                (WG_ROWS, self.tile_m // NUM_CONSUMER_WG))
+        return sm90_utils.make_trivial_tiled_mma(self.dtype, self.dtype, K, K, Float32,
+                                                 (NUM_CONSUMER_WG, 1, 1), (WG_ROWS, self.tile_m))
+
     def tiled_mmas(self):
         dt, K, MN = self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        # S^T = K Q^T and dP^T = V dO^T: M = keys (one warpgroup per 64), N = queries.
-        sdp = sm90_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, (NUM_CONSUMER_WG, 1, 1),
-                                                (WG_ROWS, self.tile_m))
-        # dV += P^T dO, dK += dS^T Q: M = keys, N = d, K = queries; A from registers.
-        dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (NUM_CONSUMER_WG, 1, 1),
-                                                (WG_ROWS, self.d), warpgroup.OperandSource.RMEM)
+        sdp = self.make_sdp()
+        # dV += P^T dO, dK += dS^T Q: M = keys, N = d, K = queries; A from registers (split_d:
+        # from shared memory, P^T and dS^T read transposed out of (query, key) buffers, and N
+        # split between the warpgroups).
+        if const_expr(self.cfg.split_d):
+            dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, MN, MN, Float32, (1, NUM_CONSUMER_WG, 1),
+                                                    (WG_ROWS, self.d // NUM_CONSUMER_WG))
+        else:
+            dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (NUM_CONSUMER_WG, 1, 1),
+                                                    (WG_ROWS, self.d), warpgroup.OperandSource.RMEM)
         # dQ = dS K: M = queries, N = d (split between the warpgroups, or all in warpgroup 0).
         dq_wgs = 1 if self.cfg.dq_single_wg else NUM_CONSUMER_WG
         dq = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, dq_wgs, 1),
@@ -222,9 +251,11 @@ class FlashBwdSm90:
 
         sdp, dkv, dq = self.tiled_mmas()
         dt = self.dtype
-        sQ_layout = _k_major_layout(dt, self.tile_m, self.d, cfg.num_stages, self.d)
+        # (split_d: Q, dO and V are also read, or written, in halves of the head dim)
+        half_or_all = self.d // NUM_CONSUMER_WG if const_expr(cfg.split_d) else self.d
+        sQ_layout = _k_major_layout(dt, self.tile_m, self.d, cfg.num_stages, half_or_all)
         sK_layout = _k_major_layout(dt, self.tile_n, self.d, None, cfg.dq_cols)
-        sV_layout = _k_major_layout(dt, self.tile_n, self.d, None, self.d)
+        sV_layout = _k_major_layout(dt, self.tile_n, self.d, None, half_or_all)
         sdS_layout = _k_major_layout(dt, self.tile_m, self.tile_n, 2, WG_ROWS)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
@@ -278,6 +309,8 @@ class FlashBwdSm90:
             "sLSE2": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128],
             "sD": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128],
         }
+        if self.cfg.split_d:  # P^T, laid out as dS^T (a (query, key) buffer read transposed)
+            fields["sP"] = cute.struct.Align[cute.struct.MemRange[self.dtype, ds_elems], 1024]
         return cute.struct(type("BwdSharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
@@ -330,7 +363,8 @@ class FlashBwdSm90:
         sLSE2, sD = storage.sLSE2.get_tensor(sRow_layout), storage.sD.get_tensor(sRow_layout)
         views = (sQ, sdO, sK, sV, sdS, _transposed(storage.sQ, sQ_layout),
                  _transposed(storage.sdO, sQ_layout), _transposed(storage.sK, sK_layout),
-                 _transposed(storage.sdS, sdS_layout))
+                 _transposed(storage.sdS, sdS_layout),
+                 _transposed(storage.sP, sdS_layout) if const_expr(cfg.split_d) else None)
 
         # Which key block, head and batch this CTA owns.
         n_block, head_idx, batch_idx = cute.arch.block_idx()
@@ -448,7 +482,7 @@ class FlashBwdSm90:
         and dV out. mKeyHalves (sparse_kv_half): whether each 64-key block attends a listed
         query block; a warpgroup whose block does not leaves it out (all its scores masked)."""
         cfg = self.cfg
-        sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt = views
+        sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt, sPt = views
         wg = tidx // WG_THREADS
         wg_slice = wg * WG_THREADS
         wg_sdp, wg_dkv, wg_dq = (sdp.get_slice(wg_slice), dkv.get_slice(wg_slice),
@@ -461,6 +495,9 @@ class FlashBwdSm90:
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdOt))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(sQt))
+        if const_expr(cfg.split_d):  # dV's and dK's A: P^T and dS^T from shared memory
+            tVsPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt))
+            tKsdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdSt))
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         # accumulators: S^T / dP^T per block, dK / dV over the walk
@@ -478,10 +515,11 @@ class FlashBwdSm90:
         coord_st = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor(shape_st)))
         # where this thread's dS^T elements go in the (query, key) buffer, seen transposed
         tSsdSt = thr_sdp.partition_C(sdSt)
+        tSsPt = thr_sdp.partition_C(sPt) if const_expr(cfg.split_d) else None
 
         gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
         num_cols = cute.size(acc_S_mn, mode=[1])
-        key_start = n_block * self.tile_n + wg * WG_ROWS  # this warpgroup's first key
+        key_start = n_block * self.tile_n + (0 if const_expr(cfg.split_d) else wg * WG_ROWS)
 
         # deterministic mode: (semaphore, this key block's turn) of a query block: the key
         # blocks before it that see the query block (block-sparse: counted in mDqTurns)
@@ -498,9 +536,7 @@ class FlashBwdSm90:
             turn_of(m_block))
 
         dkv.set(warpgroup.Field.ACCUMULATE, True)
-        make_sdp = lambda: sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, (NUM_CONSUMER_WG, 1, 1), (WG_ROWS, self.tile_m))
+        make_sdp = self.make_sdp
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)  # always: K's buffer stages dK at the end
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
@@ -530,7 +566,7 @@ class FlashBwdSm90:
             if const_expr(cfg.has_softcap):
                 softcap_scores(acc_S, score_scale)
             if block_info.needs_mask_transposed(seqlen.seqlen_q, seqlen.seqlen_k, key_start,
-                                                WG_ROWS, q_start):
+                                                cfg.wg_keys, q_start):
                 apply_mask_transposed(acc_S_mn, coord_st, n_block * self.tile_n, q_start,
                                       seqlen.seqlen_q, seqlen.seqlen_k, window_left,
                                       window_right, cfg.causal, cfg.local)
@@ -597,11 +633,19 @@ class FlashBwdSm90:
             # before every consumer passed the previous block's DS_READY)
             rdS = cute.make_tensor(tKrdS.iterator, acc_dP.layout)
             cute.autovec_copy(rdS, tSsdSt[None, None, None, ds_stage])
-            # dV += P^T dO, dK += dS^T Q
-            gemm_async(dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False)
-            gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
+            if const_expr(cfg.split_d):  # P^T too: the dV GEMMs of both read every query's
+                cute.autovec_copy(cute.make_tensor(tVrP.iterator, acc_S.layout),
+                                  tSsPt[None, None, None, ds_stage])
+            else:  # dV += P^T dO, dK += dS^T Q
+                gemm_async(dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False)
+                gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
             cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
+            if const_expr(cfg.split_d):  # this warpgroup's half of dV's and dK's columns
+                gemm_async(dkv, acc_dV, tVsPt[None, None, None, ds_stage],
+                           tVrdOt[None, None, None, state.index], False)
+                gemm_async(dkv, acc_dK, tKsdSt[None, None, None, ds_stage],
+                           tKrQt[None, None, None, state.index], False)
             if const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
@@ -620,18 +664,21 @@ class FlashBwdSm90:
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * softmax_scale
         named_barriers.sync(BwdBarrier.KV_FREE, self.consumer_threads)
+        # each warpgroup's (64, cols) piece: its keys (or, split_d, its half of the columns)
+        cols = self.d // NUM_CONSUMER_WG if const_expr(cfg.split_d) else self.d
+        piece = (0, wg) if const_expr(cfg.split_d) else (wg, 0)
         one_wg = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (WG_ROWS, self.d), warpgroup.OperandSource.RMEM)
-        row_start = n_block * self.tile_n + wg * WG_ROWS
+            Float32, (1, 1, 1), (WG_ROWS, cols), warpgroup.OperandSource.RMEM)
+        row_start = n_block * self.tile_n + piece[0] * WG_ROWS
         for acc, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
-            s_wg = cute.local_tile(s_buf, (WG_ROWS, self.d), (wg, 0))
+            s_wg = cute.local_tile(s_buf, (WG_ROWS, cols), piece)
             epilogue.stage_o(acc, s_wg, one_wg, tidx % WG_THREADS, self.dtype)
             named_barriers.sync(BwdBarrier.KV_FREE, self.consumer_threads)
-            g_wg = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (WG_ROWS, self.d),
-                                   (row_start // WG_ROWS, 0))
+            g_wg = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (WG_ROWS, cols),
+                                   (row_start // WG_ROWS, piece[1]))
             epilogue.store_o(s_wg, g_wg, row_start, seqlen.seqlen_k, tidx % WG_THREADS,
-                             self.dtype, self.d, WG_ROWS, WG_THREADS)
+                             self.dtype, cols, WG_ROWS, WG_THREADS)
 
     @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,

@@ -19,11 +19,13 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
+from .pipelines import WG_ROWS
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
                             unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+SMEM_LIMIT = 227 * 1024  # an H100 / H200 CTA's shared memory
 COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 
 
@@ -32,13 +34,23 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     dO zero-filled past their head dim, and the gradient buffers have the compiled width
     (launch_common.bwd_buffers)."""
     head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
+    # over 128, the warpgroups split the head dim of a 64-key block (bwd.Sm90BwdConfig.split_d),
+    # with two Q / dO stages where shared memory holds them (d=256: 226 KB of 227)
+    split = head_dim > 128
+    tile_n = WG_ROWS if split else Sm90BwdConfig.tile_n
+    stages = Sm90BwdConfig.num_stages
+    while split and stages > 1 and Sm90BwdConfig(
+            CUTLASS_DTYPES[spec.dtype], head_dim, tile_n=tile_n, num_stages=stages,
+            split_d=True).smem_bytes() > SMEM_LIMIT:
+        stages -= 1
     return Sm90BwdConfig(
-        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, causal=spec.causal,
+        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_n=tile_n, num_stages=stages,
+        split_d=split, causal=spec.causal,
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
         # halves of 48 columns would need a 32-byte swizzle on K: one warpgroup takes all of dQ
-        dq_single_wg=head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
+        dq_single_wg=not split and head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
         sparse_q_block=spec.sparse_q_block,
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
@@ -75,17 +87,27 @@ class Sm90Backward:
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         # (a learnable sink: the forward's LSE holds it, so P and dS are the kernel's as they
-        # are; the sink's own gradient is api._sink_gradient's)
+        # are; the sink's own gradient is launch_common.sink_gradient's)
         return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS, padded_dims=True,
                                        narrower_v=True)
                 or unserved_form(spec, ARCH, "backward", mods=True,
                                  sinks=not (spec.sparse_q_block or spec.mask_mod is not None
                                             or spec.score_mod is not None))
+                or unserved_wide(spec)
                 or unserved_sparse(spec)
                 or unserved_mods(spec))
 
     def launch(self, spec: AttentionSpec) -> BwdLaunch:
         return BwdLaunch(spec)
+
+
+def unserved_wide(spec: AttentionSpec) -> Optional[str]:
+    """Head dims over 128 (the split_d kernel) take neither block-sparse lists nor mods yet."""
+    if spec.head_dim <= 128 or not (spec.sparse_q_block or spec.mask_mod is not None
+                                    or spec.score_mod is not None):
+        return None
+    return (f"block-sparse lists or mods at head_dim {spec.head_dim}: the sm90 backward takes "
+            "them at head dims up to 128")
 
 
 def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
