@@ -18,6 +18,11 @@ In each CTA:
     (or warpgroup 0 all of them: `dq_single_wg`) from it and K, then add their float32 share to
     the dQ accumulator with vector reductions (red.global.add.v2.f32; staging them in shared
     memory for one bulk reduction per row, FA3's way, measured 0.59-1.06x of this: perf-log).
+Head dims over 128 (`split_d`): dK and dV of 64 keys each would need 2d float32 registers a
+thread, so a CTA owns 64 keys, which both warpgroups share: each computes S^T and dP^T for half
+of the block's queries, writes P^T and dS^T to shared memory, and after one barrier takes half
+of the head dim's columns of dV += P^T dO, dK += dS^T Q (A operands from shared memory) and of
+dQ = dS K. At d=256 that is 64 + 64 accumulator registers of dK and dV a thread.
 Deterministic mode orders those additions: the key blocks of a (batch, head) add into a query
 block one after the other, in key-block order, through a semaphore per query block (the CTAs
 of lower key blocks are launched first, so waiting on them cannot deadlock).
