@@ -164,3 +164,57 @@ def test_block_iterator_visits_each_block_once_and_masks_where_needed(tile_m, ti
                     cols = slice(n * tile_n, min((n + 1) * tile_n, sk))
                     must_mask = (~ok[wg_rows, cols]).any() or (n + 1) * tile_n > sk
                     assert flag == 1 or not must_mask, f"{where} block {n}: run without the mask needs it"
+
+
+@cute.jit
+def backward_geometry(out: cute.Tensor, seqlen_q: Int32, seqlen_k: Int32, window_left: Int32,
+                      window_right: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                      causal: cutlass.Constexpr, local: cutlass.Constexpr):
+    """The backward's view: out[n, 0:2] = m_block_range(n); out[m, 2:4] = (first_key_block(m),
+    last_key_block(m)), the key blocks whose range holds query block m (deterministic turns)."""
+    info = BlockInfo(tile_m, tile_n, causal, local, window_left, window_right)
+    for n in cutlass.range((seqlen_k + tile_n - 1) // tile_n, unroll=1):
+        m_min, m_max = info.m_block_range(seqlen_q, seqlen_k, n)
+        out[n, 0] = m_min
+        out[n, 1] = m_max
+    for m in cutlass.range((seqlen_q + tile_m - 1) // tile_m, unroll=1):
+        out[m, 2] = info.first_key_block(seqlen_q, seqlen_k, m)
+        out[m, 3] = info.last_key_block(seqlen_q, seqlen_k, m)
+
+
+BWD_TILES = [(64, 128), (64, 64), (128, 128)]
+
+
+@pytest.mark.parametrize("tile_m,tile_n", BWD_TILES, ids=[f"{m}x{n}" for m, n in BWD_TILES])
+@pytest.mark.parametrize("mask,left,right", MASKS, ids=[f"{m}{l},{r}" for m, l, r in MASKS])
+def test_backward_block_ranges_and_turns(tile_m, tile_n, mask, left, right):
+    """Each key block visits every query block whose rows see one of its keys (m_block_range),
+    and the key blocks visiting a query block are exactly [first_key_block, last_key_block],
+    consecutive: the deterministic backward numbers its turns from either end."""
+    causal, local = mask == "causal", mask == "local"
+    out = torch.zeros(64, 4, dtype=torch.int32)
+    compiled = cute.compile(backward_geometry, _to_cute(out, 4), Int32(0), Int32(0), Int32(0),
+                            Int32(0), tile_m, tile_n, causal, local)
+    for sq, sk in LENGTHS:
+        out.fill_(-7)
+        compiled(_to_cute(out, 4), Int32(sq), Int32(sk),
+                 Int32(_UNBOUNDED if left < 0 else left), Int32(_UNBOUNDED if right < 0 else right))
+        ok = visible(sq, sk, causal, left, right)
+        n_blocks, m_blocks = (sk + tile_n - 1) // tile_n, (sq + tile_m - 1) // tile_m
+        visits = {m: [] for m in range(m_blocks)}
+        for n in range(n_blocks):
+            m_min, m_max = out[n, 0].item(), out[n, 1].item()
+            cols = slice(n * tile_n, min((n + 1) * tile_n, sk))
+            for m in range(m_blocks):
+                rows = slice(m * tile_m, min((m + 1) * tile_m, sq))
+                if ok[rows, cols].any():
+                    assert m_min <= m < m_max, f"sq={sq} sk={sk} n={n} m={m}: visible but skipped"
+                if m_min <= m < m_max:
+                    visits[m].append(n)
+        for m, ns in visits.items():
+            if not ns:
+                continue
+            where = f"sq={sq} sk={sk} m_block={m}"
+            assert ns == list(range(ns[0], ns[-1] + 1)), f"{where}: visiting key blocks {ns} not consecutive"
+            assert (out[m, 2].item(), out[m, 3].item()) == (ns[0], ns[-1]), \
+                f"{where}: turns from {out[m, 2].item()}..{out[m, 3].item()}, visitors {ns[0]}..{ns[-1]}"

@@ -111,6 +111,16 @@ class BlockInfo:
                 m_max = cutlass.min(m_max, (cutlass.max(rows, 0) + self.tile_m - 1) // self.tile_m)
         return m_min, m_max
 
+    def last_key_block(self, seqlen_q: Int32, seqlen_k: Int32, m_block: Int32):
+        """The last key block whose m_block_range holds m_block (the last of the sequence
+        unless the causal or right diagonal ends the range early): m_min(n) <= m_block
+        <=> n * tile_n - off - right < (m_block + 1) * tile_m."""
+        last = (seqlen_k + self.tile_n - 1) // self.tile_n - 1
+        if cutlass.const_expr(self.causal or self.local):
+            edge = (m_block + 1) * self.tile_m + (seqlen_k - seqlen_q) + self.right()
+            last = cutlass.min(last, (cutlass.max(edge, 0) + self.tile_n - 1) // self.tile_n - 1)
+        return last
+
     def first_key_block(self, seqlen_q: Int32, seqlen_k: Int32, m_block: Int32):
         """The first key block whose m_block_range holds m_block (the key blocks that do are
         consecutive from here): 0 unless a left window ends the range early."""

@@ -1,7 +1,9 @@
 """Deterministic dQ: the key blocks of a (batch, head) add their float32 shares into a query
 block one after the other, in key-block order, through a semaphore per query block (both
 backward kernels' deterministic mode). The CTAs of lower key blocks are launched first (grid x is
-the key block, fastest), so waiting on them cannot deadlock; a bounded spin guards anyway.
+the key block, fastest), so waiting on them cannot deadlock; a bounded spin guards anyway. (The
+sm90 kernel under a causal or windowed mask takes the key blocks in descending order and
+launches them from the last: `Sm90BwdConfig.descending_turns`.)
 """
 import cutlass
 import cutlass.cute as cute
