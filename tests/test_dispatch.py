@@ -111,11 +111,13 @@ def test_sm90_decodes_with_the_portable_decode_kernel(gpu, registry):
 def test_sm90_serves_the_backward(gpu, registry):
     pytest.importorskip("cutlass")
     assert dispatch.can_implement(make_spec(kind="bwd"), CUDA) is None
-    for fields, reason in ((dict(head_dim=192, head_dim_v=192), "head_dim 192"),
-                           (dict(head_dim=136, head_dim_v=136), "head_dim 136"),
-                           (dict(head_dim=96, head_dim_v=128), "head_dim_v 128")):
+    for fields, reason in ((dict(head_dim=96, head_dim_v=128), "head_dim_v 128"),
+                           (dict(head_dim=256, head_dim_v=256, sparse_q_block=128,
+                                 sparse_kv_block=128), "lists or mods at head_dim 256")):
         assert reason in dispatch.can_implement(make_spec(kind="bwd", **fields), CUDA)
     for fields in (dict(local=True, window_left=None, window_right=-2),
+                   dict(head_dim=192, head_dim_v=192), dict(head_dim=256, head_dim_v=256),
+                   dict(head_dim=136, head_dim_v=136), dict(head_dim=192, head_dim_v=128),
                    dict(head_dim=128, head_dim_v=64), dict(head_dim=128, head_dim_v=96),
                    dict(head_dim=80, head_dim_v=40),
                    dict(has_seqused_q=True, has_seqused_k=True), dict(varlen_q=True),

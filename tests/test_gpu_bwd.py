@@ -110,13 +110,19 @@ def test_bwd_strided_qkv(seed):
     check_grads(dqkv.unbind(2), ref, low)
 
 
-@pytest.mark.parametrize("d,mask", [(128, "none"), (128, "causal"), (128, "window"),
-                                    (256, "causal"), (192, "window")])
-def test_bwd_deterministic_is_bitwise_reproducible(seed, d, mask):
+DETERMINISTIC = [(128, "none", 1031, 1031), (128, "causal", 1031, 1031), (128, "window", 1031, 1031),
+                 (256, "causal", 1031, 1031), (192, "window", 1031, 1031),
+                 # (causal and windowed masks add in descending key-block order: unequal lengths
+                 # move the diagonal, one-sided windows end the ranges on one side only)
+                 (64, "causal", 700, 1031), (128, "softcap_causal", 1031, 300), (96, "left", 513, 900),
+                 (64, "right", 900, 513)]
+
+
+@pytest.mark.parametrize("d,mask,sq,sk", DETERMINISTIC)
+def test_bwd_deterministic_is_bitwise_reproducible(seed, d, mask, sq, sk):
     """deterministic=True: five backward passes give bitwise-identical gradients (and right)."""
     kw = MASKS[mask]
-    inputs, dout, first = run_fixed(torch.bfloat16, d, 8, 2, 1031, 1031, deterministic=True,
-                                    **kw)
+    inputs, dout, first = run_fixed(torch.bfloat16, d, 8, 2, sq, sk, deterministic=True, **kw)
     q, k, v = inputs
     for _ in range(4):
         out = flash_attn_func(q, k, v, deterministic=True, strict=True, **kw)
