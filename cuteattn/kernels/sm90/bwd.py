@@ -111,6 +111,8 @@ class Sm90BwdConfig:
     # at d=256) and the queries for S^T and dP^T (tile_m / 2 each); P^T and dS^T go through
     # shared memory (the dK / dV GEMMs need every query of the block as their K mode).
     split_d: bool = False
+    # dQ's GEMM issued before dK's, and dQ's additions made while dK's GEMM runs (A/B switch)
+    dq_before_dk: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -659,29 +661,39 @@ class FlashBwdSm90:
                                   tSsPt[None, None, None, ds_stage])
             else:  # dV += P^T dO, dK += dS^T Q
                 gemm_async(dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False)
-                gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
+                if const_expr(not cfg.dq_before_dk):
+                    gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
             cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
+            # dK's GEMM: before dQ's, or (dq_before_dk) right after it, dQ's additions under it
+            issue_dk = lambda: gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index],
+                                          False)
             if const_expr(cfg.split_d):  # this warpgroup's half of dV's and dK's columns
                 gemm_async(dkv, acc_dV, tVsPt[None, None, None, ds_stage],
                            tVrdOt[None, None, None, state.index], False)
-                gemm_async(dkv, acc_dK, tKsdSt[None, None, None, ds_stage],
-                           tKrQt[None, None, None, state.index], False)
+                issue_dk = lambda: gemm_async(dkv, acc_dK, tKsdSt[None, None, None, ds_stage],
+                                              tKrQt[None, None, None, state.index], False)
+                if const_expr(not cfg.dq_before_dk):
+                    issue_dk()
+            then = issue_dk if const_expr(cfg.dq_before_dk) else None
             if const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                                 softmax_scale, m_block, tidx)
+                                 softmax_scale, m_block, tidx, then)
                 else:
+                    if const_expr(then is not None):
+                        then()
                     warpgroup.wait_group(0)
                     self.dq_order(order, m_block, tidx, None)
             else:
                 self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                             softmax_scale, m_block, tidx)
+                             softmax_scale, m_block, tidx, then)
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             state.advance()
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
+        warpgroup.wait_group(0)  # (dq_before_dk: the last dK GEMM)
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * softmax_scale
         named_barriers.sync(BwdBarrier.KV_FREE, self.consumer_threads)
@@ -703,16 +715,21 @@ class FlashBwdSm90:
 
     @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
-                m_block, tidx):
+                m_block, tidx, then=None):
         """dQ's share of this key block for query block m_block: dS K, scaled, added to the
-        float32 accumulator (rows inside the sequence only)."""
+        float32 accumulator (rows inside the sequence only). `then`: issues dK's GEMM after
+        dQ's, which the additions then wait for alone."""
         thr_dq = dq.get_slice(tidx)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         fresh = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, (1, self.cfg.dq_wgs, 1), (self.tile_m, self.cfg.dq_cols))
         gemm_async(fresh, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
-        warpgroup.wait_group(0)
+        if const_expr(then is not None):
+            then()
+            warpgroup.wait_group(1)
+        else:
+            warpgroup.wait_group(0)
         coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         acc_mn = acc_mn_view(acc_dQ)
         self.dq_order(order, m_block, tidx,
