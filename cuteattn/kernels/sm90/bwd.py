@@ -111,7 +111,7 @@ class Sm90BwdConfig:
     # at d=256) and the queries for S^T and dP^T (tile_m / 2 each); P^T and dS^T go through
     # shared memory (the dK / dV GEMMs need every query of the block as their K mode).
     split_d: bool = False
-    # dQ's GEMM issued before dK's, and dQ's additions made while dK's GEMM runs (A/B switch)
+    # dQ's GEMM issued before dK's, and dQ's additions made while dK's GEMM runs
     dq_before_dk: bool = False
 
     @property

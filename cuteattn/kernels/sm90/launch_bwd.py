@@ -26,7 +26,6 @@ from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 SMEM_LIMIT = 227 * 1024  # an H100 / H200 CTA's shared memory
-DQ_BEFORE_DK = True  # (an A/B switch: benchmarks/dev_bwd_ab.py)
 COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 
 
@@ -46,7 +45,10 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         stages -= 1
     return Sm90BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_n=tile_n, num_stages=stages,
-        split_d=split, dq_before_dk=DQ_BEFORE_DK, causal=spec.causal,
+        split_d=split, causal=spec.causal,
+        # dQ's additions under dK's GEMM: 1.00-1.07x at 4k-16k (perf-log); with packed
+        # sequences at d=128 it spills (28-48 bytes), so those keep dK's GEMM first
+        dq_before_dk=not ((spec.varlen_q or spec.varlen_k) and head_dim == 128),
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
