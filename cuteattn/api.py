@@ -249,7 +249,7 @@ def flash_attn_func(
     pages, which take the reference).
 
     Gradients (q, k or v requiring grad) flow through torch autograd: the backward kernel where
-    one serves the problem (sm_90a, head_dim 64/96/128), else the float32 reference backward
+    one serves the problem (sm_90a, head_dims up to 256), else the float32 reference backward
     (a FallbackWarning says so once; strict mode raises); out= / lse= cannot be combined with
     them. deterministic=True makes the backward bitwise reproducible (the forward always is).
 

@@ -68,6 +68,11 @@ class AttentionSpec:
             raise ValueError(f"AttentionSpec.kind must be one of {KINDS}; got {self.kind!r}")
 
     @property
+    def mods_or_lists(self) -> bool:
+        """A traced mask_mod / score_mod or block-sparse lists (forms some kernels decline)."""
+        return bool(self.sparse_q_block) or self.mask_mod is not None or self.score_mod is not None
+
+    @property
     def qhead_per_kvhead(self) -> int:
         return self.nheads // self.nheads_k
 

@@ -659,20 +659,20 @@ class FlashBwdSm90:
             if const_expr(cfg.split_d):  # P^T too: the dV GEMMs of both read every query's
                 cute.autovec_copy(cute.make_tensor(tVrP.iterator, acc_S.layout),
                                   tSsPt[None, None, None, ds_stage])
-            else:  # dV += P^T dO, dK += dS^T Q
+            # dK += dS^T Q: before dQ's GEMM, or (dq_before_dk) right after it, dQ's additions
+            # under it; dS^T from registers, or (split_d) from shared memory after the barrier
+            issue_dk = lambda: gemm_async(
+                dkv, acc_dK, tKsdSt[None, None, None, ds_stage] if const_expr(cfg.split_d) else tKrdS,
+                tKrQt[None, None, None, state.index], False)
+            if const_expr(not cfg.split_d):  # dV += P^T dO (P^T from registers)
                 gemm_async(dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False)
                 if const_expr(not cfg.dq_before_dk):
-                    gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False)
+                    issue_dk()
             cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
-            # dK's GEMM: before dQ's, or (dq_before_dk) right after it, dQ's additions under it
-            issue_dk = lambda: gemm_async(dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index],
-                                          False)
             if const_expr(cfg.split_d):  # this warpgroup's half of dV's and dK's columns
                 gemm_async(dkv, acc_dV, tVsPt[None, None, None, ds_stage],
                            tVrdOt[None, None, None, state.index], False)
-                issue_dk = lambda: gemm_async(dkv, acc_dK, tKsdSt[None, None, None, ds_stage],
-                                              tKrQt[None, None, None, state.index], False)
                 if const_expr(not cfg.dq_before_dk):
                     issue_dk()
             then = issue_dk if const_expr(cfg.dq_before_dk) else None

@@ -327,7 +327,7 @@ class Sm90Forward:
             return unserved_fp8(spec) or unserved_form(spec, ARCH, "forward")
         return (unserved_dtype_or_dims(spec, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
                                        padded_dims=True)
-                or unserved_form(spec, ARCH, "forward", mods=True, sinks=not _mods_or_lists(spec))
+                or unserved_form(spec, ARCH, "forward", mods=True, sinks=not spec.mods_or_lists)
                 or unserved_sparse(spec) or unserved_mods(spec))
 
     def launch(self, spec: AttentionSpec):
@@ -336,16 +336,11 @@ class Sm90Forward:
         return Launch(spec)
 
 
-def _mods_or_lists(spec: AttentionSpec) -> bool:
-    """Block-sparse lists or mods (their API path passes no sink to the kernel yet)."""
-    return bool(spec.sparse_q_block) or spec.mask_mod is not None or spec.score_mod is not None
-
-
 def unserved_paged(spec: AttentionSpec) -> Optional[str]:
     """The reason the sm90 forward does not read a paged prefill's pages itself, or None."""
     if not spec.varlen_q or spec.page_size <= 0:
         return "paged keys need packed q (flash_attn_varlen_func) and a page size"
-    if spec.dtype == FP8 or spec.sparse_q_block or spec.mask_mod is not None or spec.score_mod is not None:
+    if spec.dtype == FP8 or spec.mods_or_lists:
         return "paged keys with fp8, block-sparse lists or mods: no sm90 kernel"
     form = dataclasses.replace(spec, paged_kv=False, varlen_k=True, has_seqused_k=True)
     reason = (unserved_dtype_or_dims(form, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,

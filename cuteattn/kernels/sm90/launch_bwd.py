@@ -93,9 +93,7 @@ class Sm90Backward:
         # are; the sink's own gradient is launch_common.sink_gradient's)
         return (unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS, padded_dims=True,
                                        narrower_v=True)
-                or unserved_form(spec, ARCH, "backward", mods=True,
-                                 sinks=not (spec.sparse_q_block or spec.mask_mod is not None
-                                            or spec.score_mod is not None))
+                or unserved_form(spec, ARCH, "backward", mods=True, sinks=not spec.mods_or_lists)
                 or unserved_wide(spec)
                 or unserved_sparse(spec)
                 or unserved_mods(spec))
@@ -106,8 +104,7 @@ class Sm90Backward:
 
 def unserved_wide(spec: AttentionSpec) -> Optional[str]:
     """Head dims over 128 (the split_d kernel) take neither block-sparse lists nor mods yet."""
-    if spec.head_dim <= 128 or not (spec.sparse_q_block or spec.mask_mod is not None
-                                    or spec.score_mod is not None):
+    if spec.head_dim <= 128 or not spec.mods_or_lists:
         return None
     return (f"block-sparse lists or mods at head_dim {spec.head_dim}: the sm90 backward takes "
             "them at head dims up to 128")
