@@ -308,6 +308,7 @@ def test_packed_sequences_with_mods_gradients(seed, mods, d, deterministic):
     dv against the varlen reference's autograd by FlashAttention's rule."""
     from cuteattn import flash_attn_varlen_func
     from cuteattn.reference import attention_varlen_ref
+    from test_gpu_bwd import check_grads, reference_grads
     lens_q, lens_k = [0, 1, 63, 129, 300], [5, 0, 63, 300, 129]
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                                    device="cuda")
@@ -324,14 +325,9 @@ def test_packed_sequences_with_mods_gradients(seed, mods, d, deterministic):
                                  causal=True, deterministic=deterministic, strict=True, **kw)
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
-    ref_fn = lambda q_, k_, v_, upcast: attention_varlen_ref(
-        q_, k_, v_, cu(lens_q), cu(lens_k), causal=True, upcast=upcast, **kw)[0]
-    leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = torch.autograd.grad(ref_fn(*leaves32, True), leaves32, dout.float())
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    low = torch.autograd.grad(ref_fn(*leaves, False), leaves, dout)
-    for g, r, lo, name in zip(got, ref, low, ("dq", "dk", "dv")):
-        assert_close_fa(g, r, lo, name=name)
+    ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu(lens_q), cu(lens_k),
+                                                          causal=True, **a)
+    check_grads(got, *reference_grads(ref_fn, (q, k, v), dout, **kw))
     if deterministic:  # bitwise again
         again = torch.autograd.grad(flash_attn_varlen_func(
             q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), causal=True,

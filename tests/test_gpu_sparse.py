@@ -251,7 +251,7 @@ def test_packed_sequences_backward(seed, block, mask):
     same lists. (deterministic=True there takes the reference: launch_bwd.unserved_sparse.)"""
     from cuteattn import flash_attn_varlen_func
     from cuteattn.reference import attention_varlen_ref
-    from test_gpu_bwd import check_grads as check
+    from test_gpu_bwd import check_grads as check, reference_grads
     lens_q, lens_k = [700, 0, 129, 1000, 64], [900, 5, 129, 1000, 0]
     h, hk, d = 4, 2, 128
     cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
@@ -266,10 +266,6 @@ def test_packed_sequences_backward(seed, block, mask):
     out = run()
     dout = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), dout)
-    ref_fn = lambda q_, k_, v_, upcast: attention_varlen_ref(
-        q_, k_, v_, cu(lens_q), cu(lens_k), block_sparse=lists, upcast=upcast, **kw)[0]
-    leaves32 = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    ref = torch.autograd.grad(ref_fn(*leaves32, True), leaves32, dout.float())
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    low = torch.autograd.grad(ref_fn(*leaves, False), leaves, dout)
-    check(got, ref, low)
+    ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu(lens_q), cu(lens_k),
+                                                          block_sparse=lists, **a)
+    check(got, *reference_grads(ref_fn, (q, k, v), dout, **kw))
