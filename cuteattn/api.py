@@ -427,13 +427,12 @@ def _sparse_signature(q, k, v, mask, *args):
     return sig
 
 
-def _launch_sparse(q, k, v, spec, launch, mask, out=None, lse=None):
-    """The block-sparse kernel on mask's lists (in launch's block shape)."""
+def _launch_sparse(q, k, v, spec, launch, mask, out=None, lse=None, varlen=None):
+    """The block-sparse kernel on mask's lists (in launch's block shape; with packed
+    sequences, varlen's metadata, the lists' batch mode the sequence)."""
     if out is None:
-        out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
-                          device=q.device)
-    launch(q, k, v, out, lse, sparse=_kernel_lists(mask))
+        out, lse = _new_outputs(q, v, spec, varlen)
+    launch(q, k, v, out, lse, **_index_tensors(varlen), sparse=_kernel_lists(mask))
     return out, lse
 
 
@@ -453,10 +452,11 @@ class _BlockSparse(torch.autograd.Function):
     sparse.dq_turns)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask):
-        out, lse = _launch_sparse(q, k, v, spec, forward_launch, mask)
+    def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask, varlen=None):
+        out, lse = _launch_sparse(q, k, v, spec, forward_launch, mask, varlen=varlen)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backward_launch, ctx.mask, ctx.deterministic = backward_launch, mask, spec.deterministic
+        ctx.index = _index_tensors(varlen)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -464,12 +464,13 @@ class _BlockSparse(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _sparse_backward(ctx.backward_launch, ctx.mask, ctx.deterministic, dout,
-                                      q, k, v, out, lse)
-        return dq, dk, dv, None, None, None, None
+                                      q, k, v, out, lse, ctx.index)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _sparse_backward(launch, mask, deterministic, dout, q, k, v, out, lse) -> tuple:
-    """(dq, dk, dv) from the block-sparse backward kernel on mask's lists (in its block shape)."""
+def _sparse_backward(launch, mask, deterministic, dout, q, k, v, out, lse, index=None) -> tuple:
+    """(dq, dk, dv) from the block-sparse backward kernel on mask's lists (in its block shape;
+    index: packed sequences' index tensors, the lists' batch mode the sequence)."""
     from cuteattn import sparse
     halves = None
     if mask.kv_block < sparse.BACKWARD_KEY_BLOCK:
@@ -479,7 +480,8 @@ def _sparse_backward(launch, mask, deterministic, dout, q, k, v, out, lse) -> tu
         lists = _kernel_lists(sparse.transpose(mask))
     # deterministic=True: each key block's turn to add into a query block's dQ
     turns = sparse.dq_turns(mask) if deterministic else None
-    return launch(dout.contiguous(), q, k, v, out, lse, sparse=(*lists, halves, turns))
+    return launch(dout.contiguous(), q, k, v, out, lse, **(index or {}),
+                  sparse=(*lists, halves, turns))
 
 
 def forward_sparse(q, k, v, mask, softmax_scale, causal, window_size, softcap, strict):
@@ -535,15 +537,13 @@ def _sparse_kernel(q, k, v, spec, mask, varlen, sink, out=None, lse=None, sig=No
     launch, reason = _cached_launch(kspec, q.device)
     if launch is None:
         return None, "block-sparse attention: " + reason
-    if _needs_grad(q, k, v):  # (packed sequences: the backward family declines them)
+    if _needs_grad(q, k, v):
         backward, reason = _cached_launch(dataclasses.replace(kspec, kind="bwd"), q.device)
         if backward is None:
             return None, "block-sparse attention: backward: " + reason
-        return _BlockSparse.apply(q, k, v, kspec, launch, backward, physical), None
+        return _BlockSparse.apply(q, k, v, kspec, launch, backward, physical, varlen), None
     if varlen is not None:  # packed sequences: the lists per sequence
-        out, lse = _new_outputs(q, v, spec, varlen)
-        launch(q, k, v, out, lse, **_index_tensors(varlen), sparse=_kernel_lists(physical))
-        return (out, lse), None
+        return _launch_sparse(q, k, v, spec, launch, physical, varlen=varlen), None
     if physical is mask:  # (an expanded mask is expanded again on every call: not kept)
         _remember(sig, kspec, launch)
     return _launch_sparse(q, k, v, kspec, launch, physical, out, lse), None
@@ -599,15 +599,13 @@ def _mods_kernel(q, k, v, spec, mask_mod, score_mod, mask, varlen, sink, out=Non
     if _needs_grad(q, k, v) or any(getattr(t, "requires_grad", False) for t in tensors):
         if any(getattr(t, "requires_grad", False) for t in tensors):
             return None, "a mod's tensor requires grad: its gradient runs on the reference"
-        if varlen is not None:  # (_Modded holds the fixed-length layouts)
-            return None, "mask_mod / score_mod gradients with packed sequences: no kernel yet"
         try:
             backward, reason = _cached_launch(dataclasses.replace(kspec, kind="bwd"), q.device)
         except Exception as e:  # (the backward traces the mods too)
             return None, f"mask_mod / score_mod could not be traced into the backward ({type(e).__name__})"
         if backward is None:
             return None, "mask_mod / score_mod: backward: " + reason
-        return _Modded.apply(q, k, v, kspec, launch, backward, physical, tensors), None
+        return _Modded.apply(q, k, v, kspec, launch, backward, physical, tensors, varlen), None
     if out is None:
         out, lse = _new_outputs(q, v, spec, varlen)
     lists = {"sparse": _kernel_lists(physical)} if physical is not None else {}
@@ -622,12 +620,12 @@ class _Modded(torch.autograd.Function):
     sends those that do to the reference)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask, mod_tensors):
-        out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
-                          device=q.device)
+    def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask, mod_tensors,
+                varlen=None):
+        out, lse = _new_outputs(q, v, spec, varlen)
         lists = {"sparse": _kernel_lists(mask)} if mask is not None else {}
-        forward_launch(q, k, v, out, lse, **lists, mod_tensors=mod_tensors)
+        ctx.index = _index_tensors(varlen)
+        forward_launch(q, k, v, out, lse, **ctx.index, **lists, mod_tensors=mod_tensors)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.backward_launch, ctx.mask, ctx.deterministic = backward_launch, mask, spec.deterministic
         ctx.mod_tensors = mod_tensors
@@ -642,9 +640,9 @@ class _Modded(torch.autograd.Function):
         if ctx.mask is not None:
             turns = sparse.dq_turns(ctx.mask) if ctx.deterministic else None
             lists = (*_kernel_lists(sparse.transpose(ctx.mask)), None, turns)
-        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse, sparse=lists,
-                                         mod_tensors=ctx.mod_tensors)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse, **ctx.index,
+                                         sparse=lists, mod_tensors=ctx.mod_tensors)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _through_op(q, k, v, out, lse, sink=None) -> bool:

@@ -102,6 +102,8 @@ def cases() -> dict:
     out["mods_alibi_document"] = lambda: tm.test_score_mods(0, "alibi", 64, True)
     out["mods_gradients"] = lambda: tm.test_mask_mod_gradients(0, "document", 128, True)
     out["mods_score_gradients"] = lambda: tm.test_score_mod_gradients(0, "softcap", 128, True)
+    out["mods_packed_gradients"] = lambda: tm.test_packed_sequences_with_mods_gradients(
+        0, "both", 64, True)
     out["mods_blocks_kernel"] = lambda: tm.test_mask_mod_blocks_kernel_matches_torch(
         0, "document", (128, 64), (63, 1031))  # (from_mask_mod's kernel, short last blocks)
     # the backward (dq, dk, dv through autograd, checked against the reference's gradients)
@@ -151,6 +153,8 @@ def cases() -> dict:
         causal=True)
     out["sparse_lying_lists"] = lambda: sp.test_lying_lists_stay_inside_the_tensors(0)
     out["sparse_packed_64x64"] = lambda: sp.test_packed_sequences(0, (64, 64), "causal")
+    out["sparse_packed_backward_128x64"] = lambda: sp.test_packed_sequences_backward(
+        0, (128, 64), "none")
     out["sparse_backward_causal"] = lambda: sp.check_grads(
         *sp.inputs(1, 333, 400, 4, 2, 128, bf16), sp.random_lists(1, 4, 333, 400, (128, 128), 2),
         causal=True)

@@ -237,3 +237,35 @@ def test_backward_no_kernel_serves_falls_back(seed):
         flash_attn_func(q, k, v, block_sparse=lists, mask_mod=near, strict=True)
     flash_attn_func(q.detach(), k.detach(), v.detach(), block_sparse=lists, mask_mod=near,
                     strict=True)  # (served)
+
+
+PACKED_BWD = [((128, 128), "causal"), ((128, 64), "none"), ((64, 64), "window"), ((128, 128), "none")]
+
+
+@pytest.mark.parametrize("block,mask", PACKED_BWD,
+                         ids=lambda c: f"{c[0]}x{c[1]}" if isinstance(c, tuple) else str(c))
+def test_packed_sequences_backward(seed, block, mask):
+    """Gradients of flash_attn_varlen_func(block_sparse=) on the backward kernel: the lists'
+    batch mode is the sequence (transposed per sequence), an empty sequence, one without keys,
+    odd and unequal lengths, GQA; dq, dk, dv against the varlen reference's autograd on the
+    same lists. (deterministic=True there takes the reference: launch_bwd.unserved_sparse.)"""
+    from cuteattn import flash_attn_varlen_func
+    from cuteattn.reference import attention_varlen_ref
+    from test_gpu_bwd import check_grads as check, reference_grads
+    lens_q, lens_k = [700, 0, 129, 1000, 64], [900, 5, 129, 1000, 0]
+    h, hk, d = 4, 2, 128
+    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
+                                   device="cuda")
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    lists = random_lists(len(lens_q), h, max(lens_q), max(lens_k), block, 3)
+    kw = MASKS[mask]
+    run = lambda: flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                         block_sparse=lists, strict=True, **kw)
+    out = run()
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu(lens_q), cu(lens_k),
+                                                          block_sparse=lists, **a)
+    check(got, *reference_grads(ref_fn, (q, k, v), dout, **kw))

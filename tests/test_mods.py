@@ -431,3 +431,72 @@ def test_torch_minimum_refuses_a_number_as_eager_torch_does():
     for fn in (TorchInKernel.minimum, TorchInKernel.maximum):
         with pytest.raises(TypeError, match="torch.clamp"):
             fn(1.0, 0.0)
+
+
+PACKED_BWD_CASES = [("document", document, None, 128), ("alibi-document", document, alibi, 64)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("name,mask,score,d", PACKED_BWD_CASES, ids=[c[0] for c in PACKED_BWD_CASES])
+def test_compile_backward_with_mods_and_packed_sequences(name, mask, score, d, capfd, tmp_path,
+                                                         monkeypatch):
+    """The backward with mods over packed sequences (b the sequence, positions within it, as the
+    forward), the family's own config for such a spec: compiled, its spill stores reported
+    (packed sequences keep their offsets live, as the dense packed kernels)."""
+    import dataclasses
+    from cuteattn.kernels.sm90 import launch_bwd
+    from cuteattn.kernels.sm90.compile import compile_bwd
+    from cuteattn.spec import AttentionSpec
+    monkeypatch.chdir(tmp_path)
+    spec = AttentionSpec(dtype=torch.bfloat16, head_dim=d, head_dim_v=d, causal=True, local=False,
+                         has_softcap=False, varlen_q=True, varlen_k=True, softmax_scale=d ** -0.5,
+                         kind="bwd", mask_mod=mod_key(mask),
+                         score_mod=mod_key(score, "score_mod") if score else None)
+    for m in (spec.mask_mod, spec.score_mod):
+        if m is not None:
+            object.__setattr__(m, "fn", mask if m is spec.mask_mod else score)
+    assert launch_bwd.BACKWARD.can_implement(spec) is None
+    cfg = launch_bwd.bwd_config(spec)
+    assert cfg.varlen_q and cfg.varlen_k and cfg.mask_mod == spec.mask_mod
+    compile_bwd(cfg, options="--keep-ptx remarks{ptx}", mask_mod_fn=mask, score_mod_fn=score)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == PACKED_BWD_SPILLS[name], f"{cfg}: {spills}"
+
+
+PACKED_BWD_SPILLS = {"document": 12, "alibi-document": 0}  # (a ratchet, as KNOWN_SPILLS)
+
+
+def test_api_runs_packed_gradients_through_both_kernels(monkeypatch):
+    """Packed sequences with mods, or with block-sparse lists, requiring grad: the forward and
+    the backward kernels both get the sequence metadata and the varlen-shaped out / lse (the
+    lists' batch mode the sequence, transposed per sequence for the backward). (GPU-free
+    stand-ins for the kernels.)"""
+    from cuteattn import api, flash_attn_varlen_func, sparse
+    seen = []
+
+    def forward_launch(q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                       seqused_k=None, sparse=None, mod_tensors=()):
+        seen.append(("fwd", cu_seqlens_q, cu_seqlens_k, tuple(out.shape), tuple(lse.shape), sparse))
+        out.fill_(1.0)
+        lse.zero_()
+
+    def backward_launch(dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                        seqused_q=None, seqused_k=None, sparse=(), mod_tensors=()):
+        seen.append(("bwd", cu_seqlens_q, cu_seqlens_k, tuple(out.shape), tuple(lse.shape), sparse))
+        return torch.zeros_like(q), torch.ones_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(api, "_sparse_reason", lambda *a: None)
+    monkeypatch.setattr(api, "_cached_launch", lambda spec, device: (
+        backward_launch if spec.kind == "bwd" else forward_launch, None))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    lists = sparse.from_topk(torch.zeros(2, 1, 1, 1, dtype=torch.int32), 1, 128, 128, partial=True)
+    for kw in (dict(mask_mod=document), dict(block_sparse=lists), dict(score_mod=alibi)):
+        seen.clear()
+        q, k, v = (torch.randn(8, 2, 64, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, strict=True, **kw)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert [s[0] for s in seen] == ["fwd", "bwd"], kw
+        for _, cu_q, cu_k, out_shape, lse_shape, lists_seen in seen:
+            assert cu_q is cu and cu_k is cu and out_shape == (8, 2, 64) and lse_shape == (2, 8)
+            assert (lists_seen is not None and len(lists_seen) > 0) == ("block_sparse" in kw)
+        assert torch.equal(dk, torch.ones_like(k))  # (the backward kernel's, not the reference's)

@@ -119,9 +119,12 @@ def unserved_sparse(spec: AttentionSpec) -> Optional[str]:
         return (f"block-sparse backward of {spec.sparse_q_block}x{spec.sparse_kv_block} blocks: "
                 f"the sm90 kernel takes 128 or 64 query rows by {key_blocks[0]} or "
                 f"{key_blocks[1]} keys")
-    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
-        return "block-sparse backward with packed sequences or seqused: no sm90 kernel yet"
-    return None
+    packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
+    if packed and spec.deterministic:
+        # (lists sized for the longest sequence name blocks past a shorter one's end, which
+        # the kernel visits as its end block; the turns table counts them where they are listed)
+        return "deterministic block-sparse backward with packed sequences or seqused: no sm90 kernel yet"
+    return None  # (packed sequences: the lists' batch mode is the sequence, as the forward's)
 
 
 def unserved_mods(spec: AttentionSpec) -> Optional[str]:
@@ -131,8 +134,6 @@ def unserved_mods(spec: AttentionSpec) -> Optional[str]:
     reference)."""
     if spec.mask_mod is None and spec.score_mod is None:
         return None
-    if spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k:
-        return "mask_mod / score_mod with packed sequences or seqused: no sm90 backward kernel yet"
     if spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2:
         return "mask_mod / score_mod with 64-key block-sparse lists: no sm90 backward kernel yet"
     if spec.score_mod is not None and spec.has_softcap:
