@@ -64,7 +64,7 @@ def test_fills_the_cache_then_loads_from_it(tmp_path):
 
 @pytest.mark.compile
 def test_fills_surface_and_block_sparse_variants(tmp_path):
-    """A padded head dim with a narrower v (d=80 runs on the d=96 kernel, one variant for both
+    """A head dim with a narrower v (d=80 with v 64, one variant for both
     tile classes) and a block-sparse forward, compiled into the cache."""
     pytest.importorskip("tvm_ffi")
     env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")

@@ -165,9 +165,9 @@ def sparse_grid(quick: bool = False, bwd: bool = False) -> list[Cell]:
 
 
 def surface_grid() -> list[Cell]:
-    """Head dims no compiled kernel has: d=192 with dv=128 (16 heads; DeepSeek's MLA prefill) and
-    d=80 (24 heads; vision towers, run padded to 96), 16k tokens, seqlen 4k and 16k, causal and
-    not; and d=96 at 24 heads, the width d=80 runs on (a padded head dim is read against it)."""
+    """The surface shapes: d=192 with dv=128 (16 heads; DeepSeek's MLA prefill) and
+    d=80 (24 heads; vision towers: its own width on sm90, padded to 96 on the portable path),
+    16k tokens, seqlen 4k and 16k, causal and not; and d=96 at 24 heads beside it."""
     cells = []
     for d, dv, heads in ((192, 128, 16), (80, None, 24), (96, None, 24)):
         for s in (4096, 16384):

@@ -10,6 +10,7 @@ from .fwd import Sm90FwdConfig
 # blocks (d=64: 192x128, d=96/128: 128x176), spill-free (tests/test_compile_sm90.py).
 TILES = {
     64: (3, 128, 4),
+    80: (2, 176, 2),
     96: (2, 176, 2),
     128: (2, 176, 2),
     192: (2, 112, 2),
@@ -40,6 +41,10 @@ TILE_N_CAPS = {
     (64, False, True): (112, 112),
     (64, True, False): (96, 96),
     (64, True, True): (80, 80),
+    (80, False, False): (176, 160),
+    (80, False, True): (176, 176),
+    (80, True, False): (128, 128),
+    (80, True, True): (144, 144),
     (96, False, False): (176, 160),
     (96, False, True): (176, 160),
     (96, True, False): (160, 160),
@@ -59,6 +64,7 @@ TILE_N_CAPS = {
 # TFLOP/s against 856 for 128x160, 128x224 893; d=256 128x128 1183 against 1104 for 128x96).
 FP8_TILES = {
     64: (3, 128, 4),
+    80: (2, 128, 3),
     96: (2, 128, 3),
     128: (2, 192, 2),
     192: (2, 96, 2),
@@ -72,7 +78,7 @@ FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 # Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
 # block for the mods tests/test_mods.py compiles (a window with constants, a document mask
 # indexing a tensor, ALiBi); block-sparse tiles are the lists' blocks.
-MASK_MOD_TILE_N = {64: 96, 96: 128, 128: 128, 192: 96, 256: 64}
+MASK_MOD_TILE_N = {64: 96, 80: 128, 96: 128, 128: 128, 192: 96, 256: 64}
 BOTH_MODS_TILE_N = {64: 64}  # (a mask_mod and a score_mod together)
 
 
