@@ -318,12 +318,15 @@ def test_paged_prefill_routes():
         paged, head_dim=80, head_dim_v=80)).startswith("head_dim 80 is not supported by the sm80")
     assert sm90_launch.FORWARD.can_implement(dataclasses.replace(paged, varlen_q=False)) == (
         "paged keys need packed q (flash_attn_varlen_func) and a page size")
+    # a learnable sink: the sm90 forward reads the pages too (the sink is its epilogue's)
+    with_sink = dataclasses.replace(paged, has_sink=True)
+    assert sm90_launch.unserved_paged(with_sink) is None and sm90_launch.sm90_config(with_sink).has_sink
 
 
 PAGED_CASES = [(64, 64, "none"), (64, 128, "causal"), (96, 256, "none"), (128, 128, "causal"),
                (128, 128, "window"), (128, 256, "softcap"), (192, 128, "causal"), (256, 128, "none"),
                (128, 16, "causal"), (128, 16, "window"), (64, 16, "none"), (256, 32, "causal"),
-               (192, 48, "softcap")]
+               (192, 48, "softcap"), (128, 16, "causal-sink"), (64, 128, "sink")]
 
 
 @pytest.mark.parametrize("d,page,mask", PAGED_CASES, ids=[f"d{d}-page{p}-{m}" for d, p, m in PAGED_CASES])
@@ -333,9 +336,10 @@ def test_compile_paged_forward(d, page, mask, capfd, tmp_path, monkeypatch):
     V block with the sequence's end published by a plain arrive after its own barrier."""
     from cuteattn.kernels.sm90 import config
     monkeypatch.chdir(tmp_path)
-    causal, local, softcap = mask in ("causal", "softcap"), mask == "window", mask == "softcap"
+    causal, local, softcap = (mask in ("causal", "softcap", "causal-sink"), mask == "window",
+                              mask == "softcap")
     cfg = config.fwd_config(cutlass.BFloat16, d, d, causal, local, softcap, True, False,
-                            has_seqused_k=True, page_size=page)
+                            has_seqused_k=True, page_size=page, has_sink=mask.endswith("sink"))
     assert page % cfg.tile_n == 0 if page >= 64 else cfg.tile_n % page == 0
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "cp.async.bulk.tensor" in ptx and "mbarrier.init" in ptx

@@ -211,7 +211,7 @@ def test_paged_prefill_default_path(seed, page, causal, monkeypatch):
 
 
 def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63, 200, 0, 130),
-                      lens_k=(130, 63, 700, 5, 1000), h=8, hk=2):
+                      lens_k=(130, 63, 700, 5, 1000), h=8, hk=2, sink=None):
     """flash_attn_varlen_func(block_table=) on the default path, strict: packed q over keys in
     shuffled pages (one page in two sequences' tables), every cache row no sequence uses set
     to NaN (rows past a sequence's end inside its last page must not reach the output: P is 0
@@ -238,12 +238,14 @@ def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63
     q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
     out, lse = flash_attn_varlen_func(q, cache_k, cache_v, cu_q, cu_k, max(lens_q), max(lens_k),
                                       causal=causal, window_size=window_size, block_table=table,
-                                      return_lse=True, strict=True, validate=True)
+                                      learnable_sink=sink, return_lse=True, strict=True,
+                                      validate=True)
     k, v = torch.cat(keys), torch.cat(values)
     assert not k.isnan().any()  # (the reference's keys: only rows the sequences use)
-    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window_size)
+    ref, ref_lse = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window_size,
+                                        learnable_sink=sink)
     low, _ = attention_varlen_ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window_size,
-                                  upcast=False)
+                                  learnable_sink=sink, upcast=False)
     assert_close_fa(out, ref, low)
     assert_lse_close(lse, ref_lse)
 
@@ -258,3 +260,12 @@ def test_paged_prefill_pages_read_by_sm90(seed, page, d, mask, monkeypatch):
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 30))}[mask]
     run_paged_prefill(page, d, **kw)
+
+
+@pytest.mark.parametrize("page", [16, 128])
+def test_paged_prefill_with_a_learnable_sink(seed, page, monkeypatch):
+    """A learnable sink with pages read by the sm90 forward (the sink joins each row's
+    denominator in the epilogue, whatever the keys' layout); sequences without keys get out 0
+    and lse = the sink."""
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    run_paged_prefill(page, 128, causal=True, sink=torch.randn(8, device="cuda") * 2)

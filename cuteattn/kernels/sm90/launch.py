@@ -343,8 +343,10 @@ def unserved_paged(spec: AttentionSpec) -> Optional[str]:
     if spec.dtype == FP8 or spec.mods_or_lists:
         return "paged keys with fp8, block-sparse lists or mods: no sm90 kernel"
     form = dataclasses.replace(spec, paged_kv=False, varlen_k=True, has_seqused_k=True)
+    # (a learnable sink: the epilogue's, whatever the keys' layout)
     reason = (unserved_dtype_or_dims(form, ARCH, "forward", config.SUPPORTED_HEAD_DIMS,
-                                     padded_dims=True) or unserved_form(form, ARCH, "forward"))
+                                     padded_dims=True)
+              or unserved_form(form, ARCH, "forward", sinks=True))
     if reason is not None:
         return reason
     try:
