@@ -171,6 +171,8 @@ def cases() -> dict:
     out["surface_paged_d128_causal"] = lambda: su.run_paged_prefill(128, 128, causal=True)
     out["surface_paged_d64_page64"] = lambda: su.run_paged_prefill(64, 64)
     out["surface_paged_d128_page16"] = lambda: su.run_paged_prefill(16, 128, causal=True)
+    out["surface_paged_sink_page64"] = lambda: su.run_paged_prefill(
+        64, 128, causal=True, sink=torch.randn(8, device="cuda") * 2)
     out["surface_seqused_only"] = lambda: su.run_varlen(
         small_q, small_k, 8, 2, 128, 128, bf16, batched_q=True, batched_k=True,
         seqused_q=su.used([1, 0, 20, 129, 250]), seqused_k=su.used([100, 3, 0, 300, 1]))

@@ -289,7 +289,7 @@ def test_fp8_reasons():
         dataclasses.replace(make_spec(torch.float8_e4m3fn, 128, "none", False), **kw))
     assert can() is None
     assert can(varlen_q=True, varlen_k=True) is None and can(has_seqused_k=True) is None
-    assert can(head_dim=72, head_dim_v=72).startswith("fp8 at head_dim 72")
+    assert can(head_dim=80, head_dim_v=80).startswith("fp8 at head_dim 80")
     assert can(head_dim_v=64).startswith("fp8 at head_dim 128 (head_dim_v 64)")
     assert can(sparse_q_block=128, sparse_kv_block=128).startswith("fp8 block-sparse")
 

@@ -58,13 +58,13 @@ TILE_N_CAPS = {
 
 
 # fp8 (e4m3) q/k/v: head_dim -> (consumer warpgroups, keys per block, K/V stages). The P V
-# GEMM's k step is 32 keys, so key blocks are multiples of 32; the ring's bytes are half the
+# GEMM's k step is 32 keys, so key blocks are multiples of 32, and the S GEMM's is 32 head-dim
+# columns, so head dims are too (d=80 is not: fp8 declines it); the ring's bytes are half the
 # 16-bit kernel's, O (bf16) has a buffer of its own. Spill-free (tests/test_compile_sm90.py).
 # d=128 and 256: the widest blocks measured fastest at 16k (docs/perf-log.md: 128x192 906
 # TFLOP/s against 856 for 128x160, 128x224 893; d=256 128x128 1183 against 1104 for 128x96).
 FP8_TILES = {
     64: (3, 128, 4),
-    80: (2, 128, 3),
     96: (2, 128, 3),
     128: (2, 192, 2),
     192: (2, 96, 2),

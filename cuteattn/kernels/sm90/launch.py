@@ -301,10 +301,10 @@ def unserved_mods(spec: AttentionSpec) -> Optional[str]:
 
 def unserved_fp8(spec: AttentionSpec) -> Optional[str]:
     """The reason the fp8 forward does not take spec (an fp8 spec), or None."""
-    if spec.head_dim not in config.SUPPORTED_HEAD_DIMS or spec.head_dim_v != spec.head_dim:
+    if spec.head_dim not in config.FP8_TILES or spec.head_dim_v != spec.head_dim:
         return (f"fp8 at head_dim {spec.head_dim} (head_dim_v {spec.head_dim_v}): the sm90 fp8 "
-                f"forward takes head dims {', '.join(map(str, config.SUPPORTED_HEAD_DIMS))}, "
-                f"head_dim_v equal")
+                f"forward takes head dims {', '.join(map(str, config.FP8_TILES))} (multiples "
+                f"of its 32-column k step), head_dim_v equal")
     if spec.sparse_q_block:
         return "fp8 block-sparse: no sm90 fp8 kernel yet"
     if spec.mask_mod is not None or spec.score_mod is not None:
