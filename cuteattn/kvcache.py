@@ -494,7 +494,7 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         with torch.no_grad():
             launch(q, k_cache, v_cache, out, lse, cu_seqlens_q, None, seqused_q, used_k,
-                   page_table=block_table)
+                   page_table=block_table, learnable_sink=learnable_sink)
         return out, lse
     api._fall_back(reason, strict)
     # the reference reads the lengths anyway: hold them to the rules (validate=True's and more)

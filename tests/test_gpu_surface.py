@@ -262,10 +262,13 @@ def test_paged_prefill_pages_read_by_sm90(seed, page, d, mask, monkeypatch):
     run_paged_prefill(page, d, **kw)
 
 
-@pytest.mark.parametrize("page", [16, 128])
-def test_paged_prefill_with_a_learnable_sink(seed, page, monkeypatch):
-    """A learnable sink with pages read by the sm90 forward (the sink joins each row's
-    denominator in the epilogue, whatever the keys' layout); sequences without keys get out 0
-    and lse = the sink."""
-    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+@pytest.mark.parametrize("page,path", [(16, None), (128, None), (16, "sm80")])
+def test_paged_prefill_with_a_learnable_sink(seed, page, path, monkeypatch):
+    """A learnable sink with pages read by the sm90 forward, or by the portable kernel (the
+    sink joins each row's denominator in the epilogue, whatever the keys' layout); sequences
+    without keys get out 0 and lse = the sink."""
+    if path is None:
+        monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(dispatch.PATH_ENV, path)
     run_paged_prefill(page, 128, causal=True, sink=torch.randn(8, device="cuda") * 2)
