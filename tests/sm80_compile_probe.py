@@ -4,7 +4,7 @@ JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
 form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
 "sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2]"
-for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen": the paged prefill, packed q).
+for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
 import re
@@ -73,6 +73,9 @@ def main():
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
                                 varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
                                 smem_limit=smem, kv_fp8=FP8.get(flags.get("fp8")))
+            if "sink" in flags:  # (the paged prefill's learnable sink: its epilogue's)
+                import dataclasses
+                cfg = dataclasses.replace(cfg, has_sink=True)
         else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
             # (d may be "d/dv": head dims the kernel pads, or v narrower than q/k)
             dq, dv = map(int, d.split("/")) if isinstance(d, str) else (d, d)

@@ -52,6 +52,7 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # 16-key blocks of d = 96 (two warps), and the paged prefill (packed q)
                ["bf16", 96, "causal", "decode,page=16,gqa=4"], ["bf16", 128, "causal", "decode,page=16,varlen"],
                ["fp16", 192, "local", "decode,page=128,varlen"],
+               ["bf16", 96, "causal", "decode,page=16,varlen,sink"],
                # an fp8 cache (sm_89 on: its conversion is in hardware)
                ["bf16", 128, "none", "decode,split,gqa=4,fp8=e4m3"],
                ["bf16", 128, "causal", "decode,page=16,gqa=8,fp8=e4m3"],

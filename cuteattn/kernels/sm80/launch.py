@@ -76,10 +76,12 @@ def _device_smem(device_index: int) -> int:
 def sm80_configs(spec: AttentionSpec) -> list:
     """The candidate configs, preferred first (ValueError if no tile fits the device)."""
     if spec.paged_kv:  # the paged prefill (packed q, keys in pages): the decode kernel's tiles
-        return [config.decode_config(
+        # (one pass over the keys: a sink joins the epilogue's denominator as in the forward)
+        return [dataclasses.replace(config.decode_config(
             CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
             spec.has_softcap, False, False, spec.page_size, False, varlen_q=spec.varlen_q,
-            has_seqused_q=spec.has_seqused_q, smem_limit=smem_limit(spec.device_index))]
+            has_seqused_q=spec.has_seqused_q, smem_limit=smem_limit(spec.device_index)),
+            has_sink=spec.has_sink)]
     return config.fwd_configs(
         CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal, spec.local,
         spec.has_softcap, spec.varlen_q, spec.varlen_k, spec.has_seqused_q, spec.has_seqused_k,
@@ -255,8 +257,8 @@ class Sm80Forward:
             if not spec.varlen_q or spec.page_size <= 0:
                 return "paged keys need packed q (flash_attn_varlen_func) and a page size"
             form = dataclasses.replace(spec, paged_kv=False, varlen_k=True)
-            return unserved_form(form, ARCH, "forward")
-        # (a learnable sink: the epilogue's denominator, plain and packed forms)
+            return unserved_form(form, ARCH, "forward", sinks=True)
+        # (a learnable sink: the epilogue's denominator, plain, packed and paged forms)
         return unserved_form(spec, ARCH, "forward", sinks=True)
 
     def launch(self, spec: AttentionSpec) -> Launch:
