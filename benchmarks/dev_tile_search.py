@@ -15,7 +15,7 @@ import cutlass  # noqa: E402
 from cuteattn.kernels.sm90 import config  # noqa: E402
 from cuteattn.kernels.sm90.compile import compile_fwd_with_report  # noqa: E402
 
-CANDIDATES = {64: [128, 112, 96, 80, 64], 80: [176, 160, 144, 128, 112], 96: [176, 160, 144, 128, 112], 128: [176, 160, 144, 128, 112, 96],
+CANDIDATES = {64: [128, 112, 96, 80, 64], 80: [112, 96, 80, 64], 96: [112, 96, 80, 64], 128: [176, 160, 144, 128, 112, 96],
               192: [112, 96, 80], 256: [80, 64]}
 DIMS = [int(a[2:]) for a in sys.argv[1:] if a.startswith("d=")] or list(CANDIDATES)
 SOFTCAP = (True,) if "softcap" in sys.argv else (False, True)

@@ -7,15 +7,20 @@ from .fwd import Sm90FwdConfig
 
 # head_dim -> (consumer warpgroups, keys per block, K/V stages). P is converted to 16 bits with
 # one packed cvt per pair (common/convert.py), which frees enough registers for FA3's wide key
-# blocks (d=64: 192x128, d=96/128: 128x176), spill-free (tests/test_compile_sm90.py).
+# blocks (d=64: 192x128, d=128: 128x176), spill-free (tests/test_compile_sm90.py). d=80 and 96
+# run three warpgroups (192 query rows) on narrower key blocks, as FA3 does at d<=96: measured
+# 1.02-1.16x of 128x176 (docs/perf-log.md, eleventh session).
 TILES = {
     64: (3, 128, 4),
-    80: (2, 176, 2),
-    96: (2, 176, 2),
+    80: (3, 112, 2),
+    96: (3, 112, 2),
     128: (2, 176, 2),
     192: (2, 112, 2),
     256: (2, 80, 2),
 }
+# (head_dim, head_dim_v) -> tile where v is narrower: O's accumulator is smaller, so the key
+# block can widen (d=192 with v 128, MLA prefill: 128 keys, 1.02-1.03x of 112)
+NARROW_V_TILES = {(192, 128): (2, 128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 SMEM_LIMIT = 227 * 1024
 
@@ -41,14 +46,14 @@ TILE_N_CAPS = {
     (64, False, True): (112, 112),
     (64, True, False): (96, 96),
     (64, True, True): (80, 80),
-    (80, False, False): (176, 160),
-    (80, False, True): (176, 176),
-    (80, True, False): (128, 128),
-    (80, True, True): (144, 144),
-    (96, False, False): (176, 160),
-    (96, False, True): (176, 160),
-    (96, True, False): (160, 160),
-    (96, True, True): (128, 128),
+    (80, False, False): (112, 80),
+    (80, False, True): (112, 96),
+    (80, True, False): (96, 96),
+    (80, True, True): (80, 80),
+    (96, False, False): (112, 96),
+    (96, False, True): (96, 96),
+    (96, True, False): (96, 96),
+    (96, True, True): (80, 64),
     (128, False, True): (176, 144),
     (128, True, False): (160, 144),
     (128, True, True): (128, 112),
@@ -119,6 +124,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     head_dim, head_dim_v = (compiled_width(x, SUPPORTED_HEAD_DIMS) for x in (head_dim, head_dim_v))
     fp8 = dtype.width == 8
     num_wg, tile_n, stages = (FP8_TILES if fp8 else TILES)[head_dim]
+    if not fp8 and (head_dim, head_dim_v) in NARROW_V_TILES:
+        num_wg, tile_n, stages = NARROW_V_TILES[head_dim, head_dim_v]
     if (not fp8 and head_dim in SHORT_TILES and max_seqlen_q is not None
             and max_seqlen_q <= SHORT_SEQLEN):
         num_wg, tile_n, stages = SHORT_TILES[head_dim]
