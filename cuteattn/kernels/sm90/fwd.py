@@ -144,9 +144,11 @@ class FlashFwdSm90:
         # O is staged in Q's buffer, each warpgroup's rows inside its own Q slice: dv <= d
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert cfg.tile_n % 16 == 0 and cfg.head_dim % 16 == 0 and cfg.head_dim_v % 16 == 0
-        # fp8: the P V GEMM's k step is 32 keys; O (bf16) has a buffer of its own
-        assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.o_path == "own_buffer"
-                               and not cfg.sparse)
+        # fp8: the GEMMs' k step is 32 (keys for P V, head-dim columns for Q K^T: a d=80
+        # kernel compiled without complaint and computed wrong outputs on the GPU); O (bf16)
+        # has a buffer of its own
+        assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.head_dim % 32 == 0
+                               and cfg.o_path == "own_buffer" and not cfg.sparse)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.o_dtype = cfg.o_dtype
