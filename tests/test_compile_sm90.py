@@ -155,7 +155,8 @@ O_PATH_CASES = [("own_buffer", 64, "causal", False, 1024), ("own_buffer", 64, "n
                  ("own_buffer", 96, "local", True, 4096),
                  ("v_stage", 128, "causal", False, 1024), ("v_stage", 128, "none", False, 4096),
                  ("v_stage", 128, "local", True, 4096), ("v_stage", 128, "softcap", True, 1024),
-                 ("q_buffer", 192, "causal", False, 4096), ("q_buffer", 256, "local", True, 4096)]
+                 ("q_buffer", 192, "causal", False, 4096), ("q_buffer", 256, "local", True, 4096),
+                 ("own_buffer", 112, "none", False, 4096), ("own_buffer", 160, "causal", True, 4096)]
 
 
 @pytest.mark.parametrize("path,d,mask,varlen,seqlen", O_PATH_CASES,
@@ -185,7 +186,11 @@ SURFACE_CASES = [(192, 128, "causal", False, False, False, True), (192, 128, "lo
                  (72, 40, "none", True, True, False, False), (8, 8, "causal", False, False, False, False),
                  (200, 200, "local", False, False, False, True), (256, 128, "causal", True, True, False, True),
                  (128, 128, "causal", True, False, True, True), (128, 128, "local", False, True, True, True),
-                 (64, 64, "causal", False, False, True, True)]
+                 (64, 64, "causal", False, False, True, True),
+                 # widths between the tile anchors, on the next anchor's tiles
+                 (112, 112, "causal", False, False, False, False), (112, 112, "local", True, True, False, True),
+                 (160, 144, "none", False, False, False, True), (48, 48, "causal", True, True, False, False),
+                 (224, 224, "local", False, False, False, True), (32, 16, "none", False, False, False, False)]
 
 
 @pytest.mark.parametrize(
@@ -204,9 +209,8 @@ def test_compile_surface_variants(d, dv, mask, varlen_q, varlen_k, seqused, soft
         window_right=-16 if mask == "local" else None, softcap=20.0 if softcap else 0.0)
     assert sm90_launch.FORWARD.can_implement(spec) is None
     cfg = sm90_launch.sm90_config(spec)
-    assert (cfg.head_dim, cfg.head_dim_v) == tuple(
-        min(w for w in SUPPORTED_HEAD_DIMS if w >= x) for x in (d, dv))
-    assert cfg.clip_o == (dv not in SUPPORTED_HEAD_DIMS) and cfg.smem_bytes() <= config.SMEM_LIMIT
+    assert (cfg.head_dim, cfg.head_dim_v) == (config.kernel_width(d), config.kernel_width(dv))
+    assert cfg.clip_o == (dv % 16 != 0) and cfg.smem_bytes() <= config.SMEM_LIMIT
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]

@@ -215,19 +215,20 @@ def test_sm90_forward_serves_supported_problems(gpu, d):
 
 
 @pytest.mark.parametrize("d,dv", [(88, 88), (8, 8), (200, 200), (192, 128), (128, 64), (72, 40),
-                                  (256, 8), (80, 80)])
+                                  (256, 8), (80, 80), (112, 112), (160, 144)])
 def test_sm90_forward_pads_other_head_dims(gpu, d, dv):
-    """Any head dim up to 256 (a multiple of 8) and any head_dim_v up to it run on the next
-    compiled widths; the O store leaves out the padded columns exactly when v's is padded."""
+    """Any head dim up to 256 (a multiple of 8) and any head_dim_v up to it run at their width
+    rounded up to 16 columns, on the tiles of the next tile anchor (64, 80, 96, 128, 192, 256);
+    the O store leaves out the padded columns exactly when v's is padded."""
     pytest.importorskip("cutlass")
+    from cuteattn.kernels.sm90 import config
     from cuteattn.kernels.sm90 import launch as sm90_launch
     spec = make_spec(head_dim=d, head_dim_v=dv)
     assert dispatch.can_implement(spec, CUDA) is None
     cfg = sm90_launch.sm90_config(spec)
-    widths = (64, 80, 96, 128, 192, 256)  # (80: its own width, vision towers' head dim)
-    assert cfg.head_dim == min(w for w in widths if w >= d)
-    assert cfg.head_dim_v == min(w for w in widths if w >= dv)
-    assert cfg.clip_o == (dv not in widths)
+    assert (cfg.head_dim, cfg.head_dim_v) == (-(-d // 16) * 16, -(-dv // 16) * 16)
+    assert cfg.clip_o == (dv % 16 != 0)
+    assert config.tile_anchor(cfg.head_dim) == min(w for w in (64, 80, 96, 128, 192, 256) if w >= d)
     assert cfg.smem_bytes() <= 227 * 1024
 
 

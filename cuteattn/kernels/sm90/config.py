@@ -23,6 +23,21 @@ TILES = {
 NARROW_V_TILES = {(192, 128): (2, 128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 SMEM_LIMIT = 227 * 1024
+# A head dim between those runs at its own width rounded up to WIDTH_STEP columns (the 16-bit
+# wgmma k step; TMA zero-fills the columns past the tensor's), on the tiles of the next width
+# of TILES at or above it (tile_anchor): fewer columns need fewer registers and less shared
+# memory, so that tile fits. Measured against padding to that width in docs/perf-log.md.
+WIDTH_STEP = 16
+
+
+def kernel_width(d: int) -> int:
+    """The column count the kernel runs head dim d (at most 256) at."""
+    return -(-d // WIDTH_STEP) * WIDTH_STEP
+
+
+def tile_anchor(width: int) -> int:
+    """The width of TILES (and the tables keyed like it) whose tiles `width` runs on."""
+    return compiled_width(width, SUPPORTED_HEAD_DIMS)
 
 # Short sequences (at most SHORT_SEQLEN queries) favour smaller tiles: fewer rows wasted past
 # the end (a 192-row tile covers 1024 queries in 6 blocks, the last a third full) and, under a
@@ -117,31 +132,32 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                mask_mod=None, score_mod=None, page_size: int = 0,
                has_sink: bool = False) -> Sm90FwdConfig:
     """head_dim / head_dim_v: the tensors' (any multiple of 8 up to 256, head_dim_v <= head_dim);
-    the kernel runs on the next compiled widths (launch_common.compiled_width). max_seqlen_q (the
+    the kernel runs them at kernel_width, on the tiles of their tile_anchor. max_seqlen_q (the
     longest query sequence, when known) picks the short-sequence tiles. page_size: keys in
     pages (paged_tile_n says which sizes the kernel reads; others raise ValueError)."""
     true_dv = head_dim_v
-    head_dim, head_dim_v = (compiled_width(x, SUPPORTED_HEAD_DIMS) for x in (head_dim, head_dim_v))
+    head_dim, head_dim_v = kernel_width(head_dim), kernel_width(head_dim_v)
+    anchor, anchor_v = tile_anchor(head_dim), tile_anchor(head_dim_v)
     fp8 = dtype.width == 8
-    num_wg, tile_n, stages = (FP8_TILES if fp8 else TILES)[head_dim]
-    if not fp8 and (head_dim, head_dim_v) in NARROW_V_TILES:
-        num_wg, tile_n, stages = NARROW_V_TILES[head_dim, head_dim_v]
-    if (not fp8 and head_dim in SHORT_TILES and max_seqlen_q is not None
+    num_wg, tile_n, stages = (FP8_TILES if fp8 else TILES)[anchor]
+    if not fp8 and (anchor, anchor_v) in NARROW_V_TILES:
+        num_wg, tile_n, stages = NARROW_V_TILES[anchor, anchor_v]
+    if (not fp8 and anchor in SHORT_TILES and max_seqlen_q is not None
             and max_seqlen_q <= SHORT_SEQLEN):
-        num_wg, tile_n, stages = SHORT_TILES[head_dim]
+        num_wg, tile_n, stages = SHORT_TILES[anchor]
     # (seqused on batched q/k keeps lengths live as packing does: the varlen caps serve it)
     packed = varlen_q or varlen_k or has_seqused_q or has_seqused_k
-    caps = TILE_N_CAPS.get((head_dim, local, packed))
+    caps = TILE_N_CAPS.get((anchor, local, packed))
     if caps is not None:
         tile_n = min(tile_n, caps[1] if has_softcap else caps[0])
         if fp8:
             tile_n -= tile_n % 32
     if fp8:
-        tile_n = min(tile_n, FP8_TILE_N_CAPS.get((head_dim, local, packed), tile_n))
+        tile_n = min(tile_n, FP8_TILE_N_CAPS.get((anchor, local, packed), tile_n))
     if mask_mod is not None or score_mod is not None:  # (more registers live per score)
-        tile_n = min(tile_n, MASK_MOD_TILE_N.get(head_dim, tile_n))
+        tile_n = min(tile_n, MASK_MOD_TILE_N.get(anchor, tile_n))
     if mask_mod is not None and score_mod is not None:
-        tile_n = min(tile_n, BOTH_MODS_TILE_N.get(head_dim, tile_n))
+        tile_n = min(tile_n, BOTH_MODS_TILE_N.get(anchor, tile_n))
     if page_size:
         paged = paged_tile_n(tile_n, page_size, head_dim, head_dim_v)
         if paged is None:
@@ -194,11 +210,12 @@ def narrower_tiles(cfg: Sm90FwdConfig) -> list:
 
 def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """Where O is staged (Sm90FwdConfig.o_path), the first that applies: its own buffer, where
-    it fits beside Q and the K/V ring (d <= 96); the ring stage of the tile's last V block,
-    where one stage holds the whole O tile (tile_n >= tile_m: d = 128); else Q's buffer. The
-    first two free Q's buffer after the tile's last QK GEMM, so the next tile's Q loads during
-    this tile's last P V GEMM and epilogue (measured in docs/perf-log.md: +4-11% at d=64)."""
-    if cfg.head_dim <= 96:
+    it fits beside Q and the K/V ring (d <= 96, and the widths between the tile anchors above
+    it: 112, 144, 160); the ring stage of the tile's last V block, where one stage holds the
+    whole O tile (tile_n >= tile_m: d = 128); else Q's buffer. The first two free Q's buffer
+    after the tile's last QK GEMM, so the next tile's Q loads during this tile's last P V GEMM
+    and epilogue (measured in docs/perf-log.md: +4-11% at d=64)."""
+    if cfg.head_dim <= 96 or cfg.head_dim not in SUPPORTED_HEAD_DIMS:
         with_o = dataclasses.replace(cfg, o_path="own_buffer")
         if with_o.smem_bytes() <= SMEM_LIMIT:
             return with_o
