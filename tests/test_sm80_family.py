@@ -302,18 +302,24 @@ def test_paged_prefill_is_served_with_pages_read_whole(page, d):
     assert cfg.paged_kv and cfg.varlen_q and not cfg.varlen_k and cfg.has_seqused_k
     assert (page % cfg.tile_n == 0 or cfg.gather_pages) and cfg.pack_gqa == 1
     FlashFwdSm80(cfg)
-    assert "learnable attention sinks" in sm80_launch.FORWARD.can_implement(
-        make_spec(varlen_q=True, varlen_k=True, paged_kv=True, page_size=page, has_sink=True))
+    # a learnable sink: the epilogue's denominator, as in the forward
+    with_sink = make_spec(head_dim=d, head_dim_v=d, varlen_q=True, varlen_k=True, paged_kv=True,
+                          page_size=page, has_sink=True)
+    assert sm80_launch.FORWARD.can_implement(with_sink) is None
+    cfg, = sm80_launch.sm80_configs(with_sink)
+    assert cfg.has_sink and cfg.paged_kv
 
 
 def test_paged_varlen_dispatches_to_the_forward_with_pages(monkeypatch):
-    """flash_attn_varlen_func(block_table=) hands the kernel the pages, the page table and the
-    key lengths as seqused_k (from cu_seqlens_k on the device); a recording launch stands in."""
+    """flash_attn_varlen_func(block_table=) hands the kernel the pages, the page table, the
+    key lengths as seqused_k (from cu_seqlens_k on the device) and a learnable sink; a
+    recording launch stands in."""
     from cuteattn import api, flash_attn_varlen_func
     seen = {}
 
-    def launch(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, page_table=None):
-        seen.update(cu_k=cu_k, used_k=used_k, table=page_table, k=k)
+    def launch(q, k, v, out, lse, cu_q, cu_k, used_q, used_k, page_table=None,
+               learnable_sink=None):
+        seen.update(cu_k=cu_k, used_k=used_k, table=page_table, k=k, sink=learnable_sink)
         out.zero_()
         lse.zero_()
 
@@ -332,6 +338,11 @@ def test_paged_varlen_dispatches_to_the_forward_with_pages(monkeypatch):
     assert spec.paged_kv and spec.page_size == 16 and spec.varlen_q and spec.causal
     assert seen["cu_k"] is None and seen["used_k"].tolist() == [20, 11]
     assert seen["table"] is table and seen["k"] is cache and out.shape == (7, 4, 64)
+    assert seen["sink"] is None
+    sink = torch.randn(4)
+    flash_attn_varlen_func(q, cache, cache, cu_q, cu_k, 4, 20, block_table=table,
+                           learnable_sink=sink)
+    assert seen["spec"].has_sink and seen["sink"] is sink
 
 
 # ---- the backward family ----
