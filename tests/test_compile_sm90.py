@@ -330,7 +330,7 @@ def test_paged_prefill_routes():
 PAGED_CASES = [(64, 64, "none"), (64, 128, "causal"), (96, 256, "none"), (128, 128, "causal"),
                (128, 128, "window"), (128, 256, "softcap"), (192, 128, "causal"), (256, 128, "none"),
                (128, 16, "causal"), (128, 16, "window"), (64, 16, "none"), (256, 32, "causal"),
-               (192, 48, "softcap"), (128, 16, "causal-sink"), (64, 128, "sink")]
+               (192, 48, "softcap"), (128, 16, "causal-sink"), (64, 128, "sink"), (112, 128, "causal")]
 
 
 @pytest.mark.parametrize("d,page,mask", PAGED_CASES, ids=[f"d{d}-page{p}-{m}" for d, p, m in PAGED_CASES])

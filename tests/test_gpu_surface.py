@@ -251,7 +251,7 @@ def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63
 
 
 @pytest.mark.parametrize("page", [16, 48, 64, 128, 256])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 112, 128, 256])  # (112: its own width, 32-byte swizzle)
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_paged_prefill_pages_read_by_sm90(seed, page, d, mask, monkeypatch):
     """On Hopper the sm90 forward reads the pages itself: a TMA copy per key block from its
