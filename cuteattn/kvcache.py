@@ -28,25 +28,26 @@ PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
 DECODE_CTAS_PER_SM = 2
 
 
-def split_count(work_tiles: int, slots: int, key_blocks: int, max_splits: int = 128,
-                target: float = 0.95) -> int:
+def split_count(work_tiles: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:
     """How many ranges to split each tile's keys into (num_splits=0): 1 when the tiles alone
     (batch x kv heads x query blocks, with pack-GQA) fill 80% of the GPU's CTA slots (`slots`:
-    SMs x the decode kernel's DECODE_CTAS_PER_SM); else the fewest splits whose last wave of
-    slots is at least `target` full relative to the best split count, never more splits than
-    key blocks (and counts that leave the longest split as long as one fewer would are
-    skipped). At batch 1 with 8 kv heads over a long cache on 132 SMs: 31 splits, 248 CTAs."""
+    SMs x the decode kernel's DECODE_CTAS_PER_SM); else the count with the least estimated
+    time, the fewest splits among equals, never more splits than key blocks. The estimate: the
+    waves of CTA slots the CTAs take times a CTA's time, which is its split's key blocks (the
+    longest split's) plus SPLIT_OVERHEAD_BLOCKS for its fixed work (q, the partial output and
+    LSE, the merge). At batch 1 with 8 kv heads over 1024 key blocks on 132 SMs: 32 splits of
+    32 blocks (256 CTAs, one wave); 31 would leave the longest split 34 blocks."""
     if work_tiles <= 0 or work_tiles >= 0.8 * slots:
         return 1
     limit = max(1, min(max_splits, slots, key_blocks))
-    efficiency = {}
-    for splits in range(1, limit + 1):
-        if splits > 1 and -(-key_blocks // splits) == -(-key_blocks // (splits - 1)):
-            continue
-        waves = work_tiles * splits / slots
-        efficiency[splits] = waves / math.ceil(waves)
-    best = max(efficiency.values())
-    return min(s for s, e in efficiency.items() if e >= target * best)
+    cost = lambda splits: (-(-work_tiles * splits // slots)
+                           * (-(-key_blocks // splits) + SPLIT_OVERHEAD_BLOCKS))
+    return min(range(1, limit + 1), key=lambda splits: (cost(splits), splits))
+
+
+SPLIT_OVERHEAD_BLOCKS = 2  # (an estimate: a CTA's fixed work against one key block's, unmeasured)
+
+
 FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 cache, with bf16/fp16 q
 
 
