@@ -1,10 +1,12 @@
-"""A/B of one launch_bwd switch (a module constant bwd_config reads), in one process: both
+"""A/B of one launch_bwd constant (a module constant bwd_config reads), in one process: both
 values compiled, timed alternately on the same inputs, TFLOP/s of the backward per cell, and
 whether their gradients agree. Exits 3 when the second value loses on the geometric mean.
 Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_bwd_ab.py NAME A B [--deterministic] [--d 64,128]
-        [--rounds 3]
-e.g. `NATIVE_WIDTH_MAX 64 96 --d 80` (d=80 padded to 96 against its own width)."""
+        [--rounds 3] [--path sm80]
+A value is an int or a comma-separated tuple of ints. e.g. `NATIVE_WIDTH_MAX 64 96 --d 80`
+(d=80 padded to 96 against its own width), or on the portable path
+`TILE 64,64,4 64,128,8 --d 64,96 --path sm80` (128 keys a CTA on 8 warps)."""
 import argparse
 import math
 import statistics
@@ -12,22 +14,35 @@ import sys
 
 import torch
 
-from cuteattn import api, flash_attn_func
+import os
+
+from cuteattn import api, dispatch, flash_attn_func
 from cuteattn.bench.shapes import Cell
 from cuteattn.bench.timing import median_ms
-from cuteattn.kernels.sm90 import launch_bwd
+
+
+def value(text: str):
+    parts = tuple(int(x) for x in text.split(","))
+    return parts if len(parts) > 1 else parts[0]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
-    ap.add_argument("a", type=int)
-    ap.add_argument("b", type=int)
+    ap.add_argument("a", type=value)
+    ap.add_argument("b", type=value)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--d", default="64,128,256")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--path", choices=["sm80"], help="the portable path's backward")
     args = ap.parse_args()
-    arms = {f"{args.name}={args.a}": args.a, f"{args.name}={args.b}": args.b}
+    if args.path:
+        os.environ[dispatch.PATH_ENV] = args.path
+        from cuteattn.kernels.sm80 import launch_bwd
+    else:
+        from cuteattn.kernels.sm90 import launch_bwd
+    arms = {f"{args.name}={args.a}".replace(" ", ""): args.a,
+            f"{args.name}={args.b}".replace(" ", ""): args.b}
     kw = dict(deterministic=args.deterministic, strict=True)
     cells = [Cell("bwd", d, 16384 // s, 2048 // d, 2048 // d, s, s, c)
              for d in map(int, args.d.split(",")) for s in (1024, 4096, 16384)
@@ -44,8 +59,8 @@ def main() -> None:
         dout = torch.randn_like(flash_attn_func(q, k, v, causal=cell.causal, **kw))
         grads, rates = {}, {arm: [] for arm in arms}
         for _ in range(args.rounds):
-            for arm, value in arms.items():
-                setattr(launch_bwd, args.name, value)
+            for arm, setting in arms.items():
+                setattr(launch_bwd, args.name, setting)
                 api._launches.clear()  # (launches hold their config)
                 run = lambda: torch.autograd.grad(
                     flash_attn_func(q, k, v, causal=cell.causal, **kw), (q, k, v), dout)
