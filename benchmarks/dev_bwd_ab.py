@@ -5,8 +5,7 @@ Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_bwd_ab.py NAME A B [--deterministic] [--d 64,128]
         [--rounds 3] [--path sm80]
 A value is an int or a comma-separated tuple of ints. e.g. `NATIVE_WIDTH_MAX 64 96 --d 80`
-(d=80 padded to 96 against its own width), or on the portable path
-`TILE 64,64,4 64,128,8 --d 64,96 --path sm80` (128 keys a CTA on 8 warps)."""
+(d=80 padded to 96 against its own width); --path sm80 for the portable path's constants."""
 import argparse
 import math
 import statistics
