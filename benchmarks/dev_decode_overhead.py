@@ -2,7 +2,8 @@
 against the GPU's (queued events, CUDA-graph replay), and the kernels' own durations from the
 torch profiler. A queued time above the replay's with host time near it means the GPU waits on
 the host between calls. Usage (GPU):
-    PYTHONPATH=$PWD python3 benchmarks/dev_decode_overhead.py [--append] [--page 16]
+    PYTHONPATH=$PWD python3 benchmarks/dev_decode_overhead.py [--append] [--page 16] [--cprofile]
+(--cprofile: the host functions' own and cumulative time over 300 steps instead).
 Shapes: bf16, 32/8 heads, d=128, seqlen_q 1; batch x cache 1 x 131072 and 8 x 32768."""
 import sys
 import time
@@ -35,6 +36,19 @@ for batch, length in ((1, 131072), (8, 32768)):
                                        strict=True)
     step()
     torch.cuda.synchronize()
+    if "--cprofile" in sys.argv:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            step()
+        prof.disable()
+        torch.cuda.synchronize()
+        print(f"b{batch} x {length}: host profile, 300 steps")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+        break
     for _ in range(3):
         step()
     torch.cuda.synchronize()
