@@ -1,8 +1,13 @@
 """Runs one benchmark cell a few times through the public API, for a profiler to capture. On the
-GPU machine, e.g.:
+GPU machine, e.g. the forward:
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:FlashFwdSm90 \\
         --launch-skip 2 --launch-count 1 python3 benchmarks/dev_profile.py 128 4096 1
-Arguments: head_dim seqlen causal(0/1); batch x seqlen = 16384 tokens, nheads x d = 2048, bf16.
+or the backward with stalls per source line (kernels compiled with line information):
+    CUTE_DSL_LINEINFO=1 ncu --clock-control none --section WarpStateStats --section SourceCounters \\
+        -k regex:FlashBwdSm90 --launch-skip 2 --launch-count 1 --export $OUT/bwd \\
+        python3 benchmarks/dev_profile.py 128 16384 0 bwd
+Arguments: head_dim seqlen causal(0/1) [bwd]; batch x seqlen = 16384 tokens, nheads x d = 2048,
+bf16.
 """
 import sys
 
@@ -11,8 +16,12 @@ import torch
 from cuteattn import flash_attn_func
 
 d, s, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+backward = len(sys.argv) > 4 and sys.argv[4] == "bwd"
 b, h = 16384 // s, 2048 // d
-q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+           for _ in range(3)]
 for _ in range(4):
-    flash_attn_func(q, k, v, causal=causal, strict=True)
+    out = flash_attn_func(q, k, v, causal=causal, strict=True)
+    if backward:
+        out.backward(torch.ones_like(out))
 torch.cuda.synchronize()

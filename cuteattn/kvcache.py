@@ -11,6 +11,7 @@ all of it, with the usual FallbackWarning (strict mode raises).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import os
@@ -28,25 +29,27 @@ PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
 DECODE_CTAS_PER_SM = 2
 
 
-def split_count(work_tiles: int, slots: int, key_blocks: int, max_splits: int = 128,
-                target: float = 0.95) -> int:
+@functools.lru_cache(maxsize=1024)  # (a decode step asks again every call: keep it off the host's path)
+def split_count(work_tiles: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:
     """How many ranges to split each tile's keys into (num_splits=0): 1 when the tiles alone
     (batch x kv heads x query blocks, with pack-GQA) fill 80% of the GPU's CTA slots (`slots`:
-    SMs x the decode kernel's DECODE_CTAS_PER_SM); else the fewest splits whose last wave of
-    slots is at least `target` full relative to the best split count, never more splits than
-    key blocks (and counts that leave the longest split as long as one fewer would are
-    skipped). At batch 1 with 8 kv heads over a long cache on 132 SMs: 31 splits, 248 CTAs."""
+    SMs x the decode kernel's DECODE_CTAS_PER_SM); else the count with the least estimated
+    time, the fewest splits among equals, never more splits than key blocks. The estimate: the
+    waves of CTA slots the CTAs take times a CTA's time, which is its split's key blocks (the
+    longest split's) plus SPLIT_OVERHEAD_BLOCKS for its fixed work (q, the partial output and
+    LSE, the merge). At batch 1 with 8 kv heads over 1024 key blocks on 132 SMs: 32 splits of
+    32 blocks (256 CTAs, one wave); 31 would leave the longest split 34 blocks."""
     if work_tiles <= 0 or work_tiles >= 0.8 * slots:
         return 1
     limit = max(1, min(max_splits, slots, key_blocks))
-    efficiency = {}
-    for splits in range(1, limit + 1):
-        if splits > 1 and -(-key_blocks // splits) == -(-key_blocks // (splits - 1)):
-            continue
-        waves = work_tiles * splits / slots
-        efficiency[splits] = waves / math.ceil(waves)
-    best = max(efficiency.values())
-    return min(s for s, e in efficiency.items() if e >= target * best)
+    cost = lambda splits: (-(-work_tiles * splits // slots)
+                           * (-(-key_blocks // splits) + SPLIT_OVERHEAD_BLOCKS))
+    return min(range(1, limit + 1), key=lambda splits: (cost(splits), splits))
+
+
+SPLIT_OVERHEAD_BLOCKS = 2  # (an estimate: a CTA's fixed work against one key block's, unmeasured)
+
+
 FP8_CACHE = (torch.float8_e4m3fn, torch.float8_e5m2)  # an fp8 cache, with bf16/fp16 q
 
 
@@ -241,8 +244,8 @@ def flash_attn_with_kvcache(
     range, rows not repeated. Without it they are trusted.
     """
     _checks.check_unsupported(0.0, alibi_slopes, False)
-    _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
-                 rotary_cos, rotary_sin, cache_seqlens, num_splits, (k_descale, v_descale))
+    checked = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
+                           rotary_cos, rotary_sin, cache_seqlens, num_splits, (k_descale, v_descale))
     causal, _, left, right = _checks.normalize_mask(causal, window_size)
     scale, softcap = _checks.check_scalars(softmax_scale, softcap, q.shape[-1])
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -252,20 +255,22 @@ def flash_attn_with_kvcache(
         from cuteattn import ops
         out, lse = ops.kvcache(*args, descales=(k_descale, v_descale))
     else:
-        out, lse = kvcache_forward(*args, descales=(k_descale, v_descale))
+        out, lse = kvcache_forward(*args, descales=(k_descale, v_descale), checked=checked)
     return (out, lse) if return_softmax_lse else out
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, left, right,
                     softcap, rotary_interleaved, learnable_sink, validate, strict, num_splits=1,
-                    descales=(None, None)):
+                    descales=(None, None), checked=None):
     """flash_attn_with_kvcache past its argument checks (the normalised mask and scalars):
     the kernel choice, the value checks (always, on the reference path; a kernel will take them
     with validate=True), the computation. Returns (out, lse);
-    ops.py's custom op runs this under torch.compile."""
-    batch, s_new, capacity = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx,
-                                          cache_leftpad, rotary_cos, rotary_sin, cache_seqlens, 0)
+    ops.py's custom op runs this under torch.compile. checked: _check_cache's result when the
+    caller has just run it (eager calls: each step checks its arguments once)."""
+    batch, s_new, capacity = checked or _check_cache(
+        q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
+        rotary_sin, cache_seqlens, 0)
     causal, local, left, right = _checks.normalize_mask(causal, (left, right))
     fp8 = k_cache.dtype in FP8_CACHE
     spec = AttentionSpec(
@@ -414,7 +419,8 @@ def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
         return num_splits
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    from .kernels.launch_common import sm_count
+    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
     # the decode kernel's tiles (kernels/sm80/config.DECODE_TILES): 64 rows, which with
     # pack-GQA (a power-of-two GQA ratio) hold every query head of a kv head
     g = spec.qhead_per_kvhead

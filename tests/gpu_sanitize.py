@@ -117,8 +117,8 @@ def cases() -> dict:
         tb, bf16, 128, 8, 2, 257, 257, deterministic=True, causal=True)
     out["bwd_varlen_d128_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, causal=True)
     # padded head dims: the 96 kernel at 80 (q/k/v/dO read zero-filled, buffers at 96)
-    out["bwd_d80_causal_padded"] = lambda: _bwd_fixed(tb, bf16, 80, 8, 2, 257, 257, causal=True)
-    out["bwd_varlen_d80_padded"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=80)
+    out["bwd_d80_causal"] = lambda: _bwd_fixed(tb, bf16, 80, 8, 2, 257, 257, causal=True)
+    out["bwd_varlen_d80"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=80)
     # head dims over 128: the warpgroups split the head dim (P^T and dS^T through shared memory)
     out["bwd_d256_causal_deterministic"] = lambda: _bwd_fixed(
         tb, bf16, 256, 8, 2, 257, 257, deterministic=True, causal=True)

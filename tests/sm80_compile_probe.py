@@ -30,9 +30,9 @@ def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False)
     """The backward family's config for these switches on this target (launch_bwd's choice)."""
     import os
     from cuteattn.kernels.sm80.bwd import Sm80BwdConfig
-    from cuteattn.kernels.sm80.launch_bwd import TILE, register_parts
+    from cuteattn.kernels.sm80.launch_bwd import TILES, register_parts
     major = int(re.match(r"sm_(\d+?)\d[a-z]?$", os.environ["CUTE_DSL_ARCH"])[1])
-    tile_m, tile_n, warps = TILE
+    tile_m, tile_n, warps = TILES[d]
     kv_parts, q_parts = register_parts(d, major)
     return Sm80BwdConfig(dtype, d, tile_m, tile_n, warps, causal, local, softcap, varlen, varlen,
                          varlen, varlen, kv_parts, q_parts, deterministic)

@@ -300,8 +300,9 @@ def test_fp8_reasons():
 
 def test_paged_prefill_routes():
     """A paged prefill: the sm90 forward reads pages itself, of a multiple of 64 keys (its key
-    blocks inside a page) or of 16 at head dims of a multiple of 64 (a block's slices from
-    their pages); other pages, and forms it declines with pages, go to the portable kernel
+    blocks inside a page) or of a multiple of 16 up to its key block (a block's slices from
+    their pages, at widths padded to a multiple of 64); other pages, and forms it declines
+    with pages, go to the portable kernel
     (the sm80 family's rules and launch): packed q with a page size, compiled head dims."""
     import dataclasses
     from cuteattn.kernels.sm80 import launch as sm80_launch
@@ -309,17 +310,22 @@ def test_paged_prefill_routes():
                                 page_size=16)
     assert sm90_launch.PAGED_PREFILL is sm80_launch.FORWARD
     assert sm90_launch.FORWARD.can_implement(paged) is None
-    at_96 = dataclasses.replace(paged, head_dim=96, head_dim_v=96)
-    assert sm90_launch.FORWARD.can_implement(at_96) is None  # (the portable kernel's)
-    assert sm90_launch.unserved_paged(at_96).startswith("pages of 16 keys at head_dim 96")
-    for page, d in ((64, 128), (128, 128), (256, 64), (128, 80), (16, 128), (32, 256), (16, 64)):
+    # pages wider than any key block that are not whole blocks: the portable kernel's
+    wide_pages = dataclasses.replace(paged, page_size=240)
+    assert sm90_launch.FORWARD.can_implement(wide_pages) is None  # (the portable kernel's)
+    assert sm90_launch.unserved_paged(wide_pages).startswith("pages of 240 keys")
+    assert sm90_launch.FORWARD.can_implement(dataclasses.replace(
+        wide_pages, head_dim=80, head_dim_v=80)).startswith("head_dim 80 is not supported by the sm80")
+    for page, d, width in ((64, 128, 128), (128, 128, 128), (256, 64, 64), (128, 80, 80),
+                           (16, 128, 128), (32, 256, 256), (16, 64, 64), (16, 96, 128),
+                           (16, 80, 128), (48, 112, 128), (16, 144, 192), (16, 40, 64)):
         spec = dataclasses.replace(paged, page_size=page, head_dim=d, head_dim_v=d)
         assert sm90_launch.unserved_paged(spec) is None
         cfg = sm90_launch.sm90_config(spec)
         assert cfg.page_size == page
+        # pages that slice a key block: 64-column copies, so the kernel runs padded
+        assert (cfg.head_dim, cfg.head_dim_v) == (width, width)
         assert page % cfg.tile_n == 0 if page >= 64 else cfg.tile_n % page == 0
-    assert sm90_launch.FORWARD.can_implement(dataclasses.replace(
-        paged, head_dim=80, head_dim_v=80)).startswith("head_dim 80 is not supported by the sm80")
     assert sm90_launch.FORWARD.can_implement(dataclasses.replace(paged, varlen_q=False)) == (
         "paged keys need packed q (flash_attn_varlen_func) and a page size")
     # a learnable sink: the sm90 forward reads the pages too (the sink is its epilogue's)
@@ -330,7 +336,8 @@ def test_paged_prefill_routes():
 PAGED_CASES = [(64, 64, "none"), (64, 128, "causal"), (96, 256, "none"), (128, 128, "causal"),
                (128, 128, "window"), (128, 256, "softcap"), (192, 128, "causal"), (256, 128, "none"),
                (128, 16, "causal"), (128, 16, "window"), (64, 16, "none"), (256, 32, "causal"),
-               (192, 48, "softcap"), (128, 16, "causal-sink"), (64, 128, "sink")]
+               (192, 48, "softcap"), (128, 16, "causal-sink"), (64, 128, "sink"), (112, 128, "causal"),
+               (112, 16, "causal")]
 
 
 @pytest.mark.parametrize("d,page,mask", PAGED_CASES, ids=[f"d{d}-page{p}-{m}" for d, p, m in PAGED_CASES])

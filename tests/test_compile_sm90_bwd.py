@@ -45,7 +45,11 @@ CASES = (
        (torch.float16, 128, "causal", False, True, False), (torch.bfloat16, 64, "local", False, True, True),
        # head dims over 128 (split_d): fp16, packed with seqused, deterministic
        (torch.float16, 256, "causal", False, False, False), (torch.bfloat16, 256, "local", True, True, True),
-       (torch.bfloat16, 192, "causal", True, False, True), (torch.float16, 192, "softcap", False, True, False)]
+       (torch.bfloat16, 192, "causal", True, False, True), (torch.float16, 192, "softcap", False, True, False),
+       # head dims up to 96 at their own 16-column width (launch_bwd.NATIVE_WIDTH_MAX)
+       (torch.bfloat16, 80, "causal", True, False, False), (torch.float16, 80, "local", False, False, True),
+       (torch.bfloat16, 80, "softcap", False, True, False), (torch.bfloat16, 48, "none", False, False, False),
+       (torch.float16, 16, "causal", True, True, True)]
 )
 
 # Variants ptxas spills a few bytes in (measured, all packed-sequence ones: the sequence offsets

@@ -126,12 +126,14 @@ def test_sm90_serves_the_backward(gpu, registry):
 
 
 def test_sm90_backward_pads_head_dims_between_widths(gpu, registry):
-    """A head dim between the compiled widths runs the next width's kernel (the same compiled
-    kernel as that width: TMA zero-fills the columns past the tensors' head dim), with gradient
-    buffers of that width that the postprocess cuts back."""
+    """A head dim up to 96 runs at its width rounded up to 16 columns, a wider one between the
+    compiled widths on the next width's kernel (the same compiled kernel as that width: TMA
+    zero-fills the columns past the tensors' head dim), with gradient buffers of that width
+    that the postprocess cuts back."""
     pytest.importorskip("cutlass")
     from cuteattn.kernels.sm90 import launch_bwd
-    for d, width in ((8, 64), (40, 64), (72, 96), (80, 96), (112, 128), (120, 128)):
+    for d, width in ((8, 16), (40, 48), (72, 80), (80, 80), (88, 96), (112, 128), (120, 128),
+                     (136, 192)):
         spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d)
         assert dispatch.can_implement(spec, CUDA) is None
         cfg = launch_bwd.bwd_config(spec)

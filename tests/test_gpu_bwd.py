@@ -327,9 +327,10 @@ def test_preprocess_kernel_equals_the_pytorch_steps(seed, form, dv):
         torch.testing.assert_close(g[finite], w[finite], rtol=1e-5, atol=1e-4, msg=name)
 
 
-# ---- head dims between the compiled widths (the next width's kernel, padded) ----
+# ---- head dims between the compiled widths (on sm90 up to 96 at their own width rounded up to
+# 16 columns, wider ones on the next width's kernel; on the portable path the next width) ----
 
-# (head_dim, mask, (h, hk), (sq, sk)): widths 64, 96 and 128, each with another mask
+# (head_dim, mask, (h, hk), (sq, sk)): widths 16 to 256, each with another mask
 PADDED = [(80, "none", (4, 4), (113, 203)), (80, "causal", (8, 2), (700, 700)),
           (40, "window", (6, 1), (203, 113)), (8, "causal", (4, 4), (65, 129)),
           (112, "softcap", (4, 2), (1023, 1023)), (72, "right", (4, 4), (1, 64)),
@@ -354,7 +355,7 @@ def _padded_served():
 @pytest.mark.parametrize("case", PADDED, ids=padded_id)
 def test_bwd_padded_head_dims(seed, case):
     """Gradients at a head dim between the compiled widths: the kernel reads q, k, v and dO
-    zero-filled to the next width, its buffers have that width, and the gradients come back at
+    zero-filled to its width, its buffers have that width, and the gradients come back at
     the tensors' head dim, contiguous, against the float32 reference (both families pad; run
     with CUTEATTN_PATH=sm80 for the portable one). Where a family does not pad, strict mode
     must name the head dim instead."""
@@ -371,7 +372,7 @@ def test_bwd_padded_head_dims(seed, case):
 
 
 def test_bwd_padded_varlen_deterministic(seed):
-    """A padded head dim (80 on the 96 kernel) with packed sequences (empty ones included) and
+    """A head dim between the compiled widths (80) with packed sequences (empty ones included) and
     deterministic=True: bitwise-equal over repeats, and right."""
     if not _padded_served():
         pytest.skip("this path's backward does not pad head dims (test_bwd_padded_head_dims "

@@ -31,7 +31,7 @@ SEQLENS = [(113, 203), (203, 113), (1023, 1023), (1, 64), (700, 700)]
 # (head_dim, head_dim_v): MLA-style prefill (192, 128), (128, 64), and head dims between the
 # compiled widths (64, 96, 128, 192, 256), for q/k and for v, down to 8
 DIMS = [(192, 128), (128, 64), (80, 80), (32, 32), (8, 8), (72, 40), (112, 112), (160, 160),
-        (200, 200), (256, 128), (48, 48), (240, 232)]
+        (200, 200), (256, 128), (48, 48), (240, 232), (160, 128), (144, 112)]
 
 
 def surface_cases():
@@ -251,7 +251,7 @@ def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63
 
 
 @pytest.mark.parametrize("page", [16, 48, 64, 128, 256])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 112, 128, 256])  # (112: its own width, 32-byte swizzle)
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_paged_prefill_pages_read_by_sm90(seed, page, d, mask, monkeypatch):
     """On Hopper the sm90 forward reads the pages itself: a TMA copy per key block from its

@@ -340,7 +340,8 @@ def test_num_splits_give_the_same_result(seed, splits, sink):
 def test_split_count_heuristic():
     from cuteattn.kvcache import split_count
     slots = 2 * 132  # an H200: 132 SMs, two decode CTAs each
-    assert split_count(8, slots, 1024) == 31      # batch 1, 8 kv heads, 131072 keys: 248 CTAs
+    assert split_count(8, slots, 1024) == 32      # batch 1, 8 kv heads, 131072 keys: 256 CTAs
+    assert split_count(8, slots, 1000) == 33      # 264 CTAs of 31 blocks (32 splits: 32 blocks)
     assert split_count(64, slots, 256) == 4       # batch 8: 256 CTAs
     assert split_count(128, slots, 256) == 2      # batch 16: 256 CTAs
     assert split_count(512, slots, 64) == 1       # batch 64 fills the GPU alone

@@ -3,10 +3,11 @@ float32 partial outputs over disjoint key ranges, normalised within each range, 
 with a learnable sink counted once. What reference.merge_partials computes, in one launch
 instead of half a dozen PyTorch operations; the same merge serves context parallelism later.
 
-One warp per output row (batch, query, head): the row's split LSEs give the merged LSE
-(the maximum first, so the exponentials stay in range; a split that saw no key has LSE -inf and
-weight 0), then each lane sums its d_v / 32 columns of the weighted partial outputs and writes
-them in the output dtype. Plain loads and stores only: it runs on every arch from sm_80 on.
+One warp per output row (batch, query, head): the row's split LSEs, a split a lane, give the
+merged LSE by warp reductions (the maximum first, so the exponentials stay in range; a split
+that saw no key has LSE -inf and weight 0), then each lane sums its d_v / 32 columns of the
+weighted partial outputs, several splits' loads in flight at once, and writes them in the
+output dtype. At batch 1 there are few rows (32 heads: 32 warps), so the time is load latency. Plain loads and stores only: it runs on every arch from sm_80 on.
 """
 import math
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 WARPS = 4  # rows per CTA
+UNROLL = 8  # splits whose partial rows a warp loads at once (latency, not bandwidth, bounds it)
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
@@ -64,18 +66,21 @@ class CombineSplits:
             h = row % heads
             q = (row // heads) % seqlen_q
             b = row // (heads * seqlen_q)
-            # the merged LSE: max first, then the sum of exponentials relative to it
+            # the merged LSE: max first, then the sum of exponentials relative to it; lane l
+            # takes splits l, l + 32, ... (one round of loads for up to 32 splits, not a chain)
             top = -Float32.inf
-            for s in cutlass.range(num_splits, unroll=1):
+            for s in cutlass.range(lane, num_splits, 32, unroll=1):
                 top = cute.arch.fmax(top, mLSEPartial[s, b, h, q])
+            top = cute.arch.warp_reduction_max(top)
             if const_expr(self.cfg.has_sink):
                 top = cute.arch.fmax(top, mSink[h])
             safe_top = top
             if top == -Float32.inf:
                 safe_top = Float32(0.0)
             total = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=1):
+            for s in cutlass.range(lane, num_splits, 32, unroll=1):
                 total += cute.math.exp2((mLSEPartial[s, b, h, q] - safe_top) * LOG2E, fastmath=True)
+            total = cute.arch.warp_reduction_sum(total)
             if const_expr(self.cfg.has_sink):
                 total += cute.math.exp2((mSink[h] - safe_top) * LOG2E, fastmath=True)
             lse = -Float32.inf
@@ -84,19 +89,24 @@ class CombineSplits:
             safe_lse = lse
             if lse == -Float32.inf:
                 safe_lse = Float32(0.0)
-            # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key)
+            # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key). Lane l
+            # computes split base + l's weight, the warp takes them in turn (a shuffle) and
+            # UNROLL splits' rows at a time, so their loads are in flight together.
             acc = cute.make_rmem_tensor(self.cols, Float32)
             acc.fill(0.0)
             part = cute.make_rmem_tensor(self.cols, Float32)
-            for s in cutlass.range(num_splits, unroll=1):
-                weight = Float32(0.0)
-                if lse != -Float32.inf:
-                    weight = cute.math.exp2((mLSEPartial[s, b, h, q] - safe_lse) * LOG2E,
-                                            fastmath=True)
-                src = cute.local_tile(mOPartial[s, b, q, h, None], (self.cols,), (lane,))
-                cute.autovec_copy(src, part)
-                for c in cutlass.range_constexpr(self.cols):
-                    acc[c] = acc[c] + weight * part[c]
+            for base in cutlass.range(0, num_splits, 32, unroll=1):
+                mine = Float32(0.0)
+                if base + lane < num_splits and lse != -Float32.inf:
+                    mine = cute.math.exp2((mLSEPartial[base + lane, b, h, q] - safe_lse) * LOG2E,
+                                          fastmath=True)
+                count = cutlass.min(num_splits - base, 32)
+                for j in cutlass.range(count, unroll=UNROLL):
+                    weight = cute.arch.shuffle_sync(mine, j)
+                    src = cute.local_tile(mOPartial[base + j, b, q, h, None], (self.cols,), (lane,))
+                    cute.autovec_copy(src, part)
+                    for c in cutlass.range_constexpr(self.cols):
+                        acc[c] = acc[c] + weight * part[c]
             out = cute.make_rmem_tensor(self.cols, self.cfg.dtype)
             out.store(acc.load().to(self.cfg.dtype))
             cute.autovec_copy(out, cute.local_tile(mO[b, q, h, None], (self.cols,), (lane,)))

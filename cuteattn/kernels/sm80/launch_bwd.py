@@ -21,10 +21,12 @@ from .launch import ARCH, COMPILE_MODULE, target_capability
 
 KIND = "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128)
-# (tile_m queries, tile_n keys, warps): 4 warps of 16 keys each hold dK and dV (d registers a
-# thread); checked spill-free per target by tests/test_compile_sm80.py. K, V, Q, dO and dS^T:
-# 72 KB at d = 128, inside the 99 KB of sm_86/89/120.
-TILE = (64, 64, 4)
+# (tile_m queries, tile_n keys, warps) per compiled head dim: warps of 16 keys each hold dK and
+# dV (d registers a thread); checked spill-free per target by tests/test_compile_sm80.py. 128
+# keys a CTA read each query block's Q, dO, LSE and D, and add its dQ share, half as often as
+# 64 (1.06-1.21x at d = 64/96 on the H200, docs/perf-log.md); at d = 128 that tile spills, so
+# 64 keys there. K, V, Q, dO and dS^T: 66 / 91 / 72 KB, inside the 99 KB of sm_86/89/120.
+TILES = {64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 64, 4)}
 
 
 def register_parts(head_dim: int, major: int) -> tuple:
@@ -53,8 +55,8 @@ def _major(spec: AttentionSpec) -> int:
 def bwd_config(spec: AttentionSpec, major: int = 8) -> Sm80BwdConfig:
     """major: the compute capability's, whose compiler the register parts are chosen for. A
     head dim between the compiled widths runs on the next one up (`padded`)."""
-    tile_m, tile_n, warps = TILE
     head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
+    tile_m, tile_n, warps = TILES[head_dim]
     kv_parts, q_parts = register_parts(head_dim, major)
     return Sm80BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,

@@ -111,8 +111,18 @@ SPARSE_MAX_HEAD_DIM = 128
 # Paged keys. Pages of a multiple of 64 keys hold whole key blocks (one TMA copy a block): tile_n
 # divides the page size, the widest of these within the head dim's tile. Smaller pages (vLLM's
 # 16) are slices of a block, one TMA copy a (page, 64 columns) slice: tile_n a multiple of
-# the page size, head dims a multiple of 64 (the copies' box is one swizzle atom wide).
+# the page size, the kernel's widths a multiple of 64 (the copies' box is one 128-byte swizzle
+# atom wide), so other head dims run padded to the next multiple of 64 there (TMA zero-fills
+# the columns past the cache's).
 PAGED_TILE_N = (128, 64)
+SLICED_PAGE_WIDTH = 64
+
+
+def paged_width(width: int, page_size: int) -> int:
+    """The kernel's width for a head dim of `width` columns reading pages of page_size keys."""
+    if page_size % 64 == 0:
+        return width
+    return -(-width // SLICED_PAGE_WIDTH) * SLICED_PAGE_WIDTH
 
 
 def paged_tile_n(tile_n: int, page_size: int, head_dim: int, head_dim_v: int):
@@ -138,6 +148,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     pages (paged_tile_n says which sizes the kernel reads; others raise ValueError)."""
     true_dv = head_dim_v
     head_dim, head_dim_v = kernel_width(head_dim), kernel_width(head_dim_v)
+    if page_size:
+        head_dim, head_dim_v = paged_width(head_dim, page_size), paged_width(head_dim_v, page_size)
     anchor, anchor_v = tile_anchor(head_dim), tile_anchor(head_dim_v)
     fp8 = dtype.width == 8
     num_wg, tile_n, stages = (FP8_TILES if fp8 else TILES)[anchor]
@@ -162,9 +174,9 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     if page_size:
         paged = paged_tile_n(tile_n, page_size, head_dim, head_dim_v)
         if paged is None:
-            raise ValueError(f"pages of {page_size} keys at head_dim {head_dim}: the sm90 forward "
-                             f"reads pages of a multiple of 64 keys, or of 16 at head dims of a "
-                             f"multiple of 64")
+            raise ValueError(f"pages of {page_size} keys: the sm90 forward reads pages of a "
+                             f"multiple of 64 keys, or of a multiple of 16 up to its key block "
+                             f"({tile_n} keys at head_dim {head_dim})")
         tile_n = paged
     cfg = Sm90FwdConfig(
         dtype=dtype, head_dim=head_dim, head_dim_v=head_dim_v, clip_o=true_dv != head_dim_v,

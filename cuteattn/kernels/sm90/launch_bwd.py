@@ -19,6 +19,7 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
+from .config import kernel_width
 from .pipelines import WG_ROWS
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
                             unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
@@ -29,11 +30,19 @@ SMEM_LIMIT = 227 * 1024  # an H100 / H200 CTA's shared memory
 COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 
 
+# Head dims up to this run at their own width rounded up to 16 columns (config.kernel_width:
+# d=80 as 80, not 96); wider ones between the compiled widths on the next of them (at 112 the
+# packed-sequence variants spill).
+NATIVE_WIDTH_MAX = 96
+
+
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
-    """A head dim between the compiled widths runs on the next one up: TMA reads q, k, v and
-    dO zero-filled past their head dim, and the gradient buffers have the compiled width
-    (launch_common.bwd_buffers)."""
-    head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
+    """A head dim runs at its kernel width (NATIVE_WIDTH_MAX) or on the next compiled width up:
+    TMA reads q, k, v and dO zero-filled past their head dim, and the gradient buffers have
+    the kernel's width (launch_common.bwd_buffers)."""
+    head_dim = kernel_width(spec.head_dim)
+    if head_dim > NATIVE_WIDTH_MAX:
+        head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
     # over 128, the warpgroups split the head dim of a 64-key block (bwd.Sm90BwdConfig.split_d),
     # with two Q / dO stages where shared memory holds them (d=256: 226 KB of 227)
     split = head_dim > 128
@@ -52,7 +61,8 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
-        # halves of 48 columns would need a 32-byte swizzle on K: one warpgroup takes all of dQ
+        # halves of 48 (40, 24, ...) columns would need a 32-byte swizzle on K: one warpgroup
+        # takes all of dQ
         dq_single_wg=not split and head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
         sparse_q_block=spec.sparse_q_block,
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,

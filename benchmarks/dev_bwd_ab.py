@@ -1,0 +1,83 @@
+"""A/B of one launch_bwd constant (a module constant bwd_config reads), in one process: both
+values compiled, timed alternately on the same inputs, TFLOP/s of the backward per cell, and
+whether their gradients agree. Exits 3 when the second value loses on the geometric mean.
+Usage (GPU):
+    PYTHONPATH=$PWD python3 benchmarks/dev_bwd_ab.py NAME A B [--deterministic] [--d 64,128]
+        [--rounds 3] [--path sm80]
+A value is an int or a comma-separated tuple of ints. e.g. `NATIVE_WIDTH_MAX 64 96 --d 80`
+(d=80 padded to 96 against its own width); --path sm80 for the portable path's constants."""
+import argparse
+import math
+import statistics
+import sys
+
+import torch
+
+import os
+
+from cuteattn import api, dispatch, flash_attn_func
+from cuteattn.bench.shapes import Cell
+from cuteattn.bench.timing import median_ms
+
+
+def value(text: str):
+    parts = tuple(int(x) for x in text.split(","))
+    return parts if len(parts) > 1 else parts[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("name")
+    ap.add_argument("a", type=value)
+    ap.add_argument("b", type=value)
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--d", default="64,128,256")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--path", choices=["sm80"], help="the portable path's backward")
+    args = ap.parse_args()
+    if args.path:
+        os.environ[dispatch.PATH_ENV] = args.path
+        from cuteattn.kernels.sm80 import launch_bwd
+    else:
+        from cuteattn.kernels.sm90 import launch_bwd
+    arms = {f"{args.name}={args.a}".replace(" ", ""): args.a,
+            f"{args.name}={args.b}".replace(" ", ""): args.b}
+    kw = dict(deterministic=args.deterministic, strict=True)
+    cells = [Cell("bwd", d, 16384 // s, 2048 // d, 2048 // d, s, s, c)
+             for d in map(int, args.d.split(",")) for s in (1024, 4096, 16384)
+             for c in (False, True)]
+    print(f"{'cell':<40} " + " ".join(f"{a:>14}" for a in arms) + "  b/a", flush=True)
+    ratios = []
+    for cell in cells:
+        shape = lambda s, h: (cell.batch, s, h, cell.d)
+        q = torch.randn(shape(cell.seqlen_q, cell.nheads), device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        k = torch.randn(shape(cell.seqlen_k, cell.nheads_k), device="cuda", dtype=torch.bfloat16,
+                        requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        dout = torch.randn_like(flash_attn_func(q, k, v, causal=cell.causal, **kw))
+        grads, rates = {}, {arm: [] for arm in arms}
+        for _ in range(args.rounds):
+            for arm, setting in arms.items():
+                setattr(launch_bwd, args.name, setting)
+                api._launches.clear()  # (launches hold their config)
+                run = lambda: torch.autograd.grad(
+                    flash_attn_func(q, k, v, causal=cell.causal, **kw), (q, k, v), dout)
+                grads[arm] = run()  # compiles this arm's kernel on first use
+                fwd = median_ms(lambda: flash_attn_func(q, k, v, causal=cell.causal, **kw),
+                                torch.device("cuda"))
+                both = median_ms(run, torch.device("cuda"))
+                rates[arm].append(cell.rate(max(both - fwd, 1e-6)))
+        first, second = (grads[arm] for arm in arms)
+        diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(first, second))
+        a, b = (statistics.median(rates[arm]) for arm in arms)
+        print(f"{cell.label():<40} {a:14.1f} {b:14.1f}  {b / a:6.3f}  (max |grad diff| {diff:.2e})",
+              flush=True)
+        ratios.append(b / a)
+    geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    print(f"{args.name} {args.b} / {args.a}: {min(ratios):.3f}-{max(ratios):.3f}, geometric mean {geo:.3f}")
+    sys.exit(0 if geo > 1.0 else 3)
+
+
+if __name__ == "__main__":
+    main()
