@@ -113,11 +113,6 @@ class Sm90BwdConfig:
     split_d: bool = False
     # dQ's GEMM issued before dK's, and dQ's additions made while dK's GEMM runs
     dq_before_dk: bool = False
-    # (A/B) the block's LSE read from shared memory into registers as soon as its barrier
-    # passes, not next to its use past the S^T wait (a wgmma wait keeps the shared loads
-    # behind it: each exp2 waited for its own; D as well spilled at d=128), and dO's stage
-    # released once the dV GEMM is done, before dQ's additions
-    preload_rows: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -577,14 +572,8 @@ class FlashBwdSm90:
             # NaN: launch_common.bwd_preprocess; their P is 0 by the mask)
             lse2_of = lambda c: sLSE2[coord_st[0, c][1], state.index]
             dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
-            plain = not cfg.has_softcap and cfg.score_mod is None
             pipeline_q.consumer_wait(state)
             gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, state.index], True)
-            if const_expr(cfg.preload_rows and plain):
-                lse2_r = cute.make_rmem_tensor(num_cols, Float32)
-                for c in cutlass.range_constexpr(num_cols):
-                    lse2_r[c] = lse2_of(c)
-                lse2_of = lambda c: lse2_r[c]
             pipeline_do.consumer_wait(state)
             gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, state.index], True)
             # P^T = exp2(S^T * scale_log2 - lse_log2), masked entries 0; then
@@ -687,31 +676,24 @@ class FlashBwdSm90:
                 if const_expr(not cfg.dq_before_dk):
                     issue_dk()
             then = issue_dk if const_expr(cfg.dq_before_dk) else None
-            # dO's stage: free once the dV GEMM is done (early: before dQ's additions)
-            release_do = lambda: pipeline_do.consumer_release(state)
-            early_do = cfg.preload_rows
             if const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                                 softmax_scale, m_block, tidx, then,
-                                 release_do if const_expr(early_do) else None)
+                                 softmax_scale, m_block, tidx, then)
                 else:
                     if const_expr(then is not None):
                         then()
                     warpgroup.wait_group(0)
-                    if const_expr(early_do):
-                        release_do()
                     self.dq_order(order, m_block, tidx, None)
             else:
                 self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                             softmax_scale, m_block, tidx, then,
-                             release_do if const_expr(early_do) else None)
+                             softmax_scale, m_block, tidx, then)
             if const_expr(cfg.dq_before_dk):
-                # dK's GEMM (issued after dQ's) reads Q's stage: done before the stage is freed
+                # dK's GEMM (issued after dQ's, run under dQ's additions) reads Q's stage: it
+                # is done before the stage is freed for the producer's next TMA write
                 warpgroup.wait_group(0)
             pipeline_q.consumer_release(state)
-            if const_expr(not early_do):
-                pipeline_do.consumer_release(state)
+            pipeline_do.consumer_release(state)
             state.advance()
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
@@ -737,11 +719,10 @@ class FlashBwdSm90:
 
     @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
-                m_block, tidx, then=None, release_do=None):
+                m_block, tidx, then=None):
         """dQ's share of this key block for query block m_block: dS K, scaled, added to the
         float32 accumulator (rows inside the sequence only). `then`: issues dK's GEMM after
-        dQ's, which the additions then wait for alone. `release_do`: frees dO's stage once
-        the GEMMs before dQ's (dV's) are done, before the additions."""
+        dQ's, which the additions then wait for alone."""
         thr_dq = dq.get_slice(tidx)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         fresh = sm90_utils.make_trivial_tiled_mma(
@@ -753,8 +734,6 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)
         else:
             warpgroup.wait_group(0)
-        if const_expr(release_do is not None):
-            release_do()
         coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
         acc_mn = acc_mn_view(acc_dQ)
         self.dq_order(order, m_block, tidx,

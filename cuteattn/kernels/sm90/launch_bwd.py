@@ -34,7 +34,6 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # d=80 as 80, not 96); wider ones between the compiled widths on the next of them (at 112 the
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
-PRELOAD_ROWS = 1  # (A/B: bwd.Sm90BwdConfig.preload_rows)
 
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
@@ -47,7 +46,6 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # over 128, the warpgroups split the head dim of a 64-key block (bwd.Sm90BwdConfig.split_d),
     # with two Q / dO stages where shared memory holds them (d=256: 226 KB of 227)
     split = head_dim > 128
-    packed = spec.varlen_q or spec.varlen_k
     tile_n = WG_ROWS if split else Sm90BwdConfig.tile_n
     stages = Sm90BwdConfig.num_stages
     while split and stages > 1 and Sm90BwdConfig(
@@ -59,7 +57,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         split_d=split, causal=spec.causal,
         # dQ's additions under dK's GEMM: 1.00-1.07x at 4k-16k (perf-log); with packed
         # sequences at d=128 it spills (28-48 bytes), so those keep dK's GEMM first
-        dq_before_dk=not (packed and head_dim == 128),
+        dq_before_dk=not ((spec.varlen_q or spec.varlen_k) and head_dim == 128),
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
@@ -69,8 +67,6 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         sparse_q_block=spec.sparse_q_block,
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
-        # (with packed sequences at d=128 the preloaded LSE spills, 68-84 bytes)
-        preload_rows=bool(PRELOAD_ROWS) and not (packed and head_dim == 128),
     )
 
 
