@@ -688,6 +688,10 @@ class FlashBwdSm90:
             else:
                 self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
                              softmax_scale, m_block, tidx, then)
+            if const_expr(cfg.dq_before_dk):
+                # dK's GEMM (issued after dQ's, run under dQ's additions) reads Q's stage: it
+                # is done before the stage is freed for the producer's next TMA write
+                warpgroup.wait_group(0)
             pipeline_q.consumer_release(state)
             pipeline_do.consumer_release(state)
             state.advance()
