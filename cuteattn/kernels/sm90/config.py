@@ -118,20 +118,25 @@ PAGED_TILE_N = (128, 64)
 SLICED_PAGE_WIDTH = 64
 
 
+def sliced_pages(page_size: int) -> bool:
+    """Whether pages of page_size keys are read as slices of a key block (not whole blocks)."""
+    return page_size % min(PAGED_TILE_N) != 0
+
+
 def paged_width(width: int, page_size: int) -> int:
     """The kernel's width for a head dim of `width` columns reading pages of page_size keys."""
-    if page_size % 64 == 0:
+    if not sliced_pages(page_size):
         return width
     return -(-width // SLICED_PAGE_WIDTH) * SLICED_PAGE_WIDTH
 
 
-def paged_tile_n(tile_n: int, page_size: int, head_dim: int, head_dim_v: int):
+def paged_tile_n(tile_n: int, page_size: int):
     """The key block for pages of page_size keys, at most tile_n; None if the kernel cannot
-    read such pages."""
-    if page_size % 64 == 0:
+    read such pages (the widths are paged_width's)."""
+    if not sliced_pages(page_size):
         fits = [n for n in PAGED_TILE_N if n <= tile_n and page_size % n == 0]
         return max(fits) if fits else None
-    if page_size % 16 or head_dim % 64 or head_dim_v % 64 or page_size > tile_n:
+    if page_size % 16 or page_size > tile_n:
         return None
     return tile_n - tile_n % page_size
 
@@ -172,7 +177,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     if mask_mod is not None and score_mod is not None:
         tile_n = min(tile_n, BOTH_MODS_TILE_N.get(anchor, tile_n))
     if page_size:
-        paged = paged_tile_n(tile_n, page_size, head_dim, head_dim_v)
+        paged = paged_tile_n(tile_n, page_size)
         if paged is None:
             raise ValueError(f"pages of {page_size} keys: the sm90 forward reads pages of a "
                              f"multiple of 64 keys, or of a multiple of 16 up to its key block "
