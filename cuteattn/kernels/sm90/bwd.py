@@ -742,8 +742,8 @@ class FlashBwdSm90:
         # past its last dQ GEMM (they read all of K)
         warpgroup.wait_group(0)  # (dq_before_dk: the last dK GEMM)
         if const_expr(cfg.dq_tma):
-            if dq_issuer:  # every reduce-add done before the CTA's shared memory goes
-                cute.arch.cp_async_bulk_wait_group(0)
+            if dq_issuer:  # every reduce-add has read its box before shared memory goes
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * softmax_scale
         named_barriers.sync(BwdBarrier.KV_FREE, self.consumer_threads)
