@@ -73,6 +73,7 @@ class BwdBarrier(enum.IntEnum):
     KV_FREE = 2    # both are past their last dQ GEMM (K's buffer may stage dK)
     DQ_ORDER = 3   # deterministic: the turn of this key block to add into a query block
     DQ_DONE = 4    # deterministic: every consumer's additions are issued and fenced
+    DQ_STAGED = 5  # (dq_tma; + the warpgroup) its dQ share is in shared memory for the TMA
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,11 @@ class Sm90BwdConfig:
     split_d: bool = False
     # dQ's GEMM issued before dK's, and dQ's additions made while dK's GEMM runs
     dq_before_dk: bool = False
+    # dQ's share staged in shared memory (float32) and added by one TMA reduce-add a
+    # warpgroup (FlashAttention-3's way), instead of 16 vector reductions a thread: the profile
+    # has the consumers waiting on the load/store unit to take those. Rows past the sequence
+    # are 0 there (their P is masked), so the tile is added whole.
+    dq_tma: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -149,7 +155,8 @@ class Sm90BwdConfig:
         kv = 2 * self.tile_n * self.head_dim
         ds = 2 * self.tile_m * self.tile_n * (2 if self.split_d else 1)  # (and P^T)
         rows = 2 * self.num_stages * self.tile_m * 4  # LSE and D
-        return (qdo + kv + ds) * elem + rows + 1024
+        dq = self.tile_m * self.dq_cols * self.dq_wgs * 4 if self.dq_tma else 0
+        return (qdo + kv + ds) * elem + rows + dq + 1024
 
 
 def _k_major_layout(dtype, rows: int, cols: int, stages: int, major: int):
@@ -181,6 +188,8 @@ class FlashBwdSm90:
         assert not (cfg.split_d and (cfg.dq_single_wg or cfg.sparse or cfg.mask_mod is not None
                                      or cfg.score_mod is not None))
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
+        # (the deterministic turns count additions done when signalled; the TMA's are async)
+        assert not (cfg.dq_tma and (cfg.split_d or cfg.deterministic))
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -286,10 +295,19 @@ class FlashBwdSm90:
         row_stage = cute.slice_(sRow_layout, (None, 0))
         tma_atom_lse, tma_lse = cpasync.make_tiled_tma_atom(tma_load, mLSE2, row_stage, (self.tile_m,))
         tma_atom_dsum, tma_dsum = cpasync.make_tiled_tma_atom(tma_load, mD, row_stage, (self.tile_m,))
+        dq_store = None
+        if const_expr(cfg.dq_tma):
+            # each dQ warpgroup's (tile_m, dq_cols) float32 share, a box of the TMA reduce-add
+            sdQ_layout = _k_major_layout(Float32, self.tile_m, cfg.dq_cols, cfg.dq_wgs, cfg.dq_cols)
+            tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, stage(sdQ_layout),
+                (self.tile_m, cfg.dq_cols))
+            dq_store = (tma_atom_dq, tma_dq, sdQ_layout)
         self.q_bytes = cute.size_in_bytes(dt, stage(sQ_layout)) + self.tile_m * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
-        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sV_layout, sdS_layout,
-                                                       sRow_layout)
+        self.shared_storage = self.shared_storage_type(
+            sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
+            dq_store[2] if const_expr(cfg.dq_tma) else None)
 
         num_heads = mQ.shape[2]
         if const_expr(cfg.varlen_q):
@@ -303,7 +321,7 @@ class FlashBwdSm90:
             (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
-            sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
+            sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, dq_store,
         ).launch(
             grid=[num_n_blocks, num_heads, 1 if const_expr(cfg.varlen_k) else batch],
             block=[self.num_threads, 1, 1],
@@ -311,7 +329,8 @@ class FlashBwdSm90:
             min_blocks_per_mp=1,
         )
 
-    def shared_storage_type(self, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout):
+    def shared_storage_type(self, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout,
+                            sdQ_layout=None):
         stages = self.cfg.num_stages
         q_elems, k_elems, ds_elems = (cute.cosize(x) for x in (sQ_layout, sK_layout, sdS_layout))
         fields = {
@@ -326,6 +345,8 @@ class FlashBwdSm90:
             "sLSE2": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128],
             "sD": cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sRow_layout)], 128],
         }
+        if sdQ_layout is not None:  # dQ's float32 shares for the TMA reduce-add (dq_tma)
+            fields["sdQ"] = cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
         if self.cfg.split_d:  # P^T, laid out as dS^T (a (query, key) buffer read transposed)
             fields["sP"] = cute.struct.Align[cute.struct.MemRange[self.dtype, ds_elems], 1024]
         return cute.struct(type("BwdSharedStorage", (), {"__annotations__": fields}))
@@ -355,6 +376,7 @@ class FlashBwdSm90:
         sdp: cute.TiledMma, dkv: cute.TiledMma, dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout,
+        dq_store: Optional[tuple],
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -362,6 +384,8 @@ class FlashBwdSm90:
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse, tma_atom_dsum):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(cfg.dq_tma):
+                cpasync.prefetch_descriptor(dq_store[0])
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -382,6 +406,9 @@ class FlashBwdSm90:
                  _transposed(storage.sdO, sQ_layout), _transposed(storage.sK, sK_layout),
                  _transposed(storage.sdS, sdS_layout),
                  _transposed(storage.sP, sdS_layout) if const_expr(cfg.split_d) else None)
+        sdQ = None
+        if const_expr(cfg.dq_tma):
+            sdQ = storage.sdQ.get_tensor(dq_store[2].outer, swizzle=dq_store[2].inner)
 
         # Which key block, head and batch this CTA owns.
         n_block, head_idx, batch_idx = cute.arch.block_idx()
@@ -421,7 +448,8 @@ class FlashBwdSm90:
                              pipeline_q, pipeline_do, pipeline_kv, seqlen, block_info,
                              softmax_scale, score_scale, softmax_scale_log2,
                              window_left, window_right, n_block, head_idx, batch_idx,
-                             rows, rows_q, tidx - WG_THREADS, mKeyHalves, mDqTurns, mod_tensors)
+                             rows, rows_q, tidx - WG_THREADS, mKeyHalves, mDqTurns, mod_tensors,
+                             (dq_store[0], dq_store[1], sdQ) if const_expr(cfg.dq_tma) else None)
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
@@ -497,7 +525,7 @@ class FlashBwdSm90:
                 pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo, block_info: BlockInfo,
                 softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
                 n_block, head_idx, batch_idx, rows, rows_q, tidx, mKeyHalves=None,
-                mDqTurns=None, mod_tensors=(None, None, None, None)):
+                mDqTurns=None, mod_tensors=(None, None, None, None), dq_store=None):
         """Both consumer warpgroups (tidx in [0, 256)): the walk over the query blocks, then dK
         and dV out. mKeyHalves (sparse_kv_half): whether each 64-key block attends a listed
         query block; a warpgroup whose block does not leaves it out (all its scores masked)."""
@@ -538,6 +566,18 @@ class FlashBwdSm90:
         tSsPt = thr_sdp.partition_C(sPt) if const_expr(cfg.split_d) else None
 
         gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        if const_expr(cfg.dq_tma):
+            # (TMA atom, this warpgroup's staged share, its boxes in global memory by query block)
+            tma_atom_dq, tma_dq, sdQ = dq_store
+            gdQ_boxes = cute.local_tile(seqlen.q_view(tma_dq, head_idx, batch_idx),
+                                        (self.tile_m, cfg.dq_cols), (None, None))
+            tdQs, tdQg = cpasync.tma_partition(tma_atom_dq, 0, cute.make_layout(1),
+                                               cute.group_modes(sdQ, 0, 2),
+                                               cute.group_modes(gdQ_boxes, 0, 2))
+            dq_wg = 0 if const_expr(cfg.dq_single_wg) else wg
+            gdQ = (tma_atom_dq, tdQs[None, dq_wg], tdQg[None, None, dq_wg], sdQ[None, None, dq_wg])
+        # (dq_tma) the warp of each dQ warpgroup that issues its reduce-add
+        dq_issuer = (tidx % WG_THREADS) // 32 == 0
         num_cols = cute.size(acc_S_mn, mode=[1])
         key_start = n_block * self.tile_n + (0 if const_expr(cfg.split_d) else wg * WG_ROWS)
 
@@ -669,6 +709,9 @@ class FlashBwdSm90:
                 if const_expr(not cfg.dq_before_dk):
                     issue_dk()
             cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
+            if const_expr(cfg.dq_tma):
+                if dq_issuer:  # the last block's reduce-add has read its staged share
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
             if const_expr(cfg.split_d):  # this warpgroup's half of dV's and dK's columns
                 gemm_async(dkv, acc_dV, tVsPt[None, None, None, ds_stage],
@@ -698,6 +741,9 @@ class FlashBwdSm90:
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
         warpgroup.wait_group(0)  # (dq_before_dk: the last dK GEMM)
+        if const_expr(cfg.dq_tma):
+            if dq_issuer:  # every reduce-add has read its box before shared memory goes
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
             acc_dK[i] = acc_dK[i] * softmax_scale
         named_barriers.sync(BwdBarrier.KV_FREE, self.consumer_threads)
@@ -734,10 +780,37 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)
         else:
             warpgroup.wait_group(0)
-        coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
-        acc_mn = acc_mn_view(acc_dQ)
-        self.dq_order(order, m_block, tidx,
-                      lambda: self.add_dq(acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale))
+        if const_expr(self.cfg.dq_tma):
+            self.reduce_dq(acc_dQ, gdQ, m_block, tidx, softmax_scale)
+        else:
+            coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+            acc_mn = acc_mn_view(acc_dQ)
+            self.dq_order(order, m_block, tidx,
+                          lambda: self.add_dq(acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale))
+
+    @cute.jit
+    def reduce_dq(self, acc_dQ, dq_store, m_block, tidx, softmax_scale):
+        """dq_tma: this warpgroup's dQ share, scaled, into its shared-memory box (free: the
+        issuing warp waited for the last reduce-add's reads before DS_READY), then one TMA
+        reduce-add of the box into the accumulator, issued by the warpgroup's first warp once
+        the others have arrived (they go on without waiting)."""
+        tma_atom, tdQs, tdQg, sdQ = dq_store
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            acc_dQ[i] = acc_dQ[i] * softmax_scale
+        one_wg = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (self.tile_m, self.cfg.dq_cols))
+        pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
+        cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
+        cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, before the TMA's reads
+        staged = BwdBarrier.DQ_STAGED + tidx // WG_THREADS
+        if (tidx % WG_THREADS) // 32 == 0:
+            named_barriers.sync(staged, WG_THREADS)
+            cute.copy(tma_atom, tdQs, tdQg[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+        else:
+            named_barriers.arrive(staged, WG_THREADS)
 
     @cute.jit
     def add_dq(self, acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale):

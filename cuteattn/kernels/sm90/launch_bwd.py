@@ -35,6 +35,10 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
+# dQ's shares added by one TMA reduce-add a warpgroup from shared memory (bwd.Sm90BwdConfig.dq_tma)
+# where shared memory holds the staging box (not split_d) and the additions need no order
+DQ_TMA = True
+
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     """A head dim runs at its kernel width (NATIVE_WIDTH_MAX) or on the next compiled width up:
@@ -67,6 +71,9 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         sparse_q_block=spec.sparse_q_block,
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
+        # (at d=128 packed sequences spill 60 bytes with it, a window 4)
+        dq_tma=DQ_TMA and not split and not spec.deterministic and not (
+            (spec.varlen_q or spec.varlen_k or spec.local) and head_dim == 128),
     )
 
 
