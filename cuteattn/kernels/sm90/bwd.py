@@ -125,9 +125,26 @@ class Sm90BwdConfig:
         return self.sparse_q_block > 0
 
     @property
+    def dq_split_rows(self) -> bool:
+        """Query steps of 128 rows: the warpgroups split dQ by rows (64 each, every column)."""
+        return self.tile_m > WG_ROWS
+
+    @property
     def dq_cols(self) -> int:
         """dQ columns per warpgroup that computes them."""
-        return self.head_dim if self.dq_single_wg else self.head_dim // NUM_CONSUMER_WG
+        if self.dq_single_wg or self.dq_split_rows:
+            return self.head_dim
+        return self.head_dim // NUM_CONSUMER_WG
+
+    @property
+    def dq_atoms(self) -> tuple:
+        """The dQ GEMM's warpgroups: along the rows (dq_split_rows) or the columns."""
+        return (self.dq_wgs, 1, 1) if self.dq_split_rows else (1, self.dq_wgs, 1)
+
+    @property
+    def dq_box(self) -> tuple:
+        """(rows, cols) of one warpgroup's share of dQ (dq_tma: one TMA box)."""
+        return (WG_ROWS if self.dq_split_rows else self.tile_m, self.dq_cols)
 
     @property
     def descending_turns(self) -> bool:
@@ -155,7 +172,7 @@ class Sm90BwdConfig:
         kv = 2 * self.tile_n * self.head_dim
         ds = 2 * self.tile_m * self.tile_n * (2 if self.split_d else 1)  # (and P^T)
         rows = 2 * self.num_stages * self.tile_m * 4  # LSE and D
-        dq = self.tile_m * self.dq_cols * self.dq_wgs * 4 if self.dq_tma else 0
+        dq = self.tile_m * self.head_dim * 4 if self.dq_tma else 0
         return (qdo + kv + ds) * elem + rows + dq + 1024
 
 
@@ -228,9 +245,8 @@ class FlashBwdSm90:
             dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (NUM_CONSUMER_WG, 1, 1),
                                                     (WG_ROWS, self.d), warpgroup.OperandSource.RMEM)
         # dQ = dS K: M = queries, N = d (split between the warpgroups, or all in warpgroup 0).
-        dq_wgs = 1 if self.cfg.dq_single_wg else NUM_CONSUMER_WG
-        dq = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (1, dq_wgs, 1),
-                                               (self.tile_m, self.cfg.dq_cols))
+        dq = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, self.cfg.dq_atoms,
+                                               self.cfg.dq_box)
         return sdp, dkv, dq
 
     @cute.jit
@@ -297,11 +313,10 @@ class FlashBwdSm90:
         tma_atom_dsum, tma_dsum = cpasync.make_tiled_tma_atom(tma_load, mD, row_stage, (self.tile_m,))
         dq_store = None
         if const_expr(cfg.dq_tma):
-            # each dQ warpgroup's (tile_m, dq_cols) float32 share, a box of the TMA reduce-add
-            sdQ_layout = _k_major_layout(Float32, self.tile_m, cfg.dq_cols, cfg.dq_wgs, cfg.dq_cols)
+            # each dQ warpgroup's float32 share (cfg.dq_box), a box of the TMA reduce-add
+            sdQ_layout = _k_major_layout(Float32, *cfg.dq_box, cfg.dq_wgs, cfg.dq_cols)
             tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, stage(sdQ_layout),
-                (self.tile_m, cfg.dq_cols))
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, stage(sdQ_layout), cfg.dq_box)
             dq_store = (tma_atom_dq, tma_dq, sdQ_layout)
         self.q_bytes = cute.size_in_bytes(dt, stage(sQ_layout)) + self.tile_m * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
@@ -569,13 +584,16 @@ class FlashBwdSm90:
         if const_expr(cfg.dq_tma):
             # (TMA atom, this warpgroup's staged share, its boxes in global memory by query block)
             tma_atom_dq, tma_dq, sdQ = dq_store
-            gdQ_boxes = cute.local_tile(seqlen.q_view(tma_dq, head_idx, batch_idx),
-                                        (self.tile_m, cfg.dq_cols), (None, None))
+            gdQ_boxes = cute.local_tile(seqlen.q_view(tma_dq, head_idx, batch_idx), cfg.dq_box,
+                                        (None, None))
             tdQs, tdQg = cpasync.tma_partition(tma_atom_dq, 0, cute.make_layout(1),
                                                cute.group_modes(sdQ, 0, 2),
                                                cute.group_modes(gdQ_boxes, 0, 2))
             dq_wg = 0 if const_expr(cfg.dq_single_wg) else wg
-            gdQ = (tma_atom_dq, tdQs[None, dq_wg], tdQg[None, None, dq_wg], sdQ[None, None, dq_wg])
+            # (the box's column, and its row within a query step, by the split)
+            col_box, row_box = (0, dq_wg) if const_expr(cfg.dq_split_rows) else (dq_wg, 0)
+            gdQ = (tma_atom_dq, tdQs[None, dq_wg], tdQg[None, None, col_box], sdQ[None, None, dq_wg],
+                   row_box)
         # (dq_tma) the warp of each dQ warpgroup that issues its reduce-add
         dq_issuer = (tidx % WG_THREADS) // 32 == 0
         num_cols = cute.size(acc_S_mn, mode=[1])
@@ -773,7 +791,7 @@ class FlashBwdSm90:
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         fresh = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, self.cfg.dq_wgs, 1), (self.tile_m, self.cfg.dq_cols))
+            Float32, self.cfg.dq_atoms, self.cfg.dq_box)
         gemm_async(fresh, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
         if const_expr(then is not None):
             then()
@@ -794,12 +812,12 @@ class FlashBwdSm90:
         issuing warp waited for the last reduce-add's reads before DS_READY), then one TMA
         reduce-add of the box into the accumulator, issued by the warpgroup's first warp once
         the others have arrived (they go on without waiting)."""
-        tma_atom, tdQs, tdQg, sdQ = dq_store
+        tma_atom, tdQs, tdQg, sdQ, row_box = dq_store
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             acc_dQ[i] = acc_dQ[i] * softmax_scale
         one_wg = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (self.tile_m, self.cfg.dq_cols))
+            Float32, (1, 1, 1), self.cfg.dq_box)
         pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
         thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
         cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
@@ -807,7 +825,8 @@ class FlashBwdSm90:
         staged = BwdBarrier.DQ_STAGED + tidx // WG_THREADS
         if (tidx % WG_THREADS) // 32 == 0:
             named_barriers.sync(staged, WG_THREADS)
-            cute.copy(tma_atom, tdQs, tdQg[None, m_block])
+            boxes_per_step = self.tile_m // self.cfg.dq_box[0]
+            cute.copy(tma_atom, tdQs, tdQg[None, m_block * boxes_per_step + row_box])
             cute.arch.cp_async_bulk_commit_group()
         else:
             named_barriers.arrive(staged, WG_THREADS)

@@ -37,7 +37,9 @@ NATIVE_WIDTH_MAX = 96
 
 # dQ's shares added by one TMA reduce-add a warpgroup from shared memory (bwd.Sm90BwdConfig.dq_tma)
 # where shared memory holds the staging box (not split_d) and the additions need no order
+# (at d=128 packed sequences spill 60 bytes with it, a window 4: those keep the reductions)
 DQ_TMA = True
+D64_TILE_M = 128
 
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
@@ -56,12 +58,20 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
             CUTLASS_DTYPES[spec.dtype], head_dim, tile_n=tile_n, num_stages=stages,
             split_d=True).smem_bytes() > SMEM_LIMIT:
         stages -= 1
+    dq_tma = DQ_TMA and not split and not spec.deterministic and not (
+        (spec.varlen_q or spec.varlen_k or spec.local) and head_dim == 128)
+    # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
+    # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
+    tall = (head_dim == 64 and D64_TILE_M > 64 and dq_tma and not spec.local
+            and not (spec.varlen_q or spec.varlen_k or spec.sparse_q_block or spec.mods_or_lists))
     return Sm90BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_n=tile_n, num_stages=stages,
-        split_d=split, causal=spec.causal,
+        split_d=split, causal=spec.causal, tile_m=D64_TILE_M if tall else 64,
         # dQ's additions under dK's GEMM: 1.00-1.07x at 4k-16k (perf-log); with packed
-        # sequences at d=128 it spills (28-48 bytes), so those keep dK's GEMM first
-        dq_before_dk=not ((spec.varlen_q or spec.varlen_k) and head_dim == 128),
+        # sequences at d=128 it spills (28-48 bytes), so those keep dK's GEMM first (and
+        # d=64's causal 128-row steps: 20 bytes)
+        dq_before_dk=not (((spec.varlen_q or spec.varlen_k) and head_dim == 128)
+                          or (tall and spec.causal)),
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
@@ -71,9 +81,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         sparse_q_block=spec.sparse_q_block,
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
-        # (at d=128 packed sequences spill 60 bytes with it, a window 4)
-        dq_tma=DQ_TMA and not split and not spec.deterministic and not (
-            (spec.varlen_q or spec.varlen_k or spec.local) and head_dim == 128),
+        dq_tma=dq_tma,
     )
 
 
