@@ -21,10 +21,20 @@ def first_call(fn, device: torch.device):
     return time.perf_counter() - start, result
 
 
+# On a GPU the warm-up also lasts this long: after an idle spell (a cell's kernel compiling for
+# seconds) the clocks take a while to come back, and five calls of a 1k-token backward (~1.5 ms)
+# left one cell at 284 TFLOP/s that ran at 440 in a run without the compile before it.
+MIN_WARMUP_S = 0.2
+
+
 def median_ms(fn, device: torch.device, warmup: int = 5, iters: int = 20) -> float:
     """Median milliseconds of one call of fn (already called once, so no compile inside)."""
-    for _ in range(warmup):
+    _sync(device)
+    began, calls = time.perf_counter(), 0
+    while calls < warmup or (device.type == "cuda" and time.perf_counter() - began < MIN_WARMUP_S):
         fn()
+        calls += 1
+        _sync(device)
     if device.type != "cuda":
         times = []
         for _ in range(iters):
