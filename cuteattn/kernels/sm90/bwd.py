@@ -15,9 +15,10 @@ In each CTA:
         dS^T = P^T * (dP^T - D),  dV += P^T dO,  dK += dS^T Q,  dQ = dS K.
     dQ needs dS with the queries as rows, so dS^T is also written to shared memory (a double
     buffer, so one barrier per block suffices) and both warpgroups compute half of dQ's columns
-    (or warpgroup 0 all of them: `dq_single_wg`) from it and K, then add their float32 share to
-    the dQ accumulator with vector reductions (red.global.add.v2.f32; staging them in shared
-    memory for one bulk reduction per row, FA3's way, measured 0.59-1.06x of this: perf-log).
+    (or warpgroup 0 all of them: `dq_single_wg`; or, in 128-row query steps, 64 of the rows
+    each: `dq_split_rows`) from it and K, then add their float32 share to the dQ accumulator:
+    staged in shared memory and added by one TMA reduce-add a warpgroup (`dq_tma`, FA3's
+    way), or where that does not fit with vector reductions (red.global.add.v2.f32).
 Head dims over 128 (`split_d`): dK and dV of 64 keys each would need 2d float32 registers a
 thread, so a CTA owns 64 keys, which both warpgroups share: each computes S^T and dP^T for half
 of the block's queries, writes P^T and dS^T to shared memory, and after one barrier takes half

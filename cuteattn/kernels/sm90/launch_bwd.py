@@ -35,10 +35,8 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
-# dQ's shares added by one TMA reduce-add a warpgroup from shared memory (bwd.Sm90BwdConfig.dq_tma)
-# where shared memory holds the staging box (not split_d) and the additions need no order
-# (at d=128 packed sequences spill 60 bytes with it, a window 4: those keep the reductions)
-DQ_TMA = True
+# Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
+# 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
 
 
@@ -58,7 +56,11 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
             CUTLASS_DTYPES[spec.dtype], head_dim, tile_n=tile_n, num_stages=stages,
             split_d=True).smem_bytes() > SMEM_LIMIT:
         stages -= 1
-    dq_tma = DQ_TMA and not split and not spec.deterministic and not (
+    # dQ's shares by one TMA reduce-add a warpgroup box (bwd.Sm90BwdConfig.dq_tma): 1.07-1.22x
+    # at 4k-16k. Not where shared memory has no room for the box (split_d), not in deterministic
+    # mode (its turns then wait for each reduce-add to complete: measured 0.996x, rejected), not
+    # at d=128 with packed sequences or a window (60 and 4 bytes of spills with it)
+    dq_tma = not split and not spec.deterministic and not (
         (spec.varlen_q or spec.varlen_k or spec.local) and head_dim == 128)
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
