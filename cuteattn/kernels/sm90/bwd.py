@@ -594,7 +594,7 @@ class FlashBwdSm90:
             # (the box's column, and its row within a query step, by the split)
             col_box, row_box = (0, dq_wg) if const_expr(cfg.dq_split_rows) else (dq_wg, 0)
             gdQ = (tma_atom_dq, tdQs[None, dq_wg], tdQg[None, None, col_box], sdQ[None, None, dq_wg],
-                   row_box)
+                   row_box)  # (what reduce_dq takes in gdQ's place)
         # (dq_tma) the warp of each dQ warpgroup that issues its reduce-add
         dq_issuer = (tidx % WG_THREADS) // 32 == 0
         num_cols = cute.size(acc_S_mn, mode=[1])
@@ -808,12 +808,12 @@ class FlashBwdSm90:
                           lambda: self.add_dq(acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale))
 
     @cute.jit
-    def reduce_dq(self, acc_dQ, dq_store, m_block, tidx, softmax_scale):
+    def reduce_dq(self, acc_dQ, dq_box, m_block, tidx, softmax_scale):
         """dq_tma: this warpgroup's dQ share, scaled, into its shared-memory box (free: the
         issuing warp waited for the last reduce-add's reads before DS_READY), then one TMA
         reduce-add of the box into the accumulator, issued by the warpgroup's first warp once
         the others have arrived (they go on without waiting)."""
-        tma_atom, tdQs, tdQg, sdQ, row_box = dq_store
+        tma_atom, tdQs, tdQg, sdQ, row_box = dq_box
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             acc_dQ[i] = acc_dQ[i] * softmax_scale
         one_wg = sm90_utils.make_trivial_tiled_mma(
@@ -824,7 +824,7 @@ class FlashBwdSm90:
         cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, before the TMA's reads
         staged = BwdBarrier.DQ_STAGED + tidx // WG_THREADS
-        if (tidx % WG_THREADS) // 32 == 0:
+        if (tidx % WG_THREADS) // 32 == 0:  # (consume's dq_issuer)
             named_barriers.sync(staged, WG_THREADS)
             boxes_per_step = self.tile_m // self.cfg.dq_box[0]
             cute.copy(tma_atom, tdQs, tdQg[None, m_block * boxes_per_step + row_box])

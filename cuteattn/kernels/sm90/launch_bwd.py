@@ -64,7 +64,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         (spec.varlen_q or spec.varlen_k or spec.local) and head_dim == 128)
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
-    tall = (head_dim == 64 and D64_TILE_M > 64 and dq_tma and not spec.local
+    tall = (head_dim == 64 and dq_tma and not spec.local
             and not (spec.varlen_q or spec.varlen_k or spec.sparse_q_block or spec.mods_or_lists))
     return Sm90BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_n=tile_n, num_stages=stages,
