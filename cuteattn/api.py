@@ -513,12 +513,16 @@ def backward_sparse(dout, q, k, v, out, lse, mask, softmax_scale, causal, window
 
 
 def _cached_launch(spec, device):
-    """(launch, None) of the family serving spec, kept per spec; else (None, reason)."""
-    hit = _launches.get(("sparse", spec, device))  # (the spec holds every static choice)
+    """(launch, None) of the family serving spec, kept per spec (which holds every static
+    choice) and kernel path variable; else (None, reason). For the calls that skip the eager
+    shortcut: block-sparse ones, and backwards (whose selection and launch setup cost about
+    as much host time as a 1k-token kernel)."""
+    sig = ("spec", spec, device, os.environ.get("CUTEATTN_PATH"))
+    hit = _launches.get(sig)
     if hit is not None:
         return hit[1], None
     launch, reason = _select_kernel(spec, device)
-    _remember(("sparse", spec, device), spec, launch)
+    _remember(sig, spec, launch)
     return launch, reason
 
 
@@ -849,7 +853,7 @@ def _run_backward(spec, dout, q, k, v, out, lse, strict, varlen: dict | None = N
         zero_sink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float32,
                                                           device=sink.device)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), zero_sink
-    launch, reason = _select_kernel(spec, q.device)
+    launch, reason = _cached_launch(spec, q.device)
     if reason is None:
         if sink is None:
             return (*launch(dout, q, k, v, out, lse, **(varlen or {})), None)

@@ -9,7 +9,11 @@ out and lse; their autograd formulas call `cuteattn::bwd` / `cuteattn::bwd_varle
 autograd is off inside a custom op, with the usual FallbackWarning or strict-mode error).
 
 Plain eager calls without gradients do not come here (api._through_op): the op dispatcher costs
-host time that the direct path does not pay.
+host time that the direct path does not pay. Eager calls that record a gradient run the same
+forward and backward bodies through a torch.autograd.Function (_Eager, _EagerVarlen) rather than
+the ops: on the H200 machine's torch the dispatcher and the op's autograd wrapper took ~0.4 ms of
+host time a backward call, longer than the kernels of a 1k-token layer. torch.compile traces the
+ops.
 """
 from __future__ import annotations
 
@@ -41,15 +45,17 @@ def _normalised(q, softmax_scale, causal, window_size, softcap):
 
 # ---- fixed length ----
 
-@torch.library.custom_op("cuteattn::fwd", mutates_args=())
-def _fwd(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor],
-         descales: list[Optional[Tensor]], softmax_scale: float, causal: bool,
-         window_left: Optional[int], window_right: Optional[int], softcap: float,
-         deterministic: bool, strict: int) -> tuple[Tensor, Tensor]:
+def _fwd_body(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor],
+              descales: list[Optional[Tensor]], softmax_scale: float, causal: bool,
+              window_left: Optional[int], window_right: Optional[int], softcap: float,
+              deterministic: bool, strict: int) -> tuple[Tensor, Tensor]:
     out, lse, _, _ = api.forward(q, k, v, softmax_scale, causal, (window_left, window_right),
                                  softcap, _strict(strict), learnable_sink=learnable_sink,
                                  descales=tuple(descales))
     return out, lse
+
+
+_fwd = torch.library.custom_op("cuteattn::fwd", mutates_args=())(_fwd_body)
 
 
 @_fwd.register_fake
@@ -59,15 +65,17 @@ def _fwd_fake(q, k, v, *args):
             q.new_empty((b, h, sq), dtype=torch.float32))
 
 
-@torch.library.custom_op("cuteattn::bwd", mutates_args=())
-def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-         learnable_sink: Optional[Tensor], softmax_scale: float, causal: bool,
-         window_left: Optional[int], window_right: Optional[int], softcap: float,
-         deterministic: bool, strict: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _bwd_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+              learnable_sink: Optional[Tensor], softmax_scale: float, causal: bool,
+              window_left: Optional[int], window_right: Optional[int], softcap: float,
+              deterministic: bool, strict: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     *grads, dsink = api.backward(dout, q, k, v, out, lse, softmax_scale, causal,
                                  (window_left, window_right), softcap, deterministic,
                                  _strict(strict), learnable_sink)
     return (*_as_inputs(grads, (q, k, v)), _sink_grad(dsink, learnable_sink, q))
+
+
+_bwd = torch.library.custom_op("cuteattn::bwd", mutates_args=())(_bwd_body)
 
 
 @_bwd.register_fake
@@ -82,37 +90,54 @@ def _fwd_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])  # lse
 
 
-def _fwd_backward(ctx, dout, dlse):
+def _fwd_backward(ctx, dout, dlse, bwd=_bwd):
     q, k, v, out, lse, sink = ctx.saved_tensors
-    dq, dk, dv, dsink = _bwd(dout.contiguous(), q, k, v, out, lse, sink, *ctx.scalars)
+    dq, dk, dv, dsink = bwd(dout.contiguous(), q, k, v, out, lse, sink, *ctx.scalars)
     return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 8
 
 
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 
+class _Eager(torch.autograd.Function):
+    """cuteattn::fwd and its autograd formula for eager calls, without the op dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _fwd_body(*inputs)
+        _fwd_setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _fwd_backward(ctx, dout, dlse, bwd=_bwd_body)
+
+
 def attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, strict,
               learnable_sink=None, descales=(None, None, None)):
     """flash_attn_func through the custom op: returns (out, lse)."""
     scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
-    return _fwd(q, k, v, learnable_sink, list(descales), scale, causal, left, right, softcap,
-                bool(deterministic), _strict_code(strict))
+    op = _fwd if torch.compiler.is_compiling() else _Eager.apply
+    return op(q, k, v, learnable_sink, list(descales), scale, causal, left, right, softcap,
+              bool(deterministic), _strict_code(strict))
 
 
 # ---- packed (varlen) ----
 
-@torch.library.custom_op("cuteattn::fwd_varlen", mutates_args=())
-def _fwd_varlen(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor],
-                descales: list[Optional[Tensor]], cu_seqlens_q: Optional[Tensor],
-                cu_seqlens_k: Optional[Tensor],
-                seqused_q: Optional[Tensor], seqused_k: Optional[Tensor], max_seqlen_q: int,
-                max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: Optional[int],
-                window_right: Optional[int], softcap: float, validate: bool, deterministic: bool,
-                strict: int) -> tuple[Tensor, Tensor]:
+def _fwd_varlen_body(q: Tensor, k: Tensor, v: Tensor, learnable_sink: Optional[Tensor],
+                     descales: list[Optional[Tensor]], cu_seqlens_q: Optional[Tensor],
+                     cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor],
+                     seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                     softmax_scale: float, causal: bool, window_left: Optional[int],
+                     window_right: Optional[int], softcap: float, validate: bool,
+                     deterministic: bool, strict: int) -> tuple[Tensor, Tensor]:
     return api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               softmax_scale, causal, (window_left, window_right), softcap,
                               seqused_q, seqused_k, validate, _strict(strict),
                               learnable_sink=learnable_sink, descales=tuple(descales))
+
+
+_fwd_varlen = torch.library.custom_op("cuteattn::fwd_varlen", mutates_args=())(_fwd_varlen_body)
 
 
 @_fwd_varlen.register_fake
@@ -124,19 +149,21 @@ def _fwd_varlen_fake(q, k, v, learnable_sink, descales, cu_seqlens_q, *args):
     return out, q.new_empty((b, h, sq), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuteattn::bwd_varlen", mutates_args=())
-def _bwd_varlen(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                learnable_sink: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
-                cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor],
-                seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-                softmax_scale: float, causal: bool, window_left: Optional[int],
-                window_right: Optional[int], softcap: float, deterministic: bool,
-                strict: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _bwd_varlen_body(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                     learnable_sink: Optional[Tensor], cu_seqlens_q: Optional[Tensor],
+                     cu_seqlens_k: Optional[Tensor], seqused_q: Optional[Tensor],
+                     seqused_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                     softmax_scale: float, causal: bool, window_left: Optional[int],
+                     window_right: Optional[int], softcap: float, deterministic: bool,
+                     strict: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     *grads, dsink = api.backward_varlen(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
         max_seqlen_k, softmax_scale, causal, (window_left, window_right), softcap, deterministic,
         _strict(strict), learnable_sink)
     return (*_as_inputs(grads, (q, k, v)), _sink_grad(dsink, learnable_sink, q))
+
+
+_bwd_varlen = torch.library.custom_op("cuteattn::bwd_varlen", mutates_args=())(_bwd_varlen_body)
 
 
 @_bwd_varlen.register_fake
@@ -153,14 +180,28 @@ def _fwd_varlen_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(output[1])
 
 
-def _fwd_varlen_backward(ctx, dout, dlse):
+def _fwd_varlen_backward(ctx, dout, dlse, bwd=_bwd_varlen):
     q, k, v, out, lse, sink, cu_q, cu_k, used_q, used_k = ctx.saved_tensors
-    dq, dk, dv, dsink = _bwd_varlen(dout.contiguous(), q, k, v, out, lse, sink, cu_q, cu_k,
-                                    used_q, used_k, *ctx.scalars)
+    dq, dk, dv, dsink = bwd(dout.contiguous(), q, k, v, out, lse, sink, cu_q, cu_k,
+                            used_q, used_k, *ctx.scalars)
     return (dq, dk, dv, dsink if sink is not None else None) + (None,) * 15
 
 
 _fwd_varlen.register_autograd(_fwd_varlen_backward, setup_context=_fwd_varlen_setup)
+
+
+class _EagerVarlen(torch.autograd.Function):
+    """cuteattn::fwd_varlen and its autograd formula for eager calls, without the op dispatcher."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _fwd_varlen_body(*inputs)
+        _fwd_varlen_setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _fwd_varlen_backward(ctx, dout, dlse, bwd=_bwd_varlen_body)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -168,9 +209,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                      deterministic, strict, learnable_sink=None, descales=(None, None, None)):
     """flash_attn_varlen_func through the custom op: returns (out, lse)."""
     scale, causal, left, right, softcap = _normalised(q, softmax_scale, causal, window_size, softcap)
-    return _fwd_varlen(q, k, v, learnable_sink, list(descales), cu_seqlens_q, cu_seqlens_k,
-                       seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, scale, causal, left,
-                       right, softcap, bool(validate), bool(deterministic), _strict_code(strict))
+    op = _fwd_varlen if torch.compiler.is_compiling() else _EagerVarlen.apply
+    return op(q, k, v, learnable_sink, list(descales), cu_seqlens_q, cu_seqlens_k, seqused_q,
+              seqused_k, max_seqlen_q, max_seqlen_k, scale, causal, left, right, softcap,
+              bool(validate), bool(deterministic), _strict_code(strict))
 
 
 # ---- block-sparse lists (fixed length) ----
