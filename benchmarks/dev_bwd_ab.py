@@ -15,7 +15,8 @@ import torch
 
 import os
 
-from cuteattn import api, dispatch, flash_attn_func
+from cuteattn import api, dispatch, flash_attn_func, flash_attn_varlen_func
+from cuteattn.bench import peers, shapes
 from cuteattn.bench.shapes import Cell
 from cuteattn.bench.timing import median_ms
 
@@ -34,6 +35,9 @@ def main() -> None:
     ap.add_argument("--d", default="64,128,256")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--path", choices=["sm80"], help="the portable path's backward")
+    ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--varlen", action="store_true",
+                    help="the packed-sequence cells (bench --varlen --bwd's) instead of the grid")
     args = ap.parse_args()
     if args.path:
         os.environ[dispatch.PATH_ENV] = args.path
@@ -46,26 +50,32 @@ def main() -> None:
     cells = [Cell("bwd", d, 16384 // s, 2048 // d, 2048 // d, s, s, c)
              for d in map(int, args.d.split(",")) for s in (1024, 4096, 16384)
              for c in (False, True)]
+    if args.varlen:
+        cells = shapes.varlen_grid(bwd=True)
+    if args.causal_only:
+        cells = [c for c in cells if c.causal]
     print(f"{'cell':<40} " + " ".join(f"{a:>14}" for a in arms) + "  b/a", flush=True)
     ratios = []
     for cell in cells:
-        shape = lambda s, h: (cell.batch, s, h, cell.d)
-        q = torch.randn(shape(cell.seqlen_q, cell.nheads), device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True)
-        k = torch.randn(shape(cell.seqlen_k, cell.nheads_k), device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True)
-        v = torch.randn_like(k, requires_grad=True)
-        dout = torch.randn_like(flash_attn_func(q, k, v, causal=cell.causal, **kw))
+        x = peers.make_inputs(cell, torch.device("cuda"))
+        q, k, v = x["q"], x["k"], x["v"]
+        if cell.lens is None:
+            attend = lambda: flash_attn_func(q, k, v, causal=cell.causal, **kw)
+        else:
+            attend = lambda: flash_attn_varlen_func(**x, causal=cell.causal, **kw)
+        dout = torch.randn_like(attend())
         grads, rates = {}, {arm: [] for arm in arms}
         for _ in range(args.rounds):
             for arm, setting in arms.items():
                 setattr(launch_bwd, args.name, setting)
                 api._launches.clear()  # (launches hold their config)
-                run = lambda: torch.autograd.grad(
-                    flash_attn_func(q, k, v, causal=cell.causal, **kw), (q, k, v), dout)
+                run = lambda: torch.autograd.grad(attend(), (q, k, v), dout)
                 grads[arm] = run()  # compiles this arm's kernel on first use
-                fwd = median_ms(lambda: flash_attn_func(q, k, v, causal=cell.causal, **kw),
-                                torch.device("cuda"))
+                if len(rates[arm]) == 0:  # which backward kernel this arm ran
+                    cfgs = [launch.cfg for sig, (spec, launch) in api._launches.items()
+                            if spec.kind == "bwd" and hasattr(launch, "cfg")]
+                    print(f"  {arm}: {cfgs}", flush=True)
+                fwd = median_ms(attend, torch.device("cuda"))
                 both = median_ms(run, torch.device("cuda"))
                 rates[arm].append(cell.rate(max(both - fwd, 1e-6)))
         first, second = (grads[arm] for arm in arms)

@@ -1,7 +1,7 @@
-"""The backward's host time per call: torch.autograd.grad through cuteattn's custom op, and
-api.backward called directly (what the op runs), beside flash-attn-4's autograd.grad; then
-where the direct call's host time goes (cProfile) and the autograd call's CPU-side ops
-(torch.profiler). Calls are queued without synchronisation, so at a tiny shape the time per
+"""The backward's host time per call: torch.autograd.grad of cuteattn's forward, and
+api.backward called directly (what its autograd formula runs), beside flash-attn-4's
+autograd.grad; then where the autograd call's host time goes (cProfile, its backward run in the
+calling thread) and its CPU-side ops (torch.profiler). Calls are queued without synchronisation, so at a tiny shape the time per
 call is the host's. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_bwd_host.py [--shape 1,128,16,128] [--causal]
 """
@@ -54,11 +54,16 @@ def main() -> None:
         print(f"fa4 not measured: {type(e).__name__}: {e}")
     for name, us in rows.items():
         print(f"{name:<24} {us:8.1f} us/call  (shape {args.shape}, causal={args.causal})")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(100):
-        direct()
-    prof.disable()
+    # the autograd call with its backward in this thread (the engine runs it on a device
+    # thread otherwise, which cProfile would not see)
+    with torch.autograd.set_multithreading_enabled(False):
+        rows_1t = per_call_us(grad)
+        print(f"{'cuteattn autograd.grad, backward in the calling thread':<24} {rows_1t:8.1f} us/call")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(100):
+            grad()
+        prof.disable()
     torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)

@@ -38,6 +38,8 @@ CASES = (
        (torch.bfloat16, 128, "causal", False, False, True),
        (torch.bfloat16, 64, "local", False, False, True),
        (torch.bfloat16, 128, "causal", True, False, False),
+       # packed d=128 with dQ by TMA at the 24 / 240 register split
+       (torch.float16, 128, "none", True, True, False),
        (torch.bfloat16, 64, "softcap", True, False, False),
        (torch.bfloat16, 96, "none", True, True, False),
        (torch.bfloat16, 128, "local", True, True, True),

@@ -23,7 +23,8 @@ def parse_args(argv=None):
                    help="on a GPU, a few d=128 cells instead of the full grid (without CUDA the "
                         "benchmark always runs the reference path on tiny d=64 shapes)")
     p.add_argument("--varlen", action="store_true",
-                   help="also run the varlen cells (16 heads, d=128, 16384 tokens: 8x2048 and skewed)")
+                   help="also run the varlen cells (16 heads, d=128, 16384 tokens: 8x2048 and skewed; "
+                        "with --bwd their backward alone)")
     p.add_argument("--bwd", action="store_true",
                    help="the backward alone (the forward grid's shapes; with --quick, d=128 only), "
                         "instead of the forward grid")
@@ -139,7 +140,7 @@ def main(argv=None) -> int:
         else:
             grid = shapes.quick_grid() if args.quick else shapes.default_grid()
         if args.varlen:
-            grid += shapes.varlen_grid()
+            grid += shapes.varlen_grid(bwd=args.bwd and not (args.sparse or args.mods))
         if args.surface:
             grid += shapes.surface_grid()
         device_name = torch.cuda.get_device_name(device)

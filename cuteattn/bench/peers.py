@@ -298,7 +298,8 @@ def _cuteattn(cell, x, strict, deterministic=False):
     if cell.lens is None:
         return lambda: flash_attn_func(x["q"], x["k"], x["v"], causal=cell.causal, strict=strict,
                                        deterministic=deterministic)
-    return lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=strict)
+    return lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=strict,
+                                          deterministic=deterministic)
 
 
 def _sdpa(cell, x, backend_name):
@@ -430,8 +431,12 @@ def check(cell: Cell, x: dict, out, dout=None) -> dict:
 
 
 def _check_grads(cell, x, grads, dout, r):
-    """The gradients of batch 0 and kv head 0's query heads against the float32 reference's."""
-    sl = lambda t, heads: t.detach()[:1, :, :heads]
+    """The gradients of batch 0 (packed: the first sequence) and kv head 0's query heads
+    against the float32 reference's."""
+    if cell.lens is None:
+        sl = lambda t, heads: t.detach()[:1, :, :heads]
+    else:
+        sl = lambda t, heads: t.detach()[None, :cell.lens[0], :heads]
     inputs = (sl(x["q"], r), sl(x["k"], 1), sl(x["v"], 1))
     g = sl(dout, r)
     got = (sl(grads[0], r), sl(grads[1], 1), sl(grads[2], 1))

@@ -107,7 +107,8 @@ class Cell:
             return f"decode b{self.batch} L{self.seqlen_k} h{self.nheads}/{self.nheads_k} {cache}{fp8}"
         if self.lens is not None:
             shape = "x".join(map(str, self.lens)) if len(set(self.lens)) > 1 else f"{len(self.lens)}x{self.lens[0]}"
-            return f"varlen d{self.d} h{self.nheads} [{shape}] {mask}"
+            kind = "bwd " if self.kind == "bwd" else ""
+            return f"{kind}varlen d{self.d} h{self.nheads} [{shape}] {mask}"
         gqa = f"/{self.nheads_k}" if self.nheads_k != self.nheads else ""
         dims = f"d{self.d}" if self.dv is None else f"d{self.d}/{self.dv}"
         kind = f"{self.kind} " if self.kind in ("bwd", "fp8") else ""
@@ -187,12 +188,12 @@ def quick_grid() -> list[Cell]:
     return [fwd_cell(128, s, c) for s in (1024, 4096) for c in (False, True)]
 
 
-def varlen_grid() -> list[Cell]:
-    cells = []
-    for lens in ((2048,) * 8, SKEWED):
-        for causal in (False, True):
-            cells.append(Cell("varlen", 128, len(lens), 16, 16, max(lens), max(lens), causal, lens=lens))
-    return cells
+def varlen_grid(bwd: bool = False) -> list[Cell]:
+    """Packed sequences through flash_attn_varlen_func; bwd: its backward alone (kind "bwd"
+    with `lens`)."""
+    kind = "bwd" if bwd else "varlen"
+    return [Cell(kind, 128, len(lens), 16, 16, max(lens), max(lens), causal, lens=lens)
+            for lens in ((2048,) * 8, SKEWED) for causal in (False, True)]
 
 
 DECODE_SHAPES = ((1, 131072), (8, 32768), (64, 8192), (128, 4096))  # (batch, cache length)

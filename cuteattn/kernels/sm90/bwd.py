@@ -213,11 +213,12 @@ class FlashBwdSm90:
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.num_threads = WG_THREADS * (1 + NUM_CONSUMER_WG)
         self.consumer_threads = WG_THREADS * NUM_CONSUMER_WG
-        # producer 24, consumers 240 (24 + 2 * 240 = 504, what a 384-thread CTA holds); the
-        # packed-sequence search keeps more live in the producer, which spills at 24 (as the
-        # forward's, pipelines.register_split)
+        # producer 24, consumers 240 (24 + 2 * 240 = 504, what a 384-thread CTA holds); packed
+        # sequences with dQ by reductions take 40 / 232 (pipelines.register_split), those with
+        # dQ by TMA need the consumers' 240 (at 232 d=128 spilled 60 bytes) and compile
+        # spill-free at 24
         self.producer_regs, self.consumer_regs = register_split(
-            NUM_CONSUMER_WG, busy_producer=cfg.varlen_q or cfg.varlen_k)
+            NUM_CONSUMER_WG, busy_producer=(cfg.varlen_q or cfg.varlen_k) and not cfg.dq_tma)
 
     # ------------------------------------------------------------------------------------------
     # Host side

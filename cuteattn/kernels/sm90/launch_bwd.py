@@ -57,11 +57,15 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
             split_d=True).smem_bytes() > SMEM_LIMIT:
         stages -= 1
     # dQ's shares by one TMA reduce-add a warpgroup box (bwd.Sm90BwdConfig.dq_tma): 1.07-1.22x
-    # at 4k-16k. Not where shared memory has no room for the box (split_d), not in deterministic
-    # mode (its turns then wait for each reduce-add to complete: measured 0.996x, rejected), not
-    # at d=128 with packed sequences or a window (60 and 4 bytes of spills with it)
-    dq_tma = not split and not spec.deterministic and not (
-        (spec.varlen_q or spec.varlen_k or spec.local) and head_dim == 128)
+    # at 4k-16k, packed sequences at d=128 1.07-1.23x. Not where shared memory has no room for
+    # the box (split_d), not in deterministic mode (its turns then wait for each reduce-add to
+    # complete: measured 0.996x, rejected), not where d=128 spills with it: a window (4 bytes;
+    # packed 44), packed sequences with softcap (12), block-sparse lists or mods (36-48) or
+    # causal with seqused (8)
+    packed = spec.varlen_q or spec.varlen_k
+    dq_tma = not split and not spec.deterministic and not (head_dim == 128 and (
+        spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
+            spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
     tall = (head_dim == 64 and dq_tma and not spec.local
