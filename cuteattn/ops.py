@@ -106,10 +106,13 @@ class _Eager(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = _fwd_body(*inputs)
         _fwd_setup(ctx, inputs, output)
+        ctx.set_materialize_grads(False)  # (lse has no gradient: no zeros for it)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:  # (out was not used)
+            return (None,) * len(ctx.needs_input_grad)
         return _fwd_backward(ctx, dout, dlse, bwd=_bwd_body)
 
 
@@ -197,10 +200,13 @@ class _EagerVarlen(torch.autograd.Function):
     def forward(ctx, *inputs):
         output = _fwd_varlen_body(*inputs)
         _fwd_varlen_setup(ctx, inputs, output)
+        ctx.set_materialize_grads(False)  # (lse has no gradient: no zeros for it)
         return output
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:  # (out was not used)
+            return (None,) * len(ctx.needs_input_grad)
         return _fwd_varlen_backward(ctx, dout, dlse, bwd=_bwd_varlen_body)
 
 
