@@ -6,6 +6,7 @@ PyTorch reference with a warning (or a RuntimeError in strict mode). Never a sil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import warnings
@@ -286,12 +287,13 @@ def flash_attn_func(
                            sparse_sig=sig, deterministic=deterministic)
         return (out, lse) if return_lse else out
     descales = (q_descale, k_descale, v_descale)
-    if _through_op(q, k, v, out, lse, learnable_sink):
+    grad = _through_op(q, k, v, out, lse, learnable_sink)
+    if grad and torch.compiler.is_compiling():
         from cuteattn import ops
         out, lse = ops.attention(q, k, v, softmax_scale, causal, window_size, softcap,
                                  deterministic, strict, learnable_sink, descales)
         return (out, lse) if return_lse else out
-    sig = None
+    sig = hit = None
     plain = out is None and lse is None and learnable_sink is None
     if plain and all(x is None for x in descales) and type(window_size) is tuple:
         try:
@@ -300,17 +302,45 @@ def flash_attn_func(
             hit = _launches.get(sig) if sig is not None else None
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             sig = hit = None
+        if hit is None and grad and sig is not None:
+            hit = _keep_for_grad(sig, lambda: _checks.fixed_spec(
+                q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                softcap=softcap), q.device)
         if hit is not None:
             spec, launch = hit
+            if grad:
+                from cuteattn import ops
+                out, lse = ops.attention_kept(q, k, v, spec, launch, deterministic, strict)
+                return (out, lse) if return_lse else out
             out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=_checks.out_dtype(q), device=q.device)
             lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
                               device=q.device)
             launch(q, k, v, out, lse)
             return (out, lse) if return_lse else out
+    if grad:
+        from cuteattn import ops
+        out, lse = ops.attention(q, k, v, softmax_scale, causal, window_size, softcap,
+                                 deterministic, strict, learnable_sink, descales)
+        return (out, lse) if return_lse else out
     out, lse, spec, launch = forward(q, k, v, softmax_scale, causal, window_size, softcap, strict,
                                      out, lse, learnable_sink, descales)
     _remember(sig, spec, launch)
     return (out, lse) if return_lse else out
+
+
+def _keep_for_grad(sig, make_spec, device):
+    """(spec, launch) kept under sig for an eager call that records a gradient (as the
+    shortcut keeps plain calls'): the checks (make_spec) and the kernel choice made once, or
+    None where no kernel serves the call (ops.attention's full path then falls back, warns or
+    raises)."""
+    spec = make_spec()
+    if spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:  # (_is_empty: no launch)
+        return None
+    launch, reason = _select_kernel(spec, device)
+    if reason is not None:
+        return None
+    _remember(sig, spec, launch)
+    return spec, launch
 
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
@@ -768,14 +798,19 @@ def flash_attn_varlen_func(
                                 block_table, softmax_scale, causal, window_size, softcap,
                                 seqused_q, seqused_k, learnable_sink, validate, strict)
         return (out, lse) if return_lse else out
-    if _through_op(q, k, v, out, lse, learnable_sink):
+    grad = _through_op(q, k, v, out, lse, learnable_sink)
+
+    def through_op():
         from cuteattn import ops
-        out, lse = ops.attention_varlen(
+        return ops.attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
             causal, window_size, softcap, seqused_q, seqused_k, validate, deterministic, strict,
             learnable_sink, (q_descale, k_descale, v_descale))
+
+    if grad and torch.compiler.is_compiling():
+        out, lse = through_op()
         return (out, lse) if return_lse else out
-    sig = None
+    sig = hit = None
     descales = (q_descale, k_descale, v_descale)
     plain = out is None and lse is None and learnable_sink is None and not validate
     if plain and all(x is None for x in descales) and type(window_size) is tuple:
@@ -790,13 +825,26 @@ def flash_attn_varlen_func(
             hit = _launches.get(sig) if sig is not None else None
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             sig = hit = None
+        if hit is None and grad and sig is not None:
+            hit = _keep_for_grad(sig, lambda: _checks.varlen_spec(
+                q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+                seqused_k, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                softcap=softcap), q.device)
         if hit is not None:
             spec, launch = hit
+            index = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         seqused_q=seqused_q, seqused_k=seqused_k)
+            if grad:
+                from cuteattn import ops
+                out, lse = ops.attention_kept(q, k, v, spec, launch, deterministic, strict, index)
+                return (out, lse) if return_lse else out
             out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=_checks.out_dtype(q), device=q.device)
             lse = torch.empty(_varlen_lse_shape(q, spec), dtype=torch.float32, device=q.device)
-            launch(q, k, v, out, lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                   seqused_q=seqused_q, seqused_k=seqused_k)
+            launch(q, k, v, out, lse, **index)
             return (out, lse) if return_lse else out
+    if grad:
+        out, lse = through_op()
+        return (out, lse) if return_lse else out
     out, lse, spec, launch = _forward_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
         window_size, softcap, seqused_q, seqused_k, validate, strict, out, lse, learnable_sink,
@@ -844,11 +892,23 @@ def _forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 
 # ---- gradients ----
 
+@functools.lru_cache(maxsize=1024)
+def _backward_spec(spec: AttentionSpec, deterministic: bool) -> AttentionSpec:
+    """The backward's spec of a forward's (dataclasses.replace costs ~20 us a call: kept)."""
+    return dataclasses.replace(spec, kind="bwd", deterministic=deterministic)
+
+
+def backward_of(spec, dout, q, k, v, out, lse, deterministic, strict, varlen=None) -> tuple:
+    """(dq, dk, dv) of a forward that ran on a kept launch of spec (ops._Kept): its spec is
+    the forward's, so nothing is checked again."""
+    return _run_backward(_backward_spec(spec, bool(deterministic)), dout, q, k, v, out, lse,
+                         strict, varlen)[:3]
+
+
 def _run_backward(spec, dout, q, k, v, out, lse, strict, varlen: dict | None = None, sink=None):
-    """(dq, dk, dv, dsink): nothing to do for an empty problem, else the backward kernel, or the
-    reference's backward with the usual warning (strict mode raises). dsink is None without a
-    learnable sink."""
-    spec = dataclasses.replace(spec, kind="bwd")
+    """(dq, dk, dv, dsink) for spec (a backward's: _backward_spec): nothing to do for an empty
+    problem, else the backward kernel, or the reference's backward with the usual warning
+    (strict mode raises). dsink is None without a learnable sink."""
     if _is_empty(spec, out):
         zero_sink = None if sink is None else torch.zeros(sink.shape, dtype=torch.float32,
                                                           device=sink.device)
@@ -877,8 +937,7 @@ def backward(dout, q, k, v, out, lse, softmax_scale, causal, window_size, softca
     ops.py's autograd formula runs this. deterministic: bitwise-reproducible gradients."""
     spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
                               window_size=window_size, softcap=softcap)
-    spec = dataclasses.replace(_checks.with_sink(spec, learnable_sink, q),
-                               deterministic=bool(deterministic))
+    spec = _backward_spec(_checks.with_sink(spec, learnable_sink, q), bool(deterministic))
     return _run_backward(spec, dout, q, k, v, out, lse, strict, sink=learnable_sink)
 
 
@@ -889,8 +948,7 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused
     spec = _checks.varlen_spec(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap)
-    spec = dataclasses.replace(_checks.with_sink(spec, learnable_sink, q),
-                               deterministic=bool(deterministic))
+    spec = _backward_spec(_checks.with_sink(spec, learnable_sink, q), bool(deterministic))
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
                   seqused_k=seqused_k)
     return _run_backward(spec, dout, q, k, v, out, lse, strict, varlen, learnable_sink)

@@ -116,6 +116,39 @@ class _Eager(torch.autograd.Function):
         return _fwd_backward(ctx, dout, dlse, bwd=_bwd_body)
 
 
+class _Kept(torch.autograd.Function):
+    """An eager call that records a gradient, on the launch api._launches keeps for its
+    signature (shapes, strides, dtypes, scalars): the forward's checks and kernel choice are
+    not redone, and the backward starts from the forward's spec (api.backward_of). index: the
+    packed sequences' index tensors (empty for fixed lengths)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, launch, deterministic, strict, index):
+        out, lse = api._new_outputs(q, v, spec, index or None)
+        launch(q, k, v, out, lse, **index)
+        ctx.save_for_backward(q, k, v, out, lse, *index.values())
+        ctx.spec, ctx.deterministic, ctx.strict, ctx.index_names = (
+            spec, deterministic, strict, tuple(index))
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:  # (out was not used)
+            return (None,) * 8
+        q, k, v, out, lse, *index = ctx.saved_tensors
+        grads = api.backward_of(ctx.spec, dout.contiguous(), q, k, v, out, lse, ctx.deterministic,
+                                ctx.strict, dict(zip(ctx.index_names, index)) or None)
+        return (*_as_inputs(grads, (q, k, v)), None, None, None, None, None)
+
+
+def attention_kept(q, k, v, spec, launch, deterministic, strict, index=None):
+    """flash_attn_func / flash_attn_varlen_func (index: its index tensors) for an eager call
+    that records a gradient, on a kept (spec, launch): returns (out, lse)."""
+    return _Kept.apply(q, k, v, spec, launch, bool(deterministic), strict, index or {})
+
+
 def attention(q, k, v, softmax_scale, causal, window_size, softcap, deterministic, strict,
               learnable_sink=None, descales=(None, None, None)):
     """flash_attn_func through the custom op: returns (out, lse)."""

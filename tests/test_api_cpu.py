@@ -310,6 +310,12 @@ class FakeDispatch(types.SimpleNamespace):
         out.fill_(1.0)
         lse.fill_(2.0)
 
+    def backward(self, spec, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
+                 seqused_q=None, seqused_k=None):
+        """(dq, dk, dv) sentinels: 3, 4, 5 (a backward kernel's contract)."""
+        self.calls.append(dict(spec=spec, dout=dout, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q))
+        return tuple(torch.full_like(t, c) for t, c in ((q, 3.0), (k, 4.0), (v, 5.0)))
+
 
 @pytest.fixture
 def fake_dispatch(monkeypatch):
@@ -318,7 +324,7 @@ def fake_dispatch(monkeypatch):
 
     def select(spec, device):  # api._select_kernel's contract: (launch, None)
         fake.selections += 1
-        return functools.partial(fake.forward, spec), None
+        return functools.partial(fake.backward if spec.kind == "bwd" else fake.forward, spec), None
 
     monkeypatch.setattr(api, "_select_kernel", select)
     monkeypatch.setattr(api, "_launches", {})
@@ -412,16 +418,41 @@ def test_shortcut_still_rejects_lookalike_arguments(fake_dispatch):
         flash_attn_func(q, k, v, softmax_scale=1, window_size=(True, 0))
 
 
-def test_shortcut_not_taken_for_buffers_grads_or_lists(fake_dispatch):
+def test_shortcut_not_taken_for_buffers_or_lists(fake_dispatch):
     q, k, v = qkv(b=1, sq=5, sk=5, h=2, hk=2)
     for _ in range(2):
         flash_attn_func(q, k, v, out=torch.empty_like(q))
     for _ in range(2):
         flash_attn_func(q, k, v, window_size=[-1, -1])
     assert fake_dispatch.selections == 4 and not api._launches
-    qg = q.clone().requires_grad_()
-    flash_attn_func(qg, k, v)
-    assert fake_dispatch.selections == 5 and not api._launches
+
+
+@pytest.mark.parametrize("packed_seqs", [False, True])
+def test_grad_calls_keep_their_launch(fake_dispatch, packed_seqs):
+    """An eager call that records a gradient keeps its (spec, launch) as a plain call does:
+    the next one of the same signature makes no new kernel choice, still records the graph,
+    and its backward runs the backward kernel from the forward's spec (deterministic as asked),
+    its gradients reaching q, k and v."""
+    if packed_seqs:
+        (q, k, v), args = packed(h=4, hk=2)
+        call = lambda *t, **kw: flash_attn_varlen_func(*t, **args, causal=True, **kw)
+    else:
+        q, k, v = qkv(b=2, sq=5, sk=7, h=4, hk=2)
+        call = lambda *t, **kw: flash_attn_func(*t, causal=True, **kw)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    call(*leaves)
+    assert fake_dispatch.selections == 1 and len(api._launches) == 1
+    out = call(*leaves, deterministic=True)
+    assert fake_dispatch.selections == 1 and out.requires_grad and torch.all(out == 1)
+    call(q, k, v)  # a plain call of the same signature takes the same launch
+    assert fake_dispatch.selections == 1
+    out.backward(torch.ones_like(out))
+    bwd = fake_dispatch.calls[-1]
+    assert bwd["spec"].kind == "bwd" and bwd["spec"].deterministic and bwd["spec"].causal
+    assert (bwd["cu_seqlens_q"] is not None) == packed_seqs
+    assert bwd["out"] is not None and bwd["lse"].dtype == torch.float32
+    for leaf, value in zip(leaves, (3.0, 4.0, 5.0)):
+        assert leaf.grad.dtype == leaf.dtype and torch.all(leaf.grad == value)
 
 
 def test_varlen_repeated_call_skips_checks_and_selection(fake_dispatch):
