@@ -118,10 +118,7 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
 
     def run():
         if launch is not None:
-            fp8 = {"descales": descales} if q.dtype == _checks.FP8 else {}
-            if sink is not None:
-                fp8["learnable_sink"] = sink
-            launch(q, k, v, out, lse, **(varlen or {}), **fp8)
+            launch(q, k, v, out, lse, **(varlen or {}), **_extra_kwargs(q, sink, descales))
         elif reason is None:  # empty: every query row (if any) sees no key
             out.zero_()
             if sink is None:
@@ -152,6 +149,20 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
     return (*run(), launch)
 
 
+def _extra_kwargs(q, sink, descales) -> dict:
+    """A launch's keywords for a call's learnable sink and fp8 descales."""
+    extra = {"descales": descales} if q.dtype == _checks.FP8 else {}
+    if sink is not None:
+        extra["learnable_sink"] = sink
+    return extra
+
+
+def _tensor_signature(t):
+    """A tensor argument as the shortcut's signature holds it (what the checks read of it)."""
+    # (isinstance: a learnable sink is often an nn.Parameter)
+    return (t.shape, t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else (type(t), t)
+
+
 def _varlen_host_values(q, k, spec, varlen) -> dict:
     """check_varlen_values on the metadata (a sync), a batched side (no cu_seqlens) seen as its
     packed rows: returns the host copies, cu_seqlens included for every side."""
@@ -169,9 +180,11 @@ def _needs_grad(q, k, v) -> bool:
 # Repeated calls with one signature (shapes, strides, dtypes and devices of q, k, v, and the
 # other arguments) skip the checks, the spec and the kernel choice: they read nothing else, and
 # were done on the first such call. That is most of the host time of a call (tens of
-# microseconds), which at 1k tokens is as long as the kernel. Only calls a kernel served are
-# kept: errors, fallbacks, empty problems, preallocated outputs and calls that record a
-# gradient always take the full path.
+# microseconds), which at 1k tokens is as long as the kernel. Tensor extras (a learnable sink,
+# fp8 descales) are in the signature by shape, stride, dtype and device, which is all the checks
+# read of them. Only calls a kernel served are kept: errors, fallbacks, empty problems and
+# preallocated outputs always take the full path, as do calls that record a gradient with a
+# sink (the others keep their launch too: ops._Kept).
 _launches: dict = {}
 _LAUNCHES_MAX = 1024
 
@@ -294,11 +307,14 @@ def flash_attn_func(
                                  deterministic, strict, learnable_sink, descales)
         return (out, lse) if return_lse else out
     sig = hit = None
-    plain = out is None and lse is None and learnable_sink is None
-    if plain and all(x is None for x in descales) and type(window_size) is tuple:
+    # a learnable sink and fp8 descales are kept by their tensors' shapes (gradient calls take
+    # neither here: ops.attention's full path has their rules)
+    extras = (learnable_sink, *descales)
+    plain = out is None and lse is None and not (grad and any(x is not None for x in extras))
+    if plain and type(window_size) is tuple:
         try:
             sig = _signature(q, k, v, softmax_scale, causal, window_size, *map(type, window_size),
-                             softcap)
+                             softcap, tuple(map(_tensor_signature, extras)))
             hit = _launches.get(sig) if sig is not None else None
         except TypeError:  # an unhashable argument: the checks below say what is wrong with it
             sig = hit = None
@@ -315,7 +331,7 @@ def flash_attn_func(
             out = torch.empty((*q.shape[:3], v.shape[-1]), dtype=_checks.out_dtype(q), device=q.device)
             lse = torch.empty((spec.batch, spec.nheads, spec.seqlen_q), dtype=torch.float32,
                               device=q.device)
-            launch(q, k, v, out, lse)
+            launch(q, k, v, out, lse, **_extra_kwargs(q, learnable_sink, descales))
             return (out, lse) if return_lse else out
     if grad:
         from cuteattn import ops
@@ -812,12 +828,14 @@ def flash_attn_varlen_func(
         return (out, lse) if return_lse else out
     sig = hit = None
     descales = (q_descale, k_descale, v_descale)
-    plain = out is None and lse is None and learnable_sink is None and not validate
-    if plain and all(x is None for x in descales) and type(window_size) is tuple:
+    extras = (learnable_sink, *descales)
+    plain = (out is None and lse is None and not validate
+             and not (grad and any(x is not None for x in extras)))
+    if plain and type(window_size) is tuple:
         # as flash_attn_func's shortcut; the index tensors by shape, stride, dtype and device
         # (their values are never checked without validate=True, so they cannot fail anew)
-        index = tuple((t.shape, t.stride(), t.dtype, t.device) if type(t) is torch.Tensor
-                      else (type(t), t) for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k))
+        index = tuple(map(_tensor_signature, (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                              *extras)))
         try:
             sig = _signature(q, k, v, softmax_scale, causal, window_size,
                              *map(type, window_size), softcap, max_seqlen_q, max_seqlen_k,
@@ -840,7 +858,7 @@ def flash_attn_varlen_func(
                 return (out, lse) if return_lse else out
             out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=_checks.out_dtype(q), device=q.device)
             lse = torch.empty(_varlen_lse_shape(q, spec), dtype=torch.float32, device=q.device)
-            launch(q, k, v, out, lse, **index)
+            launch(q, k, v, out, lse, **index, **_extra_kwargs(q, learnable_sink, descales))
             return (out, lse) if return_lse else out
     if grad:
         out, lse = through_op()

@@ -304,9 +304,10 @@ class FakeDispatch(types.SimpleNamespace):
         super().__init__(calls=[])
 
     def forward(self, spec, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
-                seqused_q=None, seqused_k=None, descales=None):
+                seqused_q=None, seqused_k=None, descales=None, learnable_sink=None):
         self.calls.append(dict(spec=spec, q=q, k=k, v=v, out=out, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                               cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k))
+                               cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                               descales=descales, learnable_sink=learnable_sink))
         out.fill_(1.0)
         lse.fill_(2.0)
 
@@ -425,6 +426,38 @@ def test_shortcut_not_taken_for_buffers_or_lists(fake_dispatch):
     for _ in range(2):
         flash_attn_func(q, k, v, window_size=[-1, -1])
     assert fake_dispatch.selections == 4 and not api._launches
+
+
+@pytest.mark.parametrize("packed_seqs", [False, True])
+def test_shortcut_keeps_calls_with_a_sink_or_descales(fake_dispatch, packed_seqs):
+    """A learnable sink (a plain tensor or an nn.Parameter) and fp8 descales are part of the
+    signature by shape, dtype and device: a repeated call makes no new kernel choice and hands
+    the launch this call's tensors; one of another shape takes the full path and its error."""
+    if packed_seqs:
+        (q, k, v), args = packed(h=4, hk=2)
+        call = lambda *t, **kw: flash_attn_varlen_func(*t, **args, causal=True, **kw)
+        batch = len(args["cu_seqlens_q"]) - 1
+    else:
+        q, k, v = qkv(b=2, sq=5, sk=7, h=4, hk=2)
+        call = lambda *t, **kw: flash_attn_func(*t, causal=True, **kw)
+        batch = 2
+    for sink in (torch.zeros(4), torch.zeros(4), torch.nn.Parameter(torch.zeros(4), requires_grad=False)):
+        call(q, k, v, learnable_sink=sink)
+        assert fake_dispatch.selections == 1  # (a Parameter of the same shape: the same signature)
+        assert fake_dispatch.calls[-1]["spec"].has_sink
+        assert fake_dispatch.calls[-1]["learnable_sink"] is sink
+    with pytest.raises(ValueError, match="learnable_sink"):
+        call(q, k, v, learnable_sink=torch.zeros(3))
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+    before = fake_dispatch.selections
+    for scale in (1.0, 2.0):
+        descale = torch.full((batch, 2), scale)
+        call(q8, k8, v8, q_descale=descale, k_descale=descale)
+    assert fake_dispatch.selections == before + 1
+    d_q, d_k, d_v = fake_dispatch.calls[-1]["descales"]
+    assert torch.all(d_q == 2.0) and torch.all(d_k == 2.0) and d_v is None
+    with pytest.raises(ValueError, match="q_descale"):
+        call(q8, k8, v8, q_descale=torch.ones(batch, 3), k_descale=torch.ones(batch, 2))
 
 
 @pytest.mark.parametrize("packed_seqs", [False, True])
