@@ -207,7 +207,7 @@ class FlashBwdSm90:
                                      or cfg.score_mod is not None))
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
         # (the deterministic turns count additions done when signalled; the TMA's are async)
-        assert not (cfg.dq_tma and (cfg.split_d or cfg.deterministic))
+        assert not (cfg.dq_tma and cfg.deterministic)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim

@@ -35,6 +35,13 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
+# An A/B awaiting its first GPU run (compile-checked, 2026-12-01): head dims over 128 (split_d)
+# adding dQ by TMA too, d=256 then with one Q/dO stage (FlashAttention-4 runs its d=256
+# backward with one); their dQ by reductions is 64 red.v2 a thread per step at d=256, four
+# times d=128's before dq_tma. Measure: dev_bwd_ab.py WIDE_DQ_TMA 0 1 --d 256 (and 192 via
+# the surface tests), then keep it on or delete it with this switch.
+WIDE_DQ_TMA = 0
+
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -47,25 +54,26 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     head_dim = kernel_width(spec.head_dim)
     if head_dim > NATIVE_WIDTH_MAX:
         head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
-    # over 128, the warpgroups split the head dim of a 64-key block (bwd.Sm90BwdConfig.split_d),
-    # with two Q / dO stages where shared memory holds them (d=256: 226 KB of 227)
+    # over 128, the warpgroups split the head dim of a 64-key block (bwd.Sm90BwdConfig.split_d)
     split = head_dim > 128
     tile_n = WG_ROWS if split else Sm90BwdConfig.tile_n
+    # dQ's shares by one TMA reduce-add a warpgroup box (bwd.Sm90BwdConfig.dq_tma): 1.07-1.22x
+    # at 4k-16k, packed sequences at d=128 1.07-1.23x. Not in deterministic mode (its turns then
+    # wait for each reduce-add to complete: measured 0.996x, rejected), not where d=128 spills
+    # with it: a window (4 bytes; packed 44), packed sequences with softcap (12), block-sparse
+    # lists or mods (36-48) or causal with seqused (8); over 128 only as WIDE_DQ_TMA says
+    packed = spec.varlen_q or spec.varlen_k
+    dq_tma = not spec.deterministic and not (head_dim == 128 and (
+        spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
+            spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
+    dq_tma = dq_tma and (not split or bool(WIDE_DQ_TMA))
+    # as many Q / dO stages (up to two) as shared memory holds beside the box (split_d at
+    # d=256: two without it, 226 KB of 227, or one with it; d=192 two either way)
     stages = Sm90BwdConfig.num_stages
     while split and stages > 1 and Sm90BwdConfig(
             CUTLASS_DTYPES[spec.dtype], head_dim, tile_n=tile_n, num_stages=stages,
-            split_d=True).smem_bytes() > SMEM_LIMIT:
+            split_d=True, dq_tma=dq_tma).smem_bytes() > SMEM_LIMIT:
         stages -= 1
-    # dQ's shares by one TMA reduce-add a warpgroup box (bwd.Sm90BwdConfig.dq_tma): 1.07-1.22x
-    # at 4k-16k, packed sequences at d=128 1.07-1.23x. Not where shared memory has no room for
-    # the box (split_d), not in deterministic mode (its turns then wait for each reduce-add to
-    # complete: measured 0.996x, rejected), not where d=128 spills with it: a window (4 bytes;
-    # packed 44), packed sequences with softcap (12), block-sparse lists or mods (36-48) or
-    # causal with seqused (8)
-    packed = spec.varlen_q or spec.varlen_k
-    dq_tma = not split and not spec.deterministic and not (head_dim == 128 and (
-        spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
-            spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
     tall = (head_dim == 64 and dq_tma and not spec.local
