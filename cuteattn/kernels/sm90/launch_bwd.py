@@ -42,6 +42,11 @@ NATIVE_WIDTH_MAX = 96
 # the surface tests), then keep it on or delete it with this switch.
 WIDE_DQ_TMA = 0
 
+# Another A/B awaiting its first GPU run: Q / dO stages of the kernels up to d=128 (2 today; 3
+# fits beside the dQ box: 224 KB at d=128 and at d=64's 128-row steps). Measure:
+# dev_bwd_ab.py QDO_STAGES 2 3 --d 64,128; keep the winner, delete the switch.
+QDO_STAGES = 2
+
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -67,17 +72,17 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
     dq_tma = dq_tma and (not split or bool(WIDE_DQ_TMA))
-    # as many Q / dO stages (up to two) as shared memory holds beside the box (split_d at
-    # d=256: two without it, 226 KB of 227, or one with it; d=192 two either way)
-    stages = Sm90BwdConfig.num_stages
-    while split and stages > 1 and Sm90BwdConfig(
-            CUTLASS_DTYPES[spec.dtype], head_dim, tile_n=tile_n, num_stages=stages,
-            split_d=True, dq_tma=dq_tma).smem_bytes() > SMEM_LIMIT:
-        stages -= 1
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
     tall = (head_dim == 64 and dq_tma and not spec.local
             and not (spec.varlen_q or spec.varlen_k or spec.sparse_q_block or spec.mods_or_lists))
+    # as many Q / dO stages (up to QDO_STAGES; split_d two) as shared memory holds (split_d at
+    # d=256: two without the dQ box, 226 KB of 227, or one with it; d=192 two either way)
+    stages = QDO_STAGES if not split else Sm90BwdConfig.num_stages
+    while stages > 1 and Sm90BwdConfig(
+            CUTLASS_DTYPES[spec.dtype], head_dim, tile_n=tile_n, num_stages=stages,
+            split_d=split, dq_tma=dq_tma, tile_m=D64_TILE_M if tall else 64).smem_bytes() > SMEM_LIMIT:
+        stages -= 1
     return Sm90BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_n=tile_n, num_stages=stages,
         split_d=split, causal=spec.causal, tile_m=D64_TILE_M if tall else 64,
