@@ -99,21 +99,26 @@ def _fwd_backward(ctx, dout, dlse, bwd=_bwd):
 _fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup)
 
 
-class _Eager(torch.autograd.Function):
-    """cuteattn::fwd and its autograd formula for eager calls, without the op dispatcher."""
+def _eager(name: str, body, setup, formula, bwd_body):
+    """A torch.autograd.Function running an op's body (body, setup) and its autograd formula
+    (formula, on bwd_body: the backward op's body) for eager calls, without the op dispatcher."""
 
-    @staticmethod
     def forward(ctx, *inputs):
-        output = _fwd_body(*inputs)
-        _fwd_setup(ctx, inputs, output)
+        output = body(*inputs)
+        setup(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # (lse has no gradient: no zeros for it)
         return output
 
-    @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:  # (out was not used)
             return (None,) * len(ctx.needs_input_grad)
-        return _fwd_backward(ctx, dout, dlse, bwd=_bwd_body)
+        return formula(ctx, dout, dlse, bwd=bwd_body)
+
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+_Eager = _eager("_Eager", _fwd_body, _fwd_setup, _fwd_backward, _bwd_body)
 
 
 class _Kept(torch.autograd.Function):
@@ -226,21 +231,8 @@ def _fwd_varlen_backward(ctx, dout, dlse, bwd=_bwd_varlen):
 _fwd_varlen.register_autograd(_fwd_varlen_backward, setup_context=_fwd_varlen_setup)
 
 
-class _EagerVarlen(torch.autograd.Function):
-    """cuteattn::fwd_varlen and its autograd formula for eager calls, without the op dispatcher."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _fwd_varlen_body(*inputs)
-        _fwd_varlen_setup(ctx, inputs, output)
-        ctx.set_materialize_grads(False)  # (lse has no gradient: no zeros for it)
-        return output
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        if dout is None:  # (out was not used)
-            return (None,) * len(ctx.needs_input_grad)
-        return _fwd_varlen_backward(ctx, dout, dlse, bwd=_bwd_varlen_body)
+_EagerVarlen = _eager("_EagerVarlen", _fwd_varlen_body, _fwd_varlen_setup, _fwd_varlen_backward,
+                      _bwd_varlen_body)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
