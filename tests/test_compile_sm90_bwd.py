@@ -90,6 +90,20 @@ def test_compile_wide_dq_tma(case, capfd, tmp_path, monkeypatch):
     assert cfg.split_d and cfg.dq_tma and cfg.num_stages == (1 if cfg.head_dim == 256 else 2)
 
 
+# the causal backward's key blocks longest first (launch_bwd.BWD_LPT, an A/B not yet measured)
+LPT_CASES = [(torch.bfloat16, 128, "causal", False, False, False),
+             (torch.bfloat16, 64, "causal", False, False, False),
+             (torch.float16, 256, "causal", False, True, False)]
+
+
+@pytest.mark.parametrize("case", LPT_CASES, ids=case_id)
+def test_compile_lpt_order(case, capfd, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch_bwd, "BWD_LPT", 1)
+    assert compile_and_check(case, capfd).lpt
+    monkeypatch.setattr(launch_bwd, "BWD_LPT", 0)
+
+
 def compile_and_check(case, capfd):
     """Compile case's backward as bwd_config configures it; check its instructions and spills."""
     cfg = launch_bwd.bwd_config(make_spec(*case))

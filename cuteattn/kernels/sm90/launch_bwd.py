@@ -21,8 +21,9 @@ from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
 from .config import kernel_width
 from .pipelines import WG_ROWS
-from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
-                            unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
+from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, balanced_l2_groups,
+                            compiled_width, l2_bytes, unserved_dtype_or_dims, unserved_form,
+                            use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -46,6 +47,13 @@ WIDE_DQ_TMA = 0
 # fits beside the dQ box: 224 KB at d=128 and at d=64's 128-row steps). Measure:
 # dev_bwd_ab.py QDO_STAGES 2 3 --d 64,128; keep the winner, delete the switch.
 QDO_STAGES = 2
+
+# Another A/B awaiting its first GPU run: the causal backward's key blocks longest first
+# (Sm90BwdConfig.lpt). Today each (batch, head) pair's key blocks launch in turn, so the last
+# pairs' heaviest blocks (key block 0 sees every query block) start near the end: at 4k
+# causal, d=128, the last one starts ~94% into the launch and runs ~12% of it. Measure:
+# dev_bwd_ab.py BWD_LPT 0 1 --d 64,128,256 (the causal cells; the others are unchanged).
+BWD_LPT = 0
 
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
@@ -101,7 +109,20 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
         dq_tma=dq_tma,
+        lpt=bool(BWD_LPT) and spec.causal and not spec.deterministic and not (
+            spec.varlen_q or spec.varlen_k or spec.sparse_q_block),
     )
+
+
+def l2_groups(spec: AttentionSpec) -> tuple:
+    """(pairs per small group, number of small groups) of the causal backward's tile order
+    (Sm90BwdConfig.lpt): as many (batch, query head) pairs as have Q and dO in half the L2
+    (every key block of a pair reads them), in whole GQA groups (the pairs sharing K and V),
+    balanced as the forward's (launch_common.balanced_l2_groups)."""
+    per_pair = max(spec.seqlen_q, 1) * (spec.head_dim + spec.head_dim_v) * spec.dtype.itemsize
+    unit = spec.qhead_per_kvhead
+    fit = max((l2_bytes(spec.device_index) // 2) // per_pair // unit, 1) * unit
+    return balanced_l2_groups(max(spec.batch * spec.nheads, 1), fit, unit)
 
 
 @functools.lru_cache(maxsize=None)
@@ -124,8 +145,10 @@ class BwdLaunch(BackwardLaunch):
     def __init__(self, spec: AttentionSpec):
         cfg, tvm_ffi = bwd_config(spec), use_tvm_ffi()
         fns = (getattr(spec.mask_mod, "fn", None), getattr(spec.score_mod, "fn", None))
+        group, small_groups = l2_groups(spec)
         super().__init__(spec, cfg, _compiled(cfg, tvm_ffi, *fns), tvm_ffi,
-                         arguments.BWD_ARGUMENTS)
+                         arguments.BWD_ARGUMENTS,
+                         dict(l2_group=group, l2_small_groups=small_groups))
 
 
 class Sm90Backward:
