@@ -354,8 +354,8 @@ class BackwardLaunch:
             slots = q.shape[0] // cfg.tile_m + 2 * (cu_seqlens_q.shape[0] - 1) + 1  # (dq_order)
         else:
             slots = q.shape[0] * -(-q.shape[1] // cfg.tile_m)
-        semaphore = torch.zeros((spec.nheads, slots if cfg.deterministic else 1), dtype=torch.int32,
-                                device=q.device)
+        semaphore = (torch.zeros((spec.nheads, slots), dtype=torch.int32, device=q.device)
+                     if cfg.deterministic else _unused_semaphores(q.device, spec.nheads))
         if n_blocks > 0:
             lists = tuple(sparse) + (None,) * (len(self.sparse_names) - len(sparse))
             lists += tuple(mod_tensors) + (None,) * (len(self.mod_names) - len(mod_tensors))
@@ -364,6 +364,14 @@ class BackwardLaunch:
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
         grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
         return grads if sink is None else (*grads, sink_gradient(sink, lse2, dsum))
+
+
+@functools.lru_cache(maxsize=64)
+def _unused_semaphores(device: torch.device, nheads: int) -> torch.Tensor:
+    """The semaphore argument of a backward that is not deterministic: the kernels read and
+    write it only in deterministic mode, so one zeroed (nheads, 1) tensor serves every call
+    (no allocation and memset a call)."""
+    return torch.zeros((nheads, 1), dtype=torch.int32, device=device)
 
 
 def sink_gradient(sink, lse2, dsum) -> torch.Tensor:
