@@ -12,8 +12,9 @@ Plain eager calls without gradients do not come here (api._through_op): the op d
 host time that the direct path does not pay. Eager calls that record a gradient run the same
 forward and backward bodies through a torch.autograd.Function (_Eager, _EagerVarlen) rather than
 the ops: with torch 2.11 on an H200 the dispatcher and the op's autograd wrapper took ~0.4 ms of
-host time a backward call, longer than the kernels of a 1k-token layer. torch.compile traces the
-ops.
+host time a backward call, longer than the kernels of a 1k-token layer. A call whose signature
+api.py has kept a launch for runs through _Kept instead (no checks, no kernel choice).
+torch.compile traces the ops.
 """
 from __future__ import annotations
 
