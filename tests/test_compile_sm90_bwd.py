@@ -75,33 +75,32 @@ def test_compile_sm90_bwd(case, capfd, tmp_path, monkeypatch):
     compile_and_check(case, capfd)
 
 
-# head dims over 128 with dQ by TMA (launch_bwd.WIDE_DQ_TMA, an A/B not yet measured): kept
-# compiling, spill-free and within shared memory until it is decided
-WIDE_DQ_TMA_CASES = [(torch.bfloat16, 256, "causal", False, False, False),
-                     (torch.float16, 256, "softcap", False, False, False),
-                     (torch.bfloat16, 192, "local", True, True, False)]
+# launch_bwd's A/B switches not yet measured on a GPU, each with its candidate value: kept
+# compiling, spill-free and within shared memory until they are decided (then this goes)
+PENDING_AB = [
+    # head dims over 128 with dQ by TMA (d=256 with one Q/dO stage)
+    ("WIDE_DQ_TMA", 1, (torch.bfloat16, 256, "causal", False, False, False),
+     lambda cfg: cfg.split_d and cfg.dq_tma and cfg.num_stages == 1),
+    ("WIDE_DQ_TMA", 1, (torch.float16, 256, "softcap", False, False, False),
+     lambda cfg: cfg.split_d and cfg.dq_tma and cfg.num_stages == 1),
+    ("WIDE_DQ_TMA", 1, (torch.bfloat16, 192, "local", True, True, False),
+     lambda cfg: cfg.split_d and cfg.dq_tma and cfg.num_stages == 2),
+    # three Q/dO stages up to d=128
+    ("QDO_STAGES", 3, (torch.bfloat16, 128, "causal", False, False, False),
+     lambda cfg: cfg.num_stages == 3 and cfg.dq_tma),
+    # the causal backward's key blocks longest first
+    ("BWD_LPT", 1, (torch.bfloat16, 128, "causal", False, False, False), lambda cfg: cfg.lpt),
+    ("BWD_LPT", 1, (torch.bfloat16, 64, "causal", False, False, False), lambda cfg: cfg.lpt),
+    ("BWD_LPT", 1, (torch.float16, 256, "causal", False, True, False), lambda cfg: cfg.lpt),
+]
 
 
-@pytest.mark.parametrize("case", WIDE_DQ_TMA_CASES, ids=case_id)
-def test_compile_wide_dq_tma(case, capfd, tmp_path, monkeypatch):
+@pytest.mark.parametrize("switch,value,case,takes", PENDING_AB,
+                         ids=[f"{s}={v}-{case_id(c)}" for s, v, c, _ in PENDING_AB])
+def test_compile_pending_ab(switch, value, case, takes, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch_bwd, "WIDE_DQ_TMA", 1)
-    cfg = compile_and_check(case, capfd)
-    assert cfg.split_d and cfg.dq_tma and cfg.num_stages == (1 if cfg.head_dim == 256 else 2)
-
-
-# the causal backward's key blocks longest first (launch_bwd.BWD_LPT, an A/B not yet measured)
-LPT_CASES = [(torch.bfloat16, 128, "causal", False, False, False),
-             (torch.bfloat16, 64, "causal", False, False, False),
-             (torch.float16, 256, "causal", False, True, False)]
-
-
-@pytest.mark.parametrize("case", LPT_CASES, ids=case_id)
-def test_compile_lpt_order(case, capfd, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch_bwd, "BWD_LPT", 1)
-    assert compile_and_check(case, capfd).lpt
-    monkeypatch.setattr(launch_bwd, "BWD_LPT", 0)
+    monkeypatch.setattr(launch_bwd, switch, value)
+    assert takes(compile_and_check(case, capfd)), f"{switch}={value} does not reach {case}"
 
 
 def compile_and_check(case, capfd):
