@@ -39,13 +39,14 @@ NATIVE_WIDTH_MAX = 96
 # An A/B awaiting its first GPU run (compile-checked, 2026-12-01): head dims over 128 (split_d)
 # adding dQ by TMA too, d=256 then with one Q/dO stage (FlashAttention-4 runs its d=256
 # backward with one); their dQ by reductions is 64 red.v2 a thread per step at d=256, four
-# times d=128's before dq_tma. Measure: dev_bwd_ab.py WIDE_DQ_TMA 0 1 --d 256 (and 192 via
-# the surface tests), then keep it on or delete it with this switch.
+# times d=128's before dq_tma. Measure: dev_bwd_ab.py WIDE_DQ_TMA 0 1 --d 192,256, then keep
+# it on or delete it with this switch.
 WIDE_DQ_TMA = 0
 
 # Another A/B awaiting its first GPU run: Q / dO stages of the kernels up to d=128 (2 today; 3
-# fits beside the dQ box: 224 KB at d=128 and at d=64's 128-row steps). Measure:
-# dev_bwd_ab.py QDO_STAGES 2 3 --d 64,128; keep the winner, delete the switch.
+# fits beside the dQ box at d=128, its shared storage then exactly 227 KB; d=64's 128-row
+# steps keep 2). Measure: dev_bwd_ab.py QDO_STAGES 2 3 --d 64,128; keep the winner, delete the
+# switch.
 QDO_STAGES = 2
 
 # Another A/B awaiting its first GPU run: the causal backward's key blocks longest first
