@@ -123,6 +123,7 @@ def cases() -> dict:
     out["bwd_d256_causal_deterministic"] = lambda: _bwd_fixed(
         tb, bf16, 256, 8, 2, 257, 257, deterministic=True, causal=True)
     out["bwd_d192_window"] = lambda: _bwd_fixed(tb, bf16, 192, 4, 4, 129, 300, window_size=(64, 32))
+    out["bwd_varlen_d176_padded_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=176, causal=True)
     out["bwd_varlen_d224_padded_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=224, causal=True)
     out["bwd_varlen_d64_window_seqused_deterministic"] = lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=64, deterministic=True, window_size=(64, 0),

@@ -48,6 +48,8 @@ CASES = (
        # head dims over 128 (split_d): fp16, packed with seqused, deterministic
        (torch.float16, 256, "causal", False, False, False), (torch.bfloat16, 256, "local", True, True, True),
        (torch.bfloat16, 192, "causal", True, False, True), (torch.float16, 192, "softcap", False, True, False),
+       # d=192 adds dQ by TMA (its box beside two Q/dO stages), d=256 by reductions
+       (torch.bfloat16, 192, "local", True, True, False),
        # head dims up to 96 at their own 16-column width (launch_bwd.NATIVE_WIDTH_MAX)
        (torch.bfloat16, 80, "causal", True, False, False), (torch.float16, 80, "local", False, False, True),
        (torch.bfloat16, 80, "softcap", False, True, False), (torch.bfloat16, 48, "none", False, False, False),
@@ -73,34 +75,6 @@ def case_id(c):
 def test_compile_sm90_bwd(case, capfd, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # --keep-ptx writes the .ptx into the working directory
     compile_and_check(case, capfd)
-
-
-# launch_bwd's A/B switches not yet measured on a GPU, each with its candidate value: kept
-# compiling, spill-free and within shared memory until they are decided (then this goes)
-PENDING_AB = [
-    # head dims over 128 with dQ by TMA (d=256 with one Q/dO stage)
-    ("WIDE_DQ_TMA", 1, (torch.bfloat16, 256, "causal", False, False, False),
-     lambda cfg: cfg.split_d and cfg.dq_tma and cfg.num_stages == 1),
-    ("WIDE_DQ_TMA", 1, (torch.float16, 256, "softcap", False, False, False),
-     lambda cfg: cfg.split_d and cfg.dq_tma and cfg.num_stages == 1),
-    ("WIDE_DQ_TMA", 1, (torch.bfloat16, 192, "local", True, True, False),
-     lambda cfg: cfg.split_d and cfg.dq_tma and cfg.num_stages == 2),
-    # three Q/dO stages up to d=128
-    ("QDO_STAGES", 3, (torch.bfloat16, 128, "causal", False, False, False),
-     lambda cfg: cfg.num_stages == 3 and cfg.dq_tma),
-    # the causal backward's key blocks longest first
-    ("BWD_LPT", 1, (torch.bfloat16, 128, "causal", False, False, False), lambda cfg: cfg.lpt),
-    ("BWD_LPT", 1, (torch.bfloat16, 64, "causal", False, False, False), lambda cfg: cfg.lpt),
-    ("BWD_LPT", 1, (torch.float16, 256, "causal", False, True, False), lambda cfg: cfg.lpt),
-]
-
-
-@pytest.mark.parametrize("switch,value,case,takes", PENDING_AB,
-                         ids=[f"{s}={v}-{case_id(c)}" for s, v, c, _ in PENDING_AB])
-def test_compile_pending_ab(switch, value, case, takes, capfd, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch_bwd, switch, value)
-    assert takes(compile_and_check(case, capfd)), f"{switch}={value} does not reach {case}"
 
 
 def compile_and_check(case, capfd):
@@ -129,6 +103,14 @@ def test_d96_takes_dq_in_one_warpgroup():
     a 32-byte swizzle, so one warpgroup computes all of dQ there; d=64 and 128 split it."""
     cfg = lambda d: launch_bwd.bwd_config(make_spec(torch.bfloat16, d, "none"))
     assert cfg(96).dq_single_wg and not cfg(128).dq_single_wg and not cfg(64).dq_single_wg
+
+
+def test_dq_tma_up_to_d192():
+    """dQ by TMA over 128 at d=192 only (its box fits beside two Q/dO stages; d=256's would
+    leave one, measured slower)."""
+    cfg = lambda d: launch_bwd.bwd_config(make_spec(torch.bfloat16, d, "causal"))
+    assert cfg(192).split_d and cfg(192).dq_tma and cfg(192).num_stages == 2
+    assert cfg(256).split_d and not cfg(256).dq_tma and cfg(256).num_stages == 2
 
 
 # The block-sparse backward: a key block walks the query blocks of the transposed lists.

@@ -302,7 +302,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
               mModTensor2: Optional[cute.Tensor], mModTensor3: Optional[cute.Tensor],
               qhead_per_kvhead: Int32, softmax_scale: Float32, score_scale: Float32,
               softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
-              num_n_blocks: Int32, l2_group: Int32, l2_small_groups: Int32, info: cute.Tensor):
+              num_n_blocks: Int32, info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore):
         for m in cutlass.range_constexpr(cute.rank(t)):
@@ -320,8 +320,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
                 i += 1
-    for x in (qhead_per_kvhead, window_left, window_right, num_n_blocks, l2_group,
-              l2_small_groups):
+    for x in (qhead_per_kvhead, window_left, window_right, num_n_blocks):
         info[i] = Int64(x)
         i += 1
     for x in (softmax_scale, score_scale, softmax_scale_log2):
@@ -402,7 +401,7 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
         if t is not None:
             want += [t.shape[0], int(t[1])]
     score_scale, scale_log2, left, right = launch.kernel_scalars(spec)
-    want += [spec.qhead_per_kvhead, left, right, n_blocks, *launch_bwd.l2_groups(spec)]
+    want += [spec.qhead_per_kvhead, left, right, n_blocks]
     want += [int(spec.softmax_scale * 1e6), int(score_scale * 1e6), int(scale_log2 * 1e6)]
     got = info[: len(want)].tolist()
     assert got[:-3] == want[:-3]

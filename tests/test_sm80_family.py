@@ -397,13 +397,12 @@ def test_backward_declaration_matches_kernel_signature():
     assert list(common.names(arguments.BWD_ARGUMENTS)) + [common.STREAM] == params
     fixed = {"qhead_per_kvhead", "softmax_scale", "score_scale", "softmax_scale_log2",
              "window_left", "window_right"}
-    # both backward kernels take the common list; sm90's has the block-sparse lists, a
-    # traced mask_mod's tensors and its causal tile order's L2 groups too
+    # both backward kernels take the common list; sm90's has the block-sparse lists and a
+    # traced mask_mod's tensors too
     from cuteattn.kernels.sm90 import arguments as sm90_arguments
     sparse = (common.group_names("sparse", (common.SPARSE,))
               + common.group_names("sparse_backward", (sm90_arguments.SPARSE_BACKWARD,))
-              + common.group_names("bwd_mod", (sm90_arguments.BWD_MOD,))
-              + ("l2_group", "l2_small_groups"))
+              + common.group_names("bwd_mod", (sm90_arguments.BWD_MOD,)))
     assert common.names(arguments.BWD_ARGUMENTS) == tuple(
         n for n in sm90_arguments.names(sm90_arguments.BWD_ARGUMENTS) if n not in sparse)
     assert set(BWD_PER_CALL) | fixed == set(common.names(arguments.BWD_ARGUMENTS))

@@ -93,20 +93,3 @@ def test_l2_group_fits_half_the_cache_in_whole_gqa_groups():
     assert l2_group(spec) == 12 * 4
     long = AttentionSpec(**{**spec.__dict__, "seqlen_k": 1 << 22})
     assert l2_group(long) == 4  # at least one KV head (with its GQA group)
-
-
-def test_backward_groups_hold_q_and_do_in_half_the_l2():
-    """The causal backward's tile order (sm90 launch_bwd.l2_groups): groups of (batch, query
-    head) pairs whose Q and dO fit in half the L2, in whole GQA groups, balanced."""
-    from cuteattn.kernels.sm90 import launch_bwd
-    spec = lambda **kw: AttentionSpec(**{**dict(
-        dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=True, local=False,
-        has_softcap=False, varlen_q=False, varlen_k=False, batch=4, seqlen_q=4096,
-        seqlen_k=4096, nheads=16, nheads_k=16, kind="bwd"), **kw})
-    per_pair = 4096 * 256 * 2  # Q and dO of one head: 2 MB, 12 of them in 25 MB
-    small, num_small = launch_bwd.l2_groups(spec())
-    assert (small, num_small) == balanced_l2_groups(64, (50 << 20) // 2 // per_pair, 1)
-    assert small <= 12 and small >= 10
-    small, num_small = launch_bwd.l2_groups(spec(nheads_k=4))  # GQA 4: whole groups of 4
-    assert small % 4 == 0 and small <= 12
-    assert launch_bwd.l2_groups(spec(seqlen_q=131072)) == balanced_l2_groups(64, 1, 1)

@@ -316,13 +316,12 @@ class BackwardLaunch:
     deterministic). A call runs the three steps on the current stream, no host sync:
     bwd_preprocess, the kernel (one CTA per key block), bwd_postprocess."""
 
-    def __init__(self, spec: AttentionSpec, cfg, fn, tvm_ffi: bool, entries,
-                 family_scalars: Optional[dict] = None):
+    def __init__(self, spec: AttentionSpec, cfg, fn, tvm_ffi: bool, entries):
         self.spec, self.cfg, self.fn, self.tvm_ffi = spec, cfg, fn, tvm_ffi
         score_scale, scale_log2, left, right = kernel_scalars(spec)
         fixed = dict(qhead_per_kvhead=spec.qhead_per_kvhead, softmax_scale=spec.softmax_scale,
                      score_scale=score_scale, softmax_scale_log2=scale_log2, window_left=left,
-                     window_right=right, **(family_scalars or {}))
+                     window_right=right)
         # a family whose kernel takes block-sparse lists (sm90) is passed them after mSemaphore
         self.sparse_names = tuple(n for n in ("mFullCount", "mFullIndex", "mPartialCount",
                                               "mPartialIndex", "mKeyHalves", "mDqTurns")

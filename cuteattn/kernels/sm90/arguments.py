@@ -211,9 +211,7 @@ BWD_MOD = Group("bwd_mod", MaskModTensors, (
 ))
 
 # (the transposed block-sparse lists and their tables; a mask_mod's tensors)
-BWD_ARGUMENTS = (*common.backward_arguments(extra=(SPARSE, SPARSE_BACKWARD, BWD_MOD)),
-                 # the causal tile order's L2 groups (Sm90BwdConfig.lpt; launch_bwd.l2_groups)
-                 Arg("l2_group", INT32), Arg("l2_small_groups", INT32))
+BWD_ARGUMENTS = common.backward_arguments(extra=(SPARSE, SPARSE_BACKWARD, BWD_MOD))
 
 
 def flat(entries=ARGUMENTS) -> tuple:

@@ -58,7 +58,7 @@ from ..common.mask import apply_mask_transposed
 from ..common.mods import KernelMod, apply_mask_mod, traced, value_and_grad
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
+from ..common.tile_scheduler import varlen_tile_coord
 from .gemm import gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
@@ -120,11 +120,6 @@ class Sm90BwdConfig:
     # has the consumers waiting on the load/store unit to take those. Rows past the sequence
     # are 0 there (their P is masked), so the tile is added whole.
     dq_tma: bool = False
-    # causal, fixed length: the key blocks that the most query blocks see go first (the CTAs
-    # of every (batch, head) pair of an L2-sized group, common/tile_scheduler.fixed_tile_coord),
-    # instead of each pair's key blocks in turn, whose heavy first block of the last pairs
-    # starts near the end of the launch
-    lpt: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -213,8 +208,6 @@ class FlashBwdSm90:
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
         # (the deterministic turns count additions done when signalled; the TMA's are async)
         assert not (cfg.dq_tma and cfg.deterministic)
-        # (the deterministic turns rely on the grid's own order of key blocks)
-        assert not (cfg.lpt and (cfg.deterministic or cfg.varlen_k or cfg.sparse or not cfg.causal))
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -293,8 +286,6 @@ class FlashBwdSm90:
         window_left: Int32,
         window_right: Int32,
         num_n_blocks: Int32,       # grid x: key blocks (per sequence, or packed bound)
-        l2_group: Int32,           # (lpt) pairs per small group of the tile order
-        l2_small_groups: Int32,    # (lpt) how many small groups
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -345,7 +336,7 @@ class FlashBwdSm90:
             tma_atom_lse, tma_lse, tma_atom_dsum, tma_dsum, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mSemaphore, mFullCount, mFullIndex, mPartialCount, mPartialIndex, mKeyHalves, mDqTurns,
             (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
-            mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch, l2_group, l2_small_groups,
+            mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
             sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, dq_store,
         ).launch(
@@ -397,7 +388,6 @@ class FlashBwdSm90:
         mPartialCount: Optional[cute.Tensor], mPartialIndex: Optional[cute.Tensor],
         mKeyHalves: Optional[cute.Tensor], mDqTurns: Optional[cute.Tensor], mod_tensors: tuple,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32, batch: Int32,
-        l2_group: Int32, l2_small_groups: Int32,
         softmax_scale: Float32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32,
         sdp: cute.TiledMma, dkv: cute.TiledMma, dq: cute.TiledMma,
@@ -439,13 +429,6 @@ class FlashBwdSm90:
 
         # Which key block, head and batch this CTA owns.
         n_block, head_idx, batch_idx = cute.arch.block_idx()
-        if const_expr(cfg.lpt):  # longest first: key block 0 of each pair of a group first
-            num_n_blocks, num_heads, _ = cute.arch.grid_dim()
-            tile = n_block + num_n_blocks * (head_idx + num_heads * batch_idx)
-            last_first, head_idx, batch_idx = fixed_tile_coord(
-                tile, num_n_blocks, num_heads, batch, l2_group, l2_small_groups,
-                qhead_per_kvhead, True)
-            n_block = num_n_blocks - 1 - last_first
         in_range = True
         if const_expr(cfg.varlen_k):
             n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch, rows_k,

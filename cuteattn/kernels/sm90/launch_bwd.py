@@ -21,9 +21,8 @@ from . import arguments
 from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
 from .config import kernel_width
 from .pipelines import WG_ROWS
-from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, balanced_l2_groups,
-                            compiled_width, l2_bytes, unserved_dtype_or_dims, unserved_form,
-                            use_tvm_ffi)
+from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
+                            unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -35,26 +34,6 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # d=80 as 80, not 96); wider ones between the compiled widths on the next of them (at 112 the
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
-
-# An A/B awaiting its first GPU run (compile-checked, 2026-12-01): head dims over 128 (split_d)
-# adding dQ by TMA too, d=256 then with one Q/dO stage (FlashAttention-4 runs its d=256
-# backward with one); their dQ by reductions is 64 red.v2 a thread per step at d=256, four
-# times d=128's before dq_tma. Measure: dev_bwd_ab.py WIDE_DQ_TMA 0 1 --d 192,256, then keep
-# it on or delete it with this switch.
-WIDE_DQ_TMA = 0
-
-# Another A/B awaiting its first GPU run: Q / dO stages of the kernels up to d=128 (2 today; 3
-# fits beside the dQ box at d=128, its shared storage then exactly 227 KB; d=64's 128-row
-# steps keep 2). Measure: dev_bwd_ab.py QDO_STAGES 2 3 --d 64,128; keep the winner, delete the
-# switch.
-QDO_STAGES = 2
-
-# Another A/B awaiting its first GPU run: the causal backward's key blocks longest first
-# (Sm90BwdConfig.lpt). Today each (batch, head) pair's key blocks launch in turn, so the last
-# pairs' heaviest blocks (key block 0 sees every query block) start near the end: at 4k
-# causal, d=128, the last one starts ~94% into the launch and runs ~12% of it. Measure:
-# dev_bwd_ab.py BWD_LPT 0 1 --d 64,128,256 (the causal cells; the others are unchanged).
-BWD_LPT = 0
 
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
@@ -75,19 +54,20 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # at 4k-16k, packed sequences at d=128 1.07-1.23x. Not in deterministic mode (its turns then
     # wait for each reduce-add to complete: measured 0.996x, rejected), not where d=128 spills
     # with it: a window (4 bytes; packed 44), packed sequences with softcap (12), block-sparse
-    # lists or mods (36-48) or causal with seqused (8); over 128 only as WIDE_DQ_TMA says
+    # lists or mods (36-48) or causal with seqused (8). Over 128 (split_d) at d=192 only:
+    # 1.25-1.36x there; d=256 fits its dQ box only beside one Q / dO stage, 0.95-1.02x
     packed = spec.varlen_q or spec.varlen_k
     dq_tma = not spec.deterministic and not (head_dim == 128 and (
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
-    dq_tma = dq_tma and (not split or bool(WIDE_DQ_TMA))
+    dq_tma = dq_tma and head_dim <= 192
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
     tall = (head_dim == 64 and dq_tma and not spec.local
             and not (spec.varlen_q or spec.varlen_k or spec.sparse_q_block or spec.mods_or_lists))
-    # as many Q / dO stages (up to QDO_STAGES; split_d two) as shared memory holds (split_d at
-    # d=256: two without the dQ box, 226 KB of 227, or one with it; d=192 two either way)
-    stages = QDO_STAGES if not split else Sm90BwdConfig.num_stages
+    # two Q / dO stages (three at d<=128 measured 0.93-1.01x: perf-log), if shared memory
+    # holds them
+    stages = Sm90BwdConfig.num_stages
     while stages > 1 and Sm90BwdConfig(
             CUTLASS_DTYPES[spec.dtype], head_dim, tile_n=tile_n, num_stages=stages,
             split_d=split, dq_tma=dq_tma, tile_m=D64_TILE_M if tall else 64).smem_bytes() > SMEM_LIMIT:
@@ -110,20 +90,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
         dq_tma=dq_tma,
-        lpt=bool(BWD_LPT) and spec.causal and not spec.deterministic and not (
-            spec.varlen_q or spec.varlen_k or spec.sparse_q_block),
     )
-
-
-def l2_groups(spec: AttentionSpec) -> tuple:
-    """(pairs per small group, number of small groups) of the causal backward's tile order
-    (Sm90BwdConfig.lpt): as many (batch, query head) pairs as have Q and dO in half the L2
-    (every key block of a pair reads them), in whole GQA groups (the pairs sharing K and V),
-    balanced as the forward's (launch_common.balanced_l2_groups)."""
-    per_pair = max(spec.seqlen_q, 1) * (spec.head_dim + spec.head_dim_v) * spec.dtype.itemsize
-    unit = spec.qhead_per_kvhead
-    fit = max((l2_bytes(spec.device_index) // 2) // per_pair // unit, 1) * unit
-    return balanced_l2_groups(max(spec.batch * spec.nheads, 1), fit, unit)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,10 +113,8 @@ class BwdLaunch(BackwardLaunch):
     def __init__(self, spec: AttentionSpec):
         cfg, tvm_ffi = bwd_config(spec), use_tvm_ffi()
         fns = (getattr(spec.mask_mod, "fn", None), getattr(spec.score_mod, "fn", None))
-        group, small_groups = l2_groups(spec)
         super().__init__(spec, cfg, _compiled(cfg, tvm_ffi, *fns), tvm_ffi,
-                         arguments.BWD_ARGUMENTS,
-                         dict(l2_group=group, l2_small_groups=small_groups))
+                         arguments.BWD_ARGUMENTS)
 
 
 class Sm90Backward:
