@@ -120,11 +120,6 @@ class Sm90BwdConfig:
     # has the consumers waiting on the load/store unit to take those. Rows past the sequence
     # are 0 there (their P is masked), so the tile is added whole.
     dq_tma: bool = False
-    # dQ computed transposed, dQ^T = K^T dS^T (FlashAttention-4's swapAB at d=128): M = the
-    # head dim (64 columns a warpgroup), N = the query rows, so a query step need not be a
-    # multiple of 64 rows (80 at d=128, launch_bwd.D128_TILE_M); staged into dQ's box by
-    # transposed stores (dq_tma only)
-    dq_swap: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -133,7 +128,7 @@ class Sm90BwdConfig:
     @property
     def dq_split_rows(self) -> bool:
         """Query steps of 128 rows: the warpgroups split dQ by rows (64 each, every column)."""
-        return self.tile_m > WG_ROWS and not self.dq_swap
+        return self.tile_m > WG_ROWS
 
     @property
     def dq_cols(self) -> int:
@@ -144,15 +139,8 @@ class Sm90BwdConfig:
 
     @property
     def dq_atoms(self) -> tuple:
-        """The dQ GEMM's warpgroups: along the rows (dq_split_rows) or the columns (dq_swap:
-        the columns are its M mode)."""
-        return (self.dq_wgs, 1, 1) if self.dq_split_rows or self.dq_swap else (1, self.dq_wgs, 1)
-
-    @property
-    def dq_gemm_tile(self) -> tuple:
-        """(M, N) of one warpgroup's dQ GEMM: its box, transposed with dq_swap."""
-        rows, cols = self.dq_box
-        return (cols, rows) if self.dq_swap else (rows, cols)
+        """The dQ GEMM's warpgroups: along the rows (dq_split_rows) or the columns."""
+        return (self.dq_wgs, 1, 1) if self.dq_split_rows else (1, self.dq_wgs, 1)
 
     @property
     def dq_box(self) -> tuple:
@@ -220,8 +208,6 @@ class FlashBwdSm90:
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
         # (the deterministic turns count additions done when signalled; the TMA's are async)
         assert not (cfg.dq_tma and cfg.deterministic)
-        assert not cfg.dq_swap or (cfg.dq_tma and not (cfg.split_d or cfg.dq_single_wg or cfg.dq_split_rows))
-        assert cfg.dq_swap or cfg.split_d or cfg.tile_m % WG_ROWS == 0, "dQ's M mode is the query rows"
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -260,16 +246,10 @@ class FlashBwdSm90:
         else:
             dkv = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, (NUM_CONSUMER_WG, 1, 1),
                                                     (WG_ROWS, self.d), warpgroup.OperandSource.RMEM)
-        return sdp, dkv, self.make_dq()
-
-    def make_dq(self, atoms=None):
-        """dQ = dS K: M = queries, N = d (split between the warpgroups, or all in warpgroup 0);
-        dq_swap: dQ^T = K^T dS^T, M = d (64 columns a warpgroup), N = queries, K^T read
-        MN-major out of K's buffer."""
-        dt, K, MN = self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
-        a_major, b_major = (MN, K) if const_expr(self.cfg.dq_swap) else (K, MN)
-        return sm90_utils.make_trivial_tiled_mma(dt, dt, a_major, b_major, Float32,
-                                                 atoms or self.cfg.dq_atoms, self.cfg.dq_gemm_tile)
+        # dQ = dS K: M = queries, N = d (split between the warpgroups, or all in warpgroup 0).
+        dq = sm90_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, self.cfg.dq_atoms,
+                                               self.cfg.dq_box)
+        return sdp, dkv, dq
 
     @cute.jit
     def __call__(
@@ -337,11 +317,8 @@ class FlashBwdSm90:
         if const_expr(cfg.dq_tma):
             # each dQ warpgroup's float32 share (cfg.dq_box), a box of the TMA reduce-add
             sdQ_layout = _k_major_layout(Float32, *cfg.dq_box, cfg.dq_wgs, cfg.dq_cols)
-            # (one box's layout made as such: slicing the swizzled 3-mode layout aborts the
-            # DSL when the box has 80 rows)
             tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc,
-                _k_major_layout(Float32, *cfg.dq_box, None, cfg.dq_cols), cfg.dq_box)
+                cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, stage(sdQ_layout), cfg.dq_box)
             dq_store = (tma_atom_dq, tma_dq, sdQ_layout)
         self.q_bytes = cute.size_in_bytes(dt, stage(sQ_layout)) + self.tile_m * 4
         self.kv_bytes = 2 * cute.size_in_bytes(dt, sK_layout)
@@ -446,10 +423,9 @@ class FlashBwdSm90:
                  _transposed(storage.sdO, sQ_layout), _transposed(storage.sK, sK_layout),
                  _transposed(storage.sdS, sdS_layout),
                  _transposed(storage.sP, sdS_layout) if const_expr(cfg.split_d) else None)
-        sdQ = sdQt = None
+        sdQ = None
         if const_expr(cfg.dq_tma):
             sdQ = storage.sdQ.get_tensor(dq_store[2].outer, swizzle=dq_store[2].inner)
-            sdQt = _transposed(storage.sdQ, dq_store[2]) if const_expr(cfg.dq_swap) else sdQ
 
         # Which key block, head and batch this CTA owns.
         n_block, head_idx, batch_idx = cute.arch.block_idx()
@@ -490,7 +466,7 @@ class FlashBwdSm90:
                              softmax_scale, score_scale, softmax_scale_log2,
                              window_left, window_right, n_block, head_idx, batch_idx,
                              rows, rows_q, tidx - WG_THREADS, mKeyHalves, mDqTurns, mod_tensors,
-                             (dq_store[0], dq_store[1], sdQ, sdQt) if const_expr(cfg.dq_tma) else None)
+                             (dq_store[0], dq_store[1], sdQ) if const_expr(cfg.dq_tma) else None)
 
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
@@ -587,12 +563,8 @@ class FlashBwdSm90:
         if const_expr(cfg.split_d):  # dV's and dK's A: P^T and dS^T from shared memory
             tVsPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sPt))
             tKsdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(sdSt))
-        if const_expr(cfg.dq_swap):  # dQ^T = K^T dS^T: K^T is A, dS (query, key) is B
-            tQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(sKt))
-            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
-        else:
-            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(sKt))
         # accumulators: S^T / dP^T per block, dK / dV over the walk
         shape_st = (self.tile_n, self.tile_m)
         acc_S = thr_sdp.make_fragment_C(thr_sdp.partition_shape_C(shape_st))
@@ -613,8 +585,7 @@ class FlashBwdSm90:
         gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
         if const_expr(cfg.dq_tma):
             # (TMA atom, this warpgroup's staged share, its boxes in global memory by query block)
-            # (sdQt: the boxes as the dQ GEMM's accumulator sees them, transposed with dq_swap)
-            tma_atom_dq, tma_dq, sdQ, sdQt = dq_store
+            tma_atom_dq, tma_dq, sdQ = dq_store
             gdQ_boxes = cute.local_tile(seqlen.q_view(tma_dq, head_idx, batch_idx), cfg.dq_box,
                                         (None, None))
             tdQs, tdQg = cpasync.tma_partition(tma_atom_dq, 0, cute.make_layout(1),
@@ -623,7 +594,7 @@ class FlashBwdSm90:
             dq_wg = 0 if const_expr(cfg.dq_single_wg) else wg
             # (the box's column, and its row within a query step, by the split)
             col_box, row_box = (0, dq_wg) if const_expr(cfg.dq_split_rows) else (dq_wg, 0)
-            gdQ = (tma_atom_dq, tdQs[None, dq_wg], tdQg[None, None, col_box], sdQt[None, None, dq_wg],
+            gdQ = (tma_atom_dq, tdQs[None, dq_wg], tdQg[None, None, col_box], sdQ[None, None, dq_wg],
                    row_box)  # (what reduce_dq takes in gdQ's place)
         # (dq_tma) the warp of each dQ warpgroup that issues its reduce-add
         dq_issuer = (tidx % WG_THREADS) // 32 == 0
@@ -819,13 +790,11 @@ class FlashBwdSm90:
         float32 accumulator (rows inside the sequence only). `then`: issues dK's GEMM after
         dQ's, which the additions then wait for alone."""
         thr_dq = dq.get_slice(tidx)
-        swap = self.cfg.dq_swap
-        whole = (self.d, self.tile_m) if const_expr(swap) else (self.tile_m, self.d)
-        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C(whole))
-        if const_expr(swap):
-            gemm_async(self.make_dq(), acc_dQ, tQrKt, tQrdS[None, None, None, ds_stage], True)
-        else:
-            gemm_async(self.make_dq(), acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
+        acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
+        fresh = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, self.cfg.dq_atoms, self.cfg.dq_box)
+        gemm_async(fresh, acc_dQ, tQrdS[None, None, None, ds_stage], tQrKt, True)
         if const_expr(then is not None):
             then()
             warpgroup.wait_group(1)
@@ -848,13 +817,12 @@ class FlashBwdSm90:
         tma_atom, tdQs, tdQg, sdQ, row_box = dq_box
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             acc_dQ[i] = acc_dQ[i] * softmax_scale
-        one_wg = self.make_dq((1, 1, 1))
-        if const_expr(self.cfg.dq_swap):  # sdQ is the box seen transposed: (column, row)
-            cute.autovec_copy(acc_dQ, one_wg.get_slice(tidx % WG_THREADS).partition_C(sdQ))
-        else:
-            pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-            thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
-            cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
+        one_wg = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1, 1), self.cfg.dq_box)
+        pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
+        cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, before the TMA's reads
         staged = BwdBarrier.DQ_STAGED + tidx // WG_THREADS
         if (tidx % WG_THREADS) // 32 == 0:  # (consume's dq_issuer)

@@ -39,13 +39,6 @@ NATIVE_WIDTH_MAX = 96
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
 
-# An A/B awaiting its GPU run: query rows per step at d=128 without causal, window, softcap,
-# seqused or packed sequences, lists or mods (80 rows spill there: causal 20 bytes, softcap
-# 100, seqused 36). Other than 64, dQ is computed transposed (dq_swap), as FlashAttention-4
-# runs d=128 non-causal in 80-row steps. Measure: dev_bwd_ab.py D128_TILE_M 64 80 --d 128;
-# keep the winner, delete the switch.
-D128_TILE_M = 64
-
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     """A head dim runs at its kernel width (NATIVE_WIDTH_MAX) or on the next compiled width up:
@@ -72,22 +65,16 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
     tall = (head_dim == 64 and dq_tma and not spec.local
             and not (spec.varlen_q or spec.varlen_k or spec.sparse_q_block or spec.mods_or_lists))
-    tile_m = D64_TILE_M if tall else 64
-    if head_dim == 128 and dq_tma and not (
-            spec.causal or spec.local or spec.has_softcap or packed or spec.has_seqused_q
-            or spec.has_seqused_k or spec.sparse_q_block or spec.mods_or_lists):
-        tile_m = D128_TILE_M
-    swap = tile_m % 64 != 0
     # two Q / dO stages (three at d<=128 measured 0.93-1.01x: perf-log), if shared memory
     # holds them
     stages = Sm90BwdConfig.num_stages
     while stages > 1 and Sm90BwdConfig(
             CUTLASS_DTYPES[spec.dtype], head_dim, tile_n=tile_n, num_stages=stages,
-            split_d=split, dq_tma=dq_tma, tile_m=tile_m).smem_bytes() > SMEM_LIMIT:
+            split_d=split, dq_tma=dq_tma, tile_m=D64_TILE_M if tall else 64).smem_bytes() > SMEM_LIMIT:
         stages -= 1
     return Sm90BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_n=tile_n, num_stages=stages,
-        split_d=split, causal=spec.causal, tile_m=tile_m, dq_swap=swap,
+        split_d=split, causal=spec.causal, tile_m=D64_TILE_M if tall else 64,
         # dQ's additions under dK's GEMM: 1.00-1.07x at 4k-16k (perf-log); with packed
         # sequences at d=128 it spills (28-48 bytes), so those keep dK's GEMM first (and
         # d=64's causal 128-row steps: 20 bytes)
