@@ -3,12 +3,14 @@ written into the cache (rotated, and for an fp8 cache quantized by their descale
 and each sequence's used length (cache_seqlens + seqlen_new). kvcache.append_and_rotate's
 PyTorch steps (a dozen small kernels) are its reference and its CPU path.
 
-A CTA takes one token row i of one sequence b: q's row i (rotated at cache_seqlens[b] + i, or at
-cache_seqlens[b] when the mask is not positional) when rotary embedding is on, and the new
-tokens' row i, written at position cache_seqlens[b] + i of the sequence (its cache row
-cache_batch_idx[b], or its page block_table[b, p // page_size]). The threads walk the row's
-(head, feature) elements; a rotated feature reads its pair's partner (interleaved: 2j, 2j+1;
-GPT-NeoX: j, j + rotary_dim / 2) and cos / sin at the position, in float32, as the reference.
+A CTA takes one head z of one token row i of one sequence b: q's head z of row i (rotated at
+cache_seqlens[b] + i, or at cache_seqlens[b] when the mask is not positional) when rotary
+embedding is on, and the new tokens' kv head z of row i, written at position
+cache_seqlens[b] + i of the sequence (its cache row cache_batch_idx[b], or its page
+block_table[b, p // page_size]). A CTA a head, not a row: at batch 1 one CTA walked every
+head's features in 16 dependent rounds of loads and stores (7.6 us of a 130 us decode step).
+The threads walk the head's features; a rotated feature reads its pair's partner (interleaved:
+2j, 2j+1; GPT-NeoX: j, j + rotary_dim / 2) and cos / sin at the position, in float32, as the reference.
 Memory safety: a position outside the cache, a page id outside the cache or a cache row outside
 it is not written (the reference path raises on such values; validate=True checks them first).
 """
@@ -56,44 +58,43 @@ class KvAppend:
         (rows or pages, capacity or page size, h_k, d / d_v), fp8 ones as uint8; int32 (b,)
         lengths in, used lengths out; cos / sin (positions, rotary_dim / 2); fp8 descales
         float32 (b, h_k)."""
-        rows = 0
+        rows, heads = 0, 0
         if const_expr(self.cfg.append):
-            rows = mK.shape[1]
+            rows, heads = mK.shape[1], mK.shape[2]
         if const_expr(self.cfg.rotary is not None):
-            rows = cutlass.max(rows, mQ.shape[1])
+            rows, heads = cutlass.max(rows, mQ.shape[1]), cutlass.max(heads, mQ.shape[2])
         self.kernel(mQ, mQRot, mK, mV, mKCache, mVCache, mCacheSeqlens, mBatchIdx, mBlockTable,
                     mCos, mSin, mKDescale, mVDescale, mSeqUsed).launch(
-            grid=[rows, mQ.shape[0], 1], block=[self.cfg.threads, 1, 1], stream=stream)
+            grid=[rows, mQ.shape[0], heads], block=[self.cfg.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ, mQRot, mK, mV, mKCache, mVCache, mCacheSeqlens, mBatchIdx, mBlockTable,
                mCos, mSin, mKDescale, mVDescale, mSeqUsed):
         cfg = self.cfg
-        i, b, _ = cute.arch.block_idx()
+        i, b, head = cute.arch.block_idx()
         tidx, _, _ = cute.arch.thread_idx()
         old = mCacheSeqlens[b]
         s_new = 0
         if const_expr(cfg.append):
             s_new = mK.shape[1]
-        if (i == 0) & (tidx == 0):
+        if (i == 0) & (head == 0) & (tidx == 0):
             mSeqUsed[b] = old + s_new
         if const_expr(cfg.rotary is not None):
-            if i < mQ.shape[1]:
+            if (i < mQ.shape[1]) & (head < mQ.shape[2]):
                 pos = old + i if const_expr(cfg.positional) else old
-                heads = mQ.shape[2]
-                for e in cutlass.range(tidx, heads * cfg.head_dim, cfg.threads, unroll=1):
-                    head, f = e // cfg.head_dim, e % cfg.head_dim
-                    x = mQ[b, i, head, None]
+                x = mQ[b, i, head, None]
+                for f in cutlass.range(tidx, cfg.head_dim, cfg.threads, unroll=1):
                     mQRot[b, i, head, f] = self.rotated(x, f, pos, mCos, mSin).to(cfg.dtype)
         if const_expr(cfg.append):
-            if i < s_new:
+            if (i < s_new) & (head < mK.shape[2]):
                 self.append_row(mK, mV, mKCache, mVCache, mBatchIdx, mBlockTable, mCos, mSin,
-                                mKDescale, mVDescale, b, i, old + i, tidx)
+                                mKDescale, mVDescale, b, i, head, old + i, tidx)
 
     @cute.jit
     def append_row(self, mK, mV, mKCache, mVCache, mBatchIdx, mBlockTable, mCos, mSin,
-                   mKDescale, mVDescale, b, i, pos, tidx):
-        """New token row i of sequence b into the caches at sequence position pos."""
+                   mKDescale, mVDescale, b, i, head, pos, tidx):
+        """Head `head` of new token row i of sequence b into the caches at sequence position
+        pos."""
         cfg = self.cfg
         row, slot = b, pos
         valid = pos >= 0
@@ -109,17 +110,14 @@ class KvAppend:
             row = mBatchIdx[b]
         valid = valid & (row >= 0) & (row < mKCache.shape[0]) & (slot < mKCache.shape[1])
         if valid:
-            heads = mK.shape[2]
-            for e in cutlass.range(tidx, heads * cfg.head_dim, cfg.threads, unroll=1):
-                head, f = e // cfg.head_dim, e % cfg.head_dim
-                x = mK[b, i, head, None]
+            x = mK[b, i, head, None]
+            for f in cutlass.range(tidx, cfg.head_dim, cfg.threads, unroll=1):
                 value = x[f].to(Float32)
                 if const_expr(cfg.rotary is not None):
                     # rounded to k's dtype first, as the reference stores a rotated k
                     value = self.rotated(x, f, pos, mCos, mSin).to(cfg.dtype).to(Float32)
                 self.store(mKCache, mKDescale, row, slot, head, f, b, value)
-            for e in cutlass.range(tidx, heads * cfg.head_dim_v, cfg.threads, unroll=1):
-                head, f = e // cfg.head_dim_v, e % cfg.head_dim_v
+            for f in cutlass.range(tidx, cfg.head_dim_v, cfg.threads, unroll=1):
                 self.store(mVCache, mVDescale, row, slot, head, f, b, mV[b, i, head, f].to(Float32))
 
     @cute.jit
