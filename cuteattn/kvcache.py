@@ -242,6 +242,20 @@ def flash_attn_with_kvcache(
     values (a sync): lengths within the capacity, leftpad within the length, rows and pages in
     range, rows not repeated. Without it they are trusted.
     """
+    compiling = torch.compiler.is_compiling()
+    sig = None
+    if not compiling and not validate:
+        sig = _step_signature(q, k_cache, v_cache, (
+            k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, alibi_slopes, learnable_sink, k_descale, v_descale), (
+            softmax_scale, causal, window_size, softcap, bool(rotary_interleaved), num_splits,
+            strict, tuple(map(type, window_size)) if type(window_size) is tuple else None))
+        step = _steps.get(sig) if sig is not None else None
+        if step is not None:
+            out, lse = step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                            cache_batch_idx, cache_leftpad, block_table, bool(rotary_interleaved),
+                            learnable_sink, (k_descale, v_descale))
+            return (out, lse) if return_softmax_lse else out
     _checks.check_unsupported(0.0, alibi_slopes, False)
     checked = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
                            rotary_cos, rotary_sin, cache_seqlens, num_splits, (k_descale, v_descale))
@@ -250,23 +264,76 @@ def flash_attn_with_kvcache(
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
             cache_leftpad, block_table, scale, causal, left, right, softcap,
             bool(rotary_interleaved), learnable_sink, bool(validate), strict, int(num_splits))
-    if torch.compiler.is_compiling():  # an opaque op: the cache lengths are read inside
+    if compiling:  # an opaque op: the cache lengths are read inside
         from cuteattn import ops
         out, lse = ops.kvcache(*args, descales=(k_descale, v_descale))
     else:
-        out, lse = kvcache_forward(*args, descales=(k_descale, v_descale), checked=checked)
+        out, lse = kvcache_forward(*args, descales=(k_descale, v_descale), checked=checked,
+                                   keep_as=sig)
     return (out, lse) if return_softmax_lse else out
+
+
+# A decoder calls flash_attn_with_kvcache with one signature step after step (shapes, strides,
+# dtypes and devices of every tensor, the scalars; never the lengths' values, which the checks
+# do not read without validate=True): the first such call's checks, spec, kernel and split
+# count are kept under it (a DecodeStep), and the next calls go straight to the update and the
+# launch. Only calls a kernel served are kept (fallbacks take the full path every time).
+_steps: dict = {}
+_STEPS_MAX = 256
+
+
+def _step_signature(q, k_cache, v_cache, tensors: tuple, scalars: tuple):
+    """The call's signature (api._signature's, tensors by api._tensor_signature), or None
+    when it does not qualify (non-tensor q / caches, an unhashable argument)."""
+    try:
+        sig = api._signature(q, k_cache, v_cache, tuple(map(api._tensor_signature, tensors)),
+                             *scalars)
+        if sig is not None:
+            hash(sig)
+        return sig
+    except TypeError:  # an unhashable argument (the checks then say what is wrong with it)
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """What a served call decided past its checks: the spec's launch, the split count, the
+    capacity per sequence and whether q rotates at each row's own position. Calling it runs the
+    step: the KV update (append_and_rotate), then the attention."""
+    spec: AttentionSpec
+    launch: object
+    splits: int
+    capacity: int
+    positional: bool
+
+    def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                 cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, learnable_sink,
+                 descales):
+        with torch.no_grad():
+            q_rot, seqused_k = append_and_rotate(
+                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                block_table, self.positional, rotary_interleaved, self.capacity, descales)
+            out = torch.empty(*q.shape[:3], v_cache.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32,
+                              device=q.device)
+            extra = (dict(k_descale=descales[0], v_descale=descales[1])
+                     if self.spec.kv_dtype is not None else {})
+            self.launch(q_rot, k_cache, v_cache, out, lse, seqused_k, cache_batch_idx,
+                        cache_leftpad, block_table, self.splits, learnable_sink=learnable_sink,
+                        **extra)
+        return out, lse
 
 
 def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                     cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, left, right,
                     softcap, rotary_interleaved, learnable_sink, validate, strict, num_splits=1,
-                    descales=(None, None), checked=None):
+                    descales=(None, None), checked=None, keep_as=None):
     """flash_attn_with_kvcache past its argument checks (the normalised mask and scalars):
     the kernel choice, the value checks (always, on the reference path; a kernel will take them
     with validate=True), the computation. Returns (out, lse);
     ops.py's custom op runs this under torch.compile. checked: _check_cache's result when the
-    caller has just run it (eager calls: each step checks its arguments once)."""
+    caller has just run it (eager calls: each step checks its arguments once). keep_as: the
+    call's signature (_step_signature), under which a served call's DecodeStep is kept."""
     batch, s_new, capacity = checked or _check_cache(
         q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
         rotary_sin, cache_seqlens, 0)
@@ -289,17 +356,15 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         if validate:
             _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                           s_new, capacity, batch)
-        with torch.no_grad():
-            q_rot, seqused_k = append_and_rotate(
-                q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                block_table, causal or local, rotary_interleaved, capacity, descales)
-            out = torch.empty(*q.shape[:3], v_cache.shape[-1], dtype=q.dtype, device=q.device)
-            lse = torch.empty(batch, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-            extra = dict(k_descale=descales[0], v_descale=descales[1]) if fp8 else {}
-            launch(q_rot, k_cache, v_cache, out, lse, seqused_k, cache_batch_idx, cache_leftpad,
-                   block_table, _splits(num_splits, spec, q.device, capacity),
-                   learnable_sink=learnable_sink, **extra)
-        return out, lse
+        step = DecodeStep(spec, launch, _splits(num_splits, spec, q.device, capacity), capacity,
+                          causal or local)
+        if keep_as is not None:
+            if len(_steps) >= _STEPS_MAX:
+                _steps.clear()
+            _steps[keep_as] = step
+        return step(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                    cache_batch_idx, cache_leftpad, block_table, rotary_interleaved,
+                    learnable_sink, descales)
     api._fall_back(reason, strict)
     # the reference reads the index values anyway: hold them to validate=True's rules always
     # (a clear ValueError, not an index error or a write outside a sequence's pages)

@@ -412,3 +412,111 @@ def test_append_and_rotate_without_new_tokens_or_rotary():
         _, used = append_and_rotate(q, k_cache, k_cache, None, None, None, None, other, None,
                                     None, False, True, 64)
         assert used is not other and used.dtype == torch.int32 and used.tolist() == [3, 60]
+
+
+# ---- the decode-step shortcut (kvcache.DecodeStep): a served call's decisions kept under its
+# signature. A stand-in launch takes the kernel's place (the CPU has none): it records the spec
+# and what it was handed, and writes sentinels.
+
+class FakeDecode:
+    def __init__(self):
+        self.selections, self.calls = 0, []
+
+    def select(self, spec, device):  # kvcache._decode_launch's contract: (launch, None)
+        self.selections += 1
+        return (lambda *a, **kw: self.launch(spec, *a, **kw)), None
+
+    def launch(self, spec, q, k_cache, v_cache, out, lse, seqused_k, kv_batch_idx, leftpad_k,
+               page_table, num_splits, learnable_sink=None, **extra):
+        self.calls.append(dict(spec=spec, q=q, seqused_k=seqused_k.clone(), page_table=page_table,
+                               splits=num_splits, sink=learnable_sink))
+        out.fill_(1.0)
+        lse.fill_(2.0)
+
+
+@pytest.fixture
+def fake_decode(monkeypatch):
+    from cuteattn import kvcache
+    fake = FakeDecode()
+    monkeypatch.setattr(kvcache, "_decode_launch", fake.select)
+    monkeypatch.setattr(kvcache, "_steps", {})
+    return fake
+
+
+def test_repeated_decode_step_skips_checks_and_selection(fake_decode, monkeypatch):
+    from cuteattn import kvcache
+    checks = []
+    full = kvcache._check_cache
+    monkeypatch.setattr(kvcache, "_check_cache", lambda *a, **kw: checks.append(1) or full(*a, **kw))
+    a = args()
+    kc, vc = a["k_cache"].clone(), a["v_cache"].clone()
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    for step in range(3):
+        k_new, v_new = torch.randn(2, 1, 2, 64, dtype=BF16), torch.randn(2, 1, 2, 64, dtype=BF16)
+        out, lse = flash_attn_with_kvcache(a["q"], kc, vc, k_new, v_new, cache_seqlens=lens,
+                                           causal=True, return_softmax_lse=True)
+        # the update still runs every step: the new row lands at each sequence's length
+        for b in range(2):
+            assert torch.equal(kc[b, int(lens[b])], k_new[b, 0])
+            assert torch.equal(vc[b, int(lens[b])], v_new[b, 0])
+        assert fake_decode.calls[-1]["seqused_k"].tolist() == (lens + 1).tolist()
+        assert torch.all(out == 1) and torch.all(lse == 2) and out.shape == a["q"].shape
+        lens = lens + 1  # (a new tensor of the same signature, as a decoder's loop makes)
+    assert len(checks) == 1 and fake_decode.selections == 1 and len(fake_decode.calls) == 3
+    assert fake_decode.calls[2]["spec"] is fake_decode.calls[0]["spec"]
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "causal", "window", "int-lengths", "splits",
+                                    "scale", "softcap", "paged", "sink"])
+def test_decode_shortcut_misses_on_any_change(fake_decode, change):
+    a = args()
+    kw = dict(cache_seqlens=torch.tensor([3, 7], dtype=torch.int32), causal=False,
+              window_size=(-1, -1), num_splits=0)
+    flash_attn_with_kvcache(**a, **kw)
+    if change == "shape":
+        a["q"] = torch.randn(2, 2, 4, 64, dtype=BF16)
+    elif change == "dtype":
+        a = {n: t.to(torch.float16) for n, t in a.items()}
+    elif change == "causal":
+        kw["causal"] = True
+    elif change == "window":
+        kw["window_size"] = (4, 0)
+    elif change == "int-lengths":
+        kw["cache_seqlens"] = 5
+    elif change == "splits":
+        kw["num_splits"] = 3
+    elif change == "scale":
+        kw["softmax_scale"] = 0.5
+    elif change == "softcap":
+        kw["softcap"] = 10.0
+    elif change == "paged":
+        a.update(PAGED)
+        kw["block_table"] = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    else:
+        kw["learnable_sink"] = torch.zeros(4)
+    flash_attn_with_kvcache(**a, **kw)
+    assert fake_decode.selections == 2  # the second call took the full path
+    first, second = fake_decode.calls
+    if change == "int-lengths":  # (the spec is alike: the lengths reach the kernel as a tensor)
+        assert second["seqused_k"].tolist() == [5, 5]
+    elif change == "splits":  # (not in the spec either: the launch takes the count)
+        assert first["splits"] != second["splits"] == 3
+    else:
+        assert first["spec"] != second["spec"]
+
+
+def test_decode_shortcut_still_checks_what_it_must(fake_decode):
+    a = args()
+    lens = torch.tensor([3, 7], dtype=torch.int32)
+    flash_attn_with_kvcache(**a, cache_seqlens=lens, window_size=(1, 0))
+    # True == 1 and hashes alike, but a bool window side is an error
+    with pytest.raises(TypeError, match="window_size"):
+        flash_attn_with_kvcache(**a, cache_seqlens=lens, window_size=(True, 0))
+    # validate=True reads the values every call: past the capacity raises even after a hit
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(**a, cache_seqlens=torch.tensor([3, 40], dtype=torch.int32),
+                                window_size=(1, 0), validate=True)
+    # a list is unhashable: no shortcut, the full path every time (and still served)
+    for _ in range(2):
+        flash_attn_with_kvcache(**a, cache_seqlens=lens, window_size=[1, 0])
+    assert fake_decode.selections == 4  # (the first call, validate's and the two lists)
