@@ -26,16 +26,20 @@ MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "
 FP8 = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 
 
-def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False):
-    """The backward family's config for these switches on this target (launch_bwd's choice)."""
+def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False, smem=163 * 1024):
+    """The backward family's config for these switches on this target (launch_bwd.bwd_config,
+    its wide head dims included whether or not the family serves them yet)."""
     import os
-    from cuteattn.kernels.sm80.bwd import Sm80BwdConfig
-    from cuteattn.kernels.sm80.launch_bwd import TILES, register_parts
+    import torch
+    from cuteattn.kernels.sm80 import launch_bwd
+    from cuteattn.spec import AttentionSpec
     major = int(re.match(r"sm_(\d+?)\d[a-z]?$", os.environ["CUTE_DSL_ARCH"])[1])
-    tile_m, tile_n, warps = TILES[d]
-    kv_parts, q_parts = register_parts(d, major)
-    return Sm80BwdConfig(dtype, d, tile_m, tile_n, warps, causal, local, softcap, varlen, varlen,
-                         varlen, varlen, kv_parts, q_parts, deterministic)
+    spec = AttentionSpec(dtype=torch.bfloat16 if dtype is cutlass.BFloat16 else torch.float16,
+                         head_dim=d, head_dim_v=d, causal=causal, local=local, has_softcap=softcap,
+                         varlen_q=varlen, varlen_k=varlen, has_seqused_q=varlen,
+                         has_seqused_k=varlen, kind="bwd", deterministic=deterministic)
+    return launch_bwd.bwd_config(spec, major, smem,
+                                 launch_bwd.SUPPORTED_HEAD_DIMS + launch_bwd.WIDE_HEAD_DIMS)
 
 
 def main():
@@ -53,7 +57,7 @@ def main():
             continue
         if isinstance(form, str) and form.startswith("bwd"):  # "bwd[,varlen][,deterministic]"
             varlen = "varlen" in form
-            cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen, "deterministic" in form)
+            cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen, "deterministic" in form, smem)
             if "padded" in form:  # (a narrower head dim run on this width: zero-filled loads)
                 import dataclasses
                 cfg = dataclasses.replace(cfg, padded=True)

@@ -67,7 +67,11 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 64, "local", "bwd,varlen,deterministic"],
                # head dims between the widths, padded (80 on 96, 112 on 128, 40 on 64)
                ["bf16", 96, "causal", "bwd,padded"], ["fp16", 128, "none", "bwd,varlen,padded"],
-               ["bf16", 64, "local", "bwd,padded,deterministic"]]
+               ["bf16", 64, "local", "bwd,padded,deterministic"],
+               # over 128: dK and dV in 64-column passes (launch_bwd.WIDE_HEAD_DIMS), the tile
+               # by the target's shared memory
+               ["bf16", 192, "causal", "bwd,varlen"], ["fp16", 256, "softcap", "bwd"],
+               ["bf16", 256, "local", "bwd,deterministic"], ["fp16", 192, "none", "bwd,padded"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])

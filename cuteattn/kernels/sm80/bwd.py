@@ -61,6 +61,11 @@ class Sm80BwdConfig:
     # and dP^T are computed in q_parts sub-blocks of the query block (tile_m / q_parts queries).
     kv_parts: int = 1
     q_parts: int = 1
+    # Head dims over 128: dK and dV of every column would be 2d registers a thread, so the walk
+    # over the query blocks runs kv_passes times, each pass accumulating d / kv_passes of their
+    # columns (written out at its end, straight from the registers) and recomputing S^T and
+    # dP^T; dQ is added in the first pass, in chunks of that many columns.
+    kv_passes: int = 1
     # dQ's shares added in key-block order (bitwise-reproducible gradients; common/dq_order)
     deterministic: bool = False
     # q, k, v and dO's head dim may be narrower than head_dim (padded to this compiled width):
@@ -90,7 +95,11 @@ class FlashBwdSm80:
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.num_threads = cfg.num_threads
-        self.kv_cols = self.d // cfg.kv_parts   # dK's and dV's columns per GEMM
+        self.pass_cols = self.d // cfg.kv_passes  # dK's and dV's columns per pass
+        self.kv_cols = self.pass_cols // cfg.kv_parts  # ... and per GEMM
+        # dQ's columns per GEMM: all of them, or (kv_passes) a pass's worth at a time
+        self.dq_cols = self.d if cfg.kv_passes == 1 else self.pass_cols
+        assert self.d % cfg.kv_passes == 0 and self.pass_cols % cfg.kv_parts == 0, cfg
         self.sub_m = cfg.tile_m // cfg.q_parts  # queries per S^T / dP^T sub-block
         assert self.kv_cols % 16 == 0 and self.sub_m % 16 == 0, cfg
 
@@ -237,12 +246,11 @@ class FlashBwdSm80:
         tSsQ = [ld_b.partition_S(rows_of(sQ, h)) for h in subs]
         tSsdO = [ld_b.partition_S(rows_of(sdO, h)) for h in subs]
         # dV += P^T dO and dK += dS^T Q: B from dO^T / Q^T (d x queries, transposed reads), in
-        # column parts (kv_cols wide each: one part's B fragments live at a time)
-        parts = range(self.d // self.kv_cols)
+        # column parts (kv_cols wide each: one part's B fragments live at a time); a pass's
+        # parts start at column pass * pass_cols (whole swizzle atoms: 64 columns)
+        parts = range(self.pass_cols // self.kv_cols)
         part = lambda t, h, i: cute.local_tile(transposed_view(rows_of(t, h)),
                                                 (self.kv_cols, self.sub_m), (i, 0))
-        tVsdOt = [[ld_bt.partition_S(part(sdO, h, i)) for i in parts] for h in subs]
-        tKsQt = [[ld_bt.partition_S(part(sQ, h, i)) for i in parts] for h in subs]
         tVrdOt = thr.make_fragment_B(thr.partition_B(part(sdO, 0, 0)))
         tKrQt = thr.make_fragment_B(thr.partition_B(part(sQ, 0, 0)))
         # dQ = dS K (its own MMA layout: warps split the queries, and the columns when the
@@ -254,8 +262,12 @@ class FlashBwdSm80:
         ld_dq_a = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, True), dq_mma).get_slice(tidx)
         ld_dq_b = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), dq_mma).get_slice(tidx)
         tQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
-        tQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(sKt))
-        tQsdS, tQsKt = ld_dq_a.partition_S(sdS), ld_dq_b.partition_S(sKt)
+        tQsdS = ld_dq_a.partition_S(sdS)
+        # (K^T's columns in chunks of dq_cols: kv_passes; else one chunk, the whole head dim)
+        chunks = range(self.d // self.dq_cols)
+        chunk = lambda c: cute.local_tile(sKt, (self.dq_cols, self.tile_n), (c, 0))
+        tQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(chunk(0)))
+        tQsKt = [ld_dq_b.partition_S(chunk(c)) for c in chunks]
 
         acc_S = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_n, self.sub_m)), Float32)
         acc_dP = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_n, self.sub_m)), Float32)
@@ -267,7 +279,7 @@ class FlashBwdSm80:
             acc.fill(0.0)
         acc_S_mn, acc_dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
         coord_st = acc_mn_view(thr.partition_C(cute.make_identity_tensor((self.tile_n, self.sub_m))))
-        coord_dq = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+        coord_dq = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.dq_cols))))
         tVrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
         tKrdS = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_dP.layout), self.dtype)
         # dS^T into shared memory: the accumulator's own layout, pairs of 16-bit values
@@ -278,60 +290,81 @@ class FlashBwdSm80:
         # would address other elements, see copy_column_part)
         tSsdSt = st_ds.partition_D(sdSt)
 
-        for m_block in cutlass.range(m_min, m_max, unroll=1):
-            q_start = m_block * self.tile_m
-            rows_left = seqlen.seqlen_q - q_start
-            # this block's Q, dO, LSE and D (every warp is past the previous block's reads)
-            mma.load_rows(copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, rows_left, cols=cols)
-            mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left, cols=cols)
-            cute.arch.cp_async_commit_group()
-            if tidx < self.tile_m:
-                if tidx < rows_left:
-                    sLSE2[tidx] = gLSE2[q_start + tidx]
-                    sD[tidx] = gD[q_start + tidx]
-                else:  # past the sequence: P = exp2(-inf) = 0
-                    sLSE2[tidx] = Float32.inf
-                    sD[tidx] = Float32(0.0)
+        # (unrolled: a pass's columns are then fixed offsets, whole swizzle atoms)
+        for kv_pass in cutlass.range_constexpr(cfg.kv_passes):
+            col0 = kv_pass * len(parts)  # (this pass's first part, in kv_cols-wide parts)
+            tVsdOt = [[ld_bt.partition_S(part(sdO, h, col0 + i)) for i in parts] for h in subs]
+            tKsQt = [[ld_bt.partition_S(part(sQ, h, col0 + i)) for i in parts] for h in subs]
+            if const_expr(cfg.kv_passes > 1):
+                for acc in acc_dK + acc_dV:
+                    acc.fill(0.0)
+            for m_block in cutlass.range(m_min, m_max, unroll=1):
+                q_start = m_block * self.tile_m
+                rows_left = seqlen.seqlen_q - q_start
+                # this block's Q, dO, LSE and D (every warp is past the previous block's reads)
+                mma.load_rows(copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, rows_left, cols=cols)
+                mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left, cols=cols)
+                cute.arch.cp_async_commit_group()
+                if tidx < self.tile_m:
+                    if tidx < rows_left:
+                        sLSE2[tidx] = gLSE2[q_start + tidx]
+                        sD[tidx] = gD[q_start + tidx]
+                    else:  # past the sequence: P = exp2(-inf) = 0
+                        sLSE2[tidx] = Float32.inf
+                        sD[tidx] = Float32(0.0)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                for h in subs:
+                    self.sub_block(tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV,
+                                   tSrK, tSrQ, tSsK, tSsV, tSsQ[h], tSsdO[h], tVrP, tKrdS, tVrdOt,
+                                   tKrQt, tVsdOt[h], tKsQt[h], st_ds, tSsdSt, h, ld_a, ld_b, ld_bt,
+                                   coord_st, sLSE2, sD, block_info, seqlen, key_start,
+                                   q_start + h * self.sub_m, h * self.sub_m, score_scale,
+                                   softmax_scale_log2, window_left, window_right)
+                cute.arch.barrier()  # dS^T is in shared memory
+                if const_expr(kv_pass == 0):  # dQ's share: in the first pass only
+                    add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt,
+                                                ld_dq_a, ld_dq_b, coord_dq, gdQ, q_start,
+                                                seqlen.seqlen_q, softmax_scale)
+                    if const_expr(cfg.deterministic):
+                        # this key block's turn to add into query block m_block
+                        ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
+                            mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m,
+                            cfg.varlen_q)
+                        turn = n_block - block_info.first_key_block(seqlen.seqlen_q,
+                                                                    seqlen.seqlen_k, m_block)
+                        in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
+                    else:
+                        add()
+                cute.arch.barrier()  # every warp is past its reads of Q, dO and dS^T
+            if const_expr(cfg.kv_passes > 1):
+                # this pass's columns of dK (scaled) and dV, straight from the registers
+                for i in cutlass.range_constexpr(len(parts)):
+                    for e in cutlass.range_constexpr(cute.size(acc_dK[i])):
+                        acc_dK[i][e] = acc_dK[i][e] * softmax_scale
+                    for acc, m_out in ((acc_dK[i], mdK), (acc_dV[i], mdV)):
+                        g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx),
+                                                (self.tile_n, self.kv_cols), (n_block, col0 + i))
+                        epilogue.store_acc(acc, g_out, thr, key_start, seqlen.seqlen_k,
+                                           self.tile_n, self.kv_cols, self.dtype)
+
+        if const_expr(cfg.kv_passes == 1):
+            # dK (scaled) and dV out, staged through K's and V's buffers (K and V landed and every
+            # warp is past its reads, also when no query block saw this key block)
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            for h in subs:
-                self.sub_block(tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV,
-                               tSrK, tSrQ, tSsK, tSsV, tSsQ[h], tSsdO[h], tVrP, tKrdS, tVrdOt,
-                               tKrQt, tVsdOt[h], tKsQt[h], st_ds, tSsdSt, h, ld_a, ld_b, ld_bt,
-                               coord_st, sLSE2, sD, block_info, seqlen, key_start,
-                               q_start + h * self.sub_m, h * self.sub_m, score_scale,
-                               softmax_scale_log2, window_left, window_right)
-            cute.arch.barrier()  # dS^T is in shared memory
-            add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt, ld_dq_a,
-                                        ld_dq_b, coord_dq, gdQ, q_start, seqlen.seqlen_q,
-                                        softmax_scale)
-            if const_expr(cfg.deterministic):
-                # this key block's turn to add into query block m_block
-                ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
-                    mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m, cfg.varlen_q)
-                turn = n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k,
-                                                            m_block)
-                in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
-            else:
-                add()
-            cute.arch.barrier()  # every warp is past its reads of Q, dO and dS^T
-
-        # dK (scaled) and dV out, staged through K's and V's buffers (K and V landed and every
-        # warp is past its reads, also when no query block saw this key block)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
-        for acc in acc_dK:
-            for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] * softmax_scale
-        for accs, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
-            for i in cutlass.range_constexpr(len(parts)):
-                epilogue.stage_o(accs[i], cute.local_tile(s_buf, (self.tile_n, self.kv_cols), (0, i)),
-                                 tiled_mma, tidx, self.dtype, stmatrix=False)
-            cute.arch.barrier()
-            g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (self.tile_n, self.d),
-                                    (n_block, 0))
-            epilogue.store_o(s_buf, g_out, key_start, seqlen.seqlen_k, tidx, self.dtype, self.d,
-                             self.tile_n, self.num_threads)
+            for acc in acc_dK:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = acc[i] * softmax_scale
+            for accs, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
+                for i in cutlass.range_constexpr(len(parts)):
+                    epilogue.stage_o(accs[i], cute.local_tile(s_buf, (self.tile_n, self.kv_cols), (0, i)),
+                                     tiled_mma, tidx, self.dtype, stmatrix=False)
+                cute.arch.barrier()
+                g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (self.tile_n, self.d),
+                                        (n_block, 0))
+                epilogue.store_o(s_buf, g_out, key_start, seqlen.seqlen_k, tidx, self.dtype, self.d,
+                                 self.tile_n, self.num_threads)
 
     @cute.jit
     def sub_block(self, tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV, tSrK,
@@ -384,18 +417,20 @@ class FlashBwdSm80:
     def dq_share(self, tiled_mma, thr, tQrdS, tQrKt, tQsdS, tQsKt, ld_at, ld_bt, coord_dq, gdQ,
                  q_start, seqlen_q, softmax_scale):
         """dQ's share of this key block for the query block at q_start: dS K (scaled), added to
-        the float32 accumulator, rows inside the sequence only."""
-        acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.d)), Float32)
-        acc_dQ.fill(0.0)
-        mma.gemm(tiled_mma, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt, ld_at, ld_bt)
-        acc_mn = acc_mn_view(acc_dQ)
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            row = q_start + coord_dq[r, 0][0]
-            if row < seqlen_q:
-                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                    col = coord_dq[r, c][1]
-                    red_add_f32(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout),
-                                acc_mn[r, c] * softmax_scale)
+        the float32 accumulator, rows inside the sequence only; in chunks of dq_cols columns
+        (tQsKt: K^T's chunks, one GEMM each)."""
+        for chunk in cutlass.range_constexpr(len(tQsKt)):
+            acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.dq_cols)), Float32)
+            acc_dQ.fill(0.0)
+            mma.gemm(tiled_mma, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt[chunk], ld_at, ld_bt)
+            acc_mn = acc_mn_view(acc_dQ)
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                row = q_start + coord_dq[r, 0][0]
+                if row < seqlen_q:
+                    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                        col = chunk * self.dq_cols + coord_dq[r, c][1]
+                        red_add_f32(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout),
+                                    acc_mn[r, c] * softmax_scale)
 
     def row_view(self, mX: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
         """The (rows,) LSE or D of one head. Packed sequences are laid out padded

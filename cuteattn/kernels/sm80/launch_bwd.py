@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import torch
 
 from ... import compile_cache
 from ...spec import AttentionSpec
@@ -17,10 +18,23 @@ from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
                              unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments
 from .bwd import Sm80BwdConfig
-from .launch import ARCH, COMPILE_MODULE, target_capability
+from .launch import ARCH, COMPILE_MODULE, smem_limit, target_capability
 
 KIND = "bwd"
-SUPPORTED_HEAD_DIMS = (64, 96, 128)
+# Head dims over 128 run in column passes (bwd.Sm80BwdConfig.kv_passes, 64 columns each). They
+# await their first GPU run (compile-checked spill-free for sm_80/86/89/120a, 2026-12-01):
+# until it passes, the family declines them (the reference backward serves them) and this
+# stays False. Run: CUTEATTN_PATH=sm80 tests/test_gpu_sm80.py -k bwd with it True (also with
+# CUTEATTN_SM80_CONFIGS=sm_86 for the 99 KB tiles; test_gpu_sm80's declined-by-name test then
+# goes), the sanitizer's portable cases, then keep it on and delete the switch.
+SERVE_WIDE = False
+WIDE_HEAD_DIMS = (192, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128) + (WIDE_HEAD_DIMS if SERVE_WIDE else ())
+# (tile_m, tile_n, warps) over 128, the first that fits the target's shared memory (K, V, Q and
+# dO whole, at d=256: 137 KB at 64 x 64 on sm_80's 163 KB; 32 x 64 at d=192 and 32 x 32 at
+# d=256 in the 99 KB of sm_86/89/120); 16-row query blocks do not tile (the copy passes).
+WIDE_TILES = ((64, 64, 4), (32, 64, 4), (32, 32, 2))
+PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
 # (tile_m queries, tile_n keys, warps) per compiled head dim: warps of 16 keys each hold dK and
 # dV (d registers a thread); checked spill-free per target by tests/test_compile_sm80.py. 128
 # keys a CTA read each query block's Q, dO, LSE and D, and add its dQ share, half as often as
@@ -42,7 +56,8 @@ def register_parts(head_dim: int, major: int) -> tuple:
 
 def unserved_on(spec: AttentionSpec, major: int) -> Optional[str]:
     """What this arch's compiler cannot build spill-free (tests/test_compile_sm80.py)."""
-    if major >= 12 and compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS) >= 128 and spec.varlen_q:
+    width = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS + WIDE_HEAD_DIMS)
+    if major >= 12 and width == 128 and spec.varlen_q:  # (over 128 the passes' tiles do not)
         return ("the sm80 backward at head_dim 128 with packed sequences spills registers on "
                 f"sm_{major}x (16-32 bytes): not served there yet")
     return None
@@ -52,18 +67,34 @@ def _major(spec: AttentionSpec) -> int:
     return target_capability(spec.device_index)[0]
 
 
-def bwd_config(spec: AttentionSpec, major: int = 8) -> Sm80BwdConfig:
-    """major: the compute capability's, whose compiler the register parts are chosen for. A
-    head dim between the compiled widths runs on the next one up (`padded`)."""
-    head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
-    tile_m, tile_n, warps = TILES[head_dim]
-    kv_parts, q_parts = register_parts(head_dim, major)
+def wide_tile(head_dim: int, smem: int) -> tuple:
+    """WIDE_TILES' first (tile_m, tile_n, warps) whose storage fits `smem` bytes."""
+    for tile_m, tile_n, warps in WIDE_TILES:
+        cfg = Sm80BwdConfig(CUTLASS_DTYPES[torch.bfloat16], head_dim, tile_m, tile_n, warps)
+        if cfg.smem_bytes() <= smem:
+            return tile_m, tile_n, warps
+    raise ValueError(f"no sm80 backward tile for head_dim {head_dim} fits {smem} bytes")
+
+
+def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024,
+               head_dims: tuple = SUPPORTED_HEAD_DIMS) -> Sm80BwdConfig:
+    """major: the compute capability's, whose compiler the register parts are chosen for;
+    smem: the target's shared memory a block (the tile over 128). A head dim between the
+    compiled widths runs on the next one up (`padded`). head_dims: the widths to choose from
+    (the compile tests pass WIDE_HEAD_DIMS' too)."""
+    head_dim = compiled_width(spec.head_dim, head_dims)
+    if head_dim in WIDE_HEAD_DIMS:
+        (tile_m, tile_n, warps), kv_parts, q_parts = wide_tile(head_dim, smem), 1, 1
+    else:
+        tile_m, tile_n, warps = TILES[head_dim]
+        kv_parts, q_parts = register_parts(head_dim, major)
     return Sm80BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,
         num_warps=warps, causal=spec.causal, local=spec.local, has_softcap=spec.has_softcap,
         varlen_q=spec.varlen_q, varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts,
-        deterministic=spec.deterministic, padded=head_dim != spec.head_dim)
+        deterministic=spec.deterministic, padded=head_dim != spec.head_dim,
+        kv_passes=head_dim // PASS_COLS if head_dim in WIDE_HEAD_DIMS else 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,7 +114,8 @@ class BwdLaunch(BackwardLaunch):
     """The compiled backward for one spec; calling it runs the three steps."""
 
     def __init__(self, spec: AttentionSpec):
-        cfg, tvm_ffi = bwd_config(spec, _major(spec)), use_tvm_ffi()
+        cfg = bwd_config(spec, _major(spec), smem_limit(spec.device_index))
+        tvm_ffi = use_tvm_ffi()
         super().__init__(spec, cfg, _compiled(cfg, tvm_ffi), tvm_ffi, arguments.BWD_ARGUMENTS)
 
 
