@@ -372,7 +372,7 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
 
 
 @pytest.mark.parametrize("smem", [163 * 1024, 99 * 1024], ids=["sm_80", "99KB"])
-def test_backward_over_128_in_column_passes(smem):
+def test_backward_over_128_in_column_passes(smem, monkeypatch):
     """Head dims over 128 (launch_bwd.WIDE_HEAD_DIMS, declined until their GPU run:
     SERVE_WIDE): dK and dV in 64-column passes, the tile the first that fits the target's
     shared memory, its copies and MMA layouts valid; padded widths between 128 and 256 too."""
@@ -389,9 +389,13 @@ def test_backward_over_128_in_column_passes(smem):
             FlashBwdSm80(cfg)
     big = launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=256, head_dim_v=256), 8, smem, widths)
     assert (big.tile_m, big.tile_n) == ((64, 64) if smem > 150 * 1024 else (32, 32))
+    wide = make_spec(kind="bwd", head_dim=192, head_dim_v=192)
     if not launch_bwd.SERVE_WIDE:
-        assert launch_bwd.BACKWARD.can_implement(
-            make_spec(kind="bwd", head_dim=192, head_dim_v=192)).startswith("head_dim 192")
+        assert launch_bwd.BACKWARD.can_implement(wide).startswith("head_dim 192")
+    # once served (SERVE_WIDE's widths joined), the family takes them with the passes' config
+    monkeypatch.setattr(launch_bwd, "SUPPORTED_HEAD_DIMS", widths)
+    assert launch_bwd.BACKWARD.can_implement(wide) is None
+    assert launch_bwd.bwd_config(wide, 8, smem).kv_passes == 3
 
 
 def test_backward_pads_head_dims_between_widths(monkeypatch):

@@ -77,12 +77,12 @@ def wide_tile(head_dim: int, smem: int) -> tuple:
 
 
 def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024,
-               head_dims: tuple = SUPPORTED_HEAD_DIMS) -> Sm80BwdConfig:
+               head_dims: Optional[tuple] = None) -> Sm80BwdConfig:
     """major: the compute capability's, whose compiler the register parts are chosen for;
     smem: the target's shared memory a block (the tile over 128). A head dim between the
     compiled widths runs on the next one up (`padded`). head_dims: the widths to choose from
-    (the compile tests pass WIDE_HEAD_DIMS' too)."""
-    head_dim = compiled_width(spec.head_dim, head_dims)
+    (the compile tests pass WIDE_HEAD_DIMS' too; None: SUPPORTED_HEAD_DIMS)."""
+    head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS if head_dims is None else head_dims)
     if head_dim in WIDE_HEAD_DIMS:
         (tile_m, tile_n, warps), kv_parts, q_parts = wide_tile(head_dim, smem), 1, 1
     else:
