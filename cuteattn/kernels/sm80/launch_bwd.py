@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import torch
-
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
@@ -67,10 +65,10 @@ def _major(spec: AttentionSpec) -> int:
     return target_capability(spec.device_index)[0]
 
 
-def wide_tile(head_dim: int, smem: int) -> tuple:
+def wide_tile(dtype, head_dim: int, smem: int) -> tuple:
     """WIDE_TILES' first (tile_m, tile_n, warps) whose storage fits `smem` bytes."""
     for tile_m, tile_n, warps in WIDE_TILES:
-        cfg = Sm80BwdConfig(CUTLASS_DTYPES[torch.bfloat16], head_dim, tile_m, tile_n, warps)
+        cfg = Sm80BwdConfig(dtype, head_dim, tile_m, tile_n, warps)
         if cfg.smem_bytes() <= smem:
             return tile_m, tile_n, warps
     raise ValueError(f"no sm80 backward tile for head_dim {head_dim} fits {smem} bytes")
@@ -84,7 +82,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024,
     (the compile tests pass WIDE_HEAD_DIMS' too; None: SUPPORTED_HEAD_DIMS)."""
     head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS if head_dims is None else head_dims)
     if head_dim in WIDE_HEAD_DIMS:
-        (tile_m, tile_n, warps), kv_parts, q_parts = wide_tile(head_dim, smem), 1, 1
+        (tile_m, tile_n, warps), kv_parts, q_parts = wide_tile(
+            CUTLASS_DTYPES[spec.dtype], head_dim, smem), 1, 1
     else:
         tile_m, tile_n, warps = TILES[head_dim]
         kv_parts, q_parts = register_parts(head_dim, major)

@@ -57,10 +57,9 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # lists or mods (36-48) or causal with seqused (8). Over 128 (split_d) at d=192 only:
     # 1.25-1.36x there; d=256 fits its dQ box only beside one Q / dO stage, 0.95-1.02x
     packed = spec.varlen_q or spec.varlen_k
-    dq_tma = not spec.deterministic and not (head_dim == 128 and (
+    dq_tma = head_dim <= 192 and not spec.deterministic and not (head_dim == 128 and (
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
-    dq_tma = dq_tma and head_dim <= 192
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
     tall = (head_dim == 64 and dq_tma and not spec.local
