@@ -25,7 +25,7 @@ KIND = "bwd"
 # stays False. Run: CUTEATTN_PATH=sm80 tests/test_gpu_sm80.py -k bwd with it True (also with
 # CUTEATTN_SM80_CONFIGS=sm_86 for the 99 KB tiles; test_gpu_sm80's declined-by-name test then
 # goes), the sanitizer's portable cases, then keep it on and delete the switch.
-SERVE_WIDE = False
+SERVE_WIDE = True
 WIDE_HEAD_DIMS = (192, 256)
 SUPPORTED_HEAD_DIMS = (64, 96, 128) + (WIDE_HEAD_DIMS if SERVE_WIDE else ())
 # (tile_m, tile_n, warps) over 128, the first that fits the target's shared memory (K, V, Q and
