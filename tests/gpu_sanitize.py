@@ -207,12 +207,11 @@ def cases() -> dict:
         tb, bf16, 80, 8, 2, 257, 257, causal=True))
     out["portable_bwd_d128_causal_deterministic"] = _on_sm80(lambda: _bwd_fixed(
         tb, bf16, 128, 8, 2, 257, 257, deterministic=True, causal=True))
-    from cuteattn.kernels.sm80 import launch_bwd as sm80_bwd
-    if sm80_bwd.SERVE_WIDE:  # head dims over 128: dK and dV in column passes
-        out["portable_bwd_d256_causal"] = _on_sm80(lambda: _bwd_fixed(
-            tb, bf16, 256, 8, 2, 257, 257, causal=True))
-        out["portable_bwd_varlen_d176_deterministic"] = _on_sm80(lambda: _bwd_varlen(
-            tb, lens_q, lens_k, d=176, deterministic=True))
+    # head dims over 128: dK and dV in column passes
+    out["portable_bwd_d256_causal"] = _on_sm80(lambda: _bwd_fixed(
+        tb, bf16, 256, 8, 2, 257, 257, causal=True))
+    out["portable_bwd_varlen_d176_deterministic"] = _on_sm80(lambda: _bwd_varlen(
+        tb, lens_q, lens_k, d=176, deterministic=True))
     out["portable_bwd_varlen_d64_window_seqused"] = _on_sm80(lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=64, window_size=(64, 0),
         seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),

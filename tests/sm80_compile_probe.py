@@ -38,8 +38,7 @@ def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False,
                          head_dim=d, head_dim_v=d, causal=causal, local=local, has_softcap=softcap,
                          varlen_q=varlen, varlen_k=varlen, has_seqused_q=varlen,
                          has_seqused_k=varlen, kind="bwd", deterministic=deterministic)
-    return launch_bwd.bwd_config(spec, major, smem,
-                                 launch_bwd.SUPPORTED_HEAD_DIMS + launch_bwd.WIDE_HEAD_DIMS)
+    return launch_bwd.bwd_config(spec, major, smem)
 
 
 def main():

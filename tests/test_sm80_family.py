@@ -360,9 +360,11 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
             assert launch_bwd.bwd_config(det).deterministic
             cfg = launch_bwd.bwd_config(spec)
             FlashBwdSm80(cfg)  # its copies and MMA layouts fit the tile
-            assert cfg.smem_bytes() <= 99 * 1024
+            # (over 128 the tile is by the target's shared memory: the column-passes test)
+            assert cfg.smem_bytes() <= (99 if d <= 128 else 163) * 1024
     reasons = {
-        "head_dim 256 (head_dim_v 256) has no sm80 backward": dict(head_dim=256, head_dim_v=256),
+        "head_dim 264 (head_dim_v 264) has no sm80 backward": dict(head_dim=264, head_dim_v=264),
+        "head_dim 128 (head_dim_v 64) has no sm80 backward": dict(head_dim=128, head_dim_v=64),
     }
     assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd", has_sink=True)) is None
     for reason, fields in reasons.items():
@@ -372,28 +374,23 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
 
 
 @pytest.mark.parametrize("smem", [163 * 1024, 99 * 1024], ids=["sm_80", "99KB"])
-def test_backward_over_128_in_column_passes(smem, monkeypatch):
-    """Head dims over 128 (launch_bwd.WIDE_HEAD_DIMS, declined until their GPU run:
-    SERVE_WIDE): dK and dV in 64-column passes, the tile the first that fits the target's
-    shared memory, its copies and MMA layouts valid; padded widths between 128 and 256 too."""
+def test_backward_over_128_in_column_passes(smem):
+    """Head dims over 128 (launch_bwd.WIDE_HEAD_DIMS): dK and dV in 64-column passes, the tile
+    the first that fits the target's shared memory, its copies and MMA layouts valid; padded
+    widths between 128 and 256 too; the family serves them."""
     from cuteattn.kernels.sm80 import launch_bwd
     from cuteattn.kernels.sm80.bwd import FlashBwdSm80
-    widths = launch_bwd.SUPPORTED_HEAD_DIMS + launch_bwd.WIDE_HEAD_DIMS
     for d, width in ((192, 192), (256, 256), (160, 192), (200, 256)):
         for form in (dict(), dict(causal=True), dict(varlen_q=True, varlen_k=True),
                      dict(deterministic=True)):
             spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **form)
-            cfg = launch_bwd.bwd_config(spec, 8, smem, widths)
+            cfg = launch_bwd.bwd_config(spec, 8, smem)
             assert (cfg.head_dim, cfg.kv_passes, cfg.padded) == (width, width // 64, d != width)
             assert cfg.kv_parts == cfg.q_parts == 1 and cfg.smem_bytes() <= smem
             FlashBwdSm80(cfg)
-    big = launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=256, head_dim_v=256), 8, smem, widths)
+    big = launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=256, head_dim_v=256), 8, smem)
     assert (big.tile_m, big.tile_n) == ((64, 64) if smem > 150 * 1024 else (32, 32))
     wide = make_spec(kind="bwd", head_dim=192, head_dim_v=192)
-    if not launch_bwd.SERVE_WIDE:
-        assert launch_bwd.BACKWARD.can_implement(wide).startswith("head_dim 192")
-    # once served (SERVE_WIDE's widths joined), the family takes them with the passes' config
-    monkeypatch.setattr(launch_bwd, "SUPPORTED_HEAD_DIMS", widths)
     assert launch_bwd.BACKWARD.can_implement(wide) is None
     assert launch_bwd.bwd_config(wide, 8, smem).kv_passes == 3
 

@@ -19,15 +19,10 @@ from .bwd import Sm80BwdConfig
 from .launch import ARCH, COMPILE_MODULE, smem_limit, target_capability
 
 KIND = "bwd"
-# Head dims over 128 run in column passes (bwd.Sm80BwdConfig.kv_passes, 64 columns each). They
-# await their first GPU run (compile-checked spill-free for sm_80/86/89/120a, 2026-12-01):
-# until it passes, the family declines them (the reference backward serves them) and this
-# stays False. Run: CUTEATTN_PATH=sm80 tests/test_gpu_sm80.py -k bwd with it True (also with
-# CUTEATTN_SM80_CONFIGS=sm_86 for the 99 KB tiles; test_gpu_sm80's declined-by-name test then
-# goes), the sanitizer's portable cases, then keep it on and delete the switch.
-SERVE_WIDE = True
+# Head dims over 128 run in column passes (bwd.Sm80BwdConfig.kv_passes, 64 columns each: one
+# CTA holding dK and dV of every column would need 2d float32 registers a thread).
 WIDE_HEAD_DIMS = (192, 256)
-SUPPORTED_HEAD_DIMS = (64, 96, 128) + (WIDE_HEAD_DIMS if SERVE_WIDE else ())
+SUPPORTED_HEAD_DIMS = (64, 96, 128) + WIDE_HEAD_DIMS
 # (tile_m, tile_n, warps) over 128, the first that fits the target's shared memory (K, V, Q and
 # dO whole, at d=256: 137 KB at 64 x 64 on sm_80's 163 KB; 32 x 64 at d=192 and 32 x 32 at
 # d=256 in the 99 KB of sm_86/89/120); 16-row query blocks do not tile (the copy passes).
@@ -54,7 +49,7 @@ def register_parts(head_dim: int, major: int) -> tuple:
 
 def unserved_on(spec: AttentionSpec, major: int) -> Optional[str]:
     """What this arch's compiler cannot build spill-free (tests/test_compile_sm80.py)."""
-    width = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS + WIDE_HEAD_DIMS)
+    width = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
     if major >= 12 and width == 128 and spec.varlen_q:  # (over 128 the passes' tiles do not)
         return ("the sm80 backward at head_dim 128 with packed sequences spills registers on "
                 f"sm_{major}x (16-32 bytes): not served there yet")
@@ -74,13 +69,11 @@ def wide_tile(dtype, head_dim: int, smem: int) -> tuple:
     raise ValueError(f"no sm80 backward tile for head_dim {head_dim} fits {smem} bytes")
 
 
-def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024,
-               head_dims: Optional[tuple] = None) -> Sm80BwdConfig:
+def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> Sm80BwdConfig:
     """major: the compute capability's, whose compiler the register parts are chosen for;
     smem: the target's shared memory a block (the tile over 128). A head dim between the
-    compiled widths runs on the next one up (`padded`). head_dims: the widths to choose from
-    (the compile tests pass WIDE_HEAD_DIMS' too; None: SUPPORTED_HEAD_DIMS)."""
-    head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS if head_dims is None else head_dims)
+    compiled widths runs on the next one up (`padded`)."""
+    head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
     if head_dim in WIDE_HEAD_DIMS:
         (tile_m, tile_n, warps), kv_parts, q_parts = wide_tile(
             CUTLASS_DTYPES[spec.dtype], head_dim, smem), 1, 1
