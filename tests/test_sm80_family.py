@@ -360,8 +360,11 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
             assert launch_bwd.bwd_config(det).deterministic
             cfg = launch_bwd.bwd_config(spec)
             FlashBwdSm80(cfg)  # its copies and MMA layouts fit the tile
-            # (over 128 the tile is by the target's shared memory: the column-passes test)
-            assert cfg.smem_bytes() <= (99 if d <= 128 else 163) * 1024
+            assert cfg.smem_bytes() <= 163 * 1024
+            if d <= 128:  # (over 128 the tile is by the target's shared memory: the passes' test)
+                small = launch_bwd.bwd_config(spec, 8, 99 * 1024)
+                FlashBwdSm80(small)
+                assert small.smem_bytes() <= 99 * 1024
     reasons = {
         "head_dim 264 (head_dim_v 264) has no sm80 backward": dict(head_dim=264, head_dim_v=264),
         "head_dim 128 (head_dim_v 64) has no sm80 backward": dict(head_dim=128, head_dim_v=64),
@@ -393,6 +396,26 @@ def test_backward_over_128_in_column_passes(smem):
     wide = make_spec(kind="bwd", head_dim=192, head_dim_v=192)
     assert launch_bwd.BACKWARD.can_implement(wide) is None
     assert launch_bwd.bwd_config(wide, 8, smem).kv_passes == 3
+
+
+def test_backward_rings_q_and_do_where_they_fit():
+    """Q and dO in two buffers (the next query block's loads in flight during this one's GEMMs)
+    where the target's shared memory holds both; one buffer where it does not."""
+    from cuteattn.kernels.sm80 import launch_bwd
+    from cuteattn.kernels.sm80.bwd import FlashBwdSm80
+    stages = lambda d, smem: launch_bwd.bwd_config(
+        make_spec(kind="bwd", head_dim=d, head_dim_v=d), 8, smem).q_stages
+    # sm_80's 163 KB: every width but 256 (K, V and two Q/dO stages: 201 KB there)
+    assert [stages(d, 163 * 1024) for d in (64, 96, 128, 192, 256)] == [2, 2, 2, 2, 1]
+    # 99 KB: d=64 (81 KB) and d=256's 32 x 32 tile (98.5 KB); not d=96/128/192 (113 / 105 /
+    # 100.5 KB)
+    assert [stages(d, 99 * 1024) for d in (64, 96, 128, 192, 256)] == [2, 1, 1, 1, 2]
+    for d in (64, 128, 256):
+        for smem in (99 * 1024, 163 * 1024, 227 * 1024):
+            cfg = launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=d, head_dim_v=d,
+                                                  causal=True), 8, smem)
+            assert cfg.smem_bytes() <= smem
+            FlashBwdSm80(cfg)
 
 
 def test_backward_pads_head_dims_between_widths(monkeypatch):

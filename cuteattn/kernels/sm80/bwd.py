@@ -68,6 +68,9 @@ class Sm80BwdConfig:
     kv_passes: int = 1
     # dQ's shares added in key-block order (bitwise-reproducible gradients; common/dq_order)
     deterministic: bool = False
+    # Q and dO (and the block's LSE and D) in a ring of q_stages buffers: with 2, the next query
+    # block's loads are in flight while this one computes (1: loaded, then waited for)
+    q_stages: int = 1
     # q, k, v and dO's head dim may be narrower than head_dim (padded to this compiled width):
     # their loads zero-fill the columns past it (the gradient buffers have the compiled width)
     padded: bool = False
@@ -77,10 +80,11 @@ class Sm80BwdConfig:
         return 32 * self.num_warps
 
     def smem_bytes(self) -> int:
-        """K and V, Q and dO, dS^T (16-bit), the block's LSE and D (float32)."""
+        """K and V, q_stages of Q and dO, dS^T (16-bit), q_stages of the LSE and D (float32)."""
         elem = self.dtype.width // 8
-        return ((2 * self.tile_n + 2 * self.tile_m) * self.head_dim + self.tile_n * self.tile_m) * elem \
-            + 2 * self.tile_m * 4
+        q_rows = self.q_stages * self.tile_m
+        return ((2 * self.tile_n + 2 * q_rows) * self.head_dim + self.tile_n * self.tile_m) * elem \
+            + 2 * q_rows * 4
 
 
 class FlashBwdSm80:
@@ -102,6 +106,8 @@ class FlashBwdSm80:
         assert self.d % cfg.kv_passes == 0 and self.pass_cols % cfg.kv_parts == 0, cfg
         self.sub_m = cfg.tile_m // cfg.q_parts  # queries per S^T / dP^T sub-block
         assert self.kv_cols % 16 == 0 and self.sub_m % 16 == 0, cfg
+        assert cfg.q_stages in (1, 2), cfg
+        self.ring = cfg.q_stages > 1
 
     # ------------------------------------------------------------------------------------------
     # Host side (arguments.BWD_ARGUMENTS declares the parameters)
@@ -130,7 +136,9 @@ class FlashBwdSm80:
         mQ, mdO, mdQacc = (seq_major(t, cfg.varlen_q) for t in (mQ, mdO, mdQacc))
         mK, mV, mdK, mdV = (seq_major(t, cfg.varlen_k) for t in (mK, mV, mdK, mdV))
         mLSE2, mD = lse_seq_major(mLSE2, cfg.varlen_q), lse_seq_major(mD, cfg.varlen_q)
-        sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d)
+        # (with a ring: a stage mode, each stage a whole tile, so its views are swizzle-safe)
+        sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d,
+                                    stages=cfg.q_stages if const_expr(self.ring) else 0)
         sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d)
         sdS_layout = mma.smem_layout(self.dtype, self.tile_n, self.tile_m)
 
@@ -141,8 +149,8 @@ class FlashBwdSm80:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m], 16]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m], 16]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
 
         heads = mQ.shape[2]
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(cfg.varlen_q) else mQ.shape[3]
@@ -189,8 +197,10 @@ class FlashBwdSm80:
         sQ, sdO = storage.sQ.get_tensor(sQ_layout), storage.sdO.get_tensor(sQ_layout)
         sK, sV = storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout)
         sdSt = storage.sdS.get_tensor(sdS_layout)
-        sLSE2 = storage.sLSE2.get_tensor(cute.make_layout(self.tile_m))
-        sD = storage.sD.get_tensor(cute.make_layout(self.tile_m))
+        rows_layout = cute.make_layout((self.tile_m, cfg.q_stages) if const_expr(self.ring)
+                                       else self.tile_m)
+        sLSE2 = storage.sLSE2.get_tensor(rows_layout)
+        sD = storage.sD.get_tensor(rows_layout)
         if in_range & (n_block * self.tile_n < seqlen.seqlen_k):
             self.key_block(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore,
                            sQ, sdO, sK, sV, sdSt, sLSE2, sD, seqlen, n_block,
@@ -222,11 +232,18 @@ class FlashBwdSm80:
         mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left, cols=cols)
         mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left, cols=cols)
         cute.arch.cp_async_commit_group()
+        # (with a ring: (CPY, M, K, stage), a stage sliced per block)
         tQgQ, tQsQ = copy.partition_S(gQ), copy.partition_D(sQ)
         tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
         gLSE2 = self.row_view(mLSE2, seqlen, head_idx, batch_idx)
         gD = self.row_view(mD, seqlen, head_idx, batch_idx)
         gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        ring = self.ring
+        stage_of = lambda t, st: t[None, None, st] if const_expr(ring) else t
+        rows_stage = lambda t, st: t[None, st] if const_expr(ring) else t
+
+        load_q_block = lambda m_block, st: self.load_q_block(
+            copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols)
 
         # S^T, dP^T, dV, dK: warps split the keys. dQ: warps split the queries.
         tiled_mma = mma.tiled_mma(self.dtype, cfg.num_warps)
@@ -241,18 +258,20 @@ class FlashBwdSm80:
         rows_of = lambda t, h: cute.local_tile(t, (self.sub_m, self.d), (h, 0))
         # S^T = K Q^T and dP^T = V dO^T: A from K / V, B from Q / dO (rows = queries, K-major)
         tSrK = thr.make_fragment_A(thr.partition_A(sK))
-        tSrQ = thr.make_fragment_B(thr.partition_B(rows_of(sQ, 0)))
+        sQ0, sdO0 = stage_of(sQ, 0), stage_of(sdO, 0)  # (the fragments' shapes: any stage's)
+        tSrQ = thr.make_fragment_B(thr.partition_B(rows_of(sQ0, 0)))
         tSsK, tSsV = ld_a.partition_S(sK), ld_a.partition_S(sV)
-        tSsQ = [ld_b.partition_S(rows_of(sQ, h)) for h in subs]
-        tSsdO = [ld_b.partition_S(rows_of(sdO, h)) for h in subs]
+        if const_expr(not ring):  # (with a ring: per block, from its stage)
+            tSsQ = [ld_b.partition_S(rows_of(sQ, h)) for h in subs]
+            tSsdO = [ld_b.partition_S(rows_of(sdO, h)) for h in subs]
         # dV += P^T dO and dK += dS^T Q: B from dO^T / Q^T (d x queries, transposed reads), in
         # column parts (kv_cols wide each: one part's B fragments live at a time); a pass's
         # parts start at column pass * pass_cols (whole swizzle atoms: 64 columns)
         parts = range(self.pass_cols // self.kv_cols)
         part = lambda t, h, i: cute.local_tile(transposed_view(rows_of(t, h)),
                                                 (self.kv_cols, self.sub_m), (i, 0))
-        tVrdOt = thr.make_fragment_B(thr.partition_B(part(sdO, 0, 0)))
-        tKrQt = thr.make_fragment_B(thr.partition_B(part(sQ, 0, 0)))
+        tVrdOt = thr.make_fragment_B(thr.partition_B(part(sdO0, 0, 0)))
+        tKrQt = thr.make_fragment_B(thr.partition_B(part(sQ0, 0, 0)))
         # dQ = dS K (its own MMA layout: warps split the queries, and the columns when the
         # query block has fewer rows than 16 per warp): A from dS (dS^T read transposed), B from
         # K^T (d x keys, transposed reads)
@@ -293,32 +312,52 @@ class FlashBwdSm80:
         # (unrolled: a pass's columns are then fixed offsets, whole swizzle atoms)
         for kv_pass in cutlass.range_constexpr(cfg.kv_passes):
             col0 = kv_pass * len(parts)  # (this pass's first part, in kv_cols-wide parts)
-            tVsdOt = [[ld_bt.partition_S(part(sdO, h, col0 + i)) for i in parts] for h in subs]
-            tKsQt = [[ld_bt.partition_S(part(sQ, h, col0 + i)) for i in parts] for h in subs]
             if const_expr(cfg.kv_passes > 1):
                 for acc in acc_dK + acc_dV:
                     acc.fill(0.0)
+            if const_expr(not ring):  # (with a ring: per block, from its stage)
+                tVsdOt = [[ld_bt.partition_S(part(sdO, h, col0 + i)) for i in parts] for h in subs]
+                tKsQt = [[ld_bt.partition_S(part(sQ, h, col0 + i)) for i in parts] for h in subs]
+            if const_expr(ring):
+                if const_expr(kv_pass > 0):
+                    cute.arch.barrier()  # every warp is past the last pass's reads
+                # the first query block into stage 0 (its LSE and D rows too; the loop's first
+                # barrier makes them visible)
+                if m_min < m_max:
+                    load_q_block(m_min, 0)
+                    self.load_lse_rows(gLSE2, gD, sLSE2[None, 0], sD[None, 0],
+                                       m_min * self.tile_m, seqlen.seqlen_q, tidx)
             for m_block in cutlass.range(m_min, m_max, unroll=1):
                 q_start = m_block * self.tile_m
-                rows_left = seqlen.seqlen_q - q_start
-                # this block's Q, dO, LSE and D (every warp is past the previous block's reads)
-                mma.load_rows(copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, rows_left, cols=cols)
-                mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left, cols=cols)
-                cute.arch.cp_async_commit_group()
-                if tidx < self.tile_m:
-                    if tidx < rows_left:
-                        sLSE2[tidx] = gLSE2[q_start + tidx]
-                        sD[tidx] = gD[q_start + tidx]
-                    else:  # past the sequence: P = exp2(-inf) = 0
-                        sLSE2[tidx] = Float32.inf
-                        sD[tidx] = Float32(0.0)
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
+                st = (m_block - m_min) % cfg.q_stages if const_expr(ring) else 0
+                if const_expr(ring):
+                    # this block landed; every warp is past the previous block's reads (of the
+                    # other stage, and of dS^T), so the next block's loads go there now and land
+                    # while this one computes (its LSE and D rows: into registers first)
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+                    lse_next, d_next = Float32(Float32.inf), Float32(0.0)
+                    if m_block + 1 < m_max:
+                        load_q_block(m_block + 1, 1 - st)
+                        row = q_start + self.tile_m + tidx
+                        if (tidx < self.tile_m) & (row < seqlen.seqlen_q):
+                            lse_next, d_next = gLSE2[row], gD[row]
+                else:
+                    # this block's Q, dO, LSE and D (every warp is past the previous block's reads)
+                    load_q_block(m_block, 0)
+                    self.load_lse_rows(gLSE2, gD, sLSE2, sD, q_start, seqlen.seqlen_q, tidx)
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.barrier()
+                # (names of the loop's own: the views before it exist without a ring only)
+                bQ, bdO, bdOt, bQt = (self.stage_views(stage_of(sQ, st), stage_of(sdO, st), ld_b,
+                                                       ld_bt, rows_of, part, col0)
+                                      if const_expr(ring) else (tSsQ, tSsdO, tVsdOt, tKsQt))
                 for h in subs:
                     self.sub_block(tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV,
-                                   tSrK, tSrQ, tSsK, tSsV, tSsQ[h], tSsdO[h], tVrP, tKrdS, tVrdOt,
-                                   tKrQt, tVsdOt[h], tKsQt[h], st_ds, tSsdSt, h, ld_a, ld_b, ld_bt,
-                                   coord_st, sLSE2, sD, block_info, seqlen, key_start,
+                                   tSrK, tSrQ, tSsK, tSsV, bQ[h], bdO[h], tVrP, tKrdS, tVrdOt,
+                                   tKrQt, bdOt[h], bQt[h], st_ds, tSsdSt, h, ld_a, ld_b, ld_bt,
+                                   coord_st, rows_stage(sLSE2, st), rows_stage(sD, st),
+                                   block_info, seqlen, key_start,
                                    q_start + h * self.sub_m, h * self.sub_m, score_scale,
                                    softmax_scale_log2, window_left, window_right)
                 cute.arch.barrier()  # dS^T is in shared memory
@@ -336,7 +375,15 @@ class FlashBwdSm80:
                         in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
                     else:
                         add()
-                cute.arch.barrier()  # every warp is past its reads of Q, dO and dS^T
+                if const_expr(ring):
+                    # the next block's LSE and D rows (their stage was last read a block ago);
+                    # the next iteration's barrier orders this block's dS^T reads before the
+                    # next block writes it
+                    if tidx < self.tile_m:
+                        sLSE2[tidx, 1 - st] = lse_next
+                        sD[tidx, 1 - st] = d_next
+                else:
+                    cute.arch.barrier()  # every warp is past its reads of Q, dO and dS^T
             if const_expr(cfg.kv_passes > 1):
                 # this pass's columns of dK (scaled) and dV, straight from the registers
                 for i in cutlass.range_constexpr(len(parts)):
@@ -431,6 +478,39 @@ class FlashBwdSm80:
                         col = chunk * self.dq_cols + coord_dq[r, c][1]
                         red_add_f32(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout),
                                     acc_mn[r, c] * softmax_scale)
+
+    def stage_views(self, sQs, sdOs, ld_b, ld_bt, rows_of, part, col0):
+        """A stage's ldmatrix partitions, per sub-block: Q and dO as S^T's and dP^T's B operands,
+        this pass's column parts of dO^T and Q^T as dV's and dK's."""
+        subs = range(self.tile_m // self.sub_m)
+        parts = range(self.pass_cols // self.kv_cols)
+        return ([ld_b.partition_S(rows_of(sQs, h)) for h in subs],
+                [ld_b.partition_S(rows_of(sdOs, h)) for h in subs],
+                [[ld_bt.partition_S(part(sdOs, h, col0 + i)) for i in parts] for h in subs],
+                [[ld_bt.partition_S(part(sQs, h, col0 + i)) for i in parts] for h in subs])
+
+    @cute.jit
+    def load_q_block(self, copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen_q, cols):
+        """cp.async of query block m_block's Q and dO into stage st (rows past the sequence
+        zeroed), one commit group."""
+        rows_left = seqlen_q - m_block * self.tile_m
+        if const_expr(self.ring):
+            tQsQ, tOsO = tQsQ[None, None, None, st], tOsO[None, None, None, st]
+        mma.load_rows(copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, rows_left, cols=cols)
+        mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left, cols=cols)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def load_lse_rows(self, gLSE2, gD, sLSE2, sD, q_start, seqlen_q, tidx):
+        """The query block's LSE and D rows into shared memory (+inf and 0 past the sequence:
+        P = exp2(-inf) = 0 there), one thread a row."""
+        if tidx < self.tile_m:
+            if q_start + tidx < seqlen_q:
+                sLSE2[tidx] = gLSE2[q_start + tidx]
+                sD[tidx] = gD[q_start + tidx]
+            else:
+                sLSE2[tidx] = Float32.inf
+                sD[tidx] = Float32(0.0)
 
     def row_view(self, mX: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
         """The (rows,) LSE or D of one head. Packed sequences are laid out padded

@@ -7,6 +7,7 @@ postprocess (dQ to the input dtype, GQA's dK and dV summed per kv head).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -28,6 +29,9 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128) + WIDE_HEAD_DIMS
 # d=256 in the 99 KB of sm_86/89/120); 16-row query blocks do not tile (the copy passes).
 WIDE_TILES = ((64, 64, 4), (32, 64, 4), (32, 32, 2))
 PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
+# Q and dO in a ring of this many buffers where the target's shared memory holds them
+# (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
+Q_STAGES = 2
 # (tile_m queries, tile_n keys, warps) per compiled head dim: warps of 16 keys each hold dK and
 # dV (d registers a thread); checked spill-free per target by tests/test_compile_sm80.py. 128
 # keys a CTA read each query block's Q, dO, LSE and D, and add its dQ share, half as often as
@@ -80,13 +84,15 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
     else:
         tile_m, tile_n, warps = TILES[head_dim]
         kv_parts, q_parts = register_parts(head_dim, major)
-    return Sm80BwdConfig(
+    cfg = Sm80BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,
         num_warps=warps, causal=spec.causal, local=spec.local, has_softcap=spec.has_softcap,
         varlen_q=spec.varlen_q, varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts,
         deterministic=spec.deterministic, padded=head_dim != spec.head_dim,
         kv_passes=head_dim // PASS_COLS if head_dim in WIDE_HEAD_DIMS else 1)
+    ringed = dataclasses.replace(cfg, q_stages=Q_STAGES)
+    return ringed if ringed.smem_bytes() <= smem else cfg
 
 
 @functools.lru_cache(maxsize=None)
