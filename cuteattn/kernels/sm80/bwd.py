@@ -101,8 +101,10 @@ class FlashBwdSm80:
         self.num_threads = cfg.num_threads
         self.pass_cols = self.d // cfg.kv_passes  # dK's and dV's columns per pass
         self.kv_cols = self.pass_cols // cfg.kv_parts  # ... and per GEMM
-        # dQ's columns per GEMM: all of them, or (kv_passes) a pass's worth at a time
-        self.dq_cols = self.d if cfg.kv_passes == 1 else self.pass_cols
+        # dQ's columns per GEMM: all of them; a pass's worth at a time (kv_passes); or 64 with
+        # 128 keys a CTA at d = 128 (its dQ accumulator in halves: spill-free that way)
+        self.dq_cols = (self.pass_cols if cfg.kv_passes > 1
+                        else 64 if self.d >= 128 and cfg.tile_n >= 128 else self.d)
         assert self.d % cfg.kv_passes == 0 and self.pass_cols % cfg.kv_parts == 0, cfg
         self.sub_m = cfg.tile_m // cfg.q_parts  # queries per S^T / dP^T sub-block
         assert self.kv_cols % 16 == 0 and self.sub_m % 16 == 0, cfg

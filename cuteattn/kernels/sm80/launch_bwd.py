@@ -32,12 +32,15 @@ PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
-# (tile_m queries, tile_n keys, warps) per compiled head dim: warps of 16 keys each hold dK and
-# dV (d registers a thread); checked spill-free per target by tests/test_compile_sm80.py. 128
-# keys a CTA read each query block's Q, dO, LSE and D, and add its dQ share, half as often as
-# 64 (1.06-1.21x at d = 64/96 on the H200, docs/perf-log.md); at d = 128 that tile spills, so
-# 64 keys there. K, V, Q, dO and dS^T: 66 / 91 / 72 KB, inside the 99 KB of sm_86/89/120.
-TILES = {64: (64, 128, 8), 96: (64, 128, 8), 128: (64, 64, 4)}
+# (tile_m queries, tile_n keys, warps) per compiled head dim, the first whose storage fits the
+# target's shared memory: warps of 16 keys each hold dK and dV (d registers a thread); checked
+# spill-free per target by tests/test_compile_sm80.py. 128 keys a CTA read each query block's
+# Q, dO, LSE and D, and add its dQ share, half as often as 64 (1.06-1.21x at d = 64/96, 1.09-
+# 1.24x at d = 128 on the H200, docs/perf-log.md); at d = 128 that tile needs 115 KB, so 64
+# keys in the 99 KB of sm_86/89/120 (K, V, Q, dO and dS^T: 66 / 91 / 72 KB there), and with
+# packed sequences (PACKED_TILES: 4-16 bytes of spills at 128 keys on sm_80/90).
+TILES = {64: ((64, 128, 8),), 96: ((64, 128, 8),), 128: ((64, 128, 8), (64, 64, 4))}
+PACKED_TILES = {128: ((64, 64, 4),)}
 
 
 def register_parts(head_dim: int, major: int) -> tuple:
@@ -82,7 +85,11 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         (tile_m, tile_n, warps), kv_parts, q_parts = wide_tile(
             CUTLASS_DTYPES[spec.dtype], head_dim, smem), 1, 1
     else:
-        tile_m, tile_n, warps = TILES[head_dim]
+        dtype = CUTLASS_DTYPES[spec.dtype]
+        packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
+        tiles = PACKED_TILES.get(head_dim, TILES[head_dim]) if packed else TILES[head_dim]
+        tile_m, tile_n, warps = next(
+            (t for t in tiles if Sm80BwdConfig(dtype, head_dim, *t).smem_bytes() <= smem), tiles[-1])
         kv_parts, q_parts = register_parts(head_dim, major)
     cfg = Sm80BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,
