@@ -71,7 +71,10 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # over 128: dK and dV in 64-column passes (launch_bwd.WIDE_HEAD_DIMS), the tile
                # by the target's shared memory
                ["bf16", 192, "causal", "bwd,varlen"], ["fp16", 256, "softcap", "bwd"],
-               ["bf16", 256, "local", "bwd,deterministic"], ["fp16", 192, "none", "bwd,padded"]]
+               ["bf16", 256, "local", "bwd,deterministic"], ["fp16", 192, "none", "bwd,padded"],
+               # d = 256 in two passes of 128 columns (launch_bwd.D256_PASS_COLS's candidate)
+               ["bf16", 256, "causal", "bwd,pass128"], ["fp16", 256, "softcap", "bwd,pass128"],
+               ["bf16", 256, "local", "bwd,deterministic,pass128"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])

@@ -398,6 +398,26 @@ def test_backward_over_128_in_column_passes(smem):
     assert launch_bwd.bwd_config(wide, 8, smem).kv_passes == 3
 
 
+@pytest.mark.parametrize("smem", [163 * 1024, 99 * 1024], ids=["sm_80", "99KB"])
+def test_backward_at_256_in_two_passes_of_128_columns(smem):
+    """launch_bwd.D256_PASS_COLS's candidate: two passes of 128 columns (dK and dV in 64-column
+    halves, 16-query sub-blocks); packed sequences keep 64-column passes; a column part that
+    would start inside a swizzle atom is refused."""
+    import dataclasses
+    from cuteattn.kernels.sm80 import launch_bwd
+    from cuteattn.kernels.sm80.bwd import FlashBwdSm80
+    spec = make_spec(kind="bwd", head_dim=256, head_dim_v=256, causal=True)
+    cfg = launch_bwd.bwd_config(spec, 8, smem, pass_cols=128)
+    assert (cfg.kv_passes, cfg.kv_parts, cfg.q_parts) == (2, 2, cfg.tile_m // 16)
+    FlashBwdSm80(cfg)
+    default = launch_bwd.bwd_config(spec, 8, smem)
+    assert default.kv_passes == 256 // launch_bwd.D256_PASS_COLS
+    packed = make_spec(kind="bwd", head_dim=256, head_dim_v=256, varlen_q=True, varlen_k=True)
+    assert launch_bwd.bwd_config(packed, 8, smem).kv_passes == 4
+    with pytest.raises(AssertionError):  # 32-column parts: inside the 64-column atom
+        FlashBwdSm80(dataclasses.replace(cfg, kv_parts=4, q_parts=2))
+
+
 def test_backward_rings_q_and_do_where_they_fit():
     """Q and dO in two buffers (the next query block's loads in flight during this one's GEMMs)
     where the target's shared memory holds both; one buffer where it does not."""

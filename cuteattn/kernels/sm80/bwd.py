@@ -101,11 +101,14 @@ class FlashBwdSm80:
         self.num_threads = cfg.num_threads
         self.pass_cols = self.d // cfg.kv_passes  # dK's and dV's columns per pass
         self.kv_cols = self.pass_cols // cfg.kv_parts  # ... and per GEMM
-        # dQ's columns per GEMM: all of them; a pass's worth at a time (kv_passes); or 64 with
-        # 128 keys a CTA at d = 128 (its dQ accumulator in halves: spill-free that way)
-        self.dq_cols = (self.pass_cols if cfg.kv_passes > 1
-                        else 64 if self.d >= 128 and cfg.tile_n >= 128 else self.d)
+        # dQ's columns per GEMM: all of them, or 64 at a time (its accumulator in parts:
+        # spill-free that way) with column passes and with 128 keys a CTA at d = 128
+        self.dq_cols = 64 if cfg.kv_passes > 1 or (self.d >= 128 and cfg.tile_n >= 128) else self.d
         assert self.d % cfg.kv_passes == 0 and self.pass_cols % cfg.kv_parts == 0, cfg
+        if cfg.kv_passes > 1 or cfg.kv_parts > 1:
+            # a column part's views start at multiples of kv_cols: whole swizzle atoms only
+            # (mma.smem_layout), else they would address other elements
+            assert self.kv_cols * cfg.dtype.width // 8 % mma.atom_width_bytes(cfg.dtype, self.d) == 0, cfg
         self.sub_m = cfg.tile_m // cfg.q_parts  # queries per S^T / dP^T sub-block
         assert self.kv_cols % 16 == 0 and self.sub_m % 16 == 0, cfg
         assert cfg.q_stages in (1, 2), cfg

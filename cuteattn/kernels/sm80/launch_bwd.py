@@ -29,6 +29,13 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128) + WIDE_HEAD_DIMS
 # d=256 in the 99 KB of sm_86/89/120); 16-row query blocks do not tile (the copy passes).
 WIDE_TILES = ((64, 64, 4), (32, 64, 4), (32, 32, 2))
 PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
+# d = 256 in passes of this many columns (not with packed sequences: 128 spilled 28 bytes on
+# sm_80 there). 128: 2 passes instead of 4, so S^T and dP^T are computed twice, not four times
+# (GEMM work 28 against 44 units of 64^3 a block), in halves of dK's and dV's columns and
+# 16-query sub-blocks on 64-row tiles; compile-checked spill-free on sm_80/86/120a/90a, not
+# GPU-run yet: run `benchmarks/dev_bwd_ab.py D256_PASS_COLS 64 128 --path sm80 --d 256` and
+# the GPU suite with it set, then keep the winner and drop this constant.
+D256_PASS_COLS = 64
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -76,17 +83,24 @@ def wide_tile(dtype, head_dim: int, smem: int) -> tuple:
     raise ValueError(f"no sm80 backward tile for head_dim {head_dim} fits {smem} bytes")
 
 
-def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> Sm80BwdConfig:
+def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024,
+               pass_cols: Optional[int] = None) -> Sm80BwdConfig:
     """major: the compute capability's, whose compiler the register parts are chosen for;
     smem: the target's shared memory a block (the tile over 128). A head dim between the
-    compiled widths runs on the next one up (`padded`)."""
+    compiled widths runs on the next one up (`padded`). pass_cols: the columns a pass over 128
+    (None: PASS_COLS, D256_PASS_COLS at d = 256)."""
     head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
+    dtype = CUTLASS_DTYPES[spec.dtype]
+    packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
+    kv_passes = 1
     if head_dim in WIDE_HEAD_DIMS:
-        (tile_m, tile_n, warps), kv_parts, q_parts = wide_tile(
-            CUTLASS_DTYPES[spec.dtype], head_dim, smem), 1, 1
+        tile_m, tile_n, warps = wide_tile(dtype, head_dim, smem)
+        if pass_cols is None:
+            pass_cols = D256_PASS_COLS if head_dim == 256 and not packed else PASS_COLS
+        kv_passes = head_dim // pass_cols
+        # (over 64 columns a pass: dK and dV in 64-column halves, 16-query sub-blocks)
+        kv_parts, q_parts = (1, 1) if pass_cols == PASS_COLS else (2, tile_m // 16)
     else:
-        dtype = CUTLASS_DTYPES[spec.dtype]
-        packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
         tiles = PACKED_TILES.get(head_dim, TILES[head_dim]) if packed else TILES[head_dim]
         tile_m, tile_n, warps = next(
             (t for t in tiles if Sm80BwdConfig(dtype, head_dim, *t).smem_bytes() <= smem), tiles[-1])
@@ -97,7 +111,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         varlen_q=spec.varlen_q, varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts,
         deterministic=spec.deterministic, padded=head_dim != spec.head_dim,
-        kv_passes=head_dim // PASS_COLS if head_dim in WIDE_HEAD_DIMS else 1)
+        kv_passes=kv_passes)
     ringed = dataclasses.replace(cfg, q_stages=Q_STAGES)
     return ringed if ringed.smem_bytes() <= smem else cfg
 
