@@ -74,7 +74,10 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 256, "local", "bwd,deterministic"], ["fp16", 192, "none", "bwd,padded"],
                # d = 256 in two passes of 128 columns (launch_bwd.D256_PASS_COLS's candidate)
                ["bf16", 256, "causal", "bwd,pass128"], ["fp16", 256, "softcap", "bwd,pass128"],
-               ["bf16", 256, "local", "bwd,deterministic,pass128"]]
+               ["bf16", 256, "local", "bwd,deterministic,pass128"],
+               # ... and up to 128 keys a CTA (launch_bwd.WIDE_TILE_N_MAX's candidate)
+               ["bf16", 192, "causal", "bwd,varlen,keys128"], ["fp16", 192, "softcap", "bwd,keys128"],
+               ["bf16", 256, "local", "bwd,deterministic,keys128"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])

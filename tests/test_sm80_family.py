@@ -418,6 +418,23 @@ def test_backward_at_256_in_two_passes_of_128_columns(smem):
         FlashBwdSm80(dataclasses.replace(cfg, kv_parts=4, q_parts=2))
 
 
+def test_backward_over_128_with_128_keys_where_they_fit():
+    """launch_bwd.WIDE_TILE_N_MAX's candidate: 128 keys a CTA over d=128 where K, V, Q and dO
+    fit (d=192 in 160 KB, d=256 in 208 KB), in 64-column passes; else the 64-key tiles."""
+    from cuteattn.kernels.sm80 import launch_bwd
+    from cuteattn.kernels.sm80.bwd import FlashBwdSm80
+    tile = lambda d, smem, keys: launch_bwd.bwd_config(
+        make_spec(kind="bwd", head_dim=d, head_dim_v=d, causal=True), 8, smem, wide_keys=keys)
+    for d, smem, want in ((192, 163 * 1024, (64, 128, 8)), (256, 163 * 1024, (64, 64, 4)),
+                          (256, 227 * 1024, (64, 128, 8)), (192, 99 * 1024, (32, 64, 4))):
+        cfg = tile(d, smem, 128)
+        assert (cfg.tile_m, cfg.tile_n, cfg.num_warps) == want and cfg.kv_passes == d // 64
+        assert cfg.smem_bytes() <= smem
+        FlashBwdSm80(cfg)
+        default = tile(d, smem, None)
+        assert default.tile_n <= launch_bwd.WIDE_TILE_N_MAX
+
+
 def test_backward_rings_q_and_do_where_they_fit():
     """Q and dO in two buffers (the next query block's loads in flight during this one's GEMMs)
     where the target's shared memory holds both; one buffer where it does not."""
