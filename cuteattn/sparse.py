@@ -86,12 +86,16 @@ class BlockSparseMask:
 
 
 def _listed(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """The boolean block mask of (count, index) lists."""
+    """The boolean block mask of (count, index) lists: the first `count` entries of each list.
+    What the entries past it hold (zeros, repeats of a listed block) must not unset a listed
+    block, so they go to a spare column that is cut off, and every entry scatters the one value
+    True (scatter_ leaves unspecified which of two writes to one place wins)."""
     nk = index.shape[-1]
     valid = torch.arange(nk, device=index.device) < count.unsqueeze(-1).long()
-    mask = torch.zeros(index.shape, dtype=torch.bool, device=index.device)
-    mask.scatter_(-1, index.long().clamp(0, nk - 1), valid)
-    return mask
+    target = torch.where(valid, index.long().clamp(0, nk - 1), nk)
+    mask = torch.zeros((*index.shape[:-1], nk + 1), dtype=torch.bool, device=index.device)
+    mask.scatter_(-1, target, True)
+    return mask[..., :nk]
 
 
 def _compact(mask: torch.Tensor):

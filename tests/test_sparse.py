@@ -287,6 +287,38 @@ def test_dq_turns_count_the_key_blocks_before(kv_block):
         assert turns[idx] == int(attends[idx[:-1]][:idx[-1]].sum())
 
 
+@pytest.mark.parametrize("padding", ["zeros", "repeats"])
+def test_list_padding_never_unsets_a_listed_block(seed, padding):
+    """Lists as users write them (FlashAttention-4's, FlexAttention's): the entries past each
+    count may hold anything, zeros or repeats of a listed block. The block masks, the dense
+    mask, the transposed lists (the backward's) and the expansion to finer blocks must see
+    every listed block. A padding entry equal to a listed one could unset it (on the CPU it
+    did: block 0 of a zero-padded list dropped out of the transposed lists the backward walks,
+    out of the reference's mask, and out of an expansion to finer blocks)."""
+    selected = torch.rand(1, 2, 6, 5) < 0.5
+    selected[0, 0, 0] = False
+    selected[0, 0, 0, 0] = True  # a row whose only block is block 0
+    partial = selected & (torch.rand(1, 2, 6, 5) < 0.3)
+    canonical = sparse.from_block_mask(selected, 64, 64, partial)
+
+    def pad(count, index):
+        listed = torch.arange(index.shape[-1]) < count.unsqueeze(-1)
+        filler = torch.zeros_like(index) if padding == "zeros" else index[..., :1].expand_as(index)
+        return torch.where(listed, index, filler)
+
+    user = sparse.BlockSparseMask(64, 64, canonical.full_count,
+                                  pad(canonical.full_count, canonical.full_index),
+                                  canonical.partial_count,
+                                  pad(canonical.partial_count, canonical.partial_index))
+    for got, want in zip(user.block_masks(), canonical.block_masks()):
+        assert torch.equal(got, want)
+    assert torch.equal(user.dense(380, 300), canonical.dense(380, 300))
+    for got, want in zip(sparse.transpose(user).block_masks(), sparse.transpose(canonical).block_masks()):
+        assert torch.equal(got, want)
+    assert torch.equal(sparse.expand(user, 32, 32).dense(380, 300), canonical.dense(380, 300))
+    assert torch.equal(sparse.dq_turns(user), sparse.dq_turns(canonical))
+
+
 def test_transpose_lists_the_same_pairs():
     """sparse.transpose: per key block the query blocks that attend it, full and partial kept
     apart; the dense mask it implies is the original's, transposed."""
