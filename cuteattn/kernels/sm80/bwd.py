@@ -266,7 +266,9 @@ class FlashBwdSm80:
         sQ0, sdO0 = stage_of(sQ, 0), stage_of(sdO, 0)  # (the fragments' shapes: any stage's)
         tSrQ = thr.make_fragment_B(thr.partition_B(rows_of(sQ0, 0)))
         tSsK, tSsV = ld_a.partition_S(sK), ld_a.partition_S(sV)
-        if const_expr(not ring):  # (with a ring: per block, from its stage)
+        # (with a ring: per block, from its stage, by stage_views; without one they stay where
+        # they were built before the ring: built together, ptxas spilled 16 bytes on sm_120a)
+        if const_expr(not ring):
             tSsQ = [ld_b.partition_S(rows_of(sQ, h)) for h in subs]
             tSsdO = [ld_b.partition_S(rows_of(sdO, h)) for h in subs]
         # dV += P^T dO and dK += dS^T Q: B from dO^T / Q^T (d x queries, transposed reads), in

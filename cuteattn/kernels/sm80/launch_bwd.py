@@ -117,7 +117,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024,
             (t for t in tiles if Sm80BwdConfig(dtype, head_dim, *t).smem_bytes() <= smem), tiles[-1])
         kv_parts, q_parts = register_parts(head_dim, major)
     cfg = Sm80BwdConfig(
-        dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,
+        dtype=dtype, head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,
         num_warps=warps, causal=spec.causal, local=spec.local, has_softcap=spec.has_softcap,
         varlen_q=spec.varlen_q, varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts,
