@@ -24,7 +24,7 @@ TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages]), ...], prefer
     # 8 bytes of spill; a 2-stage K/V ring makes it spill-free on sm_80 (not yet GPU-run)
     64: [(128, 64, 4, 2), (128, 128, 8), (128, 64, 4)],
     96: [(128, 64, 8), (64, 64, 4)],
-    128: [(128, 64, 8), (64, 64, 4)],
+    128: [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
     192: [(128, 64, 8), (64, 64, 4)],
     # At d = 256 each warp's output is 128 registers whatever the tile (16 rows x 256). 64-key
     # blocks ran 1.45x faster than 16-key blocks on an H200 (254 registers, no spill there) but

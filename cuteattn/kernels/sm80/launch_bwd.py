@@ -42,7 +42,7 @@ PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
 # 16-query sub-blocks on 64-row tiles; compile-checked spill-free on sm_80/86/120a/90a, not
 # GPU-run yet: run `benchmarks/dev_bwd_ab.py D256_PASS_COLS 64 128 --path sm80 --d 256` and
 # the GPU suite with it set, then keep the winner and drop this constant.
-D256_PASS_COLS = 64
+D256_PASS_COLS = 128
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
