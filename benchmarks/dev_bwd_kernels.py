@@ -2,7 +2,9 @@
 call (as the bench times it) beside the GPU time of each kernel it launched (torch.profiler),
 so a host-bound cell or one slow kernel shows. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_bwd_kernels.py [--d 128] [--seqlen 1024,4096]
-        [--impls cuteattn,fa4] [--deterministic]
+        [--impls cuteattn,fa4] [--deterministic] [--sparse 0.9 [--block 128,128]]
+(--sparse: the block-sparse backward's cells instead, B=1, H=12, d=128, that fraction of the
+logical 256 x 256 blocks left out, physical blocks --block.)
 """
 import argparse
 import collections
@@ -36,12 +38,19 @@ def main() -> None:
     ap.add_argument("--seqlen", default="1024,4096")
     ap.add_argument("--impls", default="cuteattn,fa4")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--sparse", type=float, help="the sparse_bwd cells at this sparsity")
+    ap.add_argument("--block", default="128,128", help="--sparse's physical block (q,k)")
     args = ap.parse_args()
     device = torch.device("cuda")
     for d in map(int, args.d.split(",")):
         for s in map(int, args.seqlen.split(",")):
-            for causal in (False, True):
-                cell = Cell("bwd", d, 16384 // s, 2048 // d, 2048 // d, s, s, causal)
+            for causal in ((False,) if args.sparse is not None else (False, True)):
+                if args.sparse is not None:
+                    bq, bk = map(int, args.block.split(","))
+                    cell = Cell("sparse_bwd", d, 1, 12, 12, s, s, False, sparsity=args.sparse,
+                                block_q=bq, block_k=bk)
+                else:
+                    cell = Cell("bwd", d, 16384 // s, 2048 // d, 2048 // d, s, s, causal)
                 x = peers.make_inputs(cell, device)
                 impls = peers.implementations(cell, x, device)
                 for name in args.impls.split(","):

@@ -1,7 +1,7 @@
 """Compiles sm80 forward variants for one target arch and prints what ptxas and the PTX say, as
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
-form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded][,pass128][,keys128]" for the backward (over 128: pass128 128 columns a pass, keys128 up to 128 keys a CTA), "combine" for the
+form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
 "sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2]"
 for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
@@ -26,11 +26,8 @@ MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "
 FP8 = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 
 
-def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False, smem=163 * 1024,
-                  pass_cols=None, wide_keys=None):
-    """The backward family's config for these switches on this target (launch_bwd.bwd_config;
-    pass_cols, wide_keys: the columns a pass and the keys a CTA over 128, None for the family's
-    choice)."""
+def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False, smem=163 * 1024):
+    """The backward family's config for these switches on this target (launch_bwd.bwd_config)."""
     import os
     import torch
     from cuteattn.kernels.sm80 import launch_bwd
@@ -40,7 +37,7 @@ def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False,
                          head_dim=d, head_dim_v=d, causal=causal, local=local, has_softcap=softcap,
                          varlen_q=varlen, varlen_k=varlen, has_seqused_q=varlen,
                          has_seqused_k=varlen, kind="bwd", deterministic=deterministic)
-    return launch_bwd.bwd_config(spec, major, smem, pass_cols, wide_keys)
+    return launch_bwd.bwd_config(spec, major, smem)
 
 
 def main():
@@ -58,9 +55,7 @@ def main():
             continue
         if isinstance(form, str) and form.startswith("bwd"):  # "bwd[,varlen][,deterministic]"
             varlen = "varlen" in form
-            cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen, "deterministic" in form, smem,
-                                128 if "pass128" in form else None,
-                                128 if "keys128" in form else None)
+            cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen, "deterministic" in form, smem)
             if "padded" in form:  # (a narrower head dim run on this width: zero-filled loads)
                 import dataclasses
                 cfg = dataclasses.replace(cfg, padded=True)

@@ -68,16 +68,13 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # head dims between the widths, padded (80 on 96, 112 on 128, 40 on 64)
                ["bf16", 96, "causal", "bwd,padded"], ["fp16", 128, "none", "bwd,varlen,padded"],
                ["bf16", 64, "local", "bwd,padded,deterministic"],
-               # over 128: dK and dV in 64-column passes (launch_bwd.WIDE_HEAD_DIMS), the tile
-               # by the target's shared memory
-               ["bf16", 192, "causal", "bwd,varlen"], ["fp16", 256, "softcap", "bwd"],
+               # over 128: dK and dV in column passes (launch_bwd.WIDE_HEAD_DIMS), the tile by
+               # the target's shared memory: 128 keys at d=192 where they fit, d=256 in two
+               # 128-column passes (packed sequences: four of 64)
+               ["bf16", 192, "causal", "bwd,varlen"], ["fp16", 192, "softcap", "bwd"],
+               ["fp16", 256, "softcap", "bwd"], ["bf16", 256, "causal", "bwd"],
                ["bf16", 256, "local", "bwd,deterministic"], ["fp16", 192, "none", "bwd,padded"],
-               # d = 256 in two passes of 128 columns (launch_bwd.D256_PASS_COLS's candidate)
-               ["bf16", 256, "causal", "bwd,pass128"], ["fp16", 256, "softcap", "bwd,pass128"],
-               ["bf16", 256, "local", "bwd,deterministic,pass128"],
-               # ... and up to 128 keys a CTA (launch_bwd.WIDE_TILE_N_MAX's candidate)
-               ["bf16", 192, "causal", "bwd,varlen,keys128"], ["fp16", 192, "softcap", "bwd,keys128"],
-               ["bf16", 256, "local", "bwd,deterministic,keys128"]]
+               ["bf16", 256, "none", "bwd,varlen"], ["bf16", 192, "local", "bwd,deterministic"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])

@@ -67,30 +67,6 @@ def test_compile_sm90_fwd(dtype, d, mask, varlen, capfd, tmp_path, monkeypatch):
     assert max(spills) == 0, f"{cfg} spills registers:\n{report[-2000:]}"
 
 
-P_SMEM_CASES = [(80, "none", False), (80, "causal", True), (96, "causal", False),
-                (80, "softcap", False)]
-
-
-@pytest.mark.parametrize("d,mask,varlen", P_SMEM_CASES,
-                         ids=[f"d{d}-{m}{'-varlen' if v else ''}" for d, m, v in P_SMEM_CASES])
-def test_compile_p_through_shared_memory(d, mask, varlen, capfd, tmp_path, monkeypatch):
-    """Sm90FwdConfig.p_smem (a tile's fourth field, config.TILES; an A/B candidate): three
-    warpgroups on 144-key blocks at d=80/96, P stored for a shared-memory A operand; spill-free
-    where the register-A kernel spills 320-480 bytes at that block."""
-    from cuteattn.kernels.sm90 import config
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(config.TILES, d, (3, 144, 2, 1))
-    for key in [k for k in config.TILE_N_CAPS if k[0] == d]:
-        monkeypatch.delitem(config.TILE_N_CAPS, key)
-    cfg = sm90_launch.sm90_config(make_spec(torch.bfloat16, d, mask, varlen))
-    assert cfg.p_smem and cfg.tile_n == 144 and cfg.smem_bytes() <= 227 * 1024
-    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
-    assert "fence.proxy.async.shared::cta" in ptx and "wgmma.mma_async" in ptx
-    report = capfd.readouterr().err
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", report)]
-    assert spills and max(spills) == 0, f"{cfg} spills registers:\n{report[-2000:]}"
-
-
 def test_compile_key_ignores_sizes():
     a = make_spec(torch.bfloat16, 128, "causal", False, seqlen_q=100)
     b = AttentionSpec(**{**a.__dict__, "batch": 7, "seqlen_q": 2048, "seqlen_k": 17,

@@ -378,9 +378,10 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
 
 @pytest.mark.parametrize("smem", [163 * 1024, 99 * 1024], ids=["sm_80", "99KB"])
 def test_backward_over_128_in_column_passes(smem):
-    """Head dims over 128 (launch_bwd.WIDE_HEAD_DIMS): dK and dV in 64-column passes, the tile
-    the first that fits the target's shared memory, its copies and MMA layouts valid; padded
-    widths between 128 and 256 too; the family serves them."""
+    """Head dims over 128 (launch_bwd.WIDE_HEAD_DIMS): dK and dV in column passes (64 columns,
+    128 at d=256 on 64-key tiles without packed sequences), the tile the first that fits the target's shared
+    memory, its copies and MMA layouts valid; padded widths between 128 and 256 too; the
+    family serves them."""
     from cuteattn.kernels.sm80 import launch_bwd
     from cuteattn.kernels.sm80.bwd import FlashBwdSm80
     for d, width in ((192, 192), (256, 256), (160, 192), (200, 256)):
@@ -388,8 +389,10 @@ def test_backward_over_128_in_column_passes(smem):
                      dict(deterministic=True)):
             spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **form)
             cfg = launch_bwd.bwd_config(spec, 8, smem)
-            assert (cfg.head_dim, cfg.kv_passes, cfg.padded) == (width, width // 64, d != width)
-            assert cfg.kv_parts == cfg.q_parts == 1 and cfg.smem_bytes() <= smem
+            cols = 128 if width == 256 and "varlen_q" not in form and cfg.tile_n == 64 else 64
+            assert (cfg.head_dim, cfg.kv_passes, cfg.padded) == (width, width // cols, d != width)
+            assert cfg.smem_bytes() <= smem
+            assert (cfg.kv_parts, cfg.q_parts) == ((1, 1) if cols == 64 else (2, cfg.tile_m // 16))
             FlashBwdSm80(cfg)
     big = launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=256, head_dim_v=256), 8, smem)
     assert (big.tile_m, big.tile_n) == ((64, 64) if smem > 150 * 1024 else (32, 32))
@@ -398,41 +401,39 @@ def test_backward_over_128_in_column_passes(smem):
     assert launch_bwd.bwd_config(wide, 8, smem).kv_passes == 3
 
 
-@pytest.mark.parametrize("smem", [163 * 1024, 99 * 1024], ids=["sm_80", "99KB"])
+@pytest.mark.parametrize("smem", [163 * 1024, 227 * 1024], ids=["sm_80", "sm_90"])
 def test_backward_at_256_in_two_passes_of_128_columns(smem):
-    """launch_bwd.D256_PASS_COLS's candidate: two passes of 128 columns (dK and dV in 64-column
-    halves, 16-query sub-blocks); packed sequences keep 64-column passes; a column part that
-    would start inside a swizzle atom is refused."""
+    """d=256 in two passes of 128 columns (dK and dV in 64-column halves, 16-query sub-blocks)
+    on 64 x 64 tiles; packed sequences and the 99 KB targets' 32 x 32 tile keep four 64-column
+    passes; a column part that would start inside a swizzle atom is refused."""
     import dataclasses
     from cuteattn.kernels.sm80 import launch_bwd
     from cuteattn.kernels.sm80.bwd import FlashBwdSm80
     spec = make_spec(kind="bwd", head_dim=256, head_dim_v=256, causal=True)
-    cfg = launch_bwd.bwd_config(spec, 8, smem, pass_cols=128)
+    cfg = launch_bwd.bwd_config(spec, 8, smem)
     assert (cfg.kv_passes, cfg.kv_parts, cfg.q_parts) == (2, 2, cfg.tile_m // 16)
+    assert cfg.tile_n <= 64
     FlashBwdSm80(cfg)
-    default = launch_bwd.bwd_config(spec, 8, smem)
-    assert default.kv_passes == 256 // launch_bwd.D256_PASS_COLS
     packed = make_spec(kind="bwd", head_dim=256, head_dim_v=256, varlen_q=True, varlen_k=True)
     assert launch_bwd.bwd_config(packed, 8, smem).kv_passes == 4
+    assert launch_bwd.bwd_config(spec, 8, 99 * 1024).kv_passes == 4
     with pytest.raises(AssertionError):  # 32-column parts: inside the 64-column atom
         FlashBwdSm80(dataclasses.replace(cfg, kv_parts=4, q_parts=2))
 
 
 def test_backward_over_128_with_128_keys_where_they_fit():
-    """launch_bwd.WIDE_TILE_N_MAX's candidate: 128 keys a CTA over d=128 where K, V, Q and dO
-    fit (d=192 in 160 KB, d=256 in 208 KB), in 64-column passes; else the 64-key tiles."""
+    """128 keys a CTA at d=192 where K, V, Q and dO fit (160 KB), in 64-column passes; else the
+    64-key tiles; d=256 keeps 64 keys even where 128 would fit (the H200's 227 KB)."""
     from cuteattn.kernels.sm80 import launch_bwd
     from cuteattn.kernels.sm80.bwd import FlashBwdSm80
-    tile = lambda d, smem, keys: launch_bwd.bwd_config(
-        make_spec(kind="bwd", head_dim=d, head_dim_v=d, causal=True), 8, smem, wide_keys=keys)
-    for d, smem, want in ((192, 163 * 1024, (64, 128, 8)), (256, 163 * 1024, (64, 64, 4)),
-                          (256, 227 * 1024, (64, 128, 8)), (192, 99 * 1024, (32, 64, 4))):
-        cfg = tile(d, smem, 128)
-        assert (cfg.tile_m, cfg.tile_n, cfg.num_warps) == want and cfg.kv_passes == d // 64
+    for d, smem, want, passes in ((192, 163 * 1024, (64, 128, 8), 3),
+                                  (192, 99 * 1024, (32, 64, 4), 3),
+                                  (256, 227 * 1024, (64, 64, 4), 2)):
+        cfg = launch_bwd.bwd_config(
+            make_spec(kind="bwd", head_dim=d, head_dim_v=d, causal=True), 8, smem)
+        assert (cfg.tile_m, cfg.tile_n, cfg.num_warps) == want and cfg.kv_passes == passes
         assert cfg.smem_bytes() <= smem
         FlashBwdSm80(cfg)
-        default = tile(d, smem, None)
-        assert default.tile_n <= launch_bwd.WIDE_TILE_N_MAX
 
 
 def test_backward_rings_q_and_do_where_they_fit():
@@ -442,8 +443,9 @@ def test_backward_rings_q_and_do_where_they_fit():
     from cuteattn.kernels.sm80.bwd import FlashBwdSm80
     stages = lambda d, smem: launch_bwd.bwd_config(
         make_spec(kind="bwd", head_dim=d, head_dim_v=d), 8, smem).q_stages
-    # sm_80's 163 KB: every width but 256 (K, V and two Q/dO stages: 201 KB there)
-    assert [stages(d, 163 * 1024) for d in (64, 96, 128, 192, 256)] == [2, 2, 2, 2, 1]
+    # sm_80's 163 KB: every width but 192 (128 keys there) and 256 (K, V and two Q/dO stages:
+    # 209 / 201 KB)
+    assert [stages(d, 163 * 1024) for d in (64, 96, 128, 192, 256)] == [2, 2, 2, 1, 1]
     # 99 KB: d=64 (81 KB) and d=256's 32 x 32 tile (98.5 KB); not d=96/128/192 (113 / 105 /
     # 100.5 KB)
     assert [stages(d, 99 * 1024) for d in (64, 96, 128, 192, 256)] == [2, 1, 1, 1, 2]

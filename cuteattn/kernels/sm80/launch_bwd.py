@@ -25,23 +25,20 @@ KIND = "bwd"
 WIDE_HEAD_DIMS = (192, 256)
 SUPPORTED_HEAD_DIMS = (64, 96, 128) + WIDE_HEAD_DIMS
 # (tile_m, tile_n, warps) over 128, the first that fits the target's shared memory and has at
-# most WIDE_TILE_N_MAX keys (K, V, Q and dO whole, at d=256: 137 KB at 64 x 64 on sm_80's 163
+# most WIDE_MAX_KEYS' keys (K, V, Q and dO whole, at d=256: 137 KB at 64 x 64 on sm_80's 163
 # KB; 32 x 64 at d=192 and 32 x 32 at d=256 in the 99 KB of sm_86/89/120); 16-row query blocks
 # do not tile (the copy passes).
 WIDE_TILES = ((64, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 2))
-# 128 keys a CTA over d=128 (as at d=128: half the dQ additions and Q/dO loads a key): d=192
-# in 160 KB (sm_80, the H200), d=256 in 208 KB (the H200 only); compile-checked spill-free
-# (64-column passes; 128-column ones spilled there), not GPU-run yet: run `dev_bwd_ab.py
-# WIDE_TILE_N_MAX 64 128 --path sm80 --d 192,256` and the GPU suite with it set, keep the
-# winner, drop this constant.
-WIDE_TILE_N_MAX = 64
+# The keys a CTA at most over 128: 128 at d=192 (64 x 128 x 8 in 160 KB on sm_80 and the H200;
+# 1.12-1.32x over 64 keys there: half the dQ additions and Q/dO loads a key), 64 at d=256
+# (there 128 keys ran 0.91-1.01x of two 128-column passes of 64 keys, which 128 keys cannot
+# have: they spilled 4-32 bytes), docs/perf-log.md.
+WIDE_MAX_KEYS = {192: 128, 256: 64}
 PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
-# d = 256 in passes of this many columns (not with packed sequences: 128 spilled 28 bytes on
-# sm_80 there). 128: 2 passes instead of 4, so S^T and dP^T are computed twice, not four times
-# (GEMM work 28 against 44 units of 64^3 a block), in halves of dK's and dV's columns and
-# 16-query sub-blocks on 64-row tiles; compile-checked spill-free on sm_80/86/120a/90a, not
-# GPU-run yet: run `benchmarks/dev_bwd_ab.py D256_PASS_COLS 64 128 --path sm80 --d 256` and
-# the GPU suite with it set, then keep the winner and drop this constant.
+# d = 256 in two passes of 128 columns (1.15-1.20x over four of 64 on the H200: S^T and dP^T
+# computed twice, not four times; GEMM work 28 against 44 units of 64^3 a block), in halves
+# of dK's and dV's columns and 16-query sub-blocks; packed sequences keep 64-column passes
+# (128 spilled 28 bytes on sm_80 there), as do 128-key tiles.
 D256_PASS_COLS = 128
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
@@ -81,33 +78,28 @@ def _major(spec: AttentionSpec) -> int:
     return target_capability(spec.device_index)[0]
 
 
-def wide_tile(dtype, head_dim: int, smem: int, max_keys: Optional[int] = None) -> tuple:
-    """WIDE_TILES' first (tile_m, tile_n, warps) of at most max_keys keys (None:
-    WIDE_TILE_N_MAX) whose storage fits `smem` bytes."""
-    max_keys = WIDE_TILE_N_MAX if max_keys is None else max_keys
-    for tile_m, tile_n, warps in (t for t in WIDE_TILES if t[1] <= max_keys):
+def wide_tile(dtype, head_dim: int, smem: int) -> tuple:
+    """WIDE_TILES' first (tile_m, tile_n, warps) of at most WIDE_MAX_KEYS' keys whose storage
+    fits `smem` bytes."""
+    for tile_m, tile_n, warps in (t for t in WIDE_TILES if t[1] <= WIDE_MAX_KEYS[head_dim]):
         cfg = Sm80BwdConfig(dtype, head_dim, tile_m, tile_n, warps)
         if cfg.smem_bytes() <= smem:
             return tile_m, tile_n, warps
     raise ValueError(f"no sm80 backward tile for head_dim {head_dim} fits {smem} bytes")
 
 
-def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024,
-               pass_cols: Optional[int] = None, wide_keys: Optional[int] = None) -> Sm80BwdConfig:
+def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> Sm80BwdConfig:
     """major: the compute capability's, whose compiler the register parts are chosen for;
     smem: the target's shared memory a block (the tile over 128). A head dim between the
-    compiled widths runs on the next one up (`padded`). pass_cols: the columns a pass over 128
-    (None: PASS_COLS, D256_PASS_COLS at d = 256); wide_keys: the keys a CTA over 128 at most
-    (None: WIDE_TILE_N_MAX)."""
+    compiled widths runs on the next one up (`padded`)."""
     head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
     dtype = CUTLASS_DTYPES[spec.dtype]
     packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
     kv_passes = 1
     if head_dim in WIDE_HEAD_DIMS:
-        tile_m, tile_n, warps = wide_tile(dtype, head_dim, smem, wide_keys)
-        if pass_cols is None:  # (128 keys: 64-column passes)
-            pass_cols = (D256_PASS_COLS if head_dim == 256 and not packed and tile_n == 64
-                         else PASS_COLS)
+        tile_m, tile_n, warps = wide_tile(dtype, head_dim, smem)
+        pass_cols = (D256_PASS_COLS if head_dim == 256 and not packed and tile_n == 64
+                     else PASS_COLS)
         kv_passes = head_dim // pass_cols
         # (over 64 columns a pass: dK and dV in 64-column halves, 16-query sub-blocks)
         kv_parts, q_parts = (1, 1) if pass_cols == PASS_COLS else (2, tile_m // 16)

@@ -5,11 +5,12 @@ import dataclasses
 from ..launch_common import compiled_width
 from .fwd import Sm90FwdConfig
 
-# head_dim -> (consumer warpgroups, keys per block, K/V stages[, p_smem]). P is converted to 16 bits with
+# head_dim -> (consumer warpgroups, keys per block, K/V stages). P is converted to 16 bits with
 # one packed cvt per pair (common/convert.py), which frees enough registers for FA3's wide key
 # blocks (d=64: 192x128, d=128: 128x176), spill-free (tests/test_compile_sm90.py). d=80 and 96
 # run three warpgroups (192 query rows) on narrower key blocks, as FA3 does at d<=96: measured
-# 1.02-1.16x of 128x176 (docs/perf-log.md, eleventh session).
+# 1.02-1.16x of 128x176 (docs/perf-log.md, eleventh session). Their 144 keys with P through
+# shared memory (FA3's way: register P spills there) ran 0.97-1.00x of 112: rejected.
 TILES = {
     64: (3, 128, 4),
     80: (3, 112, 2),
@@ -21,9 +22,6 @@ TILES = {
 # (head_dim, head_dim_v) -> tile where v is narrower: O's accumulator is smaller, so the key
 # block can widen (d=192 with v 128, MLA prefill: 128 keys, 1.02-1.03x of 112)
 NARROW_V_TILES = {(192, 128): (2, 128, 2)}
-# A fourth field 1 in a tile: P through shared memory (Sm90FwdConfig.p_smem), FlashAttention-3's
-# way to 144-key blocks at d <= 96 with three warpgroups. Compile-checked, not GPU-run: an A/B
-# for dev_fwd_tiles.py (`80/80 3,112,2 3,144,2,1`), not in TILES until it is measured.
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 SMEM_LIMIT = 227 * 1024
 # A head dim between those runs at its own width rounded up to WIDTH_STEP columns (the 16-bit
@@ -160,13 +158,12 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         head_dim, head_dim_v = paged_width(head_dim, page_size), paged_width(head_dim_v, page_size)
     anchor, anchor_v = tile_anchor(head_dim), tile_anchor(head_dim_v)
     fp8 = dtype.width == 8
-    tile = (FP8_TILES if fp8 else TILES)[anchor]
+    num_wg, tile_n, stages = (FP8_TILES if fp8 else TILES)[anchor]
     if not fp8 and (anchor, anchor_v) in NARROW_V_TILES:
-        tile = NARROW_V_TILES[anchor, anchor_v]
+        num_wg, tile_n, stages = NARROW_V_TILES[anchor, anchor_v]
     if (not fp8 and anchor in SHORT_TILES and max_seqlen_q is not None
             and max_seqlen_q <= SHORT_SEQLEN):
-        tile = SHORT_TILES[anchor]
-    num_wg, tile_n, stages, *p_smem = tile
+        num_wg, tile_n, stages = SHORT_TILES[anchor]
     # (seqused on batched q/k keeps lengths live as packing does: the varlen caps serve it)
     packed = varlen_q or varlen_k or has_seqused_q or has_seqused_k
     caps = TILE_N_CAPS.get((anchor, local, packed))
@@ -199,7 +196,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
         mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
-        p_smem=bool(p_smem and p_smem[0]),
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

@@ -59,7 +59,6 @@ class FwdBarrier(enum.IntEnum):
     EPILOGUE = 1       # + wg: one consumer warpgroup's O staging (ids 1..3)
     TURN = 4           # + wg: the GEMM turn of consumer warpgroup wg (ids 4..6)
     ALL_CONSUMERS = 7  # every consumer is past its last GEMM (O into a V stage they all read)
-    P_READY = 8        # + wg: warpgroup wg's P is in shared memory (p_smem; ids 8..10)
 
 
 @dataclass(frozen=True)
@@ -109,11 +108,6 @@ class Sm90FwdConfig:
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of every
     # row's softmax denominator, with no value (OnlineSoftmax.finalize)
     has_sink: bool = False
-    # P through shared memory: O += P V reads P from a (64, tile_n) buffer per consumer
-    # warpgroup (a shared-memory A operand) instead of registers, so P's registers are free
-    # while the next block's S is computed: room for a wider key block (FlashAttention-3 runs
-    # d <= 96 at 192 x 144 that way). Costs a store of P, a fence and a warpgroup barrier a block.
-    p_smem: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -136,8 +130,7 @@ class Sm90FwdConfig:
         q = self.tile_m * self.head_dim * elem
         o = self.tile_m * self.head_dim_v * self.o_dtype.width // 8 if self.o_path == "own_buffer" else 0
         kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elem
-        p = self.tile_m * self.tile_n * elem if self.p_smem else 0
-        return q + o + kv + p + 1024  # + barriers and alignment
+        return q + o + kv + 1024  # + barriers and alignment
 
 
 class FlashFwdSm90:
@@ -156,7 +149,6 @@ class FlashFwdSm90:
         # has a buffer of its own
         assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.head_dim % 32 == 0
                                and cfg.o_path == "own_buffer" and not cfg.sparse)
-        assert not (cfg.p_smem and cfg.fp8), "p_smem: 16-bit P only (fp8 P stays in registers)"
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.o_dtype = cfg.o_dtype
@@ -223,8 +215,7 @@ class FlashFwdSm90:
 
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, v_major,
-            Float32, (1, 1, 1), (WG_ROWS, self.dv),
-            warpgroup.OperandSource.SMEM if const_expr(cfg.p_smem) else warpgroup.OperandSource.RMEM,
+            Float32, (1, 1, 1), (WG_ROWS, self.dv), warpgroup.OperandSource.RMEM,
         )
         # Shared memory: Q has one (64, d) slice per consumer warpgroup; K and V a ring of stages.
         sQ_layout = sm90_utils.make_smem_layout_a(
@@ -237,9 +228,6 @@ class FlashFwdSm90:
         # O's staging: one (64, dv) slice per consumer warpgroup (Q's layout when dv == d)
         sO_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.dv), self.o_dtype, self.num_wg)
-        # P's buffer (p_smem): one (64, tile_n) slice per consumer warpgroup, keys K-major
-        sP_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (WG_ROWS, self.dv, self.tile_n), self.dtype, self.num_wg)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
@@ -258,8 +246,7 @@ class FlashFwdSm90:
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
-        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sVt_layout, sO_layout,
-                                                       sP_layout)
+        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sVt_layout, sO_layout)
 
         num_heads = mQ.shape[2]
         if const_expr(cfg.varlen_q):
@@ -282,7 +269,7 @@ class FlashFwdSm90:
             mQ.shape[0], mPageTable.shape[1] * cfg.page_size if const_expr(cfg.page_size) else mK.shape[0],
             qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
-            tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout, sP_layout,
+            tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
         ).launch(
             grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -296,7 +283,7 @@ class FlashFwdSm90:
             Float32, (1, 1, 1), (WG_ROWS, self.tile_n),
         )
 
-    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout, sO_layout, sP_layout):
+    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout, sO_layout):
         """The shared-memory layout (plain Python: the O buffer is a compile-time option)."""
         q_elems, k_elems, v_elems = (cute.cosize(x) for x in (sQ_layout, sK_layout, sVt_layout))
         stages = self.cfg.num_stages
@@ -316,9 +303,6 @@ class FlashFwdSm90:
         if self.cfg.o_path == "own_buffer":
             fields["sO"] = cute.struct.Align[
                 cute.struct.MemRange[self.o_dtype, cute.cosize(sO_layout)], 1024]
-        if self.cfg.p_smem:
-            fields["sP"] = cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sP_layout)], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
@@ -345,7 +329,6 @@ class FlashFwdSm90:
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -387,10 +370,6 @@ class FlashFwdSm90:
                 cute.recast_ptr(storage.sVt.data_ptr() + cute.assume(stage * v_stage_elems, divby=512),
                                 sO_layout.inner, dtype=self.dtype), sO_layout.outer)
 
-        sP = None
-        if const_expr(cfg.p_smem):
-            sP = storage.sP.get_tensor(sP_layout.outer, swizzle=sP_layout.inner)
-
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
         walk = TileWalk(num_tiles, mTileCounter if const_expr(cfg.dynamic_tiles) else None,
@@ -424,7 +403,7 @@ class FlashFwdSm90:
                 block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
                 softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
                 m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, wg, tidx % WG_THREADS,
-                mSink, sP)
+                mSink)
             # K and V advance together over a whole tile: one state carries both across tiles
             walk.walk(False, tile_info, consume_tile,
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
@@ -670,7 +649,7 @@ class FlashFwdSm90:
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo, visit,
                 score_scale, softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
-                m_block, head_idx, head_idx_kv, batch_idx, wg, tidx, mSink=None, sP=None):
+                m_block, head_idx, head_idx_kv, batch_idx, wg, tidx, mSink=None):
         """One consumer warpgroup, one tile: 64 query rows against every visible key block, then
         the epilogue. Returns the advanced pipeline states."""
         cfg = self.cfg
@@ -700,11 +679,6 @@ class FlashFwdSm90:
         if const_expr(cfg.fp8):  # P in the fp8 A operand's own fragment (fp8_p_fragment)
             tOrP = cute.make_rmem_tensor(thr_mma_pv.partition_shape_A((WG_ROWS, self.tile_n)), self.dtype)
             to_p = lambda: fp8_p_fragment(acc_S, tOrP)
-        elif const_expr(cfg.p_smem):
-            # P into this warpgroup's buffer, the shared-memory A operand of O += P V (every
-            # earlier P V GEMM of the warpgroup has completed: wait_group(0) comes first)
-            tOrP = thr_mma_pv.make_fragment_A(thr_mma_pv.partition_A(sP))[None, None, None, wg]
-            to_p = lambda: self.store_p(acc_S, sP[None, None, wg], tidx, wg)
         else:
             tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
             to_p = lambda: convert_fragment(acc_S, tOrP)
@@ -857,14 +831,6 @@ class FlashFwdSm90:
         softmax.step(acc_S_mn)
 
     @cute.jit
-    def store_p(self, acc_S, sP, tidx, wg):
-        """P (acc_S's probabilities) into the warpgroup's (64, tile_n) buffer in the 16-bit
-        dtype, visible to its P V wgmma: every thread's stores, then the async-proxy fence, then
-        the warpgroup's barrier."""
-        epilogue.stage_o(acc_S, sP, self.make_tiled_mma_qk(), tidx, self.dtype)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        named_barriers.sync(FwdBarrier.P_READY + wg, WG_THREADS)
-
     def store_o(self, acc_O, sO_all, mO, seqlen: SeqlenInfo, tiled_mma_pv, row_start, head_idx,
                 batch_idx, wg, tidx, wait_barrier, wait_threads: cutlass.Constexpr):
         """O through this warpgroup's slice of `sO_all` to global memory. First every warp that
