@@ -490,12 +490,27 @@ def _kernel_lists(mask) -> tuple:
                  (mask.full_count, mask.full_index, mask.partial_count, mask.partial_index))
 
 
+def _transposed_lists(mask, paired: bool) -> tuple:
+    """(the backward's four list tensors, the halves' table or None): sparse.transpose
+    (paired: transpose_paired) of mask, on a GPU in one launch (kernels/common/list_transpose.py;
+    the PyTorch form's few dozen operations cost more host time than a small backward's
+    kernel), elsewhere the PyTorch form (host-side tests with stand-in kernels)."""
+    from cuteattn import sparse
+    if mask.full_index.is_cuda:
+        from cuteattn.kernels.launch_common import transpose_lists
+        return transpose_lists(_kernel_lists(mask), paired)
+    if paired:
+        pairs, halves = sparse.transpose_paired(mask)
+        return _kernel_lists(pairs), halves
+    return _kernel_lists(sparse.transpose(mask)), None
+
+
 class _BlockSparse(torch.autograd.Function):
     """Block-sparse attention on the kernels, forward and backward. The backward's key blocks
-    walk the transposed lists (sparse.transpose, built on the device when the backward runs;
-    for lists of 64-key blocks the pairs' lists and which half attends what,
-    sparse.transpose_paired; with deterministic=True the order of the dQ additions,
-    sparse.dq_turns)."""
+    walk the transposed lists (sparse.transpose, built in one launch when the backward runs,
+    kernels/common/list_transpose.py; for lists of 64-key blocks the pairs' lists and which
+    half attends what, sparse.transpose_paired; with deterministic=True the order of the dQ
+    additions, sparse.dq_turns)."""
 
     @staticmethod
     def forward(ctx, q, k, v, spec, forward_launch, backward_launch, mask, varlen=None):
@@ -518,12 +533,7 @@ def _sparse_backward(launch, mask, deterministic, dout, q, k, v, out, lse, index
     """(dq, dk, dv) from the block-sparse backward kernel on mask's lists (in its block shape;
     index: packed sequences' index tensors, the lists' batch mode the sequence)."""
     from cuteattn import sparse
-    halves = None
-    if mask.kv_block < sparse.BACKWARD_KEY_BLOCK:
-        paired, halves = sparse.transpose_paired(mask)
-        lists = _kernel_lists(paired)
-    else:
-        lists = _kernel_lists(sparse.transpose(mask))
+    lists, halves = _transposed_lists(mask, paired=mask.kv_block < sparse.BACKWARD_KEY_BLOCK)
     # deterministic=True: each key block's turn to add into a query block's dQ
     turns = sparse.dq_turns(mask) if deterministic else None
     return launch(dout.contiguous(), q, k, v, out, lse, **(index or {}),
@@ -689,7 +699,7 @@ class _Modded(torch.autograd.Function):
         lists = ()
         if ctx.mask is not None:
             turns = sparse.dq_turns(ctx.mask) if ctx.deterministic else None
-            lists = (*_kernel_lists(sparse.transpose(ctx.mask)), None, turns)
+            lists = (*_transposed_lists(ctx.mask, paired=False)[0], None, turns)
         dq, dk, dv = ctx.backward_launch(dout.contiguous(), q, k, v, out, lse, **ctx.index,
                                          sparse=lists, mod_tensors=ctx.mod_tensors)
         return dq, dk, dv, None, None, None, None, None, None

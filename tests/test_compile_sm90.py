@@ -252,6 +252,25 @@ def test_compile_block_sparse(d, bq, bk, mask, varlen, capfd, tmp_path, monkeypa
     assert spills and max(spills) == 0, f"{cfg} spills"
 
 
+@pytest.mark.parametrize("paired", [False, True], ids=["128-key", "paired"])
+def test_compile_list_transpose(paired, capfd, tmp_path, monkeypatch):
+    """The backward's list transposition (common/list_transpose.py): shared-memory bytes, no
+    spills; the halves' table stored only for paired lists."""
+    from cuteattn.kernels.common import arguments as common_arguments
+    from cuteattn.kernels.common.list_transpose import ListTranspose, ListTransposeConfig
+    from cuteattn.kernels.compile_common import compile_kernel
+    from cuteattn.kernels.sm90 import arguments as sm90_arguments
+    monkeypatch.chdir(tmp_path)
+    cfg = ListTransposeConfig(paired)
+    fakes = common_arguments.fakes(cfg, sm90_arguments.LIST_TRANSPOSE_ARGUMENTS, None)
+    assert (fakes[-1] is not None) == paired
+    ptx = compile_kernel(ListTranspose(cfg), fakes, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "st.shared.u8" in ptx or "st.shared.b8" in ptx
+    assert "bar.sync" in ptx or "barrier.sync" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
+
+
 def test_block_sparse_reasons():
     """What the block-sparse kernel declines, each with its reason (the API then falls back)."""
     base = dict(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=False, local=False,

@@ -175,6 +175,46 @@ def test_lying_lists_stay_inside_the_tensors(seed):
     assert out.shape == q.shape
 
 
+@pytest.mark.parametrize("paired", [False, True], ids=["128-key", "paired"])
+@pytest.mark.parametrize("b,h,nq,nk", [(2, 3, 5, 7), (1, 1, 300, 130), (2, 1, 64, 301)])
+def test_transposed_lists_kernel_equals_the_pytorch_form(seed, paired, b, h, nq, nk):
+    """The backward's list transposition in one launch (common/list_transpose.py) against
+    sparse.transpose / transpose_paired: every count, each list's entries up to its count, the
+    halves' table; over rounds of query blocks (nq > 256) and CTAs of key blocks (nk > 128, odd),
+    broadcast heads, lists with a repeated entry, blocks listed both full and partial, garbage
+    (out-of-range too) past the counts."""
+    from cuteattn.api import _kernel_lists
+    from cuteattn.kernels.launch_common import transpose_lists
+    full_count, full_index = sparse._compact(torch.rand(b, h, nq, nk) < 0.25)
+    partial_count, partial_index = sparse._compact(torch.rand(b, h, nq, nk) < 0.25)
+    partial_index[..., 1] = partial_index[..., 0]  # (a repeat where the count is 2 or more)
+    past = torch.arange(nk) >= full_count.unsqueeze(-1)
+    full_index = torch.where(past, torch.randint(-5, nk + 5, full_index.shape, dtype=torch.int32),
+                             full_index)
+    mask = sparse.BlockSparseMask(128, 64 if paired else 128, full_count, full_index,
+                                  partial_count, partial_index)
+    if paired:
+        want, want_halves = sparse.transpose_paired(mask)
+    else:
+        want, want_halves = sparse.transpose(mask), None
+    on_gpu = sparse.BlockSparseMask(mask.q_block, mask.kv_block,
+                                    *(t.cuda() for t in _kernel_lists(mask)))
+    got, halves = transpose_lists(_kernel_lists(on_gpu), paired)
+    torch.cuda.synchronize()
+    rows = (nk + 1) // 2 if paired else nk
+    for name, count, index, got_count, got_index in (
+            ("full", want.full_count, want.full_index, got[0], got[1]),
+            ("partial", want.partial_count, want.partial_index, got[2], got[3])):
+        assert got_count.shape == (b, h, rows) and got_index.shape == (b, h, rows, nq)
+        assert torch.equal(got_count.cpu(), count), f"{name} counts"
+        listed = torch.arange(nq) < count.unsqueeze(-1)
+        assert torch.equal(got_index.cpu()[listed], index[listed]), f"{name} lists"
+    if paired:
+        assert torch.equal(halves.cpu(), want_halves)
+    else:
+        assert halves is None
+
+
 # ---- the backward (lists of 128x128 blocks, or coarser ones expanded to them) ----
 
 def check_grads(q, k, v, mask, deterministic=False, **kw):

@@ -509,6 +509,53 @@ def _compiled_mask_blocks(cfg, fn, tvm_ffi: bool):
                                         persist=tvm_ffi, sources=_mask_blocks_sources())
 
 
+# ---- the block-sparse backward's transposed lists (common/list_transpose.py) ----
+
+def transpose_lists(lists: tuple, paired: bool) -> tuple:
+    """sparse.transpose (paired: transpose_paired) of a mask's four kernel list tensors
+    (api._kernel_lists: int32, unit last stride) in one launch: the transposed (or the pairs')
+    four list tensors, and with `paired` the halves' table (else None). Only the first count
+    entries of each output list are written (the kernels read no further)."""
+    from .common.list_transpose import ListTransposeConfig
+    from .sm90 import arguments as sm90_arguments
+    full_count, full_index = lists[0], lists[1]
+    batch, heads, nq, nk = full_index.shape
+    rows = (nk + 1) // 2 if paired else nk
+    device = full_index.device
+    counts = torch.empty(2, batch, heads, rows, dtype=torch.int32, device=device)
+    indices = torch.empty(2, batch, heads, rows, nq, dtype=torch.int32, device=device)
+    halves = (torch.empty(batch, heads, nk, nq, dtype=torch.int32, device=device)
+              if paired else None)
+    out = (counts[0], indices[0], counts[1], indices[1])
+    tvm_ffi = use_tvm_ffi()
+    values = (*lists, *out, halves)
+    entries = sm90_arguments.LIST_TRANSPOSE_ARGUMENTS
+    args = values if tvm_ffi else tuple(to_runtime(a, x) for a, x in zip(entries, values))
+    call_kernel(_compiled_list_transpose(ListTransposeConfig(paired), tvm_ffi), tvm_ffi, args,
+                device)
+    return out, halves
+
+
+@functools.lru_cache(maxsize=None)
+def _list_transpose_sources() -> tuple:
+    from .. import compile_cache
+    return compile_cache.module_sources("cuteattn.kernels.common.list_transpose")
+
+
+def _compiled_list_transpose(cfg, tvm_ffi: bool):
+    from .. import compile_cache
+
+    def build():
+        from .common import arguments as common_arguments
+        from .common.list_transpose import ListTranspose
+        from .compile_common import compile_kernel
+        from .sm90 import arguments as sm90_arguments
+        fakes = common_arguments.fakes(cfg, sm90_arguments.LIST_TRANSPOSE_ARGUMENTS, None)
+        return compile_kernel(ListTranspose(cfg), fakes, tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("common", "list_transpose", tvm_ffi, cfg), build,
+                                        persist=tvm_ffi, sources=_list_transpose_sources())
+
+
 # ---- the KV-cache update before a decode kernel (common/kv_append.py) ----
 
 _FP8_CACHE_KINDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}

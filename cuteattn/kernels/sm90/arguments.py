@@ -170,6 +170,30 @@ MASK_BLOCKS_ARGUMENTS = (
 )
 
 
+def _lists_table(*names, needed=lambda cfg: True):
+    """An int32 table of the block-sparse lists (list_transpose.py), its extents by name."""
+    def fake(cfg, sym, align, memspace):
+        if not needed(cfg):
+            return None
+        return common.fake_tensor(Int32, tuple(sym[n] for n in names), align, memspace)
+    return fake
+
+
+# the backward's transposed lists (common/list_transpose.py): the forward's lists in, the key
+# blocks' (or the pairs') out, and the halves' table of paired lists
+LIST_TRANSPOSE_ARGUMENTS = (
+    Arg("mFullCount", TENSOR, _lists_table("b", "h", "nq"), align=4),
+    Arg("mFullIndex", TENSOR, _lists_table("b", "h", "nq", "nk"), align=4),
+    Arg("mPartialCount", TENSOR, _lists_table("b", "h", "nq"), align=4),
+    Arg("mPartialIndex", TENSOR, _lists_table("b", "h", "nq", "nk"), align=4),
+    Arg("mOutFullCount", TENSOR, _lists_table("b", "h", "rows"), align=4),
+    Arg("mOutFullIndex", TENSOR, _lists_table("b", "h", "rows", "nq"), align=4),
+    Arg("mOutPartialCount", TENSOR, _lists_table("b", "h", "rows"), align=4),
+    Arg("mOutPartialIndex", TENSOR, _lists_table("b", "h", "rows", "nq"), align=4),
+    Arg("mHalves", OPTIONAL_TENSOR,
+        _lists_table("b", "h", "nk", "nq", needed=lambda cfg: cfg.paired), align=4),
+)
+
 # ---- the backward's: the common list ----
 
 class SparseBackward(NamedTuple):
