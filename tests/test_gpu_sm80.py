@@ -190,6 +190,30 @@ def test_kvcache_fp8(seed, case):
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 
 
+@pytest.mark.parametrize("bits", [False, True], ids=["cvt", "bitconvert"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_cache_values_read_exactly(seed, dtype, fmt, bits, monkeypatch):
+    """Every finite fp8 byte read back exactly, by cvt or by integer operations
+    (config.FP8_BIT_CONVERT): with one cached key the softmax weight is 1, so the output is
+    that key's value row (v's descale 1), value for value, subnormals included. Two kv heads of
+    d=128 hold the 256 bytes (the non-finite ones replaced by 0), four query heads each."""
+    from cuteattn import flash_attn_with_kvcache, kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "FP8_BIT_CONVERT", bits)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    monkeypatch.setattr(kvcache, "_steps", {})
+    byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    byte = torch.where(torch.isfinite(byte.view(fmt).float()), byte, torch.zeros_like(byte))
+    v_cache = byte.view(fmt).view(1, 1, 2, 128).cuda()  # (batch, one key, kv heads, d)
+    k_cache = torch.zeros_like(v_cache)
+    q = torch.randn(1, 1, 8, 128, device="cuda", dtype=dtype)
+    lens = torch.ones(1, dtype=torch.int32, device="cuda")
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, strict=True)
+    want = v_cache.to(dtype).repeat_interleave(4, dim=2)
+    assert torch.equal(out.float(), want.float())
+
+
 @pytest.mark.parametrize("page", [16, 48, 128])
 @pytest.mark.parametrize("causal", [False, True])
 def test_paged_prefill(seed, page, causal):

@@ -210,6 +210,34 @@ def test_decode_key_blocks_read_whole_pages(page, d):
     FlashFwdSm80(cfg)  # its copy passes fit the tile (asserted at construction)
 
 
+@pytest.mark.parametrize("fmt,dtype", [("e4m3", torch.bfloat16), ("e5m2", torch.bfloat16),
+                                       ("e4m3", torch.float16), ("e5m2", torch.float16)])
+def test_fp8_bytes_to_16bit_by_integer_operations_is_exact(fmt, dtype):
+    """common/convert.FP8_TO_16BIT's operations, done here on every byte as the inline PTX does
+    them (the byte at the top of a 16-bit half, shifted and masked, the sign kept, times the
+    packed 2^bias): every finite byte gives torch's own conversion, bit for bit, subnormals and
+    signed zeros included; the non-finite bytes give what the docstring says."""
+    from cuteattn.kernels.common.convert import FP8_TO_16BIT
+    kind = "bf16" if dtype is torch.bfloat16 else "f16"
+    shift, mask, scale = FP8_TO_16BIT[fmt, kind]
+    byte = torch.arange(256, dtype=torch.int32)
+    z = byte << 8  # (prmt: the byte in the top of the half)
+    bits = z if scale is None else ((z >> shift) & (mask & 0xFFFF)) | (z & 0x8000)
+    value = bits.to(torch.int16).view(dtype)
+    if scale is not None:  # fma by the packed scale (its halves equal), exact: a power of two
+        factor = torch.tensor([scale & 0xFFFF], dtype=torch.int32).to(torch.int16).view(dtype)
+        assert scale >> 16 == scale & 0xFFFF and float(factor).is_integer()
+        value = (value.float() * factor.float()).to(dtype)  # (exact in float32, then exact)
+    want = byte.to(torch.uint8).view(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2)
+    want = want.to(dtype)
+    finite = torch.isfinite(want)
+    assert torch.equal(value[finite].view(torch.int16), want[finite].view(torch.int16))
+    if scale is None:  # e5m2 into fp16: the byte is the value's top half, inf and NaN too
+        assert torch.equal(value.isnan(), want.isnan()) and torch.equal(value.isinf(), want.isinf())
+    else:
+        assert bool(torch.isfinite(value).all())  # (non-finite bytes read as finite values)
+
+
 def test_kvcache_hands_an_fp8_cache_and_its_descales_to_the_kernel(monkeypatch):
     """With an fp8 cache the decode spec carries the cache's dtype, the new tokens are appended
     quantized (value / descale, as the reference stores them) and the launch gets the descales."""

@@ -79,3 +79,62 @@ def fp8_p_fragment(acc: cute.Tensor, dst: cute.Tensor):
 # Slot s of each 16-key group of the fp8 P V GEMM holds key FP8_KEY_ORDER[s] (fp8_p_fragment):
 # thread t's slots 4t..4t+3 are its accumulator columns 2t, 2t+1, 8+2t, 9+2t.
 FP8_KEY_ORDER = tuple(8 * ((s % 4) // 2) + 2 * (s // 4) + s % 2 for s in range(16))
+
+
+# fp8 bytes to 16-bit values without conversion instructions (F2F runs at a quarter of the
+# integer rate: converting an fp8 KV cache through cvt.f16x2.e4m3x2, cvt.f32.f16 and
+# cvt.bf16x2.f32 cost the decode kernel more than its MMAs). Each byte goes to the top of a
+# 16-bit half (prmt), its exponent and mantissa shift into the 16-bit format's fields and the
+# sign stays on top; the value is then 2^-bias of the byte's (subnormals included: they land on
+# the 16-bit format's subnormals), so one packed FMA by 2^bias makes it exact. Non-finite
+# bytes read as large finite values (e4m3's NaN as +-480) except e5m2 into fp16, which is the
+# byte shifted up, inf and NaN included. (format, dtype) -> (shift, field mask of a half, 2^bias
+# as a packed pair, or None when the shifted byte is the value)
+FP8_TO_16BIT = {
+    ("e4m3", "bf16"): (4, 0x07F007F0, 0x7B807B80),   # 2^120
+    ("e5m2", "bf16"): (3, 0x0FE00FE0, 0x77807780),   # 2^112
+    ("e4m3", "f16"): (1, 0x3F803F80, 0x5C005C00),    # 2^8
+    ("e5m2", "f16"): (0, None, None),
+}
+_PAIR_SELECTORS = (0x1404, 0x3424)  # bytes 0, 1 / 2, 3 of a word to the top of each half
+
+
+@dsl_user_op
+def fp8x2_to_16bit(word: Int32, pair: cutlass.Constexpr, fmt: cutlass.Constexpr,
+                   dtype: cutlass.Constexpr, *, loc=None, ip=None) -> Int32:
+    """Bytes 2 pair and 2 pair + 1 of `word` (fp8 in `fmt`, "e4m3" or "e5m2") as two `dtype`
+    values (cutlass.BFloat16 or Float16) in one register, the lower byte in the low half."""
+    kind = "bf16" if dtype is cutlass.BFloat16 else "f16"
+    shift, mask, scale = FP8_TO_16BIT[fmt, kind]
+    lines = [f"prmt.b32 z, $1, 0, {_PAIR_SELECTORS[pair]:#x};"]
+    if scale is None:
+        lines.append("mov.b32 $0, z;")
+    else:
+        lines += [f"shr.b32 y, z, {shift};",
+                  f"and.b32 y, y, {mask:#x};",
+                  "and.b32 z, z, 0x80008000;",
+                  "or.b32 y, y, z;",
+                  f"mov.b32 s, {scale:#x};",
+                  "mov.b32 c, 0x80008000;",  # (-0: x * 2^bias + -0 is x * 2^bias, signed zeros too)
+                  f"fma.rn.{kind}x2 $0, y, s, c;"]
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Int32(word).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 z, y, s, c;\n" + "\n".join(lines) + "\n}",
+        "=r,r",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@cute.jit
+def convert_fp8_fragment(src: cute.Tensor, dst: cute.Tensor, fmt: cutlass.Constexpr):
+    """dst (16-bit) = src (fp8 bytes in `fmt`), element for element in register order; both
+    compact in the same order, four elements a word."""
+    n: cutlass.Constexpr = cute.size(src)
+    words = cute.recast_tensor(cute.make_tensor(src.iterator, cute.make_layout(n)), Int32)
+    pairs = cute.recast_tensor(cute.make_tensor(dst.iterator, cute.make_layout(n)), Int32)
+    for w in cutlass.range_constexpr(n // 4):
+        pairs[2 * w] = fp8x2_to_16bit(words[w], 0, fmt, dst.element_type)
+        pairs[2 * w + 1] = fp8x2_to_16bit(words[w], 1, fmt, dst.element_type)
