@@ -2,12 +2,15 @@
 call (as the bench times it) beside the GPU time of each kernel it launched (torch.profiler),
 so a host-bound cell or one slow kernel shows. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_bwd_kernels.py [--d 128] [--seqlen 1024,4096]
-        [--impls cuteattn,fa4] [--deterministic] [--sparse 0.9 [--block 128,128]]
+        [--impls cuteattn,fa4] [--deterministic] [--sparse 0.9 [--block 128,128]] [--cprofile]
 (--sparse: the block-sparse backward's cells instead, B=1, H=12, d=128, that fraction of the
-logical 256 x 256 blocks left out, physical blocks --block.)
+logical 256 x 256 blocks left out, physical blocks --block. --cprofile: also the host
+functions' own and cumulative time over 50 calls, for a call slower than its kernels.)
 """
 import argparse
 import collections
+import cProfile
+import pstats
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -40,6 +43,7 @@ def main() -> None:
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--sparse", type=float, help="the sparse_bwd cells at this sparsity")
     ap.add_argument("--block", default="128,128", help="--sparse's physical block (q,k)")
+    ap.add_argument("--cprofile", action="store_true", help="the host time's functions too")
     args = ap.parse_args()
     device = torch.device("cuda")
     for d in map(int, args.d.split(",")):
@@ -69,6 +73,15 @@ def main() -> None:
                           f"({tflops:.0f} TFLOP/s), kernels {gpu_us:.0f} us", flush=True)
                     for kname, us in sorted(kt.items(), key=lambda kv: -kv[1]):
                         print(f"    {us:8.1f} us  {kname}")
+                    if args.cprofile:
+                        prof = cProfile.Profile()
+                        prof.enable()
+                        for _ in range(50):
+                            fn()
+                        torch.cuda.synchronize()
+                        prof.disable()
+                        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+                        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
                 del x, impls
                 torch.cuda.empty_cache()
 
