@@ -210,6 +210,9 @@ def cases() -> dict:
     # head dims over 128: dK and dV in column passes
     out["portable_bwd_d256_causal"] = _on_sm80(lambda: _bwd_fixed(
         tb, bf16, 256, 8, 2, 257, 257, causal=True))
+    # (d=192: 128 keys a CTA where shared memory holds them)
+    out["portable_bwd_d192_window"] = _on_sm80(lambda: _bwd_fixed(
+        tb, bf16, 192, 8, 2, 200, 300, window_size=(64, 32)))
     out["portable_bwd_varlen_d176_deterministic"] = _on_sm80(lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=176, deterministic=True))
     out["portable_bwd_varlen_d64_window_seqused"] = _on_sm80(lambda: _bwd_varlen(
