@@ -462,7 +462,7 @@ def mask_mod_blocks(fn, batch: int, heads: int, seqlen_q: int, seqlen_k: int, q_
     """sparse.from_mask_mod's evaluation in one launch (common/mask_blocks.py): int32 (batch,
     heads, query blocks, key blocks) of 0 (no pair attended), 1 (some), 2 (all); None when the
     mod cannot be compiled into a kernel (the PyTorch form then evaluates it)."""
-    from .common.mask_blocks import MaskBlocksConfig
+    from .common.mask_blocks import MaskBlocks, MaskBlocksConfig
     from .sm90 import arguments as sm90_arguments
     try:
         key = mod_key(fn, "mask_mod")
@@ -473,7 +473,8 @@ def mask_mod_blocks(fn, batch: int, heads: int, seqlen_q: int, seqlen_k: int, q_
     cfg = MaskBlocksConfig(key, q_block, kv_block)
     tvm_ffi = use_tvm_ffi()
     try:
-        compiled = _compiled_mask_blocks(cfg, fn, tvm_ffi)
+        compiled = compiled_common("mask_blocks", lambda: MaskBlocks(cfg, fn), cfg,
+                                   sm90_arguments.MASK_BLOCKS_ARGUMENTS, tvm_ffi)
     except Exception as e:  # the DSL could not trace it (a torch call, an unsupported operator)
         _UNTRACEABLE_BLOCKS[key] = f"{type(e).__name__}: {e}"
         return None
@@ -483,30 +484,37 @@ def mask_mod_blocks(fn, batch: int, heads: int, seqlen_q: int, seqlen_k: int, q_
     state = torch.empty(batch, heads, -(-seqlen_q // q_block), -(-seqlen_k // kv_block),
                         dtype=torch.int32, device=device)
     values = (*tensors, *[None] * (2 - len(tensors)), state, seqlen_q, seqlen_k)
-    entries = sm90_arguments.MASK_BLOCKS_ARGUMENTS
-    args = values if tvm_ffi else tuple(to_runtime(a, x) for a, x in zip(entries, values))
-    call_kernel(compiled, tvm_ffi, args, device)
+    launch_common(compiled, tvm_ffi, sm90_arguments.MASK_BLOCKS_ARGUMENTS, values, device)
     return state
 
 
+# ---- the small kernels of common/ (mask_blocks, list_transpose, kv_append) ----
+
 @functools.lru_cache(maxsize=None)
-def _mask_blocks_sources() -> tuple:
+def _common_sources(module: str) -> tuple:
     from .. import compile_cache
-    return compile_cache.module_sources("cuteattn.kernels.common.mask_blocks")
+    return compile_cache.module_sources(f"cuteattn.kernels.common.{module}")
 
 
-def _compiled_mask_blocks(cfg, fn, tvm_ffi: bool):
+def compiled_common(module: str, make_kernel, cfg, entries, tvm_ffi: bool):
+    """The compiled kernel of common/<module>.py for `cfg` (its compile key; on the TVM-FFI path
+    kept on disk too): make_kernel() builds the kernel object, `entries` its arguments."""
     from .. import compile_cache
 
     def build():
         from .common import arguments as common_arguments
-        from .common.mask_blocks import MaskBlocks
         from .compile_common import compile_kernel
-        from .sm90 import arguments as sm90_arguments
-        fakes = common_arguments.fakes(cfg, sm90_arguments.MASK_BLOCKS_ARGUMENTS, None)
-        return compile_kernel(MaskBlocks(cfg, fn), fakes, tvm_ffi=tvm_ffi), {}
-    return compile_cache.get_or_compile(("common", "mask_blocks", tvm_ffi, cfg), build,
-                                        persist=tvm_ffi, sources=_mask_blocks_sources())
+        fakes = common_arguments.fakes(cfg, entries, None)
+        return compile_kernel(make_kernel(), fakes, tvm_ffi=tvm_ffi), {}
+    return compile_cache.get_or_compile(("common", module, tvm_ffi, cfg), build,
+                                        persist=tvm_ffi, sources=_common_sources(module))
+
+
+def launch_common(compiled, tvm_ffi: bool, entries, values: tuple, device) -> None:
+    """One launch of a compiled common/ kernel on `values`, in `entries`' order (the DLPack
+    path converts each by its declared kind)."""
+    args = values if tvm_ffi else tuple(to_runtime(a, x) for a, x in zip(entries, values))
+    call_kernel(compiled, tvm_ffi, args, device)
 
 
 # ---- the block-sparse backward's transposed lists (common/list_transpose.py) ----
@@ -516,7 +524,7 @@ def transpose_lists(lists: tuple, paired: bool) -> tuple:
     (api._kernel_lists: int32, unit last stride) in one launch: the transposed (or the pairs')
     four list tensors, and with `paired` the halves' table (else None). Only the first count
     entries of each output list are written (the kernels read no further)."""
-    from .common.list_transpose import ListTransposeConfig
+    from .common.list_transpose import ListTranspose, ListTransposeConfig
     from .sm90 import arguments as sm90_arguments
     full_count, full_index = lists[0], lists[1]
     batch, heads, nq, nk = full_index.shape
@@ -528,32 +536,10 @@ def transpose_lists(lists: tuple, paired: bool) -> tuple:
               if paired else None)
     out = (counts[0], indices[0], counts[1], indices[1])
     tvm_ffi = use_tvm_ffi()
-    values = (*lists, *out, halves)
-    entries = sm90_arguments.LIST_TRANSPOSE_ARGUMENTS
-    args = values if tvm_ffi else tuple(to_runtime(a, x) for a, x in zip(entries, values))
-    call_kernel(_compiled_list_transpose(ListTransposeConfig(paired), tvm_ffi), tvm_ffi, args,
-                device)
+    cfg, entries = ListTransposeConfig(paired), sm90_arguments.LIST_TRANSPOSE_ARGUMENTS
+    compiled = compiled_common("list_transpose", lambda: ListTranspose(cfg), cfg, entries, tvm_ffi)
+    launch_common(compiled, tvm_ffi, entries, (*lists, *out, halves), device)
     return out, halves
-
-
-@functools.lru_cache(maxsize=None)
-def _list_transpose_sources() -> tuple:
-    from .. import compile_cache
-    return compile_cache.module_sources("cuteattn.kernels.common.list_transpose")
-
-
-def _compiled_list_transpose(cfg, tvm_ffi: bool):
-    from .. import compile_cache
-
-    def build():
-        from .common import arguments as common_arguments
-        from .common.list_transpose import ListTranspose
-        from .compile_common import compile_kernel
-        from .sm90 import arguments as sm90_arguments
-        fakes = common_arguments.fakes(cfg, sm90_arguments.LIST_TRANSPOSE_ARGUMENTS, None)
-        return compile_kernel(ListTranspose(cfg), fakes, tvm_ffi=tvm_ffi), {}
-    return compile_cache.get_or_compile(("common", "list_transpose", tvm_ffi, cfg), build,
-                                        persist=tvm_ffi, sources=_list_transpose_sources())
 
 
 # ---- the KV-cache update before a decode kernel (common/kv_append.py) ----
@@ -566,7 +552,7 @@ def kv_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
     """kvcache.append_and_rotate on a GPU in one launch (common/kv_append.py): returns (q
     rotated, or q itself without rotary; the used lengths, int32 (batch,)). cache_seqlens: an
     int32 (batch,) tensor; at least one of k (with v) and rotary_cos (with rotary_sin)."""
-    from .common.kv_append import KvAppendConfig
+    from .common.kv_append import KvAppend, KvAppendConfig
     from .sm80 import arguments as sm80_arguments
     fp8 = _FP8_CACHE_KINDS.get(k_cache.dtype)
     rotary = None if rotary_cos is None else ("interleaved" if interleaved else "neox")
@@ -592,8 +578,8 @@ def kv_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, 
               used)
     tvm_ffi = use_tvm_ffi()
     entries = sm80_arguments.KV_APPEND_ARGUMENTS
-    args = values if tvm_ffi else tuple(to_runtime(a, x) for a, x in zip(entries, values))
-    call_kernel(_compiled_kv_append(cfg, tvm_ffi), tvm_ffi, args, q.device)
+    compiled = compiled_common("kv_append", lambda: KvAppend(cfg), cfg, entries, tvm_ffi)
+    launch_common(compiled, tvm_ffi, entries, values, q.device)
     return (q if q_rot is None else q_rot), used
 
 
@@ -601,21 +587,3 @@ _ROTARY_DTYPES = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat
                   torch.float16: cutlass.Float16}
 
 
-@functools.lru_cache(maxsize=None)
-def _kv_append_sources() -> tuple:
-    from .. import compile_cache
-    return compile_cache.module_sources("cuteattn.kernels.common.kv_append")
-
-
-def _compiled_kv_append(cfg, tvm_ffi: bool):
-    from .. import compile_cache
-
-    def build():
-        from .common import arguments as common_arguments
-        from .common.kv_append import KvAppend
-        from .compile_common import compile_kernel
-        from .sm80 import arguments as sm80_arguments
-        fakes = common_arguments.fakes(cfg, sm80_arguments.KV_APPEND_ARGUMENTS, None)
-        return compile_kernel(KvAppend(cfg), fakes, tvm_ffi=tvm_ffi), {}
-    return compile_cache.get_or_compile(("common", "kv_append", tvm_ffi, cfg), build,
-                                        persist=tvm_ffi, sources=_kv_append_sources())
