@@ -13,7 +13,9 @@ not be multiples). Every builder runs on the tensors' device without a host sync
     partial, none -> left out;
   - `expand`: a logical mask at one block size as the same token pairs at a finer physical one.
 `dense(...)` gives the (B, H, seqlen_q, seqlen_k) boolean mask the metadata means (what the
-reference applies).
+reference applies). A key block is listed at most once per query block, across both lists
+(every builder's lists are so): the kernels read the lists without a sync, and the forward
+would count a repeated block twice; the reference path, which reads them, refuses such lists.
 """
 from __future__ import annotations
 
@@ -291,8 +293,10 @@ def check(mask: BlockSparseMask, batch: int, heads: int, seqlen_q: int, seqlen_k
 
 def check_values(mask: BlockSparseMask) -> None:
     """The values (a sync; the reference path reads them anyway): counts within [0, nk], listed
-    indices within [0, nk)."""
+    indices within [0, nk), no key block listed twice for one query block (in one list or in
+    both)."""
     nk = mask.full_index.shape[-1]
+    targets = []
     for kind in ("full", "partial"):
         count, index = getattr(mask, f"{kind}_count"), getattr(mask, f"{kind}_index")
         if bool(((count < 0) | (count > nk)).any()):
@@ -300,6 +304,15 @@ def check_values(mask: BlockSparseMask) -> None:
         listed = torch.arange(nk, device=index.device) < count.unsqueeze(-1).long()
         if bool((listed & ((index < 0) | (index >= nk))).any()):
             raise ValueError(f"block_sparse.{kind}_index lists a key block outside [0, {nk})")
+        targets.append(torch.where(listed, index.long(), nk))  # (padding: a spare column)
+    shape = torch.broadcast_shapes(*(t.shape for t in targets))
+    times = torch.zeros((*shape[:-1], nk + 1), dtype=torch.int32, device=targets[0].device)
+    for t in targets:
+        times.scatter_add_(-1, t.expand(shape), torch.ones(shape, dtype=torch.int32,
+                                                             device=t.device))
+    if bool((times[..., :nk] > 1).any()):
+        raise ValueError("block_sparse lists a key block more than once for one query block "
+                         "(within a list, or as both full and partial): each block once")
 
 
 def select_batch(mask: BlockSparseMask, b: int) -> BlockSparseMask:

@@ -123,6 +123,18 @@ def test_bad_metadata_is_a_clear_error():
                                  good.partial_count, good.partial_index)
     with pytest.raises(ValueError, match="count outside"):
         flash_attn_func(q, q, q, block_sparse=bad)
+    # a key block listed twice (the forward kernel would count it twice): refused where the
+    # values are read, within one list or across both
+    twice = good.full_index.clone()
+    twice[..., 1] = twice[..., 0]
+    repeated = sparse.BlockSparseMask(32, 32, good.full_count, twice, good.partial_count,
+                                      good.partial_index)
+    with pytest.raises(ValueError, match="more than once"):
+        flash_attn_func(q, q, q, block_sparse=repeated)
+    half = torch.tensor([1], dtype=torch.int32).expand(1, 2, 2)
+    both = sparse.BlockSparseMask(32, 32, half, good.full_index, half, good.full_index)
+    with pytest.raises(ValueError, match="more than once"):
+        flash_attn_func(q, q, q, block_sparse=both)
     wrong = sparse.BlockSparseMask(32, 32, good.full_count, good.full_index.long(),
                                    good.partial_count, good.partial_index)
     with pytest.raises(ValueError, match="must be int32"):
