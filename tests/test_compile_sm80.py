@@ -63,7 +63,13 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 128, "causal", "decode,page=16,gqa=8,fp8=e4m3,bitconvert"],
                ["fp16", 64, "softcap", "decode,page=128,split,fp8=e4m3,bitconvert"],
                ["bf16", 256, "none", "decode,split,fp8=e5m2,bitconvert"],
-               ["fp16", 128, "none", "decode,split,gqa=4,fp8=e5m2,bitconvert"]]
+               ["fp16", 128, "none", "decode,split,gqa=4,fp8=e5m2,bitconvert"],
+               # a 16-row tile whose warps split each key block (config.DECODE_SPLIT_KEYS)
+               ["bf16", 128, "none", "decode,page=128,split,gqa=4,splitkeys"],
+               ["fp16", 64, "causal", "decode,page=16,gqa=8,splitkeys"],
+               ["bf16", 192, "local", "decode,split,gqa=2,splitkeys"],
+               ["bf16", 128, "softcap", "decode,bidx,leftpad,splitkeys"],
+               ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,bitconvert,splitkeys"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],

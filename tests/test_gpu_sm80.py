@@ -164,6 +164,20 @@ def test_kvcache(seed, case):
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 
 
+@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"case{i}" for i in range(len(DECODE_CASES))])
+def test_kvcache_split_keys(seed, case, monkeypatch):
+    """The decode cases on the 16-row tile whose warps split each key block
+    (config.DECODE_SPLIT_KEYS' candidate: steps of at most 16 rows a kv head take it; the
+    others run as before, so every case runs either way)."""
+    from cuteattn import kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "DECODE_SPLIT_KEYS", True)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    monkeypatch.setattr(kvcache, "_steps", {})
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
+
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_DECODE_CASES = [  # the decode cases' forms over an fp8 cache (with bf16 or fp16 q)
     (4, 1, 1, 32, 8, 128, 1024, [0, 1, 517, 1023], dict(cache_dtype=E4M3)),
@@ -180,6 +194,20 @@ FP8_DECODE_CASES = [  # the decode cases' forms over an fp8 cache (with bf16 or 
     (3, 1, 1, 32, 4, 128, 2048, [0, 900, 2047], dict(cache_dtype=E4M3, sink=True)),
     (2, 1, 1, 32, 8, 128, 333, [1, 332], dict(cache_dtype=E4M3, descales=False)),
 ]
+
+
+@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
+def test_kvcache_fp8_candidates(seed, case, monkeypatch):
+    """The fp8 decode cases with both candidates on (config.FP8_BIT_CONVERT and
+    DECODE_SPLIT_KEYS)."""
+    from cuteattn import kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "FP8_BIT_CONVERT", True)
+    monkeypatch.setattr(config, "DECODE_SPLIT_KEYS", True)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    monkeypatch.setattr(kvcache, "_steps", {})
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 
 
 @pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])

@@ -238,6 +238,39 @@ def test_fp8_bytes_to_16bit_by_integer_operations_is_exact(fmt, dtype):
         assert bool(torch.isfinite(value).all())  # (non-finite bytes read as finite values)
 
 
+@pytest.mark.parametrize("smem", [163 * 1024, 99 * 1024], ids=["sm_80", "99KB"])
+def test_decode_split_keys_config(smem):
+    """config.DECODE_SPLIT_KEYS' candidate: a 16-row tile, 16 keys a warp of a 64-key ring
+    stage, the pack-GQA group at 16 rows; where a copy pass of q or o would not fit 16 rows
+    (d=96) or no ring fits (d=256's 16-key blocks), the usual tile."""
+    from cuteattn.kernels.sm80.fwd import KEYS_PER_WARP, FlashFwdSm80
+    args = (False, False, False, False, False, 128, True)
+    for d, gqa in ((64, 8), (128, 4), (128, 16)):
+        cfg = config.decode_config(cutlass.BFloat16, d, d, *args, gqa, smem_limit=smem,
+                                   split_keys=True)
+        assert cfg.split_keys and (cfg.tile_m, cfg.tile_n) == (16, KEYS_PER_WARP * cfg.num_warps)
+        assert cfg.pack_gqa == gqa and cfg.kv_stages >= 2 and cfg.smem_bytes() <= smem
+        FlashFwdSm80(cfg)
+    for d in (96, 256):
+        cfg = config.decode_config(cutlass.BFloat16, d, d, *args, 4, smem_limit=smem,
+                                   split_keys=True)
+        assert not cfg.split_keys and cfg.tile_m == config.DECODE_TILES[d][0]
+    off = config.decode_config(cutlass.BFloat16, 128, 128, *args, 4, smem_limit=smem)
+    assert not off.split_keys and off.tile_m == 64
+
+
+def test_decode_takes_split_keys_only_for_steps_of_16_rows(monkeypatch):
+    """DecodeLaunch chooses the candidate (when on) for steps whose rows a kv head (seqlen_q x
+    the GQA group, all packed) fit 16; not for longer steps or groups pack-GQA cannot pack."""
+    monkeypatch.setattr(config, "DECODE_SPLIT_KEYS", True)
+    take = lambda sq, h, hk: sm80_launch.DecodeLaunch(make_spec(
+        kind="decode", seqlen_q=sq, nheads=h, nheads_k=hk, has_seqused_k=True)).split_keys
+    assert take(1, 32, 8) and take(4, 32, 8) and take(1, 16, 1)
+    assert not take(5, 32, 8) and not take(1, 12, 4) and not take(1, 32, 1)
+    monkeypatch.setattr(config, "DECODE_SPLIT_KEYS", False)
+    assert not take(1, 32, 8)
+
+
 def test_kvcache_hands_an_fp8_cache_and_its_descales_to_the_kernel(monkeypatch):
     """With an fp8 cache the decode spec carries the cache's dtype, the new tokens are appended
     quantized (value / descale, as the reference stores them) and the launch gets the descales."""

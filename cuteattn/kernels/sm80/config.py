@@ -85,6 +85,11 @@ def fwd_config(*args, **kwargs) -> Sm80FwdConfig:
 # decode suite (`tests/test_gpu_sm80.py -k fp8`) and `python -m cuteattn.bench --fp8-kv` with
 # it True and False, keep the winner, drop this constant.
 FP8_BIT_CONVERT = False
+# Decode steps of at most 16 rows a kv head (seqlen_q x the pack-GQA group) on a 16-row tile
+# whose warps split each key block (Sm80FwdConfig.split_keys): compile-checked, not yet
+# GPU-run. Run the decode suite (`tests/test_gpu_sm80.py -k "kvcache"`) and `bench --decode`
+# (and `--fp8-kv`) with it True and False, keep the winner, drop this constant.
+DECODE_SPLIT_KEYS = False
 DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
     64: (64, 64, 4),
     96: (64, 64, 4),
@@ -116,12 +121,14 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
                   has_seqused_q: bool = False, smem_limit: int = 99 * 1024,
-                  kv_fp8=None) -> Sm80FwdConfig:
+                  kv_fp8=None, split_keys: bool = False) -> Sm80FwdConfig:
     """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
     flash_attn_varlen_func(block_table=)) the same tiles, without pack-GQA. kv_fp8: an fp8
-    cache's format (Sm80FwdConfig.kv_fp8; its ring has at least 2 stages)."""
+    cache's format (Sm80FwdConfig.kv_fp8; its ring has at least 2 stages). split_keys: a
+    16-row tile whose warps split each key block (Sm80FwdConfig.split_keys), where the key
+    block is 16 keys a warp (else the usual tile)."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     gather = False
     if page_size % tile_n:  # (a contiguous cache has page_size 0) a block would span pages
@@ -150,7 +157,16 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     if kv_fp8 is not None and stages < 2:
         raise ValueError(f"an fp8 cache at head_dim {head_dim}: its K/V ring does not fit "
                          f"{smem_limit} bytes of shared memory")
-    return dataclasses.replace(cfg, kv_stages=stages)
+    cfg = dataclasses.replace(cfg, kv_stages=stages)
+    # (16 rows must hold whole copy passes of q and o: not at d=96, 32 rows a pass)
+    passes_fit = all(16 % mma.rows_per_copy_pass(dtype, 32 * cfg.num_warps, cols) == 0
+                     for cols in (head_dim, head_dim_v))
+    if (split_keys and passes_fit and not varlen_q and cfg.tile_n == 16 * cfg.num_warps
+            and stages >= 2):
+        split = dataclasses.replace(cfg, tile_m=16, split_keys=True,
+                                    pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
+        return dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit))
+    return cfg
 
 
 def decode_stages(cfg: Sm80FwdConfig, smem_limit: int) -> int:

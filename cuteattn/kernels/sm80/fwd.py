@@ -83,6 +83,12 @@ class Sm80FwdConfig:
     # instead of cvt instructions (a quarter of the integer rate); an A/B candidate
     # (config.FP8_BIT_CONVERT), exact on finite bytes
     fp8_bit_convert: bool = False
+    # Decoding's few rows: a 16-row tile whose warps split each key block (16 keys a warp,
+    # each its own online softmax and output rows), merged through shared memory at the end,
+    # instead of warps stacked on rows that are mostly padding (a 64-row tile holds 4 rows of
+    # a GQA-4 decode step: 4x the MMAs and every warp reading all of K and V by ldmatrix).
+    # An A/B candidate (config.DECODE_SPLIT_KEYS).
+    split_keys: bool = False
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of each row's
     # denominator in the epilogue (OnlineSoftmax.finalize); a tile's rows are one query head
     # (not with pack_gqa or split_kv: decoding merges the sink in its combine kernel)
@@ -106,6 +112,9 @@ class Sm80FwdConfig:
                 + converted)
 
 
+KEYS_PER_WARP = 16  # Sm80FwdConfig.split_keys: each warp's share of a key block
+
+
 class FlashFwdSm80:
     def __init__(self, cfg: Sm80FwdConfig):
         # O is staged in Q's buffer: dv <= d
@@ -113,7 +122,11 @@ class FlashFwdSm80:
         assert not (cfg.padded and (cfg.paged_kv or cfg.pack_gqa > 1)), "padded: forward only"
         assert cfg.kv_fp8 is None or (cfg.kv_stages >= 2 and not cfg.padded), "fp8: a decode ring"
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
-        assert cfg.tile_m % (mma.MMA_ROWS * cfg.num_warps) == 0
+        if cfg.split_keys:  # (16 rows; a warp per 16 keys of a ring stage)
+            assert cfg.tile_m == mma.MMA_ROWS and cfg.tile_n == KEYS_PER_WARP * cfg.num_warps
+            assert cfg.kv_stages >= 2 and not cfg.has_sink, cfg
+        else:
+            assert cfg.tile_m % (mma.MMA_ROWS * cfg.num_warps) == 0
         assert cfg.tile_m % cfg.pack_gqa == 0 and not (cfg.pack_gqa > 1 and cfg.varlen_q)
         # every copy pass of the loads (and of the O store) lies inside the tile
         for rows, cols in ((cfg.tile_m, cfg.head_dim), (cfg.tile_n, cfg.head_dim),
@@ -376,22 +389,30 @@ class FlashFwdSm80:
         sV0 = sV[None, None, 0] if const_expr(ring and not self.fp8) else sV
 
         # MMA partitions: S = Q K^T from shared memory, O += P V with P in registers.
-        tiled_mma = mma.tiled_mma(self.dtype, cfg.num_warps)
-        thr_mma = tiled_mma.get_slice(tidx)
+        # (split_keys: a one-warp MMA on this warp's keys; mma_tidx its lane)
+        warp = tidx // 32
+        mma_tidx = tidx % 32 if const_expr(cfg.split_keys) else tidx
+        tiled_mma = mma.tiled_mma(self.dtype, 1 if const_expr(cfg.split_keys) else cfg.num_warps)
+        thr_mma = tiled_mma.get_slice(mma_tidx)
+        sK0, sV0 = self.warp_keys(sK0, warp), self.warp_keys(sV0, warp)
+        keys = KEYS_PER_WARP if const_expr(cfg.split_keys) else self.tile_n
         sVt = transposed_view(sV0)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
         tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK0))
         tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-        ld_q = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
-        ld_k = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(tidx)
-        ld_v = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(tidx)
+        ld_q = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(mma_tidx)
+        ld_k = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(mma_tidx)
+        ld_v = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(mma_tidx)
         tSsQ, tSsK, tOsVt = ld_q.partition_S(sQ), ld_k.partition_S(sK0), ld_v.partition_S(sVt)
 
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, keys)), Float32)
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.dv)), Float32)
         acc_O.fill(0.0)
         acc_S_mn, acc_O_mn = acc_mn_view(acc_S), acc_mn_view(acc_O)
-        coord_S_mn = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        coord_S = cute.make_identity_tensor((self.tile_m, self.tile_n))
+        if const_expr(cfg.split_keys):  # (the block's coordinates of this warp's keys)
+            coord_S = cute.local_tile(coord_S, (self.tile_m, keys), (0, warp))
+        coord_S_mn = acc_mn_view(thr_mma.partition_C(coord_S))
         tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
         softmax.reset()
@@ -399,7 +420,7 @@ class FlashFwdSm80:
         ops = SimpleNamespace(
             tiled_mma=tiled_mma, acc_S=acc_S, acc_O=acc_O, acc_S_mn=acc_S_mn, acc_O_mn=acc_O_mn,
             coord_S_mn=coord_S_mn, tOrP=tOrP, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
-            tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v, sK=sK, sV=sV,
+            tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v, sK=sK, sV=sV, warp=warp,
             tKsK=tKsK, tVsV=tVsV, tKsK8=tKsK8, tVsV8=tVsV8)
         key_block = self.key_block
         if const_expr(ring):
@@ -440,6 +461,8 @@ class FlashFwdSm80:
         # Epilogue: rows that saw no key get O = 0 and LSE = -inf (softmax.finalize).
         if const_expr(ring):
             cute.arch.cp_async_wait_group(0)  # (the last groups are empty; none left in flight)
+        if const_expr(cfg.split_keys):  # warp 0 takes the other warps' rows in; it alone stores
+            self.merge_warps(acc_O, softmax, thr_mma, sK, warp, mma_tidx)
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse, None, sink_log2)
         if const_expr(self.fp8):
@@ -447,26 +470,116 @@ class FlashFwdSm80:
                 acc_O[i] = acc_O[i] * v_descale
         if const_expr(cfg.split_kv):
             # float32 partials straight from the registers (decode tiles are a few rows)
-            epilogue.store_lse(lse, epilogue.lse_view(mLSEPartial[None, None, None, split],
-                                                      seqlen, head_idx, batch_idx),
-                               thr_mma, self.dv, row_start, rows_q, self.tile_m)
-            gO = cute.local_tile(seqlen.q_view(mOPartial[None, None, None, None, split], head_idx,
-                                               batch_idx), (self.tile_m, self.dv), (m_block, 0))
-            epilogue.store_acc(acc_O, gO, thr_mma, row_start, rows_q, self.tile_m, self.dv)
+            def store_partials():
+                epilogue.store_lse(lse, epilogue.lse_view(mLSEPartial[None, None, None, split],
+                                                          seqlen, head_idx, batch_idx),
+                                   thr_mma, self.dv, row_start, rows_q, self.tile_m)
+                gO = cute.local_tile(seqlen.q_view(mOPartial[None, None, None, None, split],
+                                                   head_idx, batch_idx),
+                                     (self.tile_m, self.dv), (m_block, 0))
+                epilogue.store_acc(acc_O, gO, thr_mma, row_start, rows_q, self.tile_m, self.dv)
+            self.by_storing_warps(store_partials, warp)
         else:
-            epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma,
-                               self.dv, row_start, rows_q, self.tile_m)
+            self.by_storing_warps(lambda: epilogue.store_lse(
+                lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma, self.dv,
+                row_start, rows_q, self.tile_m), warp)
             cute.arch.barrier()  # every warp is past its reads of Q's buffer: O is staged there
             sO = cute.make_tensor(sQ.iterator, sQ.layout)
             if const_expr(self.dv != self.d):  # (tile_m, dv) over Q's buffer
                 sO = cute.make_tensor(sQ.iterator, mma.smem_layout(self.dtype, self.tile_m, self.dv))
-            epilogue.stage_o(acc_O, sO, tiled_mma, tidx, self.dtype, stmatrix=False)
+            self.by_storing_warps(lambda: epilogue.stage_o(
+                acc_O, sO, tiled_mma, mma_tidx, self.dtype, stmatrix=False), warp)
             cute.arch.barrier()
             gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (self.tile_m, self.dv),
                                  (m_block, 0))
             epilogue.store_o(sO, gO, row_start, rows_q, tidx, self.dtype, self.dv,
                              self.tile_m, self.num_threads,
                              cols=mO.shape[1] if const_expr(cfg.padded) else None)
+
+    @cute.jit
+    def by_storing_warps(self, store, warp):
+        """store() by the warps that hold the tile's results: all of them, or with split_keys
+        warp 0 (which merged the others' rows in)."""
+        if const_expr(self.cfg.split_keys):
+            if warp == 0:
+                store()
+        else:
+            store()
+
+    def warp_keys(self, x: cute.Tensor, warp) -> cute.Tensor:
+        """With split_keys, this warp's KEYS_PER_WARP rows of a (keys, cols) K or V buffer (a
+        view starting on a whole swizzle atom); else the buffer."""
+        if const_expr(not self.cfg.split_keys):
+            return x
+        return cute.local_tile(x, (KEYS_PER_WARP, cute.size(x, mode=[1])), (warp, 0))
+
+    @cute.jit
+    def merge_warps(self, acc_O: cute.Tensor, softmax: OnlineSoftmax, thr_mma, sK: cute.Tensor,
+                    warp, lane):
+        """split_keys' epilogue: warp 0's rows become the whole key range's. Each warp's rows
+        are an online softmax over its keys (its max, its sum, its output relative to them);
+        warp 0 rescales every warp's to the largest max and adds them up, then its softmax
+        state is the merged one (finalize as usual). The other warps' outputs come through
+        K's buffer (the loop is over), a few columns a round so that they fit it."""
+        cfg = self.cfg
+        warps: cutlass.Constexpr = cfg.num_warps
+        rows: cutlass.Constexpr = softmax.num_rows
+        coord = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.dv))))
+        acc_mn = acc_mn_view(acc_O)
+        cols: cutlass.Constexpr = cute.size(acc_mn, mode=[1])
+        # scratch: (max, sum) per (warp, row), then the other warps' values of a round
+        scratch_floats: cutlass.Constexpr = cute.cosize(sK.layout) * self.dtype.width // 32
+        stats_floats: cutlass.Constexpr = 2 * warps * self.tile_m
+        per_round: cutlass.Constexpr = (scratch_floats - stats_floats) // ((warps - 1) * 32 * rows)
+        chunk: cutlass.Constexpr = max(c for c in range(1, cols + 1)
+                                       if cols % c == 0 and c <= per_round)
+        base = cute.recast_ptr(sK.iterator, dtype=Float32)
+        stats = cute.make_tensor(base, cute.make_layout((2, warps, self.tile_m)))
+        values = cute.make_tensor(base + stats_floats,
+                                  cute.make_layout((32, rows, chunk, warps - 1)))
+        cute.arch.barrier()  # every warp is past its last reads of K and V
+        for r in cutlass.range_constexpr(rows):
+            total = cute.arch.warp_reduction_sum(softmax.row_sum[r], threads_in_group=4)
+            if lane % 4 == 0:
+                stats[0, warp, coord[r, 0][0]] = softmax.row_max[r]
+                stats[1, warp, coord[r, 0][0]] = total
+        cute.arch.barrier()
+        # warp 0: each warp's weight per row, 2^((its max - the largest) * scale); a warp whose
+        # keys were all masked (max -inf) weighs 0, and so does every warp of a row none saw
+        weights = cute.make_rmem_tensor((rows, warps), Float32)
+        if warp == 0:
+            for r in cutlass.range_constexpr(rows):
+                row = coord[r, 0][0]
+                top = stats[0, 0, row]
+                for w in cutlass.range_constexpr(1, warps):
+                    top = cute.arch.fmax(top, stats[0, w, row])
+                merged_sum = Float32(0.0)
+                for w in cutlass.range_constexpr(warps):
+                    weight = Float32(0.0)
+                    if stats[0, w, row] != -Float32.inf:
+                        weight = cute.math.exp2((stats[0, w, row] - top) * softmax.scale_log2,
+                                                fastmath=True)
+                    weights[r, w] = weight
+                    if const_expr(w > 0):
+                        merged_sum += weight * stats[1, w, row]
+                softmax.row_max[r] = top
+                softmax.row_sum[r] = softmax.row_sum[r] * weights[r, 0]
+                if lane % 4 == 0:  # (finalize sums the quad's partial sums)
+                    softmax.row_sum[r] = softmax.row_sum[r] + merged_sum
+                for c in cutlass.range_constexpr(cols):
+                    acc_mn[r, c] = acc_mn[r, c] * weights[r, 0]
+        for c0 in cutlass.range_constexpr(0, cols, chunk):
+            if warp > 0:
+                for r in cutlass.range_constexpr(rows):
+                    for c in cutlass.range_constexpr(chunk):
+                        values[lane, r, c, warp - 1] = acc_mn[r, c0 + c]
+            cute.arch.barrier()
+            if warp == 0:
+                for w in cutlass.range_constexpr(1, warps):
+                    for r in cutlass.range_constexpr(rows):
+                        for c in cutlass.range_constexpr(chunk):
+                            acc_mn[r, c0 + c] = acc_mn[r, c0 + c] + weights[r, w] * values[lane, r, c, w - 1]
+            cute.arch.barrier()
 
     @cute.jit
     def key_block(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
@@ -514,7 +627,8 @@ class FlashFwdSm80:
             load_k(ahead, False, (j + stages - 1) % stages)
             load_v(ahead, False, (j + stages - 1) % stages)
         cute.arch.cp_async_commit_group()
-        sK, sV = ops.sK[None, None, stage], ops.sV[None, None, stage]
+        sK = self.warp_keys(ops.sK[None, None, stage], ops.warp)
+        sV = self.warp_keys(ops.sV[None, None, stage], ops.warp)
         tSsK = ops.ld_k.partition_S(sK)
         tOsVt = ops.ld_v.partition_S(transposed_view(sV))
         ops.acc_S.fill(0.0)

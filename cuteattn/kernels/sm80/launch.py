@@ -175,6 +175,11 @@ class DecodeLaunch:
         self.spec = spec
         self.tvm_ffi = use_tvm_ffi()
         self.fns = {}  # split_kv -> compiled kernel (compiled on first use)
+        # a step of at most 16 rows a kv head (all its query heads packed) on the 16-row tile
+        # whose warps split the keys (config.DECODE_SPLIT_KEYS' candidate)
+        group = config.pack_gqa_group(spec.qhead_per_kvhead, 16)
+        self.split_keys = (config.DECODE_SPLIT_KEYS and group == spec.qhead_per_kvhead
+                           and (spec.seqlen_q or 0) * group <= 16)
         scalars = dict(launch_scalars(spec))
         self.bind = Binder(DECODE_PER_CALL, scalars, arguments.ARGUMENTS,
                            None if self.tvm_ffi else to_runtime)
@@ -203,7 +208,8 @@ class DecodeLaunch:
                 CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal,
                 spec.local, spec.has_softcap, spec.has_kv_batch_idx, spec.has_leftpad_k,
                 spec.page_size if spec.paged_kv else 0, split_kv, spec.qhead_per_kvhead,
-                smem_limit=smem_limit(spec.device_index), kv_fp8=FP8_FORMATS.get(spec.kv_dtype))
+                smem_limit=smem_limit(spec.device_index), kv_fp8=FP8_FORMATS.get(spec.kv_dtype),
+                split_keys=self.split_keys)
             fn = self.fns[split_kv] = _compiled(cfg, self.tvm_ffi)
         return fn
 
