@@ -3,7 +3,7 @@ JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
 form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
-"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2[,bitconvert]][,splitkeys]"
+"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys]"
 for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
@@ -20,7 +20,7 @@ from cuteattn.kernels.sm80.config import decode_config, fwd_configs
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 # what the PTX must (not) hold: the sm_80 instructions, and none of Hopper's
-MARKS = ("fma.rn.bf16x2", "fma.rn.f16x2", "mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "wgmma",
+MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "wgmma",
          "stmatrix", "cp.async.bulk", "setmaxnreg", "tanh.approx", "cvt.rn.f16x2.e4m3x2",
          "cvt.rn.f16x2.e5m2x2")
 FP8 = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
@@ -79,9 +79,6 @@ def main():
             if "sink" in flags:  # (the paged prefill's learnable sink: its epilogue's)
                 import dataclasses
                 cfg = dataclasses.replace(cfg, has_sink=True)
-            if "bitconvert" in flags:  # (config.FP8_BIT_CONVERT's candidate)
-                import dataclasses
-                cfg = dataclasses.replace(cfg, fp8_bit_convert=True)
         else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
             # (d may be "d/dv": head dims the kernel pads, or v narrower than q/k)
             dq, dv = map(int, d.split("/")) if isinstance(d, str) else (d, d)

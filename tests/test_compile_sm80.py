@@ -59,17 +59,13 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["fp16", 64, "softcap", "decode,page=128,split,fp8=e5m2"],
                ["bf16", 192, "local", "decode,page=32,split,gqa=2,fp8=e4m3"],
                ["bf16", 256, "none", "decode,split,bidx,leftpad,fp8=e5m2"],
-               # ... converted by integer operations and a packed FMA (config.FP8_BIT_CONVERT)
-               ["bf16", 128, "causal", "decode,page=16,gqa=8,fp8=e4m3,bitconvert"],
-               ["fp16", 64, "softcap", "decode,page=128,split,fp8=e4m3,bitconvert"],
-               ["bf16", 256, "none", "decode,split,fp8=e5m2,bitconvert"],
-               ["fp16", 128, "none", "decode,split,gqa=4,fp8=e5m2,bitconvert"],
-               # a 16-row tile whose warps split each key block (config.DECODE_SPLIT_KEYS)
+               # a 16-row tile whose warps split each key block (steps of <= 16 rows a kv head)
                ["bf16", 128, "none", "decode,page=128,split,gqa=4,splitkeys"],
                ["fp16", 64, "causal", "decode,page=16,gqa=8,splitkeys"],
                ["bf16", 192, "local", "decode,split,gqa=2,splitkeys"],
                ["bf16", 128, "softcap", "decode,bidx,leftpad,splitkeys"],
-               ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,bitconvert,splitkeys"]]
+               ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,splitkeys"],
+               ["fp16", 128, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],
@@ -125,13 +121,8 @@ def test_compile_sm80_fwd(target, tmp_path):
             assert not marks[hopper], f"{where}: uses {hopper}"
         assert marks["tanh.approx"] == (r["variant"][2] == "softcap"), where
         fp8 = next((f[4:] for f in str(r["variant"][3]).split(",") if f.startswith("fp8=")), None)
-        bits = "bitconvert" in str(r["variant"][3])
         for fmt in ("e4m3", "e5m2"):  # an fp8 cache converted in hardware, in its format
-            assert marks[f"cvt.rn.f16x2.{fmt}x2"] == (fp8 == fmt and not bits), where
-        # ... or by integer operations, then a packed FMA by 2^bias (none for e5m2 into fp16)
-        dtype_fma = "fma.rn.bf16x2" if r["variant"][0] == "bf16" else "fma.rn.f16x2"
-        if bits:
-            assert marks[dtype_fma] == (r["variant"][0] == "bf16" or fp8 == "e4m3"), where
+            assert marks[f"cvt.rn.f16x2.{fmt}x2"] == (fp8 == fmt), where
         if combine:
             continue
         assert "registers" in r and r["registers"] <= 255, where

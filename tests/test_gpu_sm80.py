@@ -160,20 +160,8 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[f"case{i}" for i in range(len(DECODE_CASES))])
 def test_kvcache(seed, case):
-    b, sq, s_new, h, hk, d, cap, lens, extra = case
-    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
-
-
-@pytest.mark.parametrize("case", DECODE_CASES, ids=[f"case{i}" for i in range(len(DECODE_CASES))])
-def test_kvcache_split_keys(seed, case, monkeypatch):
-    """The decode cases on the 16-row tile whose warps split each key block
-    (config.DECODE_SPLIT_KEYS' candidate: steps of at most 16 rows a kv head take it; the
-    others run as before, so every case runs either way)."""
-    from cuteattn import kvcache
-    from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "DECODE_SPLIT_KEYS", True)
-    monkeypatch.setattr(kvcache, "_decode_launches", {})
-    monkeypatch.setattr(kvcache, "_steps", {})
+    """(Steps of at most 16 rows a kv head, seqlen_q x a GQA group that packs, run on the
+    16-row tile whose warps split the keys; the others on the 64-row tile.)"""
     b, sq, s_new, h, hk, d, cap, lens, extra = case
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 
@@ -197,20 +185,6 @@ FP8_DECODE_CASES = [  # the decode cases' forms over an fp8 cache (with bf16 or 
 
 
 @pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
-def test_kvcache_fp8_candidates(seed, case, monkeypatch):
-    """The fp8 decode cases with both candidates on (config.FP8_BIT_CONVERT and
-    DECODE_SPLIT_KEYS)."""
-    from cuteattn import kvcache
-    from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "FP8_BIT_CONVERT", True)
-    monkeypatch.setattr(config, "DECODE_SPLIT_KEYS", True)
-    monkeypatch.setattr(kvcache, "_decode_launches", {})
-    monkeypatch.setattr(kvcache, "_steps", {})
-    b, sq, s_new, h, hk, d, cap, lens, extra = case
-    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
-
-
-@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
 def test_kvcache_fp8(seed, case):
     """An fp8 cache read by the decode kernel (converted in shared memory, descales folded into
     the scores' scale and the output), against the reference on the dequantized cache."""
@@ -218,17 +192,14 @@ def test_kvcache_fp8(seed, case):
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 
 
-@pytest.mark.parametrize("bits", [False, True], ids=["cvt", "bitconvert"])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fp8_cache_values_read_exactly(seed, dtype, fmt, bits, monkeypatch):
-    """Every finite fp8 byte read back exactly, by cvt or by integer operations
-    (config.FP8_BIT_CONVERT): with one cached key the softmax weight is 1, so the output is
+def test_fp8_cache_values_read_exactly(seed, dtype, fmt, monkeypatch):
+    """Every finite fp8 byte read back exactly: with one cached key the softmax weight is 1, so the output is
     that key's value row (v's descale 1), value for value, subnormals included. Two kv heads of
     d=128 hold the 256 bytes (the non-finite ones replaced by 0), four query heads each."""
     from cuteattn import flash_attn_with_kvcache, kvcache
     from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "FP8_BIT_CONVERT", bits)
     monkeypatch.setattr(kvcache, "_decode_launches", {})
     monkeypatch.setattr(kvcache, "_steps", {})
     byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)

@@ -210,37 +210,9 @@ def test_decode_key_blocks_read_whole_pages(page, d):
     FlashFwdSm80(cfg)  # its copy passes fit the tile (asserted at construction)
 
 
-@pytest.mark.parametrize("fmt,dtype", [("e4m3", torch.bfloat16), ("e5m2", torch.bfloat16),
-                                       ("e4m3", torch.float16), ("e5m2", torch.float16)])
-def test_fp8_bytes_to_16bit_by_integer_operations_is_exact(fmt, dtype):
-    """common/convert.FP8_TO_16BIT's operations, done here on every byte as the inline PTX does
-    them (the byte at the top of a 16-bit half, shifted and masked, the sign kept, times the
-    packed 2^bias): every finite byte gives torch's own conversion, bit for bit, subnormals and
-    signed zeros included; the non-finite bytes give what the docstring says."""
-    from cuteattn.kernels.common.convert import FP8_TO_16BIT
-    kind = "bf16" if dtype is torch.bfloat16 else "f16"
-    shift, mask, scale = FP8_TO_16BIT[fmt, kind]
-    byte = torch.arange(256, dtype=torch.int32)
-    z = byte << 8  # (prmt: the byte in the top of the half)
-    bits = z if scale is None else ((z >> shift) & (mask & 0xFFFF)) | (z & 0x8000)
-    value = bits.to(torch.int16).view(dtype)
-    if scale is not None:  # fma by the packed scale (its halves equal), exact: a power of two
-        factor = torch.tensor([scale & 0xFFFF], dtype=torch.int32).to(torch.int16).view(dtype)
-        assert scale >> 16 == scale & 0xFFFF and float(factor).is_integer()
-        value = (value.float() * factor.float()).to(dtype)  # (exact in float32, then exact)
-    want = byte.to(torch.uint8).view(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2)
-    want = want.to(dtype)
-    finite = torch.isfinite(want)
-    assert torch.equal(value[finite].view(torch.int16), want[finite].view(torch.int16))
-    if scale is None:  # e5m2 into fp16: the byte is the value's top half, inf and NaN too
-        assert torch.equal(value.isnan(), want.isnan()) and torch.equal(value.isinf(), want.isinf())
-    else:
-        assert bool(torch.isfinite(value).all())  # (non-finite bytes read as finite values)
-
-
 @pytest.mark.parametrize("smem", [163 * 1024, 99 * 1024], ids=["sm_80", "99KB"])
 def test_decode_split_keys_config(smem):
-    """config.DECODE_SPLIT_KEYS' candidate: a 16-row tile, 16 keys a warp of a 64-key ring
+    """Decoding's split-keys tile: a 16-row tile, 16 keys a warp of a 64-key ring
     stage, the pack-GQA group at 16 rows; where a copy pass of q or o would not fit 16 rows
     (d=96) or no ring fits (d=256's 16-key blocks), the usual tile."""
     from cuteattn.kernels.sm80.fwd import KEYS_PER_WARP, FlashFwdSm80
@@ -259,16 +231,13 @@ def test_decode_split_keys_config(smem):
     assert not off.split_keys and off.tile_m == 64
 
 
-def test_decode_takes_split_keys_only_for_steps_of_16_rows(monkeypatch):
-    """DecodeLaunch chooses the candidate (when on) for steps whose rows a kv head (seqlen_q x
+def test_decode_takes_split_keys_only_for_steps_of_16_rows():
+    """DecodeLaunch chooses the split-keys tile for steps whose rows a kv head (seqlen_q x
     the GQA group, all packed) fit 16; not for longer steps or groups pack-GQA cannot pack."""
-    monkeypatch.setattr(config, "DECODE_SPLIT_KEYS", True)
     take = lambda sq, h, hk: sm80_launch.DecodeLaunch(make_spec(
         kind="decode", seqlen_q=sq, nheads=h, nheads_k=hk, has_seqused_k=True)).split_keys
     assert take(1, 32, 8) and take(4, 32, 8) and take(1, 16, 1)
     assert not take(5, 32, 8) and not take(1, 12, 4) and not take(1, 32, 1)
-    monkeypatch.setattr(config, "DECODE_SPLIT_KEYS", False)
-    assert not take(1, 32, 8)
 
 
 def test_kvcache_hands_an_fp8_cache_and_its_descales_to_the_kernel(monkeypatch):

@@ -80,16 +80,6 @@ def fwd_config(*args, **kwargs) -> Sm80FwdConfig:
 # the cache in flight per barrier (as register room allows). A paged cache keeps the key block
 # wide when each copy pass's rows fit a page (a page lookup per pass), else narrows it to a
 # divisor of the page size (one page lookup per block).
-# An fp8 cache's bytes converted by integer operations and a packed FMA instead of cvt
-# instructions (Sm80FwdConfig.fp8_bit_convert): compile-checked, not yet GPU-run. Run the fp8
-# decode suite (`tests/test_gpu_sm80.py -k fp8`) and `python -m cuteattn.bench --fp8-kv` with
-# it True and False, keep the winner, drop this constant.
-FP8_BIT_CONVERT = False
-# Decode steps of at most 16 rows a kv head (seqlen_q x the pack-GQA group) on a 16-row tile
-# whose warps split each key block (Sm80FwdConfig.split_keys): compile-checked, not yet
-# GPU-run. Run the decode suite (`tests/test_gpu_sm80.py -k "kvcache"`) and `bench --decode`
-# (and `--fp8-kv`) with it True and False, keep the winner, drop this constant.
-DECODE_SPLIT_KEYS = False
 DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
     64: (64, 64, 4),
     96: (64, 64, 4),
@@ -144,7 +134,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
-                               kv_fp8=kv_fp8, fp8_bit_convert=kv_fp8 is not None and FP8_BIT_CONVERT)
+                               kv_fp8=kv_fp8)
     stages = decode_stages(cfg, smem_limit)
     while kv_fp8 is not None and stages < 2 and cfg.tile_n > 16:
         # an fp8 cache's ring needs 2 stages besides its converted block: narrower key blocks

@@ -176,9 +176,9 @@ class DecodeLaunch:
         self.tvm_ffi = use_tvm_ffi()
         self.fns = {}  # split_kv -> compiled kernel (compiled on first use)
         # a step of at most 16 rows a kv head (all its query heads packed) on the 16-row tile
-        # whose warps split the keys (config.DECODE_SPLIT_KEYS' candidate)
+        # whose warps split the keys (Sm80FwdConfig.split_keys)
         group = config.pack_gqa_group(spec.qhead_per_kvhead, 16)
-        self.split_keys = (config.DECODE_SPLIT_KEYS and group == spec.qhead_per_kvhead
+        self.split_keys = (group == spec.qhead_per_kvhead
                            and (spec.seqlen_q or 0) * group <= 16)
         scalars = dict(launch_scalars(spec))
         self.bind = Binder(DECODE_PER_CALL, scalars, arguments.ARGUMENTS,
