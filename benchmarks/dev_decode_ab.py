@@ -3,8 +3,8 @@ cell of the bench's grid (bf16 and the fp8 cache) timed by CUDA-graph replay wit
 combination of config flags, interleaved per cell and repeated, so clocks and placement are
 shared. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_decode_ab.py FLAG[,FLAG] ... [--rounds 2] [--quick]
-FLAG names a constant of cuteattn/kernels/sm80/config.py set True for that variant ('base'
-for none). Prints GB/s (cache bytes read / time) per cell and variant, and each variant's
+FLAG names a constant of cuteattn/kernels/sm80/config.py set True for that variant, or
+NAME=INT sets it to that value ('base': the defaults). Prints GB/s (cache bytes read / time) per cell and variant, and each variant's
 ratio to the first."""
 import sys
 
@@ -19,7 +19,8 @@ args = [a for a in sys.argv[1:] if not a.startswith("--")]
 rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 2
 args = [a for a in args if a != str(rounds)]
 variants = [tuple(f for f in a.split(",") if f != "base") for a in args] or [()]
-flags = sorted({f for v in variants for f in v})
+setting = lambda f: (f.split("=")[0], int(f.split("=")[1])) if "=" in f else (f, True)
+defaults = {name: getattr(config, name) for v in variants for name, _ in map(setting, v)}
 quick = "--quick" in sys.argv
 dev = torch.device("cuda")
 cells = shapes.decode_grid(quick, fp8_kv=True) + [
@@ -27,8 +28,10 @@ cells = shapes.decode_grid(quick, fp8_kv=True) + [
 
 
 def set_variant(v):
-    for f in flags:
-        setattr(config, f, f in v)
+    for name, value in defaults.items():
+        setattr(config, name, value)
+    for name, value in map(setting, v):
+        setattr(config, name, value)
     kvcache._decode_launches.clear()
     kvcache._steps.clear()
 

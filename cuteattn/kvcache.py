@@ -25,15 +25,12 @@ PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
 # The decode kernel's K/V ring is sized to half the shared memory (sm80/config.decode_stages), so
 # two CTAs share an SM; split-KV counts CTAs against both. Measured on an H200 (CUDA-graph
 # replays, docs/perf-log.md): 256 CTAs beat 128 by 1-33% at batch 1 and 8.
-DECODE_CTAS_PER_SM = 2
-
-
 @functools.lru_cache(maxsize=1024)  # (a decode step asks again every call: keep it off the host's path)
 def split_count(work_tiles: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:
     """How many ranges to split each tile's keys into (num_splits=0): 1 when the tiles alone
     (batch x kv heads x query blocks, with pack-GQA) fill 80% of the GPU's CTA slots (`slots`:
-    SMs x the decode kernel's DECODE_CTAS_PER_SM); else the count with the least estimated
-    time, the fewest splits among equals, never more splits than key blocks. The estimate: the
+    SMs x the decode kernel's CTAs an SM, kernels/sm80/config.decode_ctas_per_sm); else the
+    count with the least estimated time, the fewest splits among equals, never more splits than key blocks. The estimate: the
     waves of CTA slots the CTAs take times a CTA's time, which is its split's key blocks (the
     longest split's) plus SPLIT_OVERHEAD_BLOCKS for its fixed work (q, the partial output and
     LSE, the merge). At batch 1 with 8 kv heads over 1024 key blocks on 132 SMs: 32 splits of
@@ -484,15 +481,11 @@ def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
     if device.type != "cuda":
         return 1
     from .kernels.launch_common import sm_count
+    from .kernels.sm80.config import decode_ctas_per_sm, decode_work_tiles
     sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    # the decode kernel's tiles (kernels/sm80/config.DECODE_TILES): 64 rows, which with
-    # pack-GQA (a power-of-two GQA ratio) hold every query head of a kv head
-    g = spec.qhead_per_kvhead
-    if g > 1 and 64 % g == 0:
-        tiles = spec.batch * spec.nheads_k * -(-spec.seqlen_q * g // 64)
-    else:
-        tiles = spec.batch * spec.nheads * -(-spec.seqlen_q // 64)
-    return split_count(tiles, sms * DECODE_CTAS_PER_SM, -(-capacity // 128))
+    tiles = decode_work_tiles(spec.batch, spec.nheads, spec.nheads_k, spec.seqlen_q)
+    slots = sms * decode_ctas_per_sm(spec.kv_dtype is not None, tiles, sms)
+    return split_count(tiles, slots, -(-capacity // 128))
 
 
 def _check_paged_lengths(cu_seqlens_k, seqused_k, block_table, page: int, capacity: int,

@@ -194,6 +194,12 @@ def cases() -> dict:
     for i in (1, 3, 4, 7):  # an fp8 cache (its byte ring): paged, odd pages, new tokens, splits
         out[f"portable_decode_fp8_{i}"] = _on_sm80(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]))
+    for i in (0, 1, 2):  # warps that load their own keys (config.DECODE_WARP_LOCAL's candidate)
+        out[f"portable_decode_warp_local{i}"] = _on_sm80(_warp_local(
+            lambda case=ts.DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8])))
+    for i in (0, 1):
+        out[f"portable_decode_fp8_warp_local{i}"] = _on_sm80(_warp_local(
+            lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8])))
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
         out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])
@@ -233,6 +239,23 @@ def _on_sm80(fn):
             fn()
         finally:
             del os.environ["CUTEATTN_PATH"]
+    return run
+
+
+def _warp_local(fn):
+    """fn run with config.DECODE_WARP_LOCAL on (fresh decode launches), then off again."""
+    def run():
+        from cuteattn import kvcache
+        from cuteattn.kernels.sm80 import config
+        config.DECODE_WARP_LOCAL = True
+        kvcache._decode_launches.clear()
+        kvcache._steps.clear()
+        try:
+            fn()
+        finally:
+            config.DECODE_WARP_LOCAL = False
+            kvcache._decode_launches.clear()
+            kvcache._steps.clear()
     return run
 
 

@@ -184,6 +184,35 @@ FP8_DECODE_CASES = [  # the decode cases' forms over an fp8 cache (with bf16 or 
 ]
 
 
+@pytest.mark.parametrize("case", DECODE_CASES + FP8_DECODE_CASES,
+                         ids=[f"case{i}" for i in range(len(DECODE_CASES))]
+                         + [f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
+def test_kvcache_warp_local(seed, case, monkeypatch):
+    """The decode cases (bf16/fp16 and fp8 caches) with config.DECODE_WARP_LOCAL's candidate:
+    steps on the split-keys tile load (and convert) each warp's keys by its own lanes, synced
+    per warp; the other steps run as before."""
+    from cuteattn import kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "DECODE_WARP_LOCAL", True)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    monkeypatch.setattr(kvcache, "_steps", {})
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
+
+
+@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
+def test_kvcache_fp8_three_ctas_per_sm(seed, case, monkeypatch):
+    """The fp8 decode cases with config.FP8_DECODE_CTAS_PER_SM's candidate 3 (their small grids
+    take it: a 2-stage ring and split counts for 3 CTAs an SM)."""
+    from cuteattn import kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "FP8_DECODE_CTAS_PER_SM", 3)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    monkeypatch.setattr(kvcache, "_steps", {})
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
+
+
 @pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
 def test_kvcache_fp8(seed, case):
     """An fp8 cache read by the decode kernel (converted in shared memory, descales folded into

@@ -578,3 +578,38 @@ def test_decode_ring_fits_the_device(d, capability):
         assert cfg.kv_stages == 1
     if d in (64, 128, 256):  # the common head dims get a ring everywhere
         assert cfg.kv_stages >= 2
+
+
+def test_decode_ctas_per_sm_three_only_for_split_fp8_grids(monkeypatch):
+    """config.decode_ctas_per_sm with FP8_DECODE_CTAS_PER_SM = 3: 3 CTAs an SM (a 2-stage ring that fits a third of the shared
+    memory) for an fp8 cache whose tiles leave the GPU to split-KV at 3 an SM; 2 otherwise (bf16,
+    or tiles that fill the GPU alone: the bench's batch 64 over 8 kv heads and 128 over 4)."""
+    monkeypatch.setattr(config, "FP8_DECODE_CTAS_PER_SM", 3)
+    tiles = lambda b, hk: config.decode_work_tiles(b, 32, hk, 1)
+    assert tiles(8, 8) == 64 and tiles(1, 4) == 4 and config.decode_work_tiles(2, 12, 4, 1) == 24
+    for b, hk in ((1, 8), (8, 4), (64, 4)):
+        assert config.decode_ctas_per_sm(True, tiles(b, hk), 132) == 3
+        assert config.decode_ctas_per_sm(False, tiles(b, hk), 132) == 2
+    for b, hk in ((64, 8), (128, 4)):
+        assert config.decode_ctas_per_sm(True, tiles(b, hk), 132) == 2
+    args = (False, False, False, False, False, 128, True, 4)
+    three = config.decode_config(cutlass.BFloat16, 128, 128, *args, smem_limit=227 * 1024,
+                                 kv_fp8=cutlass.Float8E4M3FN, split_keys=True, ctas_per_sm=3)
+    two = config.decode_config(cutlass.BFloat16, 128, 128, *args, smem_limit=227 * 1024,
+                               kv_fp8=cutlass.Float8E4M3FN, split_keys=True)
+    assert three.kv_stages == 2 and 3 * three.smem_bytes() <= 227 * 1024 < 3 * two.smem_bytes()
+
+
+def test_decode_warp_local_config():
+    """config.DECODE_WARP_LOCAL's candidate: decode_config(warp_local=True) marks the split-keys
+    tile (a warp's copy passes tile its 16 keys at d 64/128/192); it never applies off that tile."""
+    from cuteattn.kernels.sm80.fwd import FlashFwdSm80
+    args = (False, False, False, False, False, 16, True)
+    for d, gqa in ((64, 8), (128, 4), (192, 2)):
+        cfg = config.decode_config(cutlass.BFloat16, d, d, *args, gqa, smem_limit=227 * 1024,
+                                   split_keys=True, warp_local=True)
+        assert cfg.split_keys and cfg.warp_local
+        FlashFwdSm80(cfg)
+    off = config.decode_config(cutlass.BFloat16, 96, 96, *args, 4, smem_limit=227 * 1024,
+                               split_keys=True, warp_local=True)
+    assert not off.split_keys and not off.warp_local

@@ -17,7 +17,7 @@ import math
 
 from ..launch_common import compiled_width
 from . import mma
-from .fwd import Sm80FwdConfig
+from .fwd import KEYS_PER_WARP, Sm80FwdConfig
 
 TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages]), ...], preferred first
     # d = 64: 32 rows per warp (4 warps on 128 rows) ran 1.12x the 8-warp tile on an H200 with
@@ -80,6 +80,39 @@ def fwd_config(*args, **kwargs) -> Sm80FwdConfig:
 # the cache in flight per barrier (as register room allows). A paged cache keeps the key block
 # wide when each copy pass's rows fit a page (a page lookup per pass), else narrows it to a
 # divisor of the page size (one page lookup per block).
+# The decode kernel's CTAs an SM (decode_ctas_per_sm): its K/V ring is sized to fit that share
+# of the shared memory first (decode_stages), and the split-KV count (kvcache._splits) counts
+# on it. 2; FP8_DECODE_CTAS_PER_SM for an fp8 cache whose tiles leave the GPU to split-KV at
+# that many an SM. At 3 (the fp8 kernel, 168 registers, fits 3, with 2 ring stages) the fp8
+# step ran 1.04-1.26x on exactly those cells of the bench grid (it is latency-bound at 8 warps
+# an SM: ncu at 8 x 32768, page 128, 6 cycles a warp between issues, the DRAM 38% busy); where
+# the tiles alone fill the GPU (batch 64 over 8 kv heads, 128 over 4 or 8) 3 ran 0.81-0.97x,
+# its last wave partial. The bf16 kernel (185 registers) fits 2 only. Timed, not yet run
+# through the GPU tests: set 3 once `tests/test_gpu_sm80.py -k fp8_three_ctas` passes.
+DECODE_CTAS_PER_SM = 2
+FP8_DECODE_CTAS_PER_SM = 2
+# Split-keys decode steps whose warps load (and convert) their own keys, synced per warp, not
+# per CTA (Sm80FwdConfig.warp_local): compile-checked, not yet GPU-run. Run
+# `tests/test_gpu_sm80.py -k warp_local`, then `dev_decode_ab.py base DECODE_WARP_LOCAL`; keep
+# the winner, drop this constant.
+DECODE_WARP_LOCAL = False
+
+
+def decode_work_tiles(batch: int, nheads: int, nheads_k: int, seqlen_q: int) -> int:
+    """The decode grid's tiles before any split: 64 rows, which with pack-GQA (a power-of-two
+    GQA ratio) hold every query head of a kv head."""
+    g = nheads // nheads_k
+    if g > 1 and 64 % g == 0:
+        return batch * nheads_k * -(-seqlen_q * g // 64)
+    return batch * nheads * -(-seqlen_q // 64)
+
+
+def decode_ctas_per_sm(fp8_cache: bool, tiles: int, sms: int) -> int:
+    """DECODE_CTAS_PER_SM, or FP8_DECODE_CTAS_PER_SM for an fp8 cache whose tiles fill less than
+    kvcache.split_count's 80% of the CTA slots at that many an SM."""
+    if fp8_cache and tiles < 0.8 * FP8_DECODE_CTAS_PER_SM * sms:
+        return FP8_DECODE_CTAS_PER_SM
+    return DECODE_CTAS_PER_SM
 DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
     64: (64, 64, 4),
     96: (64, 64, 4),
@@ -111,14 +144,16 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
                   has_seqused_q: bool = False, smem_limit: int = 99 * 1024,
-                  kv_fp8=None, split_keys: bool = False) -> Sm80FwdConfig:
+                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = DECODE_CTAS_PER_SM,
+                  warp_local: bool = False) -> Sm80FwdConfig:
     """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
     flash_attn_varlen_func(block_table=)) the same tiles, without pack-GQA. kv_fp8: an fp8
     cache's format (Sm80FwdConfig.kv_fp8; its ring has at least 2 stages). split_keys: a
     16-row tile whose warps split each key block (Sm80FwdConfig.split_keys), where the key
-    block is 16 keys a warp (else the usual tile)."""
+    block is 16 keys a warp (else the usual tile); warp_local: that tile's warps loading their
+    own keys (Sm80FwdConfig.warp_local). ctas_per_sm: decode_stages'."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     gather = False
     if page_size % tile_n:  # (a contiguous cache has page_size 0) a block would span pages
@@ -135,7 +170,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
                                kv_fp8=kv_fp8)
-    stages = decode_stages(cfg, smem_limit)
+    stages = decode_stages(cfg, smem_limit, ctas_per_sm)
     while kv_fp8 is not None and stages < 2 and cfg.tile_n > 16:
         # an fp8 cache's ring needs 2 stages besides its converted block: narrower key blocks
         # (d = 192 in 99 KB; a page that held whole blocks still does, and a gathered block's
@@ -143,7 +178,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
         tile_n = cfg.tile_n // 2
         warps = warps_for_key_block(dtype, head_dim, head_dim_v, tile_n, cfg.num_warps)
         cfg = dataclasses.replace(cfg, tile_n=tile_n, num_warps=warps)
-        stages = decode_stages(cfg, smem_limit)
+        stages = decode_stages(cfg, smem_limit, ctas_per_sm)
     if kv_fp8 is not None and stages < 2:
         raise ValueError(f"an fp8 cache at head_dim {head_dim}: its K/V ring does not fit "
                          f"{smem_limit} bytes of shared memory")
@@ -153,17 +188,20 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                      for cols in (head_dim, head_dim_v))
     if (split_keys and passes_fit and not varlen_q and cfg.tile_n == 16 * cfg.num_warps
             and stages >= 2):
-        split = dataclasses.replace(cfg, tile_m=16, split_keys=True,
+        local = warp_local and all(KEYS_PER_WARP % mma.rows_per_copy_pass(dtype, 32, cols) == 0
+                                   for cols in (head_dim, head_dim_v))
+        split = dataclasses.replace(cfg, tile_m=16, split_keys=True, warp_local=local,
                                     pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
-        return dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit))
+        return dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit, ctas_per_sm))
     return cfg
 
 
-def decode_stages(cfg: Sm80FwdConfig, smem_limit: int) -> int:
+def decode_stages(cfg: Sm80FwdConfig, smem_limit: int, ctas_per_sm: int = DECODE_CTAS_PER_SM) -> int:
     """K/V blocks in flight for decoding (bound by reading the cache): the most of 4, 3, 2 whose
-    ring fits half the shared memory (two CTAs per SM), else the most that fit, else 1."""
+    ring fits the shared memory's share of one of ctas_per_sm CTAs, else the most that fit,
+    else 1."""
     fits = lambda stages, budget: dataclasses.replace(cfg, kv_stages=stages).smem_bytes() <= budget
-    for budget in (smem_limit // 2, smem_limit):
+    for budget in (smem_limit // ctas_per_sm, smem_limit):
         for stages in (4, 3, 2):
             if fits(stages, budget):
                 return stages

@@ -85,6 +85,11 @@ class Sm80FwdConfig:
     # a GQA-4 decode step: 4x the MMAs and every warp reading all of K and V by ldmatrix).
     # Measured on the H200: 1.24-1.29x an fp8 cache's step, 1.02-1.09x a bf16 one.
     split_keys: bool = False
+    # With split_keys, each warp also loads (and for an fp8 cache converts) its own keys of
+    # every block, with its own lanes, so the key loop syncs warps, not the CTA (one CTA
+    # barrier for Q, at the first block): warps no longer wait for each other at every block.
+    # An A/B candidate (config.DECODE_WARP_LOCAL).
+    warp_local: bool = False
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of each row's
     # denominator in the epilogue (OnlineSoftmax.finalize); a tile's rows are one query head
     # (not with pack_gqa or split_kv: decoding merges the sink in its combine kernel)
@@ -121,7 +126,12 @@ class FlashFwdSm80:
         if cfg.split_keys:  # (16 rows; a warp per 16 keys of a ring stage)
             assert cfg.tile_m == mma.MMA_ROWS and cfg.tile_n == KEYS_PER_WARP * cfg.num_warps
             assert cfg.kv_stages >= 2 and not cfg.has_sink, cfg
+            if cfg.warp_local:  # (a warp's copy passes tile its keys; no padded columns)
+                assert not cfg.padded, cfg
+                for cols in (cfg.head_dim, cfg.head_dim_v):
+                    assert KEYS_PER_WARP % mma.rows_per_copy_pass(cfg.dtype, 32, cols) == 0, cfg
         else:
+            assert not cfg.warp_local, cfg
             assert cfg.tile_m % (mma.MMA_ROWS * cfg.num_warps) == 0
         assert cfg.tile_m % cfg.pack_gqa == 0 and not (cfg.pack_gqa > 1 and cfg.varlen_q)
         # every copy pass of the loads (and of the O store) lies inside the tile
@@ -343,16 +353,24 @@ class FlashFwdSm80:
         q_start = m_block * self.tile_q    # its first query position
         rows_q = seqlen.seqlen_q * self.group  # the sequence's rows
 
-        # Global -> shared copies (every thread takes part).
+        # Global -> shared copies (every thread takes part; with warp_local each warp copies its
+        # own keys of K and V, by its lanes)
+        warp, lane = tidx // 32, tidx % 32
+        local = cfg.warp_local
         copy_q = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
-        copy_k = copy_q
-        copy_v = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.dv).get_slice(tidx)
+        kv_threads, kv_tidx = (32, lane) if const_expr(local) else (self.num_threads, tidx)
+        kv_rows = KEYS_PER_WARP if const_expr(local) else self.tile_n  # (a thread's copy tile)
+        copy_k = mma.gmem_to_smem_copy(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
+        copy_v = mma.gmem_to_smem_copy(self.dtype, kv_threads, self.dv).get_slice(kv_tidx)
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (m_block, 0))
         tQgQ, tQsQ = copy_q.partition_S(gQ), copy_q.partition_D(sQ)
-        tKsK, tVsV = copy_k.partition_D(sK), copy_v.partition_D(sV)  # (with a ring: per stage)
+        # (with a ring: per stage)
+        tKsK = copy_k.partition_D(self.warp_rows(sK, warp) if const_expr(local) else sK)
+        tVsV = copy_v.partition_D(self.warp_rows(sV, warp) if const_expr(local) else sV)
         tQcQ = copy_q.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
-        tKcK = copy_k.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
-        tVcV = copy_v.partition_S(cute.make_identity_tensor((self.tile_n, self.dv)))
+        tKcK = copy_k.partition_S(cute.make_identity_tensor((kv_rows, self.d)))
+        tVcV = copy_v.partition_S(cute.make_identity_tensor((kv_rows, self.dv)))
+        load_block = partial(self.load_warp_block, warp=warp) if const_expr(local) else self.load_block
         if const_expr(cfg.paged_kv):
             # one head of the cache, (page_size, d, pages); the sequence's row of the table
             kv_k, kv_v = mK[None, None, head_idx_kv, None], mV[None, None, head_idx_kv, None]
@@ -366,19 +384,20 @@ class FlashFwdSm80:
         if const_expr(self.fp8):
             # the loads fill the ring of bytes, in the converted buffer's chunks (8 keys'
             # elements a thread): the thread that loads a chunk converts it
-            copy_k8 = mma.byte_copy_like(self.dtype, self.num_threads, self.d).get_slice(tidx)
-            copy_v8 = mma.byte_copy_like(self.dtype, self.num_threads, self.dv).get_slice(tidx)
-            tKsK8, tVsV8 = copy_k8.partition_D(staging[0]), copy_v8.partition_D(staging[1])
-            tKcK8 = copy_k8.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
-            tVcV8 = copy_v8.partition_S(cute.make_identity_tensor((self.tile_n, self.dv)))
-            load_k = partial(self.load_block, copy_k8, kv_k, pages, tKsK8, tKcK8,
+            copy_k8 = mma.byte_copy_like(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
+            copy_v8 = mma.byte_copy_like(self.dtype, kv_threads, self.dv).get_slice(kv_tidx)
+            staged = [self.warp_rows(x, warp) if const_expr(local) else x for x in staging]
+            tKsK8, tVsV8 = copy_k8.partition_D(staged[0]), copy_v8.partition_D(staged[1])
+            tKcK8 = copy_k8.partition_S(cute.make_identity_tensor((kv_rows, self.d)))
+            tVcV8 = copy_v8.partition_S(cute.make_identity_tensor((kv_rows, self.dv)))
+            load_k = partial(load_block, copy_k8, kv_k, pages, tKsK8, tKcK8,
                              seqlen.seqlen_k, self.d)
-            load_v = partial(self.load_block, copy_v8, kv_v, pages, tVsV8, tVcV8,
+            load_v = partial(load_block, copy_v8, kv_v, pages, tVsV8, tVcV8,
                              seqlen.seqlen_k, self.dv)
         else:
-            load_k = partial(self.load_block, copy_k, kv_k, pages, tKsK, tKcK, seqlen.seqlen_k,
+            load_k = partial(load_block, copy_k, kv_k, pages, tKsK, tKcK, seqlen.seqlen_k,
                              self.d)
-            load_v = partial(self.load_block, copy_v, kv_v, pages, tVsV, tVcV, seqlen.seqlen_k,
+            load_v = partial(load_block, copy_v, kv_v, pages, tVsV, tVcV, seqlen.seqlen_k,
                              self.dv)
         # the stage-0 views build the MMA fragments (a stage is a whole tile: swizzle-safe)
         sK0 = sK[None, None, 0] if const_expr(ring and not self.fp8) else sK
@@ -386,7 +405,6 @@ class FlashFwdSm80:
 
         # MMA partitions: S = Q K^T from shared memory, O += P V with P in registers.
         # (split_keys: a one-warp MMA on this warp's keys; mma_tidx its lane)
-        warp = tidx // 32
         mma_tidx = tidx % 32 if const_expr(cfg.split_keys) else tidx
         tiled_mma = mma.tiled_mma(self.dtype, 1 if const_expr(cfg.split_keys) else cfg.num_warps)
         thr_mma = tiled_mma.get_slice(mma_tidx)
@@ -501,6 +519,22 @@ class FlashFwdSm80:
                 store()
         else:
             store()
+
+    def warp_rows(self, x: cute.Tensor, warp) -> cute.Tensor:
+        """warp_keys of a buffer with or without a stage mode ((keys, cols[, stages]))."""
+        if const_expr(cute.rank(x) == 2):
+            return self.warp_keys(x, warp)
+        return cute.local_tile(x, (KEYS_PER_WARP, cute.size(x, mode=[1]), cute.size(x, mode=[2])),
+                               (warp, 0, 0))
+
+    def block_sync(self, top: cutlass.Constexpr):
+        """The key loop's barrier: the CTA's, or with warp_local the warp's (all a block's
+        shared data is the warp's own then) except at the first block, whose barrier also
+        makes Q, loaded by every thread, visible to all."""
+        if const_expr(self.cfg.warp_local and not top):
+            cute.arch.sync_warp()
+        else:
+            cute.arch.barrier()
 
     def warp_keys(self, x: cute.Tensor, warp) -> cute.Tensor:
         """With split_keys, this warp's KEYS_PER_WARP rows of a (keys, cols) K or V buffer (a
@@ -617,7 +651,7 @@ class FlashFwdSm80:
         j = n_max - 1 - n_block
         stage = j % stages
         cute.arch.cp_async_wait_group(stages - 2)
-        cute.arch.barrier()
+        self.block_sync(top)
         ahead = n_block - (stages - 1)
         if ahead >= n_min:
             load_k(ahead, False, (j + stages - 1) % stages)
@@ -652,7 +686,7 @@ class FlashFwdSm80:
         j = n_max - 1 - n_block
         stage = j % stages
         cute.arch.cp_async_wait_group(stages - 2)
-        cute.arch.barrier()
+        self.block_sync(top)
         self.convert_chunks(ops.tKsK8[None, None, None, stage], ops.tKsK)
         self.convert_chunks(ops.tVsV8[None, None, None, stage], ops.tVsV)
         ahead = n_block - (stages - 1)
@@ -660,7 +694,7 @@ class FlashFwdSm80:
             load_k(ahead, False, (j + stages - 1) % stages)
             load_v(ahead, False, (j + stages - 1) % stages)
         cute.arch.cp_async_commit_group()
-        cute.arch.barrier()
+        self.block_sync(False)  # (the conversion visible: the warp's own rows with warp_local)
         ops.acc_S.fill(0.0)
         mma.gemm(ops.tiled_mma, ops.acc_S, ops.tSrQ, ops.tSrK, ops.tSsQ, ops.tSsK, ops.ld_q,
                  ops.ld_k)
@@ -709,6 +743,25 @@ class FlashFwdSm80:
         mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
                        seqlen_k - n_block * self.tile_n, bounded,
                        cols=mX.shape[1] if const_expr(self.cfg.padded) else None)
+
+    @cute.jit
+    def load_warp_block(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
+                        n_block, bounded: cutlass.Constexpr, stage=None, *, warp):
+        """load_block with warp_local: this warp's KEYS_PER_WARP keys of block n_block into its
+        rows of the stage (tXsX, tXcX: its lanes' partitions of those rows). Pages are
+        multiples of 16 keys, so the warp's keys lie in one page: one lookup."""
+        tXsX = tXsX[None, None, None, stage]
+        first_key = n_block * self.tile_n + warp * KEYS_PER_WARP
+        if const_expr(self.cfg.paged_kv):
+            page_size = mX.shape[0]
+            slot = cutlass.min(first_key // page_size, pages.shape[0] - 1)
+            page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
+            gX = cute.local_tile(mX[None, None, page], (KEYS_PER_WARP, cols),
+                                 ((first_key % page_size) // KEYS_PER_WARP, 0))
+        else:
+            gX = cute.local_tile(mX, (KEYS_PER_WARP, cols), (first_key // KEYS_PER_WARP, 0))
+        mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX, seqlen_k - first_key,
+                      bounded)
 
     @cute.jit
     def load_block_pages(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
