@@ -102,9 +102,17 @@ def _listed(count: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _compact(mask: torch.Tensor):
     """(count int32, index int32) of a boolean (..., nk) mask: the selected blocks first, in
-    increasing order, then the unselected ones (padding)."""
+    increasing order, then the unselected ones (padding), as a stable sort would place them,
+    but by a running count and one scatter: a selected block goes to its rank among the
+    selected, an unselected one after all of them at its rank among the unselected (a few
+    elementwise kernels where a stable sort of every row is a segmented sort on the GPU)."""
+    nk = mask.shape[-1]
     count = mask.sum(-1, dtype=torch.int32)
-    index = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+    selected_upto = torch.cumsum(mask, -1, dtype=torch.int32)  # selected blocks <= j
+    blocks = torch.arange(nk, dtype=torch.int32, device=mask.device)
+    target = torch.where(mask, selected_upto - 1, count.unsqueeze(-1) + blocks - selected_upto)
+    index = torch.empty(mask.shape, dtype=torch.int32, device=mask.device)
+    index.scatter_(-1, target.long(), blocks.expand_as(mask))
     return count, index
 
 

@@ -39,6 +39,21 @@ def test_from_block_mask_lists_and_dense(seed):
     assert torch.equal(m.dense(60, 150), token_mask(bm, 16, 32, 60, 150))
 
 
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_compacted_lists_equal_a_stable_sort(seed, density):
+    """sparse._compact (a running count and one scatter) gives what a stable sort of each row
+    gives: the selected blocks in increasing order, then the unselected ones in increasing
+    order; on a broadcast (expanded) mask too."""
+    for shape in ((2, 3, 7, 33), (1, 12, 64, 128), (3, 1, 4, 1)):
+        mask = torch.rand(shape) < density
+        if shape[0] == 1:
+            mask = mask.expand(2, -1, -1, -1)
+        count, index = sparse._compact(mask)
+        assert torch.equal(count, mask.sum(-1, dtype=torch.int32))
+        want = torch.argsort((~mask).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        assert index.dtype == torch.int32 and torch.equal(index, want)
+
+
 def test_topk_and_expansion_select_the_same_pairs(seed):
     """VSA: top-k key blocks of a 64x64 logical mask; expanded to 32x16 physical blocks the
     dense mask, and the attention, are identical."""
