@@ -80,6 +80,14 @@ def fwd_config(*args, **kwargs) -> Sm80FwdConfig:
 # the cache in flight per barrier (as register room allows). A paged cache keeps the key block
 # wide when each copy pass's rows fit a page (a page lookup per pass), else narrows it to a
 # divisor of the page size (one page lookup per block).
+DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
+    64: (64, 64, 4),
+    96: (64, 64, 4),
+    128: (64, 64, 4),  # 128-key blocks compiled at 255 registers on sm_80: no margin
+    192: (64, 64, 4),
+    256: (64, 16, 4),
+}
+
 # The decode kernel's CTAs an SM (decode_ctas_per_sm): its K/V ring is sized to fit that share
 # of the shared memory first (decode_stages), and the split-KV count (kvcache._splits) counts
 # on it. 2; FP8_DECODE_CTAS_PER_SM for an fp8 cache whose tiles leave the GPU to split-KV at
@@ -113,13 +121,6 @@ def decode_ctas_per_sm(fp8_cache: bool, tiles: int, sms: int) -> int:
     if fp8_cache and tiles < 0.8 * FP8_DECODE_CTAS_PER_SM * sms:
         return FP8_DECODE_CTAS_PER_SM
     return DECODE_CTAS_PER_SM
-DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
-    64: (64, 64, 4),
-    96: (64, 64, 4),
-    128: (64, 64, 4),  # 128-key blocks compiled at 255 registers on sm_80: no margin
-    192: (64, 64, 4),
-    256: (64, 16, 4),
-}
 
 
 def warps_for_key_block(dtype, head_dim: int, head_dim_v: int, tile_n: int, warps: int) -> int:

@@ -355,22 +355,23 @@ class FlashFwdSm80:
 
         # Global -> shared copies (every thread takes part; with warp_local each warp copies its
         # own keys of K and V, by its lanes)
-        warp, lane = tidx // 32, tidx % 32
         local = cfg.warp_local
+        own = tidx // 32  # (with warp_local: the warp whose keys this thread copies)
         copy_q = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
-        kv_threads, kv_tidx = (32, lane) if const_expr(local) else (self.num_threads, tidx)
+        kv_threads, kv_tidx = (32, tidx % 32) if const_expr(local) else (self.num_threads, tidx)
         kv_rows = KEYS_PER_WARP if const_expr(local) else self.tile_n  # (a thread's copy tile)
-        copy_k = mma.gmem_to_smem_copy(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
+        copy_k = (mma.gmem_to_smem_copy(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
+                  if const_expr(local) else copy_q)
         copy_v = mma.gmem_to_smem_copy(self.dtype, kv_threads, self.dv).get_slice(kv_tidx)
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (m_block, 0))
         tQgQ, tQsQ = copy_q.partition_S(gQ), copy_q.partition_D(sQ)
         # (with a ring: per stage)
-        tKsK = copy_k.partition_D(self.warp_rows(sK, warp) if const_expr(local) else sK)
-        tVsV = copy_v.partition_D(self.warp_rows(sV, warp) if const_expr(local) else sV)
+        tKsK = copy_k.partition_D(self.warp_rows(sK, own) if const_expr(local) else sK)
+        tVsV = copy_v.partition_D(self.warp_rows(sV, own) if const_expr(local) else sV)
         tQcQ = copy_q.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
         tKcK = copy_k.partition_S(cute.make_identity_tensor((kv_rows, self.d)))
         tVcV = copy_v.partition_S(cute.make_identity_tensor((kv_rows, self.dv)))
-        load_block = partial(self.load_warp_block, warp=warp) if const_expr(local) else self.load_block
+        load_block = partial(self.load_warp_block, warp=own) if const_expr(local) else self.load_block
         if const_expr(cfg.paged_kv):
             # one head of the cache, (page_size, d, pages); the sequence's row of the table
             kv_k, kv_v = mK[None, None, head_idx_kv, None], mV[None, None, head_idx_kv, None]
@@ -386,7 +387,7 @@ class FlashFwdSm80:
             # elements a thread): the thread that loads a chunk converts it
             copy_k8 = mma.byte_copy_like(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
             copy_v8 = mma.byte_copy_like(self.dtype, kv_threads, self.dv).get_slice(kv_tidx)
-            staged = [self.warp_rows(x, warp) if const_expr(local) else x for x in staging]
+            staged = [self.warp_rows(x, own) if const_expr(local) else x for x in staging]
             tKsK8, tVsV8 = copy_k8.partition_D(staged[0]), copy_v8.partition_D(staged[1])
             tKcK8 = copy_k8.partition_S(cute.make_identity_tensor((kv_rows, self.d)))
             tVcV8 = copy_v8.partition_S(cute.make_identity_tensor((kv_rows, self.dv)))
@@ -405,6 +406,7 @@ class FlashFwdSm80:
 
         # MMA partitions: S = Q K^T from shared memory, O += P V with P in registers.
         # (split_keys: a one-warp MMA on this warp's keys; mma_tidx its lane)
+        warp = tidx // 32
         mma_tidx = tidx % 32 if const_expr(cfg.split_keys) else tidx
         tiled_mma = mma.tiled_mma(self.dtype, 1 if const_expr(cfg.split_keys) else cfg.num_warps)
         thr_mma = tiled_mma.get_slice(mma_tidx)
