@@ -22,17 +22,19 @@ from cuteattn.reference import apply_rotary_ref, attention_kvcache_ref, attentio
 from cuteattn.spec import AttentionSpec
 
 PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this
-# The decode kernel's K/V ring is sized to half the shared memory (sm80/config.decode_stages), so
-# two CTAs share an SM; split-KV counts CTAs against both. Measured on an H200 (CUDA-graph
-# replays, docs/perf-log.md): 256 CTAs beat 128 by 1-33% at batch 1 and 8.
+
+
+# Split-KV counts CTAs against the slots of every SM (sm80/config.decode_ctas_per_sm: the K/V
+# ring is sized so that many share an SM). Measured on an H200 (CUDA-graph replays,
+# docs/perf-log.md): 256 CTAs beat 128 by 1-33% at batch 1 and 8.
 @functools.lru_cache(maxsize=1024)  # (a decode step asks again every call: keep it off the host's path)
 def split_count(work_tiles: int, slots: int, key_blocks: int, max_splits: int = 128) -> int:
     """How many ranges to split each tile's keys into (num_splits=0): 1 when the tiles alone
     (batch x kv heads x query blocks, with pack-GQA) fill 80% of the GPU's CTA slots (`slots`:
     SMs x the decode kernel's CTAs an SM, kernels/sm80/config.decode_ctas_per_sm); else the
-    count with the least estimated time, the fewest splits among equals, never more splits than key blocks. The estimate: the
-    waves of CTA slots the CTAs take times a CTA's time, which is its split's key blocks (the
-    longest split's) plus SPLIT_OVERHEAD_BLOCKS for its fixed work (q, the partial output and
+    count with the least estimated time, the fewest splits among equals, never more splits
+    than key blocks. The estimate: the waves of CTA slots the CTAs take times a CTA's time,
+    which is its split's key blocks (the longest split's) plus SPLIT_OVERHEAD_BLOCKS for its fixed work (q, the partial output and
     LSE, the merge). At batch 1 with 8 kv heads over 1024 key blocks on 132 SMs: 32 splits of
     32 blocks (256 CTAs, one wave); 31 would leave the longest split 34 blocks."""
     if work_tiles <= 0 or work_tiles >= 0.8 * slots:
