@@ -2,7 +2,7 @@
 cell of the bench's grid (bf16 and the fp8 cache) timed by CUDA-graph replay with each
 combination of config flags, interleaved per cell and repeated, so clocks and placement are
 shared. Usage (GPU):
-    PYTHONPATH=$PWD python3 benchmarks/dev_decode_ab.py FLAG[,FLAG] ... [--rounds 2] [--quick]
+    PYTHONPATH=$PWD python3 benchmarks/dev_decode_ab.py FLAG[,FLAG] ... [--rounds 2] [--quick] [--bf16 | --fp8]
 FLAG names a constant of cuteattn/kernels/sm80/config.py set True for that variant, or
 NAME=INT sets it to that value ('base': the defaults). Prints GB/s (cache bytes read / time) per cell and variant, and each variant's
 ratio to the first."""
@@ -23,8 +23,8 @@ setting = lambda f: (f.split("=")[0], int(f.split("=")[1])) if "=" in f else (f,
 defaults = {name: getattr(config, name) for v in variants for name, _ in map(setting, v)}
 quick = "--quick" in sys.argv
 dev = torch.device("cuda")
-cells = shapes.decode_grid(quick, fp8_kv=True) + [
-    c for c in shapes.decode_grid(quick) if c.kind == "decode"]
+cells = ([] if "--bf16" in sys.argv else shapes.decode_grid(quick, fp8_kv=True)) + [
+    c for c in shapes.decode_grid(quick) if c.kind == "decode" and "--fp8" not in sys.argv]
 
 
 def set_variant(v):

@@ -483,11 +483,12 @@ def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
     if device.type != "cuda":
         return 1
     from .kernels.launch_common import sm_count
-    from .kernels.sm80.config import decode_ctas_per_sm, decode_work_tiles
-    sms = sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    tiles = decode_work_tiles(spec.batch, spec.nheads, spec.nheads_k, spec.seqlen_q)
-    slots = sms * decode_ctas_per_sm(spec.kv_dtype is not None, tiles, sms)
-    return split_count(tiles, slots, -(-capacity // 128))
+    from .kernels.sm80.config import decode_grid
+    from .kernels.sm80.launch import smem_limit
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = sm_count(index)
+    tiles, ctas_per_sm = decode_grid(spec, sms, smem_limit(index))
+    return split_count(tiles, sms * ctas_per_sm, -(-capacity // 128))
 
 
 def _check_paged_lengths(cu_seqlens_k, seqused_k, block_table, page: int, capacity: int,

@@ -194,11 +194,11 @@ def cases() -> dict:
     for i in (1, 3, 4, 7):  # an fp8 cache (its byte ring): paged, odd pages, new tokens, splits
         out[f"portable_decode_fp8_{i}"] = _on_sm80(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]))
-    for i in (0, 1, 2):  # warps that load their own keys (config.DECODE_WARP_LOCAL's candidate)
-        out[f"portable_decode_warp_local{i}"] = _on_sm80(_warp_local(
+    for i in (0, 1, 2):  # 2 CTAs an SM, as grids that fill the GPU run (these small ones: 1 or 3)
+        out[f"portable_decode_two_ctas{i}"] = _on_sm80(_two_ctas_per_sm(
             lambda case=ts.DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8])))
     for i in (0, 1):
-        out[f"portable_decode_fp8_warp_local{i}"] = _on_sm80(_warp_local(
+        out[f"portable_decode_fp8_two_ctas{i}"] = _on_sm80(_two_ctas_per_sm(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8])))
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
@@ -242,18 +242,19 @@ def _on_sm80(fn):
     return run
 
 
-def _warp_local(fn):
-    """fn run with config.DECODE_WARP_LOCAL on (fresh decode launches), then off again."""
+def _two_ctas_per_sm(fn):
+    """fn run with config.decode_ctas_per_sm held at 2 (fresh decode launches), then restored."""
     def run():
         from cuteattn import kvcache
         from cuteattn.kernels.sm80 import config
-        config.DECODE_WARP_LOCAL = True
+        chosen = config.decode_ctas_per_sm
+        config.decode_ctas_per_sm = lambda *args: 2
         kvcache._decode_launches.clear()
         kvcache._steps.clear()
         try:
             fn()
         finally:
-            config.DECODE_WARP_LOCAL = False
+            config.decode_ctas_per_sm = chosen
             kvcache._decode_launches.clear()
             kvcache._steps.clear()
     return run

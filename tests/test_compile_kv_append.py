@@ -1,7 +1,7 @@
 """Compile-only tests of the KV-cache update kernel (kernels/common/kv_append.py) for sm_90a,
 without a GPU: every switch (append, rotary kinds, rotary dtypes, positional q, paged and
 cache_batch_idx caches, fp8 caches) compiles without spills, and the fp8 cache's values are
-converted by the hardware's saturating cvt."""
+converted by the hardware's saturating cvt, rotation's products rounded as PyTorch's."""
 import os
 import re
 
@@ -36,5 +36,8 @@ def test_compile_kv_append(name, capfd, tmp_path, monkeypatch):
     assert len(fakes) == len(arguments.KV_APPEND_ARGUMENTS)
     ptx = compile_kernel(KvAppend(cfg), fakes, "--keep-ptx remarks{ptx}").__ptx__
     assert ("cvt.rn.satfinite." in ptx) == (cfg.cache_fp8 is not None)
+    # rotation's products rounded on their own (mul.rn: never fused into an fma), as PyTorch's
+    assert ("mul.rn.f32" in ptx) == (cfg.rotary is not None)
+    assert not re.search(r"\bmul\.f32", ptx)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0

@@ -66,12 +66,12 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 128, "softcap", "decode,bidx,leftpad,splitkeys"],
                ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,splitkeys"],
                ["fp16", 128, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys"],
-               # ... with a 2-stage ring for 3 CTAs an SM (config.FP8_DECODE_CTAS_PER_SM)
+               # ... with the CTAs an SM of small grids (config.decode_ctas_per_sm): an fp8
+               # cache's 2-stage ring for 3, a bf16 cache's 4-stage ring for 1
                ["bf16", 128, "none", "decode,page=16,gqa=4,fp8=e4m3,splitkeys,ctas=3"],
-               # ... whose warps load their own keys (config.DECODE_WARP_LOCAL)
-               ["bf16", 128, "causal", "decode,page=16,split,gqa=4,splitkeys,warplocal"],
-               ["fp16", 64, "none", "decode,bidx,leftpad,gqa=8,fp8=e5m2,splitkeys,warplocal"],
-               ["bf16", 192, "local", "decode,page=128,gqa=2,fp8=e4m3,splitkeys,warplocal"]]
+               ["bf16", 128, "causal", "decode,page=128,split,gqa=4,splitkeys,ctas=1"],
+               ["fp16", 64, "none", "decode,bidx,leftpad,gqa=8,fp8=e5m2,splitkeys,ctas=3"],
+               ["bf16", 192, "local", "decode,page=128,gqa=2,fp8=e4m3,splitkeys"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],

@@ -187,26 +187,13 @@ FP8_DECODE_CASES = [  # the decode cases' forms over an fp8 cache (with bf16 or 
 @pytest.mark.parametrize("case", DECODE_CASES + FP8_DECODE_CASES,
                          ids=[f"case{i}" for i in range(len(DECODE_CASES))]
                          + [f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
-def test_kvcache_warp_local(seed, case, monkeypatch):
-    """The decode cases (bf16/fp16 and fp8 caches) with config.DECODE_WARP_LOCAL's candidate:
-    steps on the split-keys tile load (and convert) each warp's keys by its own lanes, synced
-    per warp; the other steps run as before."""
+def test_kvcache_two_ctas_per_sm(seed, case, monkeypatch):
+    """The decode cases at 2 CTAs an SM, as a grid that fills the GPU runs them (these cases'
+    small grids otherwise take 1 for bf16 or 3 for an fp8 cache: config.decode_ctas_per_sm):
+    the ring sized for half the shared memory, split counts for 2 CTAs an SM."""
     from cuteattn import kvcache
     from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "DECODE_WARP_LOCAL", True)
-    monkeypatch.setattr(kvcache, "_decode_launches", {})
-    monkeypatch.setattr(kvcache, "_steps", {})
-    b, sq, s_new, h, hk, d, cap, lens, extra = case
-    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
-
-
-@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
-def test_kvcache_fp8_three_ctas_per_sm(seed, case, monkeypatch):
-    """The fp8 decode cases with config.FP8_DECODE_CTAS_PER_SM's candidate 3 (their small grids
-    take it: a 2-stage ring and split counts for 3 CTAs an SM)."""
-    from cuteattn import kvcache
-    from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "FP8_DECODE_CTAS_PER_SM", 3)
+    monkeypatch.setattr(config, "decode_ctas_per_sm", lambda *args: 2)
     monkeypatch.setattr(kvcache, "_decode_launches", {})
     monkeypatch.setattr(kvcache, "_steps", {})
     b, sq, s_new, h, hk, d, cap, lens, extra = case

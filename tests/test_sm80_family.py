@@ -580,36 +580,71 @@ def test_decode_ring_fits_the_device(d, capability):
         assert cfg.kv_stages >= 2
 
 
-def test_decode_ctas_per_sm_three_only_for_split_fp8_grids(monkeypatch):
-    """config.decode_ctas_per_sm with FP8_DECODE_CTAS_PER_SM = 3: 3 CTAs an SM (a 2-stage ring that fits a third of the shared
-    memory) for an fp8 cache whose tiles leave the GPU to split-KV at 3 an SM; 2 otherwise (bf16,
-    or tiles that fill the GPU alone: the bench's batch 64 over 8 kv heads and 128 over 4)."""
-    monkeypatch.setattr(config, "FP8_DECODE_CTAS_PER_SM", 3)
+H200_SMEM = 227 * 1024
+
+
+def test_decode_ctas_per_sm_where_split_kv_makes_the_grid():
+    """config.decode_ctas_per_sm: where the tiles leave the GPU to split-KV, 3 CTAs an SM for an
+    fp8 cache (a 2-stage ring that fits a third of the shared memory) and 1 for a bf16 cache
+    whose key blocks do not gather pages; 2 otherwise (the tiles fill the GPU alone: the bench's
+    batch 64 over 8 kv heads, 128 over 4; or 16-key pages)."""
     tiles = lambda b, hk: config.decode_work_tiles(b, 32, hk, 1)
     assert tiles(8, 8) == 64 and tiles(1, 4) == 4 and config.decode_work_tiles(2, 12, 4, 1) == 24
-    for b, hk in ((1, 8), (8, 4), (64, 4)):
-        assert config.decode_ctas_per_sm(True, tiles(b, hk), 132) == 3
-        assert config.decode_ctas_per_sm(False, tiles(b, hk), 132) == 2
+    for b, hk in ((1, 8), (8, 4), (8, 8)):
+        assert config.decode_ctas_per_sm(True, False, tiles(b, hk), 132, H200_SMEM) == 3
+        assert config.decode_ctas_per_sm(True, True, tiles(b, hk), 132, H200_SMEM) == 3
+        assert config.decode_ctas_per_sm(False, False, tiles(b, hk), 132, H200_SMEM) == 1
+        assert config.decode_ctas_per_sm(False, True, tiles(b, hk), 132, H200_SMEM) == 2
     for b, hk in ((64, 8), (128, 4)):
-        assert config.decode_ctas_per_sm(True, tiles(b, hk), 132) == 2
+        for fp8, gathers in ((True, False), (False, False), (False, True)):
+            assert config.decode_ctas_per_sm(fp8, gathers, tiles(b, hk), 132, H200_SMEM) == 2
+    # (between: 4 x 32 kv heads is 128 tiles, over 80% of 132 slots: bf16 2, fp8 still 3)
+    assert config.decode_ctas_per_sm(False, False, 128, 132, H200_SMEM) == 2
+    assert config.decode_ctas_per_sm(True, False, 128, 132, H200_SMEM) == 3
+    # (a 100 KB GPU keeps 2 for bf16: 1 was measured on the H200 only)
+    assert config.decode_ctas_per_sm(False, False, 4, 84, 99 * 1024) == 2
     args = (False, False, False, False, False, 128, True, 4)
     three = config.decode_config(cutlass.BFloat16, 128, 128, *args, smem_limit=227 * 1024,
                                  kv_fp8=cutlass.Float8E4M3FN, split_keys=True, ctas_per_sm=3)
     two = config.decode_config(cutlass.BFloat16, 128, 128, *args, smem_limit=227 * 1024,
                                kv_fp8=cutlass.Float8E4M3FN, split_keys=True)
     assert three.kv_stages == 2 and 3 * three.smem_bytes() <= 227 * 1024 < 3 * two.smem_bytes()
+    one = config.decode_config(cutlass.BFloat16, 128, 128, *args, smem_limit=227 * 1024,
+                               split_keys=True, ctas_per_sm=1)
+    assert one.kv_stages == 4
+
+
+@pytest.mark.parametrize("page, fp8, gathers", [(0, False, False), (128, False, False),
+                                                (64, False, False), (16, False, True),
+                                                (16, True, True), (0, True, False)])
+def test_decode_grid_reads_the_spec(page, fp8, gathers):
+    """config.decode_grid: the spec's tiles, and the CTAs an SM from its cache (fp8 or not) and
+    whether its pages hold whole key blocks (d=128: 64 keys); kvcache._splits counts with it."""
+    spec = AttentionSpec(batch=1, seqlen_q=1, seqlen_k=4096, nheads=32, nheads_k=8, head_dim=128,
+                         head_dim_v=128, dtype=torch.bfloat16, causal=True, local=False,
+                         has_softcap=False, varlen_q=False, varlen_k=False, paged_kv=page > 0, page_size=page,
+                         kv_dtype=torch.float8_e4m3fn if fp8 else None)
+    assert config.decode_grid(spec, 132, H200_SMEM) == (
+        8, config.decode_ctas_per_sm(fp8, gathers, 8, 132, H200_SMEM))
+    # a head dim without a decode kernel (the reference serves it) still gets a count
+    unserved = dataclasses.replace(spec, head_dim=80, head_dim_v=80)
+    assert config.decode_grid(unserved, 132, H200_SMEM)[0] == 8
 
 
 def test_decode_warp_local_config():
-    """config.DECODE_WARP_LOCAL's candidate: decode_config(warp_local=True) marks the split-keys
-    tile (a warp's copy passes tile its 16 keys at d 64/128/192); it never applies off that tile."""
+    """The split-keys tile of an fp8 cache loads (and converts) each warp's keys by its own
+    lanes (warp_local; a warp's copy passes tile its 16 keys at d 64/128/192); a bf16 cache's
+    tile does not (measured neutral), and no tile off the split-keys one does."""
     from cuteattn.kernels.sm80.fwd import FlashFwdSm80
     args = (False, False, False, False, False, 16, True)
     for d, gqa in ((64, 8), (128, 4), (192, 2)):
         cfg = config.decode_config(cutlass.BFloat16, d, d, *args, gqa, smem_limit=227 * 1024,
-                                   split_keys=True, warp_local=True)
+                                   kv_fp8=cutlass.Float8E4M3FN, split_keys=True)
         assert cfg.split_keys and cfg.warp_local
         FlashFwdSm80(cfg)
+        plain = config.decode_config(cutlass.BFloat16, d, d, *args, gqa, smem_limit=227 * 1024,
+                                     split_keys=True)
+        assert plain.split_keys and not plain.warp_local
     off = config.decode_config(cutlass.BFloat16, 96, 96, *args, 4, smem_limit=227 * 1024,
-                               split_keys=True, warp_local=True)
+                               kv_fp8=cutlass.Float8E4M3FN, split_keys=True)
     assert not off.split_keys and not off.warp_local

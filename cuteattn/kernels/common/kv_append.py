@@ -146,8 +146,25 @@ class KvAppend:
                 j, partner = f - half * second, f + half - 2 * half * second
             c, s = mCos[pos, j].to(Float32), mSin[pos, j].to(Float32)
             sign = Float32(2 * second - 1)
-            out = out * c + sign * (x[partner].to(Float32) * s)
+            # each product rounded on its own, as PyTorch's x1 * c - x2 * s: a multiply-add
+            # that ptxas contracts into one fma rounds once, and its result (rounded to k's
+            # dtype) then differs from the reference's in a few elements in 10^4
+            out = mul_rn(out, c) + sign * mul_rn(x[partner].to(Float32), s)
         return out
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b rounded to nearest; its explicit rounding keeps ptxas from fusing it into an fma."""
+    return Float32(llvm.inline_asm(
+        T.f32(),
+        [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        "mul.rn.f32 $0, $1, $2;",
+        "=f,f,f",
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
 
 
 @dsl_user_op

@@ -88,22 +88,6 @@ DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
     256: (64, 16, 4),
 }
 
-# The decode kernel's CTAs an SM (decode_ctas_per_sm): its K/V ring is sized to fit that share
-# of the shared memory first (decode_stages), and the split-KV count (kvcache._splits) counts
-# on it. 2; FP8_DECODE_CTAS_PER_SM for an fp8 cache whose tiles leave the GPU to split-KV at
-# that many an SM. At 3 (the fp8 kernel, 168 registers, fits 3, with 2 ring stages) the fp8
-# step ran 1.04-1.26x on exactly those cells of the bench grid (it is latency-bound at 8 warps
-# an SM: ncu at 8 x 32768, page 128, 6 cycles a warp between issues, the DRAM 38% busy); where
-# the tiles alone fill the GPU (batch 64 over 8 kv heads, 128 over 4 or 8) 3 ran 0.81-0.97x,
-# its last wave partial. The bf16 kernel (185 registers) fits 2 only. Timed, not yet run
-# through the GPU tests: set 3 once `tests/test_gpu_sm80.py -k fp8_three_ctas` passes.
-DECODE_CTAS_PER_SM = 2
-FP8_DECODE_CTAS_PER_SM = 2
-# Split-keys decode steps whose warps load (and convert) their own keys, synced per warp, not
-# per CTA (Sm80FwdConfig.warp_local): compile-checked, not yet GPU-run. Run
-# `tests/test_gpu_sm80.py -k warp_local`, then `dev_decode_ab.py base DECODE_WARP_LOCAL`; keep
-# the winner, drop this constant.
-DECODE_WARP_LOCAL = False
 
 
 def decode_work_tiles(batch: int, nheads: int, nheads_k: int, seqlen_q: int) -> int:
@@ -115,12 +99,35 @@ def decode_work_tiles(batch: int, nheads: int, nheads_k: int, seqlen_q: int) -> 
     return batch * nheads * -(-seqlen_q // 64)
 
 
-def decode_ctas_per_sm(fp8_cache: bool, tiles: int, sms: int) -> int:
-    """DECODE_CTAS_PER_SM, or FP8_DECODE_CTAS_PER_SM for an fp8 cache whose tiles fill less than
-    kvcache.split_count's 80% of the CTA slots at that many an SM."""
-    if fp8_cache and tiles < 0.8 * FP8_DECODE_CTAS_PER_SM * sms:
-        return FP8_DECODE_CTAS_PER_SM
-    return DECODE_CTAS_PER_SM
+def decode_ctas_per_sm(fp8_cache: bool, gathers_pages: bool, tiles: int, sms: int,
+                       smem_limit: int) -> int:
+    """The decode kernel's CTAs an SM: its K/V ring is sized to fit that share of the shared
+    memory (decode_stages), and the split-KV count (kvcache._splits) counts slots with it.
+    2, except where the tiles leave the GPU to split-KV (fewer than 80% of the slots, as
+    kvcache.split_count counts them at that many an SM). There an fp8 cache runs 3 (2 ring
+    stages; its step is latency-bound at 8 warps an SM) and a bf16/fp16 cache whose key blocks
+    do not gather pages (contiguous, or pages holding whole blocks) runs 1 (a 4-stage ring,
+    fewer splits to merge) on a GPU of Hopper's shared memory (over 200 KB a CTA; 100 KB GPUs
+    would fit only 2 stages at d=128, unmeasured: they keep 2). Measured at d=128 on an H200
+    (docs/perf-log.md): fp8 3 ran
+    1.04-1.26x where the grid splits, 0.81-0.97x where the tiles alone fill the GPU (a partial
+    last wave); bf16 1 ran 1.01-1.03x at pages of 128 keys and contiguous, 0.90-0.96x at pages
+    of 16 (gathered blocks want the second CTA's loads in flight)."""
+    if fp8_cache:
+        return 3 if tiles < 0.8 * 3 * sms else 2
+    return 1 if not gathers_pages and tiles < 0.8 * sms and smem_limit > 200 * 1024 else 2
+
+
+def decode_grid(spec, sms: int, smem_limit: int) -> tuple:
+    """A decode step's (work tiles, CTAs an SM) for an AttentionSpec on a GPU of `sms` SMs and
+    that opt-in shared memory a CTA: the one derivation that the launch (ring size) and
+    kvcache._splits (split count) share."""
+    tiles = decode_work_tiles(spec.batch, spec.nheads, spec.nheads_k, spec.seqlen_q or 1)
+    page = spec.page_size if spec.paged_kv else 0
+    # (a head dim without a decode kernel, d=80: the reference serves it; its count is moot)
+    tile_n = DECODE_TILES[spec.head_dim][1] if spec.head_dim in DECODE_TILES else 64
+    gathers = page % tile_n != 0
+    return tiles, decode_ctas_per_sm(spec.kv_dtype is not None, gathers, tiles, sms, smem_limit)
 
 
 def warps_for_key_block(dtype, head_dim: int, head_dim_v: int, tile_n: int, warps: int) -> int:
@@ -145,16 +152,17 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
                   has_seqused_q: bool = False, smem_limit: int = 99 * 1024,
-                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = DECODE_CTAS_PER_SM,
-                  warp_local: bool = False) -> Sm80FwdConfig:
+                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = 2) -> Sm80FwdConfig:
     """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
     flash_attn_varlen_func(block_table=)) the same tiles, without pack-GQA. kv_fp8: an fp8
     cache's format (Sm80FwdConfig.kv_fp8; its ring has at least 2 stages). split_keys: a
     16-row tile whose warps split each key block (Sm80FwdConfig.split_keys), where the key
-    block is 16 keys a warp (else the usual tile); warp_local: that tile's warps loading their
-    own keys (Sm80FwdConfig.warp_local). ctas_per_sm: decode_stages'."""
+    block is 16 keys a warp (else the usual tile); with an fp8 cache that tile's warps load and
+    convert their own keys (Sm80FwdConfig.warp_local: 1.10-1.34x on a contiguous fp8 cache,
+    0.98-1.03x paged; neutral for bf16, 0.98-1.00x, so not used there). ctas_per_sm:
+    decode_stages' (decode_ctas_per_sm)."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     gather = False
     if page_size % tile_n:  # (a contiguous cache has page_size 0) a block would span pages
@@ -189,7 +197,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                      for cols in (head_dim, head_dim_v))
     if (split_keys and passes_fit and not varlen_q and cfg.tile_n == 16 * cfg.num_warps
             and stages >= 2):
-        local = warp_local and all(KEYS_PER_WARP % mma.rows_per_copy_pass(dtype, 32, cols) == 0
+        local = kv_fp8 is not None and all(KEYS_PER_WARP % mma.rows_per_copy_pass(dtype, 32, cols) == 0
                                    for cols in (head_dim, head_dim_v))
         split = dataclasses.replace(cfg, tile_m=16, split_keys=True, warp_local=local,
                                     pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
@@ -197,7 +205,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     return cfg
 
 
-def decode_stages(cfg: Sm80FwdConfig, smem_limit: int, ctas_per_sm: int = DECODE_CTAS_PER_SM) -> int:
+def decode_stages(cfg: Sm80FwdConfig, smem_limit: int, ctas_per_sm: int = 2) -> int:
     """K/V blocks in flight for decoding (bound by reading the cache): the most of 4, 3, 2 whose
     ring fits the shared memory's share of one of ctas_per_sm CTAs, else the most that fit,
     else 1."""

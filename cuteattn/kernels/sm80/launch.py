@@ -204,16 +204,14 @@ class DecodeLaunch:
         fn = self.fns.get(split_kv)
         if fn is None:
             spec = self.spec
-            sms = sm_count(spec.device_index)  # (the CTAs an SM: as kvcache._splits counts)
-            tiles = config.decode_work_tiles(spec.batch, spec.nheads, spec.nheads_k, spec.seqlen_q or 1)
-            self.ctas_per_sm = config.decode_ctas_per_sm(spec.kv_dtype is not None, tiles, sms)
+            _, self.ctas_per_sm = config.decode_grid(spec, sm_count(spec.device_index),
+                                                     smem_limit(spec.device_index))
             cfg = config.decode_config(
                 CUTLASS_DTYPES[spec.dtype], spec.head_dim, spec.head_dim_v, spec.causal,
                 spec.local, spec.has_softcap, spec.has_kv_batch_idx, spec.has_leftpad_k,
                 spec.page_size if spec.paged_kv else 0, split_kv, spec.qhead_per_kvhead,
                 smem_limit=smem_limit(spec.device_index), kv_fp8=FP8_FORMATS.get(spec.kv_dtype),
-                split_keys=self.split_keys, ctas_per_sm=self.ctas_per_sm,
-                warp_local=config.DECODE_WARP_LOCAL)
+                split_keys=self.split_keys, ctas_per_sm=self.ctas_per_sm)
             fn = self.fns[split_kv] = _compiled(cfg, self.tvm_ffi)
         return fn
 
