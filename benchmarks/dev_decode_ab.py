@@ -4,7 +4,7 @@ combination of config flags, interleaved per cell and repeated, so clocks and pl
 shared. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_decode_ab.py FLAG[,FLAG] ... [--rounds 2] [--quick] [--bf16 | --fp8]
 FLAG names a constant of cuteattn/kernels/sm80/config.py set True for that variant, or
-NAME=INT sets it to that value ('base': the defaults). Prints GB/s (cache bytes read / time) per cell and variant, and each variant's
+NAME=INT sets it to that value, ctas=N runs every step at N CTAs an SM ('base': the defaults). Prints GB/s (cache bytes read / time) per cell and variant, and each variant's
 ratio to the first."""
 import sys
 
@@ -20,7 +20,11 @@ rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv
 args = [a for a in args if a != str(rounds)]
 variants = [tuple(f for f in a.split(",") if f != "base") for a in args] or [()]
 setting = lambda f: (f.split("=")[0], int(f.split("=")[1])) if "=" in f else (f, True)
-defaults = {name: getattr(config, name) for v in variants for name, _ in map(setting, v)}
+# ("ctas=N": every step at N CTAs an SM, config.decode_ctas_per_sm's rule replaced)
+patch = lambda name, value: (("decode_ctas_per_sm", lambda *args: value) if name == "ctas"
+                             else (name, value))
+defaults = {patch(*setting(f))[0]: getattr(config, patch(*setting(f))[0])
+            for v in variants for f in v}
 quick = "--quick" in sys.argv
 dev = torch.device("cuda")
 cells = ([] if "--bf16" in sys.argv else shapes.decode_grid(quick, fp8_kv=True)) + [
@@ -30,8 +34,8 @@ cells = ([] if "--bf16" in sys.argv else shapes.decode_grid(quick, fp8_kv=True))
 def set_variant(v):
     for name, value in defaults.items():
         setattr(config, name, value)
-    for name, value in map(setting, v):
-        setattr(config, name, value)
+    for f in v:
+        setattr(config, *patch(*setting(f)))
     kvcache._decode_launches.clear()
     kvcache._steps.clear()
 
