@@ -37,6 +37,29 @@ def check_unsupported(dropout_p, alibi_slopes, return_attn_probs) -> None:
         )
 
 
+# window edges and sequence positions cross into the kernels as int32
+INT32_MAX = 2 ** 31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_flag(name: str, value) -> bool:
+    """A boolean argument as a bool: True / False (numpy's too) or the ints 0 and 1, as
+    FlashAttention's bindings take them; anything else (a string "False" is truthy) a TypeError."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy"
+                                   and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name} must be a bool; got {value!r}")
+
+
+def check_flags(**flags) -> None:
+    """check_flag on each keyword (strict may also be None: CUTEATTN_STRICT decides)."""
+    for name, value in flags.items():
+        if not (name == "strict" and value is None):
+            check_flag(name, value)
+
+
 def normalize_mask(causal: bool, window_size) -> tuple:
     """FlashAttention's mask semantics -> (causal, local, window_left, window_right), each side an
     int bound or None (unbounded): reference.window_bounds' rules (-1 unbounded where neither
@@ -50,8 +73,11 @@ def normalize_mask(causal: bool, window_size) -> tuple:
     for name, w in zip(("left", "right"), window_size):
         if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral)):
             raise TypeError(f"window_size {name} must be an int or None (unbounded); got {w!r}")
+        if w is not None and not -INT32_MAX <= w <= INT32_MAX:
+            raise ValueError(f"window_size {name} must fit int32 (|w| < 2**31; None is unbounded); "
+                             f"got {w}")
     left, right = (None if w is None else int(w) for w in window_bounds(tuple(window_size)))
-    if causal:
+    if check_flag("causal", causal):
         right = 0
     if left is not None and right is not None and left + right < 0:
         raise ValueError(f"window_size ({left}, {right}) leaves no key to any query: left + right "
@@ -70,8 +96,10 @@ def check_scalars(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
             raise TypeError(f"softmax_scale must be a Python number or None; got {type(softmax_scale)}")
         scale = float(softmax_scale)
         # comparisons, not math.isfinite: they also work on torch.compile's symbolic floats
-        if not (0 < scale < math.inf):  # False for NaN and inf
-            raise ValueError(f"softmax_scale must be finite and > 0; got {softmax_scale}")
+        # (the kernels take it, times log2(e), as float32)
+        if not (0 < scale < FLOAT32_MAX / 2):  # False for NaN and inf
+            raise ValueError(f"softmax_scale must be finite and > 0 (below float32's range / 2); "
+                             f"got {softmax_scale}")
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a Python number; got {type(softcap)}")
     softcap = float(softcap)

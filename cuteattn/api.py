@@ -28,7 +28,7 @@ _warned_reasons: set[str] = set()
 
 def _strict(strict: bool | None) -> bool:
     if strict is not None:
-        return bool(strict)
+        return _checks.check_flag("strict", strict)
     return os.environ.get("CUTEATTN_STRICT", "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -107,6 +107,10 @@ def _run(q, k, v, spec, out, lse, strict, varlen: dict | None = None,
     descales: fp8 inputs' (q, k, v) descales (the sm90 fp8 forward takes them)."""
     if _is_empty(spec, out):
         launch, reason = None, None
+        if varlen is not None and varlen_host is None and not q.is_cuda:
+            # (on the host the lengths cost nothing to read: an empty problem claimed by
+            # max_seqlen = 0 or no sequences is held to the metadata's rules too)
+            _varlen_host_values(q, k, spec, varlen)
     else:
         launch, reason = _select_kernel(spec, q.device)
         if reason is not None:
@@ -248,8 +252,9 @@ def flash_attn_func(
     Checked on every call without a device sync: types, dtypes, devices, ranks, shapes, head dims
     (q/k and v) multiples of 8 up to 256 (kernels: 64, 96, 128, 192, 256 with v's equal to q's;
     others run on the reference), nheads % nheads_k, unit stride in head_dim (no hidden copy),
-    a window that leaves keys (left + right >= 0 when both are bounded), softcap >= 0,
-    softmax_scale finite > 0.
+    a window that leaves keys (left + right >= 0 when both are bounded) with int32 edges,
+    softcap >= 0, softmax_scale finite > 0, causal / deterministic / return_lse / strict bools
+    (or 0 / 1).
     Not supported (NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs.
     Keyword-only extras: learnable_sink (nheads,) float32, one logit per query head joining each
     row's softmax denominator (gpt-oss); q_descale / k_descale / v_descale, FlashAttention-3's
@@ -277,6 +282,7 @@ def flash_attn_func(
     launches a kernel.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    _checks.check_flags(deterministic=deterministic, return_lse=return_lse, strict=strict)
     if block_sparse is not None or mask_mod is not None or score_mod is not None:
         sig = None
         if (mask_mod is None and score_mod is None and out is None and lse is None
@@ -808,6 +814,8 @@ def flash_attn_varlen_func(
     out 0 and lse -inf without a launch.
     """
     _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    _checks.check_flags(deterministic=deterministic, return_lse=return_lse, validate=validate,
+                        strict=strict)
     if block_sparse is not None or mask_mod is not None or score_mod is not None:
         varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,

@@ -90,9 +90,9 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_
         if block_table.device != device:
             raise ValueError(f"block_table must be on q's device ({device}); got {block_table.device}")
         page = k_cache.shape[1]
-        if page % PAGE_MULTIPLE != 0:
-            raise ValueError(f"the page size (k_cache.shape[1] = {page}) must be a multiple of "
-                             f"{PAGE_MULTIPLE} for a paged cache")
+        if page <= 0 or page % PAGE_MULTIPLE != 0:
+            raise ValueError(f"the page size (k_cache.shape[1] = {page}) must be a positive "
+                             f"multiple of {PAGE_MULTIPLE} for a paged cache")
         if cache_batch_idx is not None:
             raise ValueError("cache_batch_idx cannot be combined with block_table (the block "
                              "table already says where each sequence's pages are)")
@@ -147,7 +147,7 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_
     if isinstance(cache_seqlens, bool) or not (
             cache_seqlens is None or isinstance(cache_seqlens, (numbers.Integral, torch.Tensor))):
         raise TypeError(f"cache_seqlens must be None, an int or an int32 tensor; got {type(cache_seqlens)}")
-    if isinstance(cache_seqlens, numbers.Integral) and not 0 <= cache_seqlens <= capacity - s_new:
+    if isinstance(cache_seqlens, numbers.Integral) and not 0 <= int(cache_seqlens) <= capacity - s_new:
         raise ValueError(f"cache_seqlens ({cache_seqlens}) must lie in [0, capacity - seqlen_new] = "
                          f"[0, {capacity - s_new}]")
     if isinstance(cache_seqlens, torch.Tensor):
@@ -157,15 +157,28 @@ def _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_
     return batch, s_new, capacity
 
 
+def _check_rotary_rows(rotary_cos, seqlens, seqlen_q: int, positional: bool) -> None:
+    """q is rotated at cache_seqlens[b] + i (i < seqlen_q) when `positional` (causal or
+    windowed), else at cache_seqlens[b]: rotary_cos/sin need a row for each such position."""
+    last = max(seqlens, default=0) + (seqlen_q - 1 if positional else 0)
+    if seqlen_q > 0 and last >= rotary_cos.shape[0]:
+        raise ValueError(f"rotary_cos/sin have {rotary_cos.shape[0]} rows, but q is rotated at "
+                         f"position {last} (cache_seqlens{' + the query row' if positional else ''}; "
+                         "without cache_seqlens the cache is full: its capacity)")
+
+
 def _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, s_new,
-                  capacity, batch) -> None:
-    """validate=True: the index values (a device sync)."""
+                  capacity, batch, rotary=(None, 0, False)) -> None:
+    """validate=True (and every fallback): the index values (a device sync). rotary: (rotary_cos
+    or None, seqlen_q, positional), _check_rotary_rows' arguments."""
     seqlens = ([cache_seqlens] * batch if not isinstance(cache_seqlens, torch.Tensor)
                else cache_seqlens.tolist()) if cache_seqlens is not None else [capacity - s_new] * batch
     for b, n in enumerate(seqlens):
         if not 0 <= n <= capacity - s_new:
             raise ValueError(f"cache_seqlens[{b}] = {n}: must lie in [0, capacity - seqlen_new] = "
                              f"[0, {capacity - s_new}]")
+    if rotary[0] is not None:
+        _check_rotary_rows(rotary[0], [capacity] if cache_seqlens is None else seqlens, *rotary[1:])
     if cache_leftpad is not None:
         for b, (pad, n) in enumerate(zip(cache_leftpad.tolist(), seqlens)):
             if not 0 <= pad <= n:
@@ -241,6 +254,8 @@ def flash_attn_with_kvcache(
     values (a sync): lengths within the capacity, leftpad within the length, rows and pages in
     range, rows not repeated. Without it they are trusted.
     """
+    _checks.check_flags(rotary_interleaved=rotary_interleaved, return_softmax_lse=return_softmax_lse,
+                        validate=validate, strict=strict)
     compiling = torch.compiler.is_compiling()
     sig = None
     if not compiling and not validate:
@@ -258,6 +273,8 @@ def flash_attn_with_kvcache(
     _checks.check_unsupported(0.0, alibi_slopes, False)
     checked = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
                            rotary_cos, rotary_sin, cache_seqlens, num_splits, (k_descale, v_descale))
+    if isinstance(cache_seqlens, numbers.Integral):
+        cache_seqlens = int(cache_seqlens)  # (numpy's ints too: the reference indexes with it)
     causal, _, left, right = _checks.normalize_mask(causal, window_size)
     scale, softcap = _checks.check_scalars(softmax_scale, softcap, q.shape[-1])
     args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -337,6 +354,9 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad, rotary_cos,
         rotary_sin, cache_seqlens, 0)
     causal, local, left, right = _checks.normalize_mask(causal, (left, right))
+    if rotary_cos is not None and not isinstance(cache_seqlens, torch.Tensor):
+        _check_rotary_rows(rotary_cos, [capacity if cache_seqlens is None else cache_seqlens],
+                           q.shape[1], causal or local)
     fp8 = k_cache.dtype in FP8_CACHE
     spec = AttentionSpec(
         dtype=q.dtype, head_dim=q.shape[-1],
@@ -350,11 +370,15 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
         device_index=q.device.index if q.device.type == "cuda" else -1,
         kv_dtype=k_cache.dtype if fp8 else None)
     spec = _checks.with_sink(spec, learnable_sink, q)
+    if batch == 0:  # nothing to append or attend
+        return (q.new_empty(*q.shape[:3], v_cache.shape[-1]),
+                torch.empty(0, q.shape[2], q.shape[1], dtype=torch.float32, device=q.device))
     launch, reason = _decode_launch(spec, q.device)
+    rotary = (rotary_cos, q.shape[1], causal or local)
     if launch is not None:
         if validate:
             _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-                          s_new, capacity, batch)
+                          s_new, capacity, batch, rotary)
         step = DecodeStep(spec, launch, _splits(num_splits, spec, q.device, capacity), capacity,
                           causal or local)
         if keep_as is not None:
@@ -368,7 +392,7 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
     # the reference reads the index values anyway: hold them to validate=True's rules always
     # (a clear ValueError, not an index error or a write outside a sequence's pages)
     _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, s_new,
-                  capacity, batch)
+                  capacity, batch, rotary)
     with torch.no_grad():
         out, lse = attention_kvcache_ref(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -519,10 +543,13 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     if not isinstance(cu_seqlens_q, torch.Tensor) or not isinstance(cu_seqlens_k, torch.Tensor):
         raise ValueError("block_table needs cu_seqlens_q and cu_seqlens_k (packed q; the key "
                          "lengths of the paged sequences)")
-    batch = cu_seqlens_q.shape[0] - 1
     _checks.check_qkv(q, k_cache, v_cache, 3, "(total_q, nheads, head_dim)", rank_k=4,
                       layout_k="paged (num_blocks, page_size, nheads_k, head_dim)")
-    for name, t, n in (("cu_seqlens_q", cu_seqlens_q, None), ("cu_seqlens_k", cu_seqlens_k, batch + 1),
+    _checks._check_index_tensor("cu_seqlens_q", cu_seqlens_q, None, q.device)
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have length batch + 1 >= 1; got an empty tensor")
+    batch = cu_seqlens_q.shape[0] - 1
+    for name, t, n in (("cu_seqlens_k", cu_seqlens_k, batch + 1),
                        ("seqused_q", seqused_q, batch), ("seqused_k", seqused_k, batch)):
         if t is not None:
             _checks._check_index_tensor(name, t, n, q.device)
@@ -532,8 +559,9 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                          f"{q.device}; got {getattr(block_table, 'dtype', type(block_table))} "
                          f"{tuple(getattr(block_table, 'shape', ()))}")
     page = k_cache.shape[1]
-    if page % PAGE_MULTIPLE != 0:
-        raise ValueError(f"the page size (k.shape[1] = {page}) must be a multiple of {PAGE_MULTIPLE}")
+    if page <= 0 or page % PAGE_MULTIPLE != 0:
+        raise ValueError(f"the page size (k.shape[1] = {page}) must be a positive multiple of "
+                         f"{PAGE_MULTIPLE}")
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k_cache, v_cache)):
         raise NotImplementedError("block_table (paged keys): no gradients (inference only)")
     max_seqlen_q = _checks._check_max_seqlen("max_seqlen_q", max_seqlen_q)

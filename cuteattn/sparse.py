@@ -121,9 +121,18 @@ def from_block_mask(block_mask: torch.Tensor, q_block: int, kv_block: int,
     """From a boolean (B|1, H|1, nq, nk) mask of attended blocks; `partial` (same shape) marks
     those whose pairs the mask_mod decides (default: none, every attended block is full)."""
     _check_block_sizes(q_block, kv_block)
+    if not isinstance(block_mask, torch.Tensor):
+        raise TypeError(f"block_mask must be a torch.Tensor; got {type(block_mask)}")
     if block_mask.dtype != torch.bool or block_mask.dim() != 4:
         raise ValueError(f"block_mask must be a 4-D bool tensor (B, H, nq, nk); got "
                          f"{block_mask.dtype} {tuple(block_mask.shape)}")
+    if partial is not None and (not isinstance(partial, torch.Tensor) or partial.dtype != torch.bool
+                                or partial.shape != block_mask.shape
+                                or partial.device != block_mask.device):
+        raise ValueError(f"partial must be a bool tensor of block_mask's shape "
+                         f"{tuple(block_mask.shape)} on its device; got "
+                         f"{getattr(partial, 'dtype', type(partial))} "
+                         f"{tuple(getattr(partial, 'shape', ()))}")
     partial = torch.zeros_like(block_mask) if partial is None else partial & block_mask
     full_count, full_index = _compact(block_mask & ~partial)
     partial_count, partial_index = _compact(partial)
@@ -173,12 +182,22 @@ def transpose(mask: BlockSparseMask) -> BlockSparseMask:
 def from_topk(indices: torch.Tensor, num_kv_blocks: int, q_block: int, kv_block: int,
               partial: bool = False) -> BlockSparseMask:
     """From (B|1, H|1, nq, k) selected key block indices per query block (VSA's top-k form;
-    repeated indices count once); partial=True makes every selected block partial."""
+    repeated indices count once; an index outside [0, num_kv_blocks), such as a -1 filling a
+    row that selects fewer than k, selects nothing: checking them would need a sync);
+    partial=True makes every selected block partial."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor; got {type(indices)}")
     if indices.dim() != 4 or indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"indices must be a 4-D int32/int64 tensor (B, H, nq, k); got "
                          f"{indices.dtype} {tuple(indices.shape)}")
-    mask = torch.zeros((*indices.shape[:3], num_kv_blocks), dtype=torch.bool, device=indices.device)
-    mask.scatter_(-1, indices.long().clamp(0, num_kv_blocks - 1), True)
+    if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
+        raise ValueError(f"num_kv_blocks must be an int >= 1; got {num_kv_blocks!r}")
+    # (out-of-range indices go to a spare column, cut off)
+    mask = torch.zeros((*indices.shape[:3], num_kv_blocks + 1), dtype=torch.bool,
+                       device=indices.device)
+    idx = indices.long()
+    mask.scatter_(-1, torch.where((idx >= 0) & (idx < num_kv_blocks), idx, num_kv_blocks), True)
+    mask = mask[..., :num_kv_blocks]
     return from_block_mask(mask, q_block, kv_block, mask if partial else None)
 
 
@@ -189,7 +208,19 @@ def evaluate_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int,
     (B, H, Sq, Sk) bool."""
     idx = lambda n, dim: torch.arange(n, device=device).view([-1 if i == dim else 1 for i in range(4)])
     out = mask_mod(idx(batch, 0), idx(heads, 1), idx(seqlen_q, 2) + q_offset, idx(seqlen_k, 3))
-    return torch.as_tensor(out, device=device).to(torch.bool).expand(batch, heads, seqlen_q, seqlen_k)
+    return _mod_result(out, device, (batch, heads, seqlen_q, seqlen_k))
+
+
+def _mod_result(out, device, shape: tuple) -> torch.Tensor:
+    """A mask_mod's value over broadcasting indices as a (B, H, Sq, Sk) bool tensor, or a
+    ValueError naming the mod when it does not broadcast to that shape."""
+    out = torch.as_tensor(out, device=device).to(torch.bool)
+    try:
+        return out.expand(*shape)
+    except RuntimeError:
+        raise ValueError(f"mask_mod(b, h, q_idx, kv_idx) must broadcast its indices (shapes "
+                         f"(B,1,1,1), (1,H,1,1), (1,1,Sq,1), (1,1,1,Sk)) to {shape}; it returned "
+                         f"shape {tuple(out.shape)}") from None
 
 
 # from_mask_mod evaluates this many (query, key) pairs at a time at most (per batch and head
@@ -205,6 +236,10 @@ def from_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int, seq
     query blocks at a time as keep the evaluated pairs within MASK_MOD_CHUNK, so memory stays
     bounded and a long sequence takes a few steps."""
     _check_block_sizes(q_block, kv_block)
+    for name, n in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q),
+                    ("seqlen_k", seqlen_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {n!r}")
     state = _mask_mod_blocks_kernel(mask_mod, batch, heads, seqlen_q, seqlen_k, q_block,
                                     kv_block, device)
     if state is not None:
@@ -229,9 +264,8 @@ def mask_mod_blocks_torch(mask_mod: Callable, batch: int, heads: int, seqlen_q: 
         blocks = min(step, nq - first)
         start = first * q_block
         rows = min(blocks * q_block, seqlen_q - start)
-        m = torch.as_tensor(mask_mod(idx(batch, 0), idx(heads, 1), idx(rows, 2, start),
-                                     idx(seqlen_k, 3)), device=device).to(torch.bool)
-        m = m.expand(batch, heads, rows, seqlen_k)
+        m = _mod_result(mask_mod(idx(batch, 0), idx(heads, 1), idx(rows, 2, start),
+                                 idx(seqlen_k, 3)), device, (batch, heads, rows, seqlen_k))
         # rows past the query end and pairs past the key end count as "attended" for all()
         # and not for any()
         pad_q = blocks * q_block - rows
@@ -287,6 +321,10 @@ def check(mask: BlockSparseMask, batch: int, heads: int, seqlen_q: int, seqlen_k
     _check_block_sizes(mask.q_block, mask.kv_block)
     nq, nk = -(-seqlen_q // mask.q_block), -(-seqlen_k // mask.kv_block)
     for name in ("full_count", "full_index", "partial_count", "partial_index"):
+        if not isinstance(getattr(mask, name), torch.Tensor):
+            raise TypeError(f"block_sparse.{name} must be a torch.Tensor; got "
+                            f"{type(getattr(mask, name))}")
+    for name in ("full_count", "full_index", "partial_count", "partial_index"):
         t = getattr(mask, name)
         if t.dtype != torch.int32 or t.device != device:
             raise ValueError(f"block_sparse.{name} must be int32 on {device}; got {t.dtype} on {t.device}")
@@ -297,6 +335,15 @@ def check(mask: BlockSparseMask, batch: int, heads: int, seqlen_q: int, seqlen_k
             raise ValueError(f"block_sparse.{name} must have shape (1|{batch}, 1|{heads}, "
                              f"{', '.join(f'>={n}' for n in want)}) for these sequence lengths "
                              f"and blocks of {mask.q_block}x{mask.kv_block}; got {tuple(t.shape)}")
+    for kind in ("full", "partial"):  # each count belongs to its list
+        count, index = getattr(mask, f"{kind}_count"), getattr(mask, f"{kind}_index")
+        if tuple(count.shape) != tuple(index.shape[:3]):
+            raise ValueError(f"block_sparse.{kind}_count's shape {tuple(count.shape)} must be "
+                             f"{kind}_index's first three modes {tuple(index.shape[:3])}")
+    if tuple(mask.full_index.shape[2:]) != tuple(mask.partial_index.shape[2:]):
+        raise ValueError(f"block_sparse.full_index and partial_index must have the same (query "
+                         f"blocks, key blocks) modes; got {tuple(mask.full_index.shape[2:])} and "
+                         f"{tuple(mask.partial_index.shape[2:])}")
 
 
 def check_values(mask: BlockSparseMask) -> None:

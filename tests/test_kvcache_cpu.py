@@ -3,6 +3,8 @@ against an independent construction (the sequence's keys assembled by hand, rota
 multiplication), the in-place append (exactly the new positions change), paged caches with
 shuffled and shared pages, and every argument rule."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -520,3 +522,63 @@ def test_decode_shortcut_still_checks_what_it_must(fake_decode):
     for _ in range(2):
         flash_attn_with_kvcache(**a, cache_seqlens=lens, window_size=[1, 0])
     assert fake_decode.selections == 4  # (the first call, validate's and the two lists)
+
+
+def _decode_args(b=2, sq=4, cap=32, hk=2, h=4, d=64):
+    return (torch.randn(b, sq, h, d, dtype=BF16), torch.randn(b, cap, hk, d, dtype=BF16),
+            torch.randn(b, cap, hk, d, dtype=BF16))
+
+
+@pytest.mark.parametrize("kw, position", [
+    (dict(), 32),                                       # a full cache: q at its capacity
+    (dict(cache_seqlens=30, causal=True), 33),          # q row i at 30 + i
+    (dict(cache_seqlens=torch.tensor([30, 2], dtype=torch.int32), causal=True), 33),
+])
+def test_rotary_tables_must_cover_q_positions(kw, position):
+    q, kc, vc = _decode_args()
+    cos = sin = torch.randn(32, 16)
+    with pytest.raises(ValueError, match=f"rotated at position {position}"):
+        flash_attn_with_kvcache(q, kc, vc, rotary_cos=cos, rotary_sin=sin, **kw)
+
+
+def test_rotary_table_exactly_long_enough_passes():
+    q, kc, vc = _decode_args()
+    cos = sin = torch.randn(32, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = flash_attn_with_kvcache(q, kc, vc, rotary_cos=cos, rotary_sin=sin, cache_seqlens=28,
+                                      causal=True)
+    assert out.shape == (2, 4, 4, 64) and not out.isnan().any()
+
+
+def test_page_size_zero_rejected():
+    z = torch.zeros(6, 0, 2, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="positive multiple of 16"):
+        flash_attn_with_kvcache(torch.randn(2, 1, 4, 64, dtype=BF16), z, z, cache_seqlens=0,
+                                block_table=torch.zeros(2, 3, dtype=torch.int32))
+
+
+def test_batch_zero_returns_empty_results():
+    q, kc, vc = _decode_args(b=0)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=0, return_softmax_lse=True)
+    assert out.shape == (0, 4, 4, 64) and lse.shape == (0, 4, 4)
+
+
+def test_numpy_int_cache_seqlens_is_an_int():
+    import numpy as np
+    q, kc, vc = _decode_args(sq=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=np.int64(5))
+        want = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
+    assert torch.equal(got, want)
+
+
+def test_paged_varlen_checks_cu_seqlens_q_first():
+    from cuteattn import flash_attn_varlen_func
+    kp = torch.randn(6, 16, 2, 64, dtype=BF16)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be 1-D"):
+        flash_attn_varlen_func(torch.randn(30, 4, 64, dtype=BF16), kp, kp,
+                               torch.tensor(0, dtype=torch.int32),
+                               torch.tensor([0, 15, 40], dtype=torch.int32), 6, 40,
+                               block_table=torch.zeros(2, 3, dtype=torch.int32))

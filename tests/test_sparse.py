@@ -2,6 +2,7 @@
 computes; no kernel takes them yet): the dense mask each form means, the exact expansion of a
 logical mask to finer physical blocks, gradients, and the argument rules."""
 
+import dataclasses
 import itertools
 import warnings
 
@@ -408,3 +409,45 @@ def test_packed_sequences_take_each_sequences_lists():
                                      block_sparse=sparse.select_batch(lists, b))
         assert torch.allclose(out[rows].float(), ref[0], atol=1e-2)
         assert torch.equal(torch.isneginf(lse[:, rows]), torch.isneginf(ref_lse[0]))
+
+
+def _lists(count_shape=(1, 1, 3), index_shape=(1, 1, 3, 3), partial_index_shape=(1, 1, 3, 3)):
+    i32 = torch.int32
+    return sparse.BlockSparseMask(16, 16, torch.zeros(count_shape, dtype=i32),
+                                  torch.zeros(index_shape, dtype=i32), torch.zeros((1, 1, 3), dtype=i32),
+                                  torch.zeros(partial_index_shape, dtype=i32))
+
+
+@pytest.mark.parametrize("mask, match", [
+    (_lists(partial_index_shape=(1, 1, 3, 5)), "same .query blocks, key blocks. modes"),
+    (_lists(count_shape=(1, 1, 4)), "full_count's shape"),
+    (dataclasses.replace(_lists(), full_index=[[[[0]]]]), "must be a torch.Tensor"),
+])
+def test_check_rejects_lists_that_disagree(mask, match):
+    q, k = torch.randn(2, 40, 4, 64, dtype=BF16), torch.randn(2, 40, 2, 64, dtype=BF16)
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_attn_func(q, k, k, block_sparse=mask)
+
+
+def test_topk_indices_out_of_range_select_nothing():
+    # (a -1 filling a short selection, or an index past the blocks: never a clamped block)
+    lists = sparse.from_topk(torch.tensor([[[[1, -1], [7, 0]]]], dtype=torch.int32), 3, 16, 16)
+    full, _ = lists.block_masks()
+    assert full[0, 0].tolist() == [[False, True, False], [True, False, False]]
+    with pytest.raises(ValueError, match="num_kv_blocks must be an int >= 1"):
+        sparse.from_topk(torch.zeros(1, 1, 1, 1, dtype=torch.int32), 0, 16, 16)
+
+
+def test_builders_name_their_bad_arguments():
+    with pytest.raises(TypeError, match="block_mask must be a torch.Tensor"):
+        sparse.from_block_mask([[True]], 16, 16)
+    with pytest.raises(TypeError, match="indices must be a torch.Tensor"):
+        sparse.from_topk([[[[0]]]], 2, 16, 16)
+    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="partial must be a bool tensor of block_mask's shape"):
+        sparse.from_block_mask(mask, 16, 16, partial=torch.ones(1, 1, 2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="seqlen_q must be an int >= 1"):
+        sparse.from_mask_mod(lambda b, h, q, kv: q >= kv, 1, 1, 0, 40, 16, 16)
+    with pytest.raises(ValueError, match="mask_mod.* must broadcast"):
+        sparse.from_mask_mod(lambda b, h, q, kv: torch.ones(3, 5, dtype=torch.bool), 1, 1, 40,
+                             40, 16, 16)

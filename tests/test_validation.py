@@ -448,3 +448,44 @@ def test_kernel_path_does_not_read_the_lengths(monkeypatch):
     monkeypatch.setattr(_checks, "varlen_values_on_host", lambda *a: pytest.fail("values read"))
     call("varlen", varlen_args(dict(cu_seqlens_q=[0, 4, 4000]), 2))
     assert launched and launched[0]["cu_seqlens_q"].tolist() == [0, 4, 4000]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("flag, value", [("causal", "False"), ("causal", 2),
+                                         ("deterministic", "yes"), ("return_lse", None),
+                                         ("strict", "no")])
+def test_flags_must_be_bools(kind, flag, value):
+    # a string "False" is truthy: taken as given it would apply (or skip) a mask silently
+    rejects(kind, make(kind), TypeError, f"{flag} must be a bool", **{flag: value})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flags_take_bools_and_0_1(kind):
+    import numpy as np
+    args = make(kind)
+    out = call(kind, args, causal=np.bool_(True))
+    assert torch.equal(out, call(kind, args, causal=1))
+    assert torch.equal(out, call(kind, args, causal=True))
+    assert not torch.equal(out, call(kind, args, causal=0))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("window", [(2 ** 31, 0), (0, -2 ** 40), (None, 2 ** 70)])
+def test_window_edges_must_fit_int32(kind, window):
+    # (the kernels take them as int32: a larger value would wrap into another mask)
+    rejects(kind, make(kind), ValueError, "must fit int32", window_size=window)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_softmax_scale_must_fit_float32(kind):
+    rejects(kind, make(kind), ValueError, "softmax_scale must be finite", softmax_scale=1e300)
+
+
+@pytest.mark.parametrize("cu_q, max_k, match", [([0, 4, 10], 0, "max_seqlen_k .0. is smaller"),
+                                                ([7, -3, 99], 0, "cu_seqlens_q must start at 0")])
+def test_an_empty_claim_on_the_host_is_checked(cu_q, max_k, match):
+    # max_seqlen_k = 0 would take the empty shortcut (out 0, lse -inf); on the host the
+    # lengths cost nothing to read, so metadata that contradicts it is an error, not zeros
+    args = dict(make("varlen"), cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+                max_seqlen_k=max_k)
+    rejects("varlen", args, ValueError, match)

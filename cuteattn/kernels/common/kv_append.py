@@ -12,7 +12,8 @@ head's features in 16 dependent rounds of loads and stores (7.6 us of a 130 us d
 The threads walk the head's features; a rotated feature reads its pair's partner (interleaved:
 2j, 2j+1; GPT-NeoX: j, j + rotary_dim / 2) and cos / sin at the position, in float32, as the reference.
 Memory safety: a position outside the cache, a page id outside the cache or a cache row outside
-it is not written (the reference path raises on such values; validate=True checks them first).
+it is not written, and a rotary position past cos / sin's rows reads their last row (the
+reference path raises on such values; validate=True checks them first).
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -144,7 +145,10 @@ class KvAppend:
             else:
                 second = f // half
                 j, partner = f - half * second, f + half - 2 * half * second
-            c, s = mCos[pos, j].to(Float32), mSin[pos, j].to(Float32)
+            # (a position past the table, which the host checks reject where they can see the
+            # lengths, reads its last row: never outside it)
+            row = cutlass.max(cutlass.min(pos, mCos.shape[0] - 1), 0)
+            c, s = mCos[row, j].to(Float32), mSin[row, j].to(Float32)
             sign = Float32(2 * second - 1)
             # each product rounded on its own, as PyTorch's x1 * c - x2 * s: a multiply-add
             # that ptxas contracts into one fma rounds once, and its result (rounded to k's
