@@ -566,6 +566,11 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         raise NotImplementedError("block_table (paged keys): no gradients (inference only)")
     max_seqlen_q = _checks._check_max_seqlen("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _checks._check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if batch == 0 or q.shape[0] == 0:
+        # no sequence (every row outside them: out 0, lse -inf) or no rows: nothing to launch
+        # (a kernel's tiles would index the lengths of sequence -1)
+        return (torch.zeros(*q.shape[:2], v_cache.shape[-1], dtype=q.dtype, device=q.device),
+                torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device))
     capacity = block_table.shape[1] * page
     spec = _checks._spec(q, k_cache, v_cache, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, varlen_q=True, varlen_k=True,

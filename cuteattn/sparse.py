@@ -340,10 +340,12 @@ def check(mask: BlockSparseMask, batch: int, heads: int, seqlen_q: int, seqlen_k
         if tuple(count.shape) != tuple(index.shape[:3]):
             raise ValueError(f"block_sparse.{kind}_count's shape {tuple(count.shape)} must be "
                              f"{kind}_index's first three modes {tuple(index.shape[:3])}")
-    if tuple(mask.full_index.shape[2:]) != tuple(mask.partial_index.shape[2:]):
-        raise ValueError(f"block_sparse.full_index and partial_index must have the same (query "
-                         f"blocks, key blocks) modes; got {tuple(mask.full_index.shape[2:])} and "
-                         f"{tuple(mask.partial_index.shape[2:])}")
+    if tuple(mask.full_index.shape) != tuple(mask.partial_index.shape):
+        # (the same batch and head modes too: the kernels index both lists with one (b, h),
+        # clamped into the full lists' modes)
+        raise ValueError(f"block_sparse.full_index and partial_index must have the same shape "
+                         f"(batch, head, query blocks, key blocks modes); got "
+                         f"{tuple(mask.full_index.shape)} and {tuple(mask.partial_index.shape)}")
 
 
 def check_values(mask: BlockSparseMask) -> None:

@@ -155,6 +155,10 @@ DECODE_CASES = [
     (2, 3, 1, 12, 2, 128, 300, [10, 250], dict(causal=True)),
     (3, 1, 1, 32, 4, 128, 2048, [0, 900, 2047], dict(sink=True)),
     (2, 2, 2, 8, 8, 64, 512, [100, 400], dict(sink=True, splits=3, page=16, causal=True)),
+    # pack-GQA over several 64-row query blocks in the causal / windowed tile order (chunked
+    # prefill through the cache: the order's L2 groups must count kv heads, not query heads)
+    (2, 32, 32, 32, 8, 128, 1024, [5, 900], dict(causal=True)),
+    (2, 20, 0, 16, 2, 64, 2048, [2000, 700], dict(window=(256, 0), page=16)),
 ]
 
 

@@ -582,3 +582,14 @@ def test_paged_varlen_checks_cu_seqlens_q_first():
                                torch.tensor(0, dtype=torch.int32),
                                torch.tensor([0, 15, 40], dtype=torch.int32), 6, 40,
                                block_table=torch.zeros(2, 3, dtype=torch.int32))
+
+
+def test_paged_varlen_without_sequences_writes_nothing_to_attend():
+    from cuteattn import flash_attn_varlen_func
+    kp = torch.randn(6, 16, 2, 64, dtype=BF16)
+    out, lse = flash_attn_varlen_func(torch.randn(5, 4, 64, dtype=BF16), kp, kp,
+                                      torch.tensor([0], dtype=torch.int32),
+                                      torch.tensor([0], dtype=torch.int32), 0, 0, return_lse=True,
+                                      block_table=torch.zeros(0, 3, dtype=torch.int32))
+    assert torch.all(out == 0) and out.shape == (5, 4, 64)
+    assert lse.shape == (4, 5) and torch.all(lse == float("-inf"))

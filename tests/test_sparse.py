@@ -419,7 +419,10 @@ def _lists(count_shape=(1, 1, 3), index_shape=(1, 1, 3, 3), partial_index_shape=
 
 
 @pytest.mark.parametrize("mask, match", [
-    (_lists(partial_index_shape=(1, 1, 3, 5)), "same .query blocks, key blocks. modes"),
+    (_lists(partial_index_shape=(1, 1, 3, 5)), "full_index and partial_index must have the same shape"),
+    # (a broadcast partial list beside per-head full ones: the kernels read both at one (b, h))
+    (dataclasses.replace(_lists(count_shape=(1, 4, 3), index_shape=(1, 4, 3, 3))),
+     "full_index and partial_index must have the same shape"),
     (_lists(count_shape=(1, 1, 4)), "full_count's shape"),
     (dataclasses.replace(_lists(), full_index=[[[[0]]]]), "must be a torch.Tensor"),
 ])

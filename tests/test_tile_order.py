@@ -93,3 +93,35 @@ def test_l2_group_fits_half_the_cache_in_whole_gqa_groups():
     assert l2_group(spec) == 12 * 4
     long = AttentionSpec(**{**spec.__dict__, "seqlen_k": 1 << 22})
     assert l2_group(long) == 4  # at least one KV head (with its GQA group)
+
+
+def run_with(num_m, heads, batch, group_pairs, small_groups, unit, lpt=True):
+    out = torch.full((num_m * heads * batch, 3), -1, dtype=torch.int32)
+    fn = cute.compile(tile_order, _to_cute(out, 4), *([Int32(1)] * 6), lpt)
+    fn(_to_cute(out, 4), Int32(num_m), Int32(heads), Int32(batch), Int32(group_pairs),
+       Int32(small_groups), Int32(unit))
+    return out
+
+
+@pytest.mark.parametrize("batch,nheads,nheads_k,seqlen_q,seqlen_k", [
+    (1, 32, 8, 32, 4096),     # a causal chunk of 32 tokens, GQA 4: 2 query blocks of 64 rows
+    (2, 16, 2, 20, 65536),    # GQA 8, 160 rows: 3 blocks; one kv head's K/V per L2 group
+    (3, 8, 4, 100, 1024),     # GQA 2
+])
+def test_packed_decode_grid_visits_every_tile(batch, nheads, nheads_k, seqlen_q, seqlen_k):
+    """The decode kernel with pack-GQA walks (batch, kv head) pairs, its tiles holding every
+    query head of one: sm80 launch_scalars must size the causal order's L2 groups in those
+    pairs (sized in query heads, a chunk of 32 tokens at GQA 4 left its first 64 rows unwritten)."""
+    from cuteattn.kernels.sm80 import config
+    from cuteattn.kernels.sm80.launch import launch_scalars
+    spec = AttentionSpec(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=True,
+                         local=False, has_softcap=False, varlen_q=False, varlen_k=False,
+                         has_seqused_k=True, kind="decode", batch=batch, seqlen_q=seqlen_q,
+                         seqlen_k=seqlen_k, nheads=nheads, nheads_k=nheads_k, device_index=-1)
+    group = config.decode_pack_group(spec, split_keys=False)
+    assert group == nheads // nheads_k
+    num_m = -(-seqlen_q * group // config.DECODE_TILES[128][0])
+    s = launch_scalars(spec, group)
+    out = run_with(num_m, nheads_k, batch, s["l2_group"], s["l2_small_groups"], 1)
+    seen = {tuple(row) for row in out.tolist()}
+    assert seen == {(m, h, b) for m in range(num_m) for h in range(nheads_k) for b in range(batch)}

@@ -76,8 +76,15 @@ def balanced_l2_groups(pairs: int, max_pairs: int, unit: int) -> tuple:
     return units // num_groups * unit, num_groups - units % num_groups
 
 
-def l2_groups(spec: AttentionSpec) -> tuple:
-    """(pairs per small group, number of small groups): l2_group's budget, balanced."""
+def l2_groups(spec: AttentionSpec, packed: bool = False) -> tuple:
+    """(pairs per small group, number of small groups): l2_group's budget, balanced. packed: the
+    kernel packs every query head of a kv head into its tiles (pack-GQA), so its pairs are
+    (batch, kv head), one K/V each: the groups must count those, or the tile order (which
+    walks batch x nheads_k pairs) would hand most tiles to pairs past the batch and leave query
+    blocks of the real ones unvisited."""
+    if packed:
+        return balanced_l2_groups(max(spec.batch * spec.nheads_k, 1),
+                                  max(l2_group(spec) // spec.qhead_per_kvhead, 1), 1)
     return balanced_l2_groups(max(spec.batch * spec.nheads, 1), l2_group(spec),
                               spec.qhead_per_kvhead)
 

@@ -148,6 +148,15 @@ def pack_gqa_group(qhead_per_kvhead: int, tile_m: int) -> int:
     return g if g > 1 and tile_m % g == 0 else 1
 
 
+def decode_pack_group(spec, split_keys: bool) -> int:
+    """The pack-GQA group decode_config gives a decode step's kernel (packed q, the paged
+    prefill, never packs): its tile's rows are 16 on the split-keys tile, else DECODE_TILES'."""
+    if spec.varlen_q:
+        return 1
+    tile_m = 16 if split_keys else DECODE_TILES.get(spec.head_dim, (64,))[0]
+    return pack_gqa_group(spec.qhead_per_kvhead, tile_m)
+
+
 def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,

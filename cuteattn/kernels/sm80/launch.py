@@ -121,10 +121,11 @@ def _compiled_combine(cfg: CombineConfig, tvm_ffi: bool):
                                         sources=sources())
 
 
-def launch_scalars(spec: AttentionSpec) -> dict:
-    """The kernel's scalar arguments by name (arguments.SCALARS), as Python numbers."""
+def launch_scalars(spec: AttentionSpec, pack_gqa: int = 1) -> dict:
+    """The kernel's scalar arguments by name (arguments.SCALARS), as Python numbers; pack_gqa:
+    the compiled kernel's (Sm80FwdConfig.pack_gqa), which decides what its tile order walks."""
     score_scale, scale_log2, left, right = kernel_scalars(spec)
-    small, num_small = l2_groups(spec)
+    small, num_small = l2_groups(spec, packed=pack_gqa > 1)
     return dict(qhead_per_kvhead=spec.qhead_per_kvhead, score_scale=score_scale,
                 softmax_scale_log2=scale_log2, window_left=left, window_right=right,
                 l2_group=small, l2_small_groups=num_small)
@@ -145,7 +146,7 @@ class Launch:
         self.spec = spec
         self.tvm_ffi = use_tvm_ffi()
         self.cfg, self.fn = compiled_forward(spec, self.tvm_ffi)
-        self.bind = Binder(PER_CALL, {**launch_scalars(spec), "num_splits": 1},
+        self.bind = Binder(PER_CALL, {**launch_scalars(spec, self.cfg.pack_gqa), "num_splits": 1},
                            arguments.ARGUMENTS, None if self.tvm_ffi else to_runtime)
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
@@ -180,7 +181,7 @@ class DecodeLaunch:
         group = config.pack_gqa_group(spec.qhead_per_kvhead, 16)
         self.split_keys = (group == spec.qhead_per_kvhead
                            and (spec.seqlen_q or 0) * group <= 16)
-        scalars = dict(launch_scalars(spec))
+        scalars = dict(launch_scalars(spec, config.decode_pack_group(spec, self.split_keys)))
         self.bind = Binder(DECODE_PER_CALL, scalars, arguments.ARGUMENTS,
                            None if self.tvm_ffi else to_runtime)
         self.combine = None  # (compiled combine kernel, its binder), made on first use
