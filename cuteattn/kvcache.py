@@ -518,7 +518,10 @@ def _splits(num_splits: int, spec: AttentionSpec, device, capacity: int) -> int:
 def _check_paged_lengths(cu_seqlens_k, seqused_k, block_table, page: int, capacity: int,
                          num_pages: int):
     """The paged prefill's index values (a sync): each sequence's key length fits its pages,
-    and the pages it uses are in the cache. Returns (used lengths, the table) as lists."""
+    and the pages it uses are in the cache; cu_seqlens_k starts at 0 (as validate=True holds
+    every cu_seqlens to). Returns (used lengths, the table) as lists."""
+    if int(cu_seqlens_k[0]) != 0:
+        raise ValueError(f"cu_seqlens_k must start at 0; got {int(cu_seqlens_k[0])}")
     lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
     used = seqused_k.tolist() if seqused_k is not None else lengths
     table = block_table.tolist()

@@ -593,3 +593,16 @@ def test_paged_varlen_without_sequences_writes_nothing_to_attend():
                                       block_table=torch.zeros(0, 3, dtype=torch.int32))
     assert torch.all(out == 0) and out.shape == (5, 4, 64)
     assert lse.shape == (4, 5) and torch.all(lse == float("-inf"))
+
+
+def test_paged_varlen_fallback_holds_cu_seqlens_k_to_start_at_0():
+    # (as validate=True does on the kernel path: one rule whichever path serves the call)
+    from cuteattn import flash_attn_varlen_func
+    kp = torch.randn(6, 16, 2, 64, dtype=BF16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="cu_seqlens_k must start at 0; got 3"):
+            flash_attn_varlen_func(torch.randn(8, 4, 64, dtype=BF16), kp, kp,
+                                   torch.tensor([0, 4, 8], dtype=torch.int32),
+                                   torch.tensor([3, 20, 40], dtype=torch.int32), 4, 20,
+                                   block_table=torch.arange(6, dtype=torch.int32).view(2, 3))
