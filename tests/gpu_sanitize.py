@@ -200,6 +200,10 @@ def cases() -> dict:
     for i in (0, 1):
         out[f"portable_decode_fp8_two_ctas{i}"] = _on_sm80(_two_ctas_per_sm(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8])))
+    for i in (0, 1, 3):  # V reusing K's page lookup (config.DECODE_PAGE_ONCE's candidate)
+        out[f"portable_decode_page_once{i}"] = _on_sm80(_with_config(
+            lambda case=ts.PAGED_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]),
+            "DECODE_PAGE_ONCE", True))
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
         out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])
@@ -243,18 +247,23 @@ def _on_sm80(fn):
 
 
 def _two_ctas_per_sm(fn):
-    """fn run with config.decode_ctas_per_sm held at 2 (fresh decode launches), then restored."""
+    """fn run with config.decode_ctas_per_sm held at 2, then restored."""
+    return _with_config(fn, "decode_ctas_per_sm", lambda *args: 2)
+
+
+def _with_config(fn, name: str, value):
+    """fn run with sm80 config's `name` set to value (fresh decode launches), then restored."""
     def run():
         from cuteattn import kvcache
         from cuteattn.kernels.sm80 import config
-        chosen = config.decode_ctas_per_sm
-        config.decode_ctas_per_sm = lambda *args: 2
+        chosen = getattr(config, name)
+        setattr(config, name, value)
         kvcache._decode_launches.clear()
         kvcache._steps.clear()
         try:
             fn()
         finally:
-            config.decode_ctas_per_sm = chosen
+            setattr(config, name, chosen)
             kvcache._decode_launches.clear()
             kvcache._steps.clear()
     return run

@@ -14,6 +14,7 @@ traffic; 32 rows per warp is faster even with spills, but does not compile spill
 """
 import dataclasses
 import math
+from typing import Optional
 
 from ..launch_common import compiled_width
 from . import mma
@@ -99,6 +100,12 @@ def decode_work_tiles(batch: int, nheads: int, nheads_k: int, seqlen_q: int) -> 
     return batch * nheads * -(-seqlen_q // 64)
 
 
+# A/B candidate (Sm80FwdConfig.page_once): paged decode blocks whose V copy reuses K's page
+# lookup. Compile-checked, not yet GPU-run: `tests/test_gpu_sm80.py -k "kvcache"` with it on
+# (monkeypatch), then `dev_decode_ab.py base DECODE_PAGE_ONCE`; keep the winner, drop this.
+DECODE_PAGE_ONCE = False
+
+
 def decode_ctas_per_sm(fp8_cache: bool, gathers_pages: bool, tiles: int, sms: int,
                        smem_limit: int) -> int:
     """The decode kernel's CTAs an SM: its K/V ring is sized to fit that share of the shared
@@ -161,7 +168,8 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
                   has_seqused_q: bool = False, smem_limit: int = 99 * 1024,
-                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = 2) -> Sm80FwdConfig:
+                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = 2,
+                  page_once: Optional[bool] = None) -> Sm80FwdConfig:
     """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
@@ -171,7 +179,8 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     block is 16 keys a warp (else the usual tile); with an fp8 cache that tile's warps load and
     convert their own keys (Sm80FwdConfig.warp_local: 1.10-1.34x on a contiguous fp8 cache,
     0.98-1.03x paged; neutral for bf16, 0.98-1.00x, so not used there). ctas_per_sm:
-    decode_stages' (decode_ctas_per_sm)."""
+    decode_stages' (decode_ctas_per_sm). page_once: Sm80FwdConfig.page_once for a paged cache
+    (None: DECODE_PAGE_ONCE)."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     gather = False
     if page_size % tile_n:  # (a contiguous cache has page_size 0) a block would span pages
@@ -187,7 +196,9 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
-                               kv_fp8=kv_fp8)
+                               kv_fp8=kv_fp8,
+                               page_once=(DECODE_PAGE_ONCE if page_once is None else page_once)
+                               and page_size > 0)
     stages = decode_stages(cfg, smem_limit, ctas_per_sm)
     while kv_fp8 is not None and stages < 2 and cfg.tile_n > 16:
         # an fp8 cache's ring needs 2 stages besides its converted block: narrower key blocks

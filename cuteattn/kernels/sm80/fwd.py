@@ -91,6 +91,11 @@ class Sm80FwdConfig:
     # Used for an fp8 cache (config.decode_config): 1.10-1.34x a contiguous fp8 step, 0.98-1.03x
     # a paged one; a bf16 step ran 0.98-1.00x with it, so it keeps the CTA's shared copies.
     warp_local: bool = False
+    # Paged blocks (one page a block, or a warp's keys with warp_local): V's copy reuses the page
+    # K's copy looked up (one page-table read and one division by the page size a block, not
+    # two: the fp8 step is latency-bound and paged caches ran it 1.2x slower than contiguous
+    # ones where the tiles fill the GPU). An A/B candidate (config.DECODE_PAGE_ONCE).
+    page_once: bool = False
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of each row's
     # denominator in the epilogue (OnlineSoftmax.finalize); a tile's rows are one query head
     # (not with pack_gqa or split_kv: decoding merges the sink in its combine kernel)
@@ -456,13 +461,13 @@ class FlashFwdSm80:
             if const_expr(ring):
                 # the top block (K and V) then kv_stages - 2 more, a commit group each (empty past
                 # n_min, so that every iteration can wait for "all but the newest kv_stages - 2")
-                load_k(n_max - 1, True, 0)
-                load_v(n_max - 1, True, 0)
+                page = load_k(n_max - 1, True, 0)
+                load_v(n_max - 1, True, 0, page=page)
                 cute.arch.cp_async_commit_group()
                 for i in cutlass.range_constexpr(1, cfg.kv_stages - 1):
                     if n_max - 1 - i >= n_min:
-                        load_k(n_max - 1 - i, False, i)
-                        load_v(n_max - 1 - i, False, i)
+                        page = load_k(n_max - 1 - i, False, i)
+                        load_v(n_max - 1 - i, False, i, page=page)
                     cute.arch.cp_async_commit_group()
             else:
                 load_k(n_max - 1, True)
@@ -657,8 +662,8 @@ class FlashFwdSm80:
         self.block_sync(top)
         ahead = n_block - (stages - 1)
         if ahead >= n_min:
-            load_k(ahead, False, (j + stages - 1) % stages)
-            load_v(ahead, False, (j + stages - 1) % stages)
+            page = load_k(ahead, False, (j + stages - 1) % stages)
+            load_v(ahead, False, (j + stages - 1) % stages, page=page)
         cute.arch.cp_async_commit_group()
         sK = self.warp_keys(ops.sK[None, None, stage], ops.warp)
         sV = self.warp_keys(ops.sV[None, None, stage], ops.warp)
@@ -694,8 +699,8 @@ class FlashFwdSm80:
         self.convert_chunks(ops.tVsV8[None, None, None, stage], ops.tVsV)
         ahead = n_block - (stages - 1)
         if ahead >= n_min:
-            load_k(ahead, False, (j + stages - 1) % stages)
-            load_v(ahead, False, (j + stages - 1) % stages)
+            page = load_k(ahead, False, (j + stages - 1) % stages)
+            load_v(ahead, False, (j + stages - 1) % stages, page=page)
         cute.arch.cp_async_commit_group()
         self.block_sync(False)  # (the conversion visible: the warp's own rows with warp_local)
         ops.acc_S.fill(0.0)
@@ -724,47 +729,71 @@ class FlashFwdSm80:
 
     @cute.jit
     def load_block(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
-                   n_block, bounded: cutlass.Constexpr, stage=None):
+                   n_block, bounded: cutlass.Constexpr, stage=None, page=None):
         """K or V block n_block into its shared buffer (rows past seqlen_k zeroed if `bounded`).
         mX: the (keys, cols) rows of this head; or, paged, the cache's (page_size, cols, pages)
         with `pages` the sequence's row of the page table (tile_n divides the page size, so a
-        block lies in one page: one lookup, clamped into the table and the cache)."""
+        block lies in one page: one lookup, clamped into the table and the cache). Returns the
+        lookup, (page, block within it), for V's copy with page_once (`page`: that lookup)."""
         if const_expr(self.cfg.kv_stages > 1):
             tXsX = tXsX[None, None, None, stage]
         if const_expr(self.cfg.gather_pages):
             self.load_block_pages(thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols, n_block, bounded)
-            return
-        if const_expr(self.cfg.paged_kv):
+            return None
+        if const_expr(self.cfg.paged_kv and self.cfg.page_once):
+            if const_expr(page is None):
+                page = self.page_of(mX, pages, n_block * self.tile_n, self.tile_n)
+            gX = cute.local_tile(mX[None, None, page[0]], (self.tile_n, cols), (page[1], 0))
+        elif const_expr(self.cfg.paged_kv):  # (its own lookup; as the GPU-verified kernels)
             page_size = mX.shape[0]
             first_key = n_block * self.tile_n
             slot = cutlass.min(first_key // page_size, pages.shape[0] - 1)
             page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
             gX = cute.local_tile(mX[None, None, page], (self.tile_n, cols),
                                  ((first_key % page_size) // self.tile_n, 0))
+            page = None
         else:
             gX = cute.local_tile(mX, (self.tile_n, cols), (n_block, 0))
         mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
                        seqlen_k - n_block * self.tile_n, bounded,
                        cols=mX.shape[1] if const_expr(self.cfg.padded) else None)
+        return page
+
+    @cute.jit
+    def page_of(self, mX, pages, first_key, rows: cutlass.Constexpr):
+        """(page, index of the `rows`-key run within it) of the run from first_key (inside one
+        page): the page from the sequence's row of the table, clamped into the table and the
+        cache (mX: its (page_size, cols, pages))."""
+        page_size = mX.shape[0]
+        slot = cutlass.min(first_key // page_size, pages.shape[0] - 1)
+        page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
+        return page, (first_key % page_size) // rows
 
     @cute.jit
     def load_warp_block(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
-                        n_block, bounded: cutlass.Constexpr, stage=None, *, warp):
+                        n_block, bounded: cutlass.Constexpr, stage=None, page=None, *, warp):
         """load_block with warp_local: this warp's KEYS_PER_WARP keys of block n_block into its
         rows of the stage (tXsX, tXcX: its lanes' partitions of those rows). Pages are
-        multiples of 16 keys, so the warp's keys lie in one page: one lookup."""
+        multiples of 16 keys, so the warp's keys lie in one page: one lookup (returned, and
+        taken as `page`, as load_block's)."""
         tXsX = tXsX[None, None, None, stage]
         first_key = n_block * self.tile_n + warp * KEYS_PER_WARP
-        if const_expr(self.cfg.paged_kv):
+        if const_expr(self.cfg.paged_kv and self.cfg.page_once):
+            if const_expr(page is None):
+                page = self.page_of(mX, pages, first_key, KEYS_PER_WARP)
+            gX = cute.local_tile(mX[None, None, page[0]], (KEYS_PER_WARP, cols), (page[1], 0))
+        elif const_expr(self.cfg.paged_kv):  # (its own lookup; as the GPU-verified kernels)
             page_size = mX.shape[0]
             slot = cutlass.min(first_key // page_size, pages.shape[0] - 1)
             page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
             gX = cute.local_tile(mX[None, None, page], (KEYS_PER_WARP, cols),
                                  ((first_key % page_size) // KEYS_PER_WARP, 0))
+            page = None
         else:
             gX = cute.local_tile(mX, (KEYS_PER_WARP, cols), (first_key // KEYS_PER_WARP, 0))
         mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX, seqlen_k - first_key,
                       bounded)
+        return page
 
     @cute.jit
     def load_block_pages(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
