@@ -204,6 +204,10 @@ def cases() -> dict:
         out[f"portable_decode_page_once{i}"] = _on_sm80(_with_config(
             lambda case=ts.PAGED_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]),
             "DECODE_PAGE_ONCE", True))
+    for i in (0, 1, 4):  # an fp8 cache's 16-byte copies (config.DECODE_FP8_WIDE's candidate)
+        out[f"portable_decode_fp8_wide{i}"] = _on_sm80(_with_config(
+            lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]),
+            "DECODE_FP8_WIDE", True))
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
         out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])

@@ -75,7 +75,11 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # ... V's copy reusing K's page lookup (config.DECODE_PAGE_ONCE's candidate)
                ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,splitkeys,pageonce"],
                ["fp16", 128, "causal", "decode,page=32,gqa=8,splitkeys,pageonce"],
-               ["bf16", 64, "local", "decode,page=64,split,pageonce"]]
+               ["bf16", 64, "local", "decode,page=64,split,pageonce"],
+               # ... an fp8 cache's warp-local copies 16 bytes a thread (config.DECODE_FP8_WIDE)
+               ["bf16", 128, "none", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,fp8wide"],
+               ["fp16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,fp8wide,pageonce"],
+               ["bf16", 192, "local", "decode,page=128,gqa=2,fp8=e4m3,splitkeys,fp8wide"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],

@@ -96,6 +96,9 @@ class Sm80FwdConfig:
     # two: the fp8 step is latency-bound and paged caches ran it 1.2x slower than contiguous
     # ones where the tiles fill the GPU). An A/B candidate (config.DECODE_PAGE_ONCE).
     page_once: bool = False
+    # With warp_local and an fp8 cache, 16 bytes a thread per copy (mma.byte_copy_wide: two
+    # converted chunks a thread) instead of 8. An A/B candidate (config.DECODE_FP8_WIDE).
+    fp8_wide: bool = False
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of each row's
     # denominator in the epilogue (OnlineSoftmax.finalize); a tile's rows are one query head
     # (not with pack_gqa or split_kv: decoding merges the sink in its combine kernel)
@@ -128,6 +131,7 @@ class FlashFwdSm80:
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert not (cfg.padded and (cfg.paged_kv or cfg.pack_gqa > 1)), "padded: forward only"
         assert cfg.kv_fp8 is None or (cfg.kv_stages >= 2 and not cfg.padded), "fp8: a decode ring"
+        assert not cfg.fp8_wide or (cfg.kv_fp8 is not None and cfg.warp_local), cfg
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
         if cfg.split_keys:  # (16 rows; a warp per 16 keys of a ring stage)
             assert cfg.tile_m == mma.MMA_ROWS and cfg.tile_n == KEYS_PER_WARP * cfg.num_warps
@@ -391,8 +395,16 @@ class FlashFwdSm80:
         if const_expr(self.fp8):
             # the loads fill the ring of bytes, in the converted buffer's chunks (8 keys'
             # elements a thread): the thread that loads a chunk converts it
-            copy_k8 = mma.byte_copy_like(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
-            copy_v8 = mma.byte_copy_like(self.dtype, kv_threads, self.dv).get_slice(kv_tidx)
+            if const_expr(cfg.fp8_wide):
+                (copy_k8, to_k), (copy_v8, to_v) = (
+                    [c.get_slice(kv_tidx) for c in mma.byte_copy_wide(self.dtype, kv_threads, cols)]
+                    for cols in (self.d, self.dv))
+                # (the converted buffer in the wide copy's chunks: a thread's own two)
+                tKsK = to_k.partition_D(self.warp_rows(sK, own))
+                tVsV = to_v.partition_D(self.warp_rows(sV, own))
+            else:
+                copy_k8 = mma.byte_copy_like(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
+                copy_v8 = mma.byte_copy_like(self.dtype, kv_threads, self.dv).get_slice(kv_tidx)
             staged = [self.warp_rows(x, own) if const_expr(local) else x for x in staging]
             tKsK8, tVsV8 = copy_k8.partition_D(staged[0]), copy_v8.partition_D(staged[1])
             tKcK8 = copy_k8.partition_S(cute.make_identity_tensor((kv_rows, self.d)))
