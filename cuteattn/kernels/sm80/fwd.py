@@ -750,8 +750,8 @@ class FlashFwdSm80:
         if const_expr(self.cfg.kv_stages > 1):
             tXsX = tXsX[None, None, None, stage]
         if const_expr(self.cfg.gather_pages):
-            self.load_block_pages(thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols, n_block, bounded)
-            return None
+            return self.load_block_pages(thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols, n_block,
+                                         bounded, page)
         if const_expr(self.cfg.paged_kv and self.cfg.page_once):
             if const_expr(page is None):
                 page = self.page_of(mX, pages, n_block * self.tile_n, self.tile_n)
@@ -809,20 +809,32 @@ class FlashFwdSm80:
 
     @cute.jit
     def load_block_pages(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
-                         n_block, bounded: cutlass.Constexpr):
+                         n_block, bounded: cutlass.Constexpr, looked_up=None):
         """load_block for a key block that spans pages: each copy pass (a run of
         rows_per_copy_pass keys, all in one page since that run divides the page size) looks up
         its own page, clamped into the table and the cache. Keeps key blocks wide at small
-        pages (one barrier per 64 keys at page 16, not per 16)."""
+        pages (one barrier per 64 keys at page 16, not per 16). With page_once returns the
+        passes' lookups, which V's copy takes as `looked_up` when its passes are K's (the same
+        rows a pass); else None."""
         page_size = mX.shape[0]
         rows_per_pass = self.tile_n // cute.size(tXsX, mode=[1])
         rows_left = seqlen_k - n_block * self.tile_n
-        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+        passes = cute.size(tXsX, mode=[1])
+        reuse = const_expr(looked_up is not None and len(looked_up) == passes)
+        lookups = []
+        for m in cutlass.range_constexpr(passes):
             key = n_block * self.tile_n + m * rows_per_pass
-            slot = cutlass.min(key // page_size, pages.shape[0] - 1)
-            page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
-            gX = cute.local_tile(mX[None, None, page], (rows_per_pass, cols),
-                                 ((key % page_size) // rows_per_pass, 0))
+            if const_expr(self.cfg.page_once):
+                lookup = looked_up[m] if const_expr(reuse) else self.page_of(
+                    mX, pages, key, rows_per_pass)
+                lookups.append(lookup)
+                gX = cute.local_tile(mX[None, None, lookup[0]], (rows_per_pass, cols),
+                                     (lookup[1], 0))
+            else:
+                slot = cutlass.min(key // page_size, pages.shape[0] - 1)
+                page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
+                gX = cute.local_tile(mX[None, None, page], (rows_per_pass, cols),
+                                     ((key % page_size) // rows_per_pass, 0))
             src = thr_copy.partition_S(gX)
             if const_expr(bounded):
                 if tXcX[0, m, 0][0] < rows_left:
@@ -831,6 +843,7 @@ class FlashFwdSm80:
                     tXsX[None, m, None].fill(0)
             else:
                 cute.copy(thr_copy, src[None, 0, None], tXsX[None, m, None])
+        return lookups if const_expr(self.cfg.page_once) else None
 
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
