@@ -133,9 +133,15 @@ def from_block_mask(block_mask: torch.Tensor, q_block: int, kv_block: int,
                          f"{tuple(block_mask.shape)} on its device; got "
                          f"{getattr(partial, 'dtype', type(partial))} "
                          f"{tuple(getattr(partial, 'shape', ()))}")
-    partial = torch.zeros_like(block_mask) if partial is None else partial & block_mask
-    full_count, full_index = _compact(block_mask & ~partial)
-    partial_count, partial_index = _compact(partial)
+    if partial is None:  # (every block full: the empty partial lists _compact would give)
+        full_count, full_index = _compact(block_mask)
+        partial_count = torch.zeros_like(full_count)
+        partial_index = torch.arange(block_mask.shape[-1], dtype=torch.int32,
+                                     device=block_mask.device).expand(block_mask.shape).contiguous()
+    else:
+        partial = partial & block_mask
+        full_count, full_index = _compact(block_mask & ~partial)
+        partial_count, partial_index = _compact(partial)
     return BlockSparseMask(q_block, kv_block, full_count, full_index, partial_count, partial_index)
 
 
@@ -294,15 +300,26 @@ def _mask_mod_blocks_kernel(mask_mod, batch, heads, seqlen_q, seqlen_k, q_block,
 
 def expand(mask: BlockSparseMask, q_block: int, kv_block: int) -> BlockSparseMask:
     """The same token pairs at a finer physical block size (each logical block a multiple of the
-    physical one): VSA's 256x256 logical mask served by 128x128, 128x64 or 64x64 tiles."""
+    physical one): VSA's 256x256 logical mask served by 128x128, 128x64 or 64x64 tiles. The
+    lists themselves are expanded, in their order: listed block j becomes fine blocks
+    j*rk .. j*rk+rk-1 and each query block's row is repeated for its rq finer rows, so
+    _compact's lists (increasing, then the unlisted) stay exactly what _compact of the fine
+    masks would give, in a few elementwise kernels over the fine lists (no scan, no scatter)."""
     _check_block_sizes(q_block, kv_block)
     if mask.q_block % q_block or mask.kv_block % kv_block:
         raise ValueError(f"physical blocks {q_block}x{kv_block} must divide the logical "
                          f"{mask.q_block}x{mask.kv_block}")
     rq, rk = mask.q_block // q_block, mask.kv_block // kv_block
-    full, partial = mask.block_masks()
-    fine = lambda m: m.repeat_interleave(rq, 2).repeat_interleave(rk, 3)
-    return from_block_mask(fine(full | partial), q_block, kv_block, fine(partial & ~full))
+    steps = torch.arange(rk, dtype=torch.int32, device=mask.full_index.device)
+
+    def fine(count, index):
+        index = (index.unsqueeze(-1) * rk + steps).flatten(-2) if rk > 1 else index
+        if rq > 1:
+            count, index = count.repeat_interleave(rq, 2), index.repeat_interleave(rq, 2)
+        return (count * rk if rk > 1 else count), index
+
+    return BlockSparseMask(q_block, kv_block, *fine(mask.full_count, mask.full_index),
+                           *fine(mask.partial_count, mask.partial_index))
 
 
 def _check_block_sizes(q_block: int, kv_block: int) -> None:

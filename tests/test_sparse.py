@@ -69,6 +69,27 @@ def test_topk_and_expansion_select_the_same_pairs(seed):
                        flash_attn_func(q, k, v, block_sparse=physical))
 
 
+@pytest.mark.parametrize("fine_block", [(128, 128), (128, 64), (64, 64), (256, 32)])
+def test_expanded_lists_equal_the_fine_masks_compacted(seed, fine_block):
+    """expand rewrites the lists themselves; for the builders' lists that is, bit for bit, what
+    compacting the fine block masks gives (the lists the kernels walk, and their order)."""
+    selected = torch.rand(1, 3, 5, 7) < 0.4
+    partial = selected & (torch.rand(1, 3, 5, 7) < 0.5)
+    logical = sparse.from_block_mask(selected, 256, 256, partial)
+    got = sparse.expand(logical, *fine_block)
+    rq, rk = 256 // fine_block[0], 256 // fine_block[1]
+    fine = lambda m: m.repeat_interleave(rq, 2).repeat_interleave(rk, 3)
+    want = sparse.from_block_mask(fine(selected), *fine_block, fine(partial))
+    for name in ("full_count", "full_index", "partial_count", "partial_index"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == torch.int32 and torch.equal(g, w), name
+    assert torch.equal(got.dense(1200, 1700), logical.dense(1200, 1700))
+    all_full = sparse.from_block_mask(selected, 256, 256)  # (its own path: no partial compaction)
+    none_partial = sparse.from_block_mask(selected, 256, 256, torch.zeros_like(selected))
+    for name in ("full_count", "full_index", "partial_count", "partial_index"):
+        assert torch.equal(getattr(all_full, name), getattr(none_partial, name)), name
+
+
 def test_from_mask_mod_classifies_blocks(seed):
     causal = lambda b, h, q, kv: q >= kv
     m = sparse.from_mask_mod(causal, 1, 1, 100, 100, 32, 32)
