@@ -75,8 +75,7 @@ def main():
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
                                 varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
                                 smem_limit=smem, kv_fp8=FP8.get(flags.get("fp8")),
-                                split_keys="splitkeys" in flags, ctas_per_sm=int(flags.get("ctas", 2)),
-                                page_once="pageonce" in flags, fp8_wide="fp8wide" in flags)
+                                split_keys="splitkeys" in flags, ctas_per_sm=int(flags.get("ctas", 2)))
             if "sink" in flags:  # (the paged prefill's learnable sink: its epilogue's)
                 import dataclasses
                 cfg = dataclasses.replace(cfg, has_sink=True)

@@ -72,14 +72,12 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 128, "causal", "decode,page=128,split,gqa=4,splitkeys,ctas=1"],
                ["fp16", 64, "none", "decode,bidx,leftpad,gqa=8,fp8=e5m2,splitkeys,ctas=3"],
                ["bf16", 192, "local", "decode,page=128,gqa=2,fp8=e4m3,splitkeys"],
-               # ... V's copy reusing K's page lookup (config.DECODE_PAGE_ONCE's candidate; with
-               # an fp8 cache at d=128 it spills 4 bytes on sm_89: docs/perf-log.md)
-               ["fp16", 128, "causal", "decode,page=32,gqa=8,splitkeys,pageonce"],
-               ["bf16", 64, "local", "decode,page=64,split,pageonce"],
-               # ... an fp8 cache's warp-local copies 16 bytes a thread (config.DECODE_FP8_WIDE)
-               ["bf16", 128, "none", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,fp8wide"],
-               ["fp16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,fp8wide,pageonce"],
-               ["bf16", 192, "local", "decode,page=128,gqa=2,fp8=e4m3,splitkeys,fp8wide"]]
+               # ... paged at other page sizes (V's copy reusing K's page lookup; before the
+               # fp8 copies were 16 bytes a thread, the 3-CTA fp8 entry spilled on sm_89)
+               ["fp16", 128, "causal", "decode,page=32,gqa=8,splitkeys"],
+               ["bf16", 64, "local", "decode,page=64,split"],
+               ["fp16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,ctas=3"],
+               ["bf16", 128, "none", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],

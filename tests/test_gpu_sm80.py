@@ -204,36 +204,6 @@ def test_kvcache_two_ctas_per_sm(seed, case, monkeypatch):
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 
 
-PAGED_DECODE_CASES = [c for c in DECODE_CASES + FP8_DECODE_CASES if c[8].get("page")]
-
-
-@pytest.mark.parametrize("case", PAGED_DECODE_CASES,
-                         ids=[f"paged{i}" for i in range(len(PAGED_DECODE_CASES))])
-def test_kvcache_page_once(seed, case, monkeypatch):
-    """The paged decode cases with config.DECODE_PAGE_ONCE's candidate: V's copy of a block
-    reuses the page K's copy looked up."""
-    from cuteattn import kvcache
-    from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "DECODE_PAGE_ONCE", True)
-    monkeypatch.setattr(kvcache, "_decode_launches", {})
-    monkeypatch.setattr(kvcache, "_steps", {})
-    b, sq, s_new, h, hk, d, cap, lens, extra = case
-    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
-
-
-@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
-def test_kvcache_fp8_wide(seed, case, monkeypatch):
-    """The fp8 decode cases with config.DECODE_FP8_WIDE's candidate: the warp-local copies
-    16 bytes a thread, each thread converting its two chunks."""
-    from cuteattn import kvcache
-    from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "DECODE_FP8_WIDE", True)
-    monkeypatch.setattr(kvcache, "_decode_launches", {})
-    monkeypatch.setattr(kvcache, "_steps", {})
-    b, sq, s_new, h, hk, d, cap, lens, extra = case
-    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
-
-
 @pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
 def test_kvcache_fp8(seed, case):
     """An fp8 cache read by the decode kernel (converted in shared memory, descales folded into

@@ -14,7 +14,6 @@ traffic; 32 rows per warp is faster even with spills, but does not compile spill
 """
 import dataclasses
 import math
-from typing import Optional
 
 from ..launch_common import compiled_width
 from . import mma
@@ -100,15 +99,6 @@ def decode_work_tiles(batch: int, nheads: int, nheads_k: int, seqlen_q: int) -> 
     return batch * nheads * -(-seqlen_q // 64)
 
 
-# A/B candidate (Sm80FwdConfig.page_once): paged decode blocks whose V copy reuses K's page
-# lookup. Compile-checked, not yet GPU-run: `tests/test_gpu_sm80.py -k "kvcache"` with it on
-# (monkeypatch), then `dev_decode_ab.py base DECODE_PAGE_ONCE`; keep the winner, drop this.
-DECODE_PAGE_ONCE = False
-# A/B candidate (Sm80FwdConfig.fp8_wide): an fp8 cache's warp-local copies 16 bytes a thread
-# (cp.async.cg) instead of 8 (.ca). Compile-checked, not yet GPU-run: `tests/test_gpu_sm80.py
-# -k fp8_wide`, then `dev_decode_ab.py base DECODE_FP8_WIDE`; keep the winner, drop this.
-DECODE_FP8_WIDE = False
-
 
 def decode_ctas_per_sm(fp8_cache: bool, gathers_pages: bool, tiles: int, sms: int,
                        smem_limit: int) -> int:
@@ -172,8 +162,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
                   has_seqused_q: bool = False, smem_limit: int = 99 * 1024,
-                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = 2,
-                  page_once: Optional[bool] = None, fp8_wide: Optional[bool] = None) -> Sm80FwdConfig:
+                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = 2) -> Sm80FwdConfig:
     """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
@@ -183,9 +172,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     block is 16 keys a warp (else the usual tile); with an fp8 cache that tile's warps load and
     convert their own keys (Sm80FwdConfig.warp_local: 1.10-1.34x on a contiguous fp8 cache,
     0.98-1.03x paged; neutral for bf16, 0.98-1.00x, so not used there). ctas_per_sm:
-    decode_stages' (decode_ctas_per_sm). page_once: Sm80FwdConfig.page_once for a paged cache
-    (None: DECODE_PAGE_ONCE); fp8_wide: Sm80FwdConfig.fp8_wide where it applies (None:
-    DECODE_FP8_WIDE)."""
+    decode_stages' (decode_ctas_per_sm)."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     gather = False
     if page_size % tile_n:  # (a contiguous cache has page_size 0) a block would span pages
@@ -201,9 +188,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
-                               kv_fp8=kv_fp8,
-                               page_once=(DECODE_PAGE_ONCE if page_once is None else page_once)
-                               and page_size > 0)
+                               kv_fp8=kv_fp8)
     stages = decode_stages(cfg, smem_limit, ctas_per_sm)
     while kv_fp8 is not None and stages < 2 and cfg.tile_n > 16:
         # an fp8 cache's ring needs 2 stages besides its converted block: narrower key blocks
@@ -222,14 +207,12 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                      for cols in (head_dim, head_dim_v))
     if (split_keys and passes_fit and not varlen_q and cfg.tile_n == 16 * cfg.num_warps
             and stages >= 2):
-        local = kv_fp8 is not None and all(KEYS_PER_WARP % mma.rows_per_copy_pass(dtype, 32, cols) == 0
-                                   for cols in (head_dim, head_dim_v))
-        # (a wide pass covers twice the rows: they must still tile the warp's keys)
-        wide = local and (DECODE_FP8_WIDE if fp8_wide is None else fp8_wide) and all(
+        # (its 16-byte copy passes, twice byte_copy_like's rows, must tile a warp's keys)
+        local = kv_fp8 is not None and all(
             KEYS_PER_WARP % (2 * mma.rows_per_copy_pass(dtype, 32, cols)) == 0
             for cols in (head_dim, head_dim_v))
         split = dataclasses.replace(cfg, tile_m=16, split_keys=True, warp_local=local,
-                                    fp8_wide=wide, pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
+                                    pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
         return dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit, ctas_per_sm))
     return cfg
 

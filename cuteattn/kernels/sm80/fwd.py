@@ -90,15 +90,9 @@ class Sm80FwdConfig:
     # barrier for Q, at the first block): warps no longer wait for each other at every block.
     # Used for an fp8 cache (config.decode_config): 1.10-1.34x a contiguous fp8 step, 0.98-1.03x
     # a paged one; a bf16 step ran 0.98-1.00x with it, so it keeps the CTA's shared copies.
+    # Its copies take 16 bytes a thread (mma.byte_copy_wide: two converted chunks a thread,
+    # cp.async.cg): 1.18-1.78x the 8-byte .ca copies on the H200.
     warp_local: bool = False
-    # Paged blocks (one page a block, or a warp's keys with warp_local): V's copy reuses the page
-    # K's copy looked up (one page-table read and one division by the page size a block, not
-    # two: the fp8 step is latency-bound and paged caches ran it 1.2x slower than contiguous
-    # ones where the tiles fill the GPU). An A/B candidate (config.DECODE_PAGE_ONCE).
-    page_once: bool = False
-    # With warp_local and an fp8 cache, 16 bytes a thread per copy (mma.byte_copy_wide: two
-    # converted chunks a thread) instead of 8. An A/B candidate (config.DECODE_FP8_WIDE).
-    fp8_wide: bool = False
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of each row's
     # denominator in the epilogue (OnlineSoftmax.finalize); a tile's rows are one query head
     # (not with pack_gqa or split_kv: decoding merges the sink in its combine kernel)
@@ -131,7 +125,7 @@ class FlashFwdSm80:
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert not (cfg.padded and (cfg.paged_kv or cfg.pack_gqa > 1)), "padded: forward only"
         assert cfg.kv_fp8 is None or (cfg.kv_stages >= 2 and not cfg.padded), "fp8: a decode ring"
-        assert not cfg.fp8_wide or (cfg.kv_fp8 is not None and cfg.warp_local), cfg
+        assert not cfg.warp_local or cfg.kv_fp8 is not None, cfg
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
         if cfg.split_keys:  # (16 rows; a warp per 16 keys of a ring stage)
             assert cfg.tile_m == mma.MMA_ROWS and cfg.tile_n == KEYS_PER_WARP * cfg.num_warps
@@ -395,7 +389,7 @@ class FlashFwdSm80:
         if const_expr(self.fp8):
             # the loads fill the ring of bytes, in the converted buffer's chunks (8 keys'
             # elements a thread): the thread that loads a chunk converts it
-            if const_expr(cfg.fp8_wide):
+            if const_expr(local):
                 (copy_k8, to_k), (copy_v8, to_v) = (
                     [c.get_slice(kv_tidx) for c in mma.byte_copy_wide(self.dtype, kv_threads, cols)]
                     for cols in (self.d, self.dv))
@@ -746,24 +740,18 @@ class FlashFwdSm80:
         mX: the (keys, cols) rows of this head; or, paged, the cache's (page_size, cols, pages)
         with `pages` the sequence's row of the page table (tile_n divides the page size, so a
         block lies in one page: one lookup, clamped into the table and the cache). Returns the
-        lookup, (page, block within it), for V's copy with page_once (`page`: that lookup)."""
+        lookup, (page, block within it), which V's copy of the block takes as `page` (one table
+        read and page-size division a block, not two: 1.01-1.05x an fp8 paged step; the fp8
+        step is latency-bound)."""
         if const_expr(self.cfg.kv_stages > 1):
             tXsX = tXsX[None, None, None, stage]
         if const_expr(self.cfg.gather_pages):
             return self.load_block_pages(thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols, n_block,
                                          bounded, page)
-        if const_expr(self.cfg.paged_kv and self.cfg.page_once):
+        if const_expr(self.cfg.paged_kv):
             if const_expr(page is None):
                 page = self.page_of(mX, pages, n_block * self.tile_n, self.tile_n)
             gX = cute.local_tile(mX[None, None, page[0]], (self.tile_n, cols), (page[1], 0))
-        elif const_expr(self.cfg.paged_kv):  # (its own lookup; as the GPU-verified kernels)
-            page_size = mX.shape[0]
-            first_key = n_block * self.tile_n
-            slot = cutlass.min(first_key // page_size, pages.shape[0] - 1)
-            page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
-            gX = cute.local_tile(mX[None, None, page], (self.tile_n, cols),
-                                 ((first_key % page_size) // self.tile_n, 0))
-            page = None
         else:
             gX = cute.local_tile(mX, (self.tile_n, cols), (n_block, 0))
         mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
@@ -790,17 +778,10 @@ class FlashFwdSm80:
         taken as `page`, as load_block's)."""
         tXsX = tXsX[None, None, None, stage]
         first_key = n_block * self.tile_n + warp * KEYS_PER_WARP
-        if const_expr(self.cfg.paged_kv and self.cfg.page_once):
+        if const_expr(self.cfg.paged_kv):
             if const_expr(page is None):
                 page = self.page_of(mX, pages, first_key, KEYS_PER_WARP)
             gX = cute.local_tile(mX[None, None, page[0]], (KEYS_PER_WARP, cols), (page[1], 0))
-        elif const_expr(self.cfg.paged_kv):  # (its own lookup; as the GPU-verified kernels)
-            page_size = mX.shape[0]
-            slot = cutlass.min(first_key // page_size, pages.shape[0] - 1)
-            page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
-            gX = cute.local_tile(mX[None, None, page], (KEYS_PER_WARP, cols),
-                                 ((first_key % page_size) // KEYS_PER_WARP, 0))
-            page = None
         else:
             gX = cute.local_tile(mX, (KEYS_PER_WARP, cols), (first_key // KEYS_PER_WARP, 0))
         mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX, seqlen_k - first_key,
@@ -813,10 +794,8 @@ class FlashFwdSm80:
         """load_block for a key block that spans pages: each copy pass (a run of
         rows_per_copy_pass keys, all in one page since that run divides the page size) looks up
         its own page, clamped into the table and the cache. Keeps key blocks wide at small
-        pages (one barrier per 64 keys at page 16, not per 16). With page_once returns the
-        passes' lookups, which V's copy takes as `looked_up` when its passes are K's (the same
-        rows a pass); else None."""
-        page_size = mX.shape[0]
+        pages (one barrier per 64 keys at page 16, not per 16). Returns the passes' lookups,
+        which V's copy takes as `looked_up` when its passes are K's (the same rows a pass)."""
         rows_per_pass = self.tile_n // cute.size(tXsX, mode=[1])
         rows_left = seqlen_k - n_block * self.tile_n
         passes = cute.size(tXsX, mode=[1])
@@ -824,17 +803,9 @@ class FlashFwdSm80:
         lookups = []
         for m in cutlass.range_constexpr(passes):
             key = n_block * self.tile_n + m * rows_per_pass
-            if const_expr(self.cfg.page_once):
-                lookup = looked_up[m] if const_expr(reuse) else self.page_of(
-                    mX, pages, key, rows_per_pass)
-                lookups.append(lookup)
-                gX = cute.local_tile(mX[None, None, lookup[0]], (rows_per_pass, cols),
-                                     (lookup[1], 0))
-            else:
-                slot = cutlass.min(key // page_size, pages.shape[0] - 1)
-                page = cutlass.min(cutlass.max(pages[slot], 0), mX.shape[2] - 1)
-                gX = cute.local_tile(mX[None, None, page], (rows_per_pass, cols),
-                                     ((key % page_size) // rows_per_pass, 0))
+            lookup = looked_up[m] if const_expr(reuse) else self.page_of(mX, pages, key, rows_per_pass)
+            lookups.append(lookup)
+            gX = cute.local_tile(mX[None, None, lookup[0]], (rows_per_pass, cols), (lookup[1], 0))
             src = thr_copy.partition_S(gX)
             if const_expr(bounded):
                 if tXcX[0, m, 0][0] < rows_left:
@@ -843,7 +814,7 @@ class FlashFwdSm80:
                     tXsX[None, m, None].fill(0)
             else:
                 cute.copy(thr_copy, src[None, 0, None], tXsX[None, m, None])
-        return lookups if const_expr(self.cfg.page_once) else None
+        return lookups
 
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
