@@ -186,11 +186,13 @@ def transpose(mask: BlockSparseMask) -> BlockSparseMask:
 
 
 def from_topk(indices: torch.Tensor, num_kv_blocks: int, q_block: int, kv_block: int,
-              partial: bool = False) -> BlockSparseMask:
+              partial: bool = False, physical: Optional[tuple] = None) -> BlockSparseMask:
     """From (B|1, H|1, nq, k) selected key block indices per query block (VSA's top-k form;
     repeated indices count once; an index outside [0, num_kv_blocks), such as a -1 filling a
     row that selects fewer than k, selects nothing: checking them would need a sync);
-    partial=True makes every selected block partial."""
+    partial=True makes every selected block partial. physical: (q_block, kv_block) dividing
+    the logical ones, to build the lists at that finer block size directly, the same as
+    expand(from_topk(...), *physical). On a GPU one launch (kernels/common/topk_lists.py)."""
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor; got {type(indices)}")
     if indices.dim() != 4 or indices.dtype not in (torch.int32, torch.int64):
@@ -198,13 +200,28 @@ def from_topk(indices: torch.Tensor, num_kv_blocks: int, q_block: int, kv_block:
                          f"{indices.dtype} {tuple(indices.shape)}")
     if isinstance(num_kv_blocks, bool) or not isinstance(num_kv_blocks, int) or num_kv_blocks < 1:
         raise ValueError(f"num_kv_blocks must be an int >= 1; got {num_kv_blocks!r}")
+    _check_block_sizes(q_block, kv_block)
+    fine = (q_block, kv_block) if physical is None else tuple(physical)
+    if len(fine) != 2:
+        raise ValueError(f"physical must be (q_block, kv_block); got {physical!r}")
+    _check_block_sizes(*fine)
+    if q_block % fine[0] or kv_block % fine[1]:
+        raise ValueError(f"physical blocks {fine[0]}x{fine[1]} must divide the logical "
+                         f"{q_block}x{kv_block}")
+    if (indices.is_cuda and indices.numel() > 0
+            and torch.cuda.get_device_capability(indices.device) >= (8, 0)):
+        from .kernels.launch_common import topk_lists
+        lists = topk_lists(indices, num_kv_blocks, q_block // fine[0], kv_block // fine[1],
+                           partial)
+        return BlockSparseMask(*fine, *lists)
     # (out-of-range indices go to a spare column, cut off)
     mask = torch.zeros((*indices.shape[:3], num_kv_blocks + 1), dtype=torch.bool,
                        device=indices.device)
     idx = indices.long()
     mask.scatter_(-1, torch.where((idx >= 0) & (idx < num_kv_blocks), idx, num_kv_blocks), True)
     mask = mask[..., :num_kv_blocks]
-    return from_block_mask(mask, q_block, kv_block, mask if partial else None)
+    logical = from_block_mask(mask, q_block, kv_block, mask if partial else None)
+    return logical if physical is None else expand(logical, *fine)
 
 
 def evaluate_mask_mod(mask_mod: Callable, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

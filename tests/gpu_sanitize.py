@@ -164,6 +164,9 @@ def cases() -> dict:
     out["sparse_backward_deterministic"] = lambda: sp.check_grads(
         *sp.inputs(1, 333, 400, 4, 2, 128, bf16), sp.random_lists(1, 4, 333, 400, (128, 128), 2),
         deterministic=True)
+    for bits, dtype in ((64, torch.int64), (32, torch.int32)):  # VSA's builder (topk_lists.py)
+        out[f"sparse_topk_lists_int{bits}"] = lambda dtype=dtype: \
+            sp.test_topk_lists_kernel_equals_the_pytorch_form(0, (64, 64), False, dtype)
     # learnable sinks on the sm90 forward and backward (tests/test_gpu_sinks.py)
     import test_gpu_sinks as sinks_tests
     out["surface_sink_causal"] = lambda: sinks_tests.test_rows_without_keys_and_large_sinks(0)
@@ -200,14 +203,6 @@ def cases() -> dict:
     for i in (0, 1):
         out[f"portable_decode_fp8_two_ctas{i}"] = _on_sm80(_two_ctas_per_sm(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8])))
-    for i in (0, 1, 3):  # V reusing K's page lookup (config.DECODE_PAGE_ONCE's candidate)
-        out[f"portable_decode_page_once{i}"] = _on_sm80(_with_config(
-            lambda case=ts.PAGED_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]),
-            "DECODE_PAGE_ONCE", True))
-    for i in (0, 1, 4):  # an fp8 cache's 16-byte copies (config.DECODE_FP8_WIDE's candidate)
-        out[f"portable_decode_fp8_wide{i}"] = _on_sm80(_with_config(
-            lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]),
-            "DECODE_FP8_WIDE", True))
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
         out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])

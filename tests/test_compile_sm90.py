@@ -271,6 +271,25 @@ def test_compile_list_transpose(paired, capfd, tmp_path, monkeypatch):
     assert spills and max(spills) == 0
 
 
+@pytest.mark.parametrize("index_bits", [64, 32])
+def test_compile_topk_lists(index_bits, capfd, tmp_path, monkeypatch):
+    """VSA's builder (common/topk_lists.py): a byte a key block in shared memory, the indices
+    compared at their width, no spills."""
+    from cuteattn.kernels.common import arguments as common_arguments
+    from cuteattn.kernels.common.topk_lists import TopkLists, TopkListsConfig
+    from cuteattn.kernels.compile_common import compile_kernel
+    from cuteattn.kernels.sm90 import arguments as sm90_arguments
+    monkeypatch.chdir(tmp_path)
+    cfg = TopkListsConfig(index_bits)
+    fakes = common_arguments.fakes(cfg, sm90_arguments.TOPK_LISTS_ARGUMENTS, None)
+    ptx = compile_kernel(TopkLists(cfg), fakes, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "st.shared.u8" in ptx or "st.shared.b8" in ptx
+    # (int64 indices compared at their width: a huge index is out of range, not wrapped)
+    assert ("setp.lt.s64" in ptx or "setp.ge.s64" in ptx) == (index_bits == 64)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0
+
+
 def test_block_sparse_reasons():
     """What the block-sparse kernel declines, each with its reason (the API then falls back)."""
     base = dict(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=False, local=False,

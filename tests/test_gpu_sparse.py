@@ -215,6 +215,34 @@ def test_transposed_lists_kernel_equals_the_pytorch_form(seed, paired, b, h, nq,
         assert halves is None
 
 
+@pytest.mark.parametrize("physical", [None, (128, 128), (128, 64), (64, 64)])
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_topk_lists_kernel_equals_the_pytorch_form(seed, physical, partial, dtype):
+    """VSA's builder in one launch (common/topk_lists.py) against from_topk's PyTorch form on the
+    CPU (expand after it): every count, each list up to its count, in order; over rounds of
+    key blocks (300 > 128), broadcast batch or heads, repeated indices, -1 and other
+    out-of-range ones (an int64 one that would wrap to a valid int32), a row selecting none."""
+    for shape, n in (((2, 3, 5, 4), 7), ((1, 2, 3, 40), 300), ((2, 1, 4, 6), 129)):
+        idx = torch.randint(-3, n + 3, shape, dtype=dtype)
+        idx[..., 0] = idx[..., 1]
+        idx[0, 0, 0] = -1
+        if dtype == torch.int64:
+            idx[..., 2] = 2 ** 33 + 1
+        want = sparse.from_topk(idx, n, 256, 256, partial=partial, physical=physical)
+        got = sparse.from_topk(idx.cuda(), n, 256, 256, partial=partial, physical=physical)
+        torch.cuda.synchronize()
+        assert (got.q_block, got.kv_block) == (want.q_block, want.kv_block)
+        for kind in ("full", "partial"):
+            count, index = getattr(want, f"{kind}_count"), getattr(want, f"{kind}_index")
+            got_count, got_index = getattr(got, f"{kind}_count"), getattr(got, f"{kind}_index")
+            assert got_count.shape == count.shape and got_index.shape == index.shape, kind
+            assert torch.equal(got_count.cpu(), count), f"{kind} counts"
+            listed = torch.arange(index.shape[-1]) < count.unsqueeze(-1)
+            assert torch.equal(got_index.cpu()[listed], index[listed]), f"{kind} lists"
+        assert int((want.full_count + want.partial_count).sum()) > 0  # (something listed)
+
+
 # ---- the backward (lists of 128x128 blocks, or coarser ones expanded to them) ----
 
 def check_grads(q, k, v, mask, deterministic=False, **kw):

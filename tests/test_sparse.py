@@ -62,6 +62,9 @@ def test_topk_and_expansion_select_the_same_pairs(seed):
     logical = sparse.from_topk(idx, 6, 64, 64)
     physical = sparse.expand(logical, 32, 16)
     assert physical.num_blocks == (6, 24)
+    direct = sparse.from_topk(idx, 6, 64, 64, physical=(32, 16))  # (built at 32x16 at once)
+    for name in ("full_count", "full_index", "partial_count", "partial_index"):
+        assert torch.equal(getattr(direct, name), getattr(physical, name)), name
     assert torch.equal(logical.dense(180, 350), physical.dense(180, 350))
     q = torch.randn(1, 180, 2, 64, dtype=BF16)
     k, v = torch.randn(1, 350, 2, 64, dtype=BF16), torch.randn(1, 350, 2, 64, dtype=BF16)
@@ -467,6 +470,13 @@ def test_builders_name_their_bad_arguments():
         sparse.from_block_mask([[True]], 16, 16)
     with pytest.raises(TypeError, match="indices must be a torch.Tensor"):
         sparse.from_topk([[[[0]]]], 2, 16, 16)
+    top = torch.zeros(1, 1, 2, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="physical blocks 48x64 must divide the logical 256x256"):
+        sparse.from_topk(top, 2, 256, 256, physical=(48, 64))
+    with pytest.raises(ValueError, match=r"physical must be \(q_block, kv_block\)"):
+        sparse.from_topk(top, 2, 256, 256, physical=(64,))
+    with pytest.raises(ValueError, match="q_block must be"):
+        sparse.from_topk(top, 2, 256, 256, physical=(8, 64))
     mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="partial must be a bool tensor of block_mask's shape"):
         sparse.from_block_mask(mask, 16, 16, partial=torch.ones(1, 1, 2, 3, dtype=torch.bool))

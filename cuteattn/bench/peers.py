@@ -106,8 +106,8 @@ def _sparse_inputs(cell: Cell, device, dtype, grad: bool = False) -> dict:
     logical = sparse.from_topk(top, n, LOGICAL_BLOCK, LOGICAL_BLOCK)
     x["blocks"] = sparse.expand(logical, cell.block_q, cell.block_k)
     # what a model runs each step to make the lists (timed apart: bench "builder_ms")
-    x["builders"] = lambda: sparse.expand(sparse.from_topk(top, n, LOGICAL_BLOCK, LOGICAL_BLOCK),
-                                          cell.block_q, cell.block_k)
+    x["builders"] = lambda: sparse.from_topk(top, n, LOGICAL_BLOCK, LOGICAL_BLOCK,
+                                             physical=(cell.block_q, cell.block_k))
     return x
 
 

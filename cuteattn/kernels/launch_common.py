@@ -549,6 +549,33 @@ def transpose_lists(lists: tuple, paired: bool) -> tuple:
     return out, halves
 
 
+# ---- VSA's block-sparse builder (common/topk_lists.py) ----
+
+def topk_lists(indices: torch.Tensor, num_kv_blocks: int, rq: int, rk: int,
+               partial: bool) -> tuple:
+    """sparse.from_topk's four list tensors (full count, full index, partial count, partial
+    index) from (B|1, H|1, nq, k) int32/int64 indices on a GPU, in one launch: the selected
+    blocks as full (or with `partial`, partial) lists expanded rq x rk (1 x 1: the logical
+    blocks), the other kind's lists empty. Only the first count entries of each list are
+    written (the kernels read no further)."""
+    from .common.topk_lists import TopkLists, TopkListsConfig
+    from .sm90 import arguments as sm90_arguments
+    batch, heads, nq, _ = indices.shape
+    device = indices.device
+    counts = torch.empty(2, batch, heads, nq * rq, dtype=torch.int32, device=device)
+    lists = torch.empty(2, batch, heads, nq * rq, num_kv_blocks * rk, dtype=torch.int32,
+                        device=device)
+    chosen, other = (1, 0) if partial else (0, 1)
+    tvm_ffi = use_tvm_ffi()
+    cfg = TopkListsConfig(64 if indices.dtype == torch.int64 else 32)
+    entries = sm90_arguments.TOPK_LISTS_ARGUMENTS
+    compiled = compiled_common("topk_lists", lambda: TopkLists(cfg), cfg, entries, tvm_ffi)
+    launch_common(compiled, tvm_ffi, entries, (indices.contiguous(), counts[chosen],
+                                               lists[chosen], counts[other], num_kv_blocks, rq, rk),
+                  device)
+    return counts[0], lists[0], counts[1], lists[1]
+
+
 # ---- the KV-cache update before a decode kernel (common/kv_append.py) ----
 
 _FP8_CACHE_KINDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}

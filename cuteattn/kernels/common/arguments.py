@@ -98,7 +98,7 @@ def fake_tensor(dtype, shape, align, memspace):
     takes its head dim from the static configuration, not from the tensor. Strides are promised
     to be multiples of `align` bytes (TMA needs 16; launch.py copies any tensor that is not).
     """
-    div = (align * 8) // dtype.width
+    div = max((align * 8) // dtype.width, 1)  # (an element wider than align: any stride)
     strides = tuple(cute.sym_int64(divisibility=div) for _ in shape[:-1]) + (1,)
     shape = tuple(cute.sym_int() if isinstance(x, int) else x for x in shape)
     where = {} if memspace is None else {"memspace": memspace}

@@ -194,6 +194,18 @@ LIST_TRANSPOSE_ARGUMENTS = (
         _lists_table("b", "h", "nk", "nq", needed=lambda cfg: cfg.paired), align=4),
 )
 
+# VSA's builder (common/topk_lists.py): top-k key block indices in, one kind's lists out
+TOPK_LISTS_ARGUMENTS = (
+    Arg("mIndices", TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
+        cfg.index_dtype, (sym["b"], sym["h"], sym["nq"], sym["k"]), align, memspace), align=4),
+    Arg("mCount", TENSOR, _lists_table("b", "h", "rows"), align=4),
+    Arg("mIndex", TENSOR, _lists_table("b", "h", "rows", "nk"), align=4),
+    Arg("mOtherCount", TENSOR, _lists_table("b", "h", "rows"), align=4),
+    Arg("num_kv_blocks", INT32),
+    Arg("rq", INT32),
+    Arg("rk", INT32),
+)
+
 # ---- the backward's: the common list ----
 
 class SparseBackward(NamedTuple):
