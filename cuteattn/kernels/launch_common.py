@@ -495,7 +495,7 @@ def mask_mod_blocks(fn, batch: int, heads: int, seqlen_q: int, seqlen_k: int, q_
     return state
 
 
-# ---- the small kernels of common/ (mask_blocks, list_transpose, kv_append) ----
+# ---- the small kernels of common/ (mask_blocks, list_transpose, topk_lists, kv_append) ----
 
 @functools.lru_cache(maxsize=None)
 def _common_sources(module: str) -> tuple:
