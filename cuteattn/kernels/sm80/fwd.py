@@ -739,25 +739,24 @@ class FlashFwdSm80:
         """K or V block n_block into its shared buffer (rows past seqlen_k zeroed if `bounded`).
         mX: the (keys, cols) rows of this head; or, paged, the cache's (page_size, cols, pages)
         with `pages` the sequence's row of the page table (tile_n divides the page size, so a
-        block lies in one page: one lookup, clamped into the table and the cache). Returns the
-        lookup, (page, block within it), which V's copy of the block takes as `page` (one table
-        read and page-size division a block, not two: 1.01-1.05x an fp8 paged step; the fp8
-        step is latency-bound)."""
+        block lies in one page: one lookup, clamped into the table and the cache). `page` and
+        the None returned keep load_warp_block's signature: here V's copy looks its page up
+        again (holding K's lookup for it was neutral on the H200, and put the bf16 kernel past
+        its 168-register cap on sm_80-89)."""
         if const_expr(self.cfg.kv_stages > 1):
             tXsX = tXsX[None, None, None, stage]
         if const_expr(self.cfg.gather_pages):
-            return self.load_block_pages(thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols, n_block,
-                                         bounded, page)
+            self.load_block_pages(thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols, n_block, bounded)
+            return None
         if const_expr(self.cfg.paged_kv):
-            if const_expr(page is None):
-                page = self.page_of(mX, pages, n_block * self.tile_n, self.tile_n)
-            gX = cute.local_tile(mX[None, None, page[0]], (self.tile_n, cols), (page[1], 0))
+            page, run = self.page_of(mX, pages, n_block * self.tile_n, self.tile_n)
+            gX = cute.local_tile(mX[None, None, page], (self.tile_n, cols), (run, 0))
         else:
             gX = cute.local_tile(mX, (self.tile_n, cols), (n_block, 0))
         mma.load_rows(thr_copy, thr_copy.partition_S(gX), tXsX, tXcX,
                        seqlen_k - n_block * self.tile_n, bounded,
                        cols=mX.shape[1] if const_expr(self.cfg.padded) else None)
-        return page
+        return None
 
     @cute.jit
     def page_of(self, mX, pages, first_key, rows: cutlass.Constexpr):
@@ -774,8 +773,9 @@ class FlashFwdSm80:
                         n_block, bounded: cutlass.Constexpr, stage=None, page=None, *, warp):
         """load_block with warp_local: this warp's KEYS_PER_WARP keys of block n_block into its
         rows of the stage (tXsX, tXcX: its lanes' partitions of those rows). Pages are
-        multiples of 16 keys, so the warp's keys lie in one page: one lookup (returned, and
-        taken as `page`, as load_block's)."""
+        multiples of 16 keys, so the warp's keys lie in one page: one lookup, returned, which
+        V's copy of the block takes as `page` (one table read and page-size division a block,
+        not two: 1.01-1.03x an fp8 paged step, which is latency-bound)."""
         tXsX = tXsX[None, None, None, stage]
         first_key = n_block * self.tile_n + warp * KEYS_PER_WARP
         if const_expr(self.cfg.paged_kv):
@@ -790,22 +790,17 @@ class FlashFwdSm80:
 
     @cute.jit
     def load_block_pages(self, thr_copy, mX, pages, tXsX, tXcX, seqlen_k, cols: cutlass.Constexpr,
-                         n_block, bounded: cutlass.Constexpr, looked_up=None):
+                         n_block, bounded: cutlass.Constexpr):
         """load_block for a key block that spans pages: each copy pass (a run of
         rows_per_copy_pass keys, all in one page since that run divides the page size) looks up
         its own page, clamped into the table and the cache. Keeps key blocks wide at small
-        pages (one barrier per 64 keys at page 16, not per 16). Returns the passes' lookups,
-        which V's copy takes as `looked_up` when its passes are K's (the same rows a pass)."""
+        pages (one barrier per 64 keys at page 16, not per 16)."""
         rows_per_pass = self.tile_n // cute.size(tXsX, mode=[1])
         rows_left = seqlen_k - n_block * self.tile_n
-        passes = cute.size(tXsX, mode=[1])
-        reuse = const_expr(looked_up is not None and len(looked_up) == passes)
-        lookups = []
-        for m in cutlass.range_constexpr(passes):
-            key = n_block * self.tile_n + m * rows_per_pass
-            lookup = looked_up[m] if const_expr(reuse) else self.page_of(mX, pages, key, rows_per_pass)
-            lookups.append(lookup)
-            gX = cute.local_tile(mX[None, None, lookup[0]], (rows_per_pass, cols), (lookup[1], 0))
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            page, run = self.page_of(mX, pages, n_block * self.tile_n + m * rows_per_pass,
+                                     rows_per_pass)
+            gX = cute.local_tile(mX[None, None, page], (rows_per_pass, cols), (run, 0))
             src = thr_copy.partition_S(gX)
             if const_expr(bounded):
                 if tXcX[0, m, 0][0] < rows_left:
@@ -814,7 +809,6 @@ class FlashFwdSm80:
                     tXsX[None, m, None].fill(0)
             else:
                 cute.copy(thr_copy, src[None, 0, None], tXsX[None, m, None])
-        return lookups
 
     @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
