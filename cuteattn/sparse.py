@@ -204,10 +204,7 @@ def from_topk(indices: torch.Tensor, num_kv_blocks: int, q_block: int, kv_block:
     fine = (q_block, kv_block) if physical is None else tuple(physical)
     if len(fine) != 2:
         raise ValueError(f"physical must be (q_block, kv_block); got {physical!r}")
-    _check_block_sizes(*fine)
-    if q_block % fine[0] or kv_block % fine[1]:
-        raise ValueError(f"physical blocks {fine[0]}x{fine[1]} must divide the logical "
-                         f"{q_block}x{kv_block}")
+    _check_finer(fine, (q_block, kv_block))
     if (indices.is_cuda and indices.numel() > 0
             and torch.cuda.get_device_capability(indices.device) >= (8, 0)):
         from .kernels.launch_common import topk_lists
@@ -322,10 +319,7 @@ def expand(mask: BlockSparseMask, q_block: int, kv_block: int) -> BlockSparseMas
     j*rk .. j*rk+rk-1 and each query block's row is repeated for its rq finer rows, so
     _compact's lists (increasing, then the unlisted) stay exactly what _compact of the fine
     masks would give, in a few elementwise kernels over the fine lists (no scan, no scatter)."""
-    _check_block_sizes(q_block, kv_block)
-    if mask.q_block % q_block or mask.kv_block % kv_block:
-        raise ValueError(f"physical blocks {q_block}x{kv_block} must divide the logical "
-                         f"{mask.q_block}x{mask.kv_block}")
+    _check_finer((q_block, kv_block), (mask.q_block, mask.kv_block))
     rq, rk = mask.q_block // q_block, mask.kv_block // kv_block
     steps = torch.arange(rk, dtype=torch.int32, device=mask.full_index.device)
 
@@ -343,6 +337,14 @@ def _check_block_sizes(q_block: int, kv_block: int) -> None:
     for name, n in (("q_block", q_block), ("kv_block", kv_block)):
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0 or n % 16:
             raise ValueError(f"{name} must be a positive multiple of 16; got {n!r}")
+
+
+def _check_finer(physical: tuple, logical: tuple) -> None:
+    """physical (q_block, kv_block) must be valid blocks that divide the logical ones."""
+    _check_block_sizes(*physical)
+    if logical[0] % physical[0] or logical[1] % physical[1]:
+        raise ValueError(f"physical blocks {physical[0]}x{physical[1]} must divide the logical "
+                         f"{logical[0]}x{logical[1]}")
 
 
 def check(mask: BlockSparseMask, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
