@@ -212,16 +212,49 @@ def test_kvcache_fp8(seed, case):
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 
 
-@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fp8_cache_values_read_exactly(seed, dtype, fmt, monkeypatch):
-    """Every finite fp8 byte read back exactly: with one cached key the softmax weight is 1, so the output is
-    that key's value row (v's descale 1), value for value, subnormals included. Two kv heads of
-    d=128 hold the 256 bytes (the non-finite ones replaced by 0), four query heads each."""
-    from cuteattn import flash_attn_with_kvcache, kvcache
+def decode_configs_made(monkeypatch) -> list:
+    """The decode kernels' configs launched from here on (config.decode_config's results)."""
     from cuteattn.kernels.sm80 import config
+    made, real = [], config.decode_config
+    monkeypatch.setattr(config, "decode_config", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    return made
+
+
+@pytest.mark.parametrize("ctas", [2, 3])
+@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
+def test_kvcache_fp8_fragments(seed, case, ctas, monkeypatch):
+    """The fp8 cases with K and V converted straight into their MMA fragments
+    (config.DECODE_FP8_FRAGMENTS, an A/B candidate), at 2 and 3 CTAs an SM (the register bound
+    follows). Steps on the warp-local split-keys tile at head dims of multiples of 64 must have
+    taken it."""
+    from cuteattn import kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "DECODE_FP8_FRAGMENTS", True)
+    monkeypatch.setattr(config, "decode_ctas_per_sm", lambda *args: ctas)
     monkeypatch.setattr(kvcache, "_decode_launches", {})
     monkeypatch.setattr(kvcache, "_steps", {})
+    made = decode_configs_made(monkeypatch)
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
+    assert made and all(c.fp8_fragments == (c.warp_local and d % 64 == 0) for c in made)
+    if d in (64, 128) and sq * (h // hk) <= 16:
+        assert any(c.fp8_fragments for c in made), made
+
+
+@pytest.mark.parametrize("fragments", [False, True], ids=["converted", "fragments"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_fp8_cache_values_read_exactly(seed, dtype, fmt, fragments, monkeypatch):
+    """Every finite fp8 byte read back exactly: with one cached key the softmax weight is 1, so the output is
+    that key's value row (v's descale 1), value for value, subnormals included. Two kv heads of
+    d=128 hold the 256 bytes (the non-finite ones replaced by 0), four query heads each. With
+    `fragments`, through config.DECODE_FP8_FRAGMENTS' kernel (its permuted output columns)."""
+    from cuteattn import flash_attn_with_kvcache, kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "DECODE_FP8_FRAGMENTS", fragments)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    monkeypatch.setattr(kvcache, "_steps", {})
+    made = decode_configs_made(monkeypatch)
     byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     byte = torch.where(torch.isfinite(byte.view(fmt).float()), byte, torch.zeros_like(byte))
     v_cache = byte.view(fmt).view(1, 1, 2, 128).cuda()  # (batch, one key, kv heads, d)
@@ -231,6 +264,7 @@ def test_fp8_cache_values_read_exactly(seed, dtype, fmt, monkeypatch):
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, strict=True)
     want = v_cache.to(dtype).repeat_interleave(4, dim=2)
     assert torch.equal(out.float(), want.float())
+    assert [c.fp8_fragments for c in made] == [fragments]
 
 
 @pytest.mark.parametrize("page", [16, 48, 128])

@@ -33,21 +33,24 @@ def store_lse(lse, gLSE: cute.Tensor, thr_mma_pv, head_dim_v: cutlass.Constexpr,
 
 @cute.jit
 def store_acc(acc: cute.Tensor, gO: cute.Tensor, thr_mma, row_start, seqlen_q,
-              rows: cutlass.Constexpr, cols: cutlass.Constexpr, dtype: cutlass.Constexpr = None):
+              rows: cutlass.Constexpr, cols: cutlass.Constexpr, dtype: cutlass.Constexpr = None,
+              column: cutlass.Constexpr = None):
     """The float32 accumulator (in `dtype` if given) straight from the registers (no staging)
     into gO, the (rows, cols) block at row_start, rows at or past seqlen_q skipped: split-KV
     partial outputs, and the portable backward's dK / dV column passes (whose K and V buffers
-    are still in use)."""
+    are still in use). `column`: the gO column of an accumulator column, where the kernel's
+    fragments hold the columns in another order."""
     coord = acc_mn_view(thr_mma.partition_C(cute.make_identity_tensor((rows, cols))))
     acc_mn = acc_mn_view(acc)
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         row = coord[r, 0][0]
         if row_start + row < seqlen_q:
             for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                col = coord[r, c][1] if cutlass.const_expr(column is None) else column(coord[r, c][1])
                 if cutlass.const_expr(dtype is None):
-                    gO[row, coord[r, c][1]] = acc_mn[r, c]
+                    gO[row, col] = acc_mn[r, c]
                 else:
-                    gO[row, coord[r, c][1]] = acc_mn[r, c].to(dtype)
+                    gO[row, col] = acc_mn[r, c].to(dtype)
 
 
 @cute.jit

@@ -88,6 +88,9 @@ DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
     256: (64, 16, 4),
 }
 
+# An A/B candidate (docs/perf-log.md): warp-local fp8 decode tiles convert K and V straight into
+# their MMA fragments (Sm80FwdConfig.fp8_fragments) where the head dims are multiples of 64.
+DECODE_FP8_FRAGMENTS = False
 
 
 def decode_work_tiles(batch: int, nheads: int, nheads_k: int, seqlen_q: int) -> int:
@@ -211,9 +214,16 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
         local = kv_fp8 is not None and all(
             KEYS_PER_WARP % (2 * mma.rows_per_copy_pass(dtype, 32, cols)) == 0
             for cols in (head_dim, head_dim_v))
+        fragments = (DECODE_FP8_FRAGMENTS and local and head_dim % 64 == 0
+                     and head_dim_v % 64 == 0)
         split = dataclasses.replace(cfg, tile_m=16, split_keys=True, warp_local=local,
+                                    fp8_fragments=fragments,
                                     pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
-        return dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit, ctas_per_sm))
+        split = dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit, ctas_per_sm))
+        if fragments:  # (registers bounded for the CTAs an SM that its shared memory allows)
+            split = dataclasses.replace(split, min_ctas_per_sm=min(
+                ctas_per_sm, smem_limit // split.smem_bytes()))
+        return split
     return cfg
 
 

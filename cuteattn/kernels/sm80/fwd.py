@@ -93,6 +93,16 @@ class Sm80FwdConfig:
     # Its copies take 16 bytes a thread (mma.byte_copy_wide: two converted chunks a thread,
     # cp.async.cg): 1.18-1.78x the 8-byte .ca copies on the H200.
     warp_local: bool = False
+    # With warp_local: K's and V's MMA fragments converted straight from the ring of bytes (a
+    # lane reads 16-byte runs of its warp's rows, whoever loaded them; the warp's sync makes
+    # them visible), instead of through a converted buffer and ldmatrix: no second shared
+    # write and read of every element and no converted buffer. The fragments' order along the
+    # head dims is permuted so that a lane's bytes are contiguous (FRAGMENT_ORDER below); the
+    # ring's rows are padded by 16 bytes, so those runs are read without bank conflicts.
+    fp8_fragments: bool = False
+    # A launch bound: ptxas fits the registers to this many CTAs an SM (0: unbounded). The
+    # fp8_fragments tile at d=128 takes 194 registers unbounded, 168 without spills at 3.
+    min_ctas_per_sm: int = 0
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of each row's
     # denominator in the epilogue (OnlineSoftmax.finalize); a tile's rows are one query head
     # (not with pack_gqa or split_kv: decoding merges the sink in its combine kernel)
@@ -111,12 +121,23 @@ class Sm80FwdConfig:
         converted to `dtype`)."""
         elem = self.dtype.width // 8
         kv_block = self.tile_n * (self.head_dim + self.head_dim_v)
-        converted = kv_block * elem if self.kv_fp8 is not None else 0
+        if self.fp8_fragments:  # (padded rows of bytes, nothing converted in shared memory)
+            kv_block = self.tile_n * (self.head_dim + self.head_dim_v + 2 * FRAGMENT_ROW_PAD)
+        converted = kv_block * elem if self.kv_fp8 is not None and not self.fp8_fragments else 0
         return (self.tile_m * self.head_dim * elem + self.kv_stages * kv_block * self.kv_elem_bytes
                 + converted)
 
 
 KEYS_PER_WARP = 16  # Sm80FwdConfig.split_keys: each warp's share of a key block
+FRAGMENT_ROW_PAD = 16  # bytes after each row of the ring with fp8_fragments (bank spread)
+
+
+def fragment_column(p: int, width: int) -> int:
+    """fp8_fragments' order of O's columns: accumulator column p (of `width`) holds output
+    column fragment_column(p). Lane g of the P V MMA's B operand holds column g of every 8-column
+    n block; mapped so, those are the width/8 consecutive columns from g * width / 8 of V's rows,
+    which the lane reads as one run."""
+    return (width // 8) * (p % 8) + p // 8
 
 
 class FlashFwdSm80:
@@ -126,6 +147,9 @@ class FlashFwdSm80:
         assert not (cfg.padded and (cfg.paged_kv or cfg.pack_gqa > 1)), "padded: forward only"
         assert cfg.kv_fp8 is None or (cfg.kv_stages >= 2 and not cfg.padded), "fp8: a decode ring"
         assert not cfg.warp_local or cfg.kv_fp8 is not None, cfg
+        # (a lane's runs: d/4 bytes of a K row, d_v/8 of a V row, in 16- or 8-byte loads)
+        assert not cfg.fp8_fragments or (cfg.warp_local and cfg.head_dim % 64 == 0
+                                         and cfg.head_dim_v % 64 == 0), cfg
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
         if cfg.split_keys:  # (16 rows; a warp per 16 keys of a ring stage)
             assert cfg.tile_m == mma.MMA_ROWS and cfg.tile_n == KEYS_PER_WARP * cfg.num_warps
@@ -149,6 +173,9 @@ class FlashFwdSm80:
         self.num_threads = cfg.num_threads
         self.group = cfg.pack_gqa      # query rows per query position (pack-GQA)
         self.fp8 = cfg.kv_fp8 is not None  # an fp8 cache (decoding)
+        self.fragments = cfg.fp8_fragments
+        # the output column of an accumulator column where fp8_fragments permutes them
+        self.o_column = (lambda p: fragment_column(p, cfg.head_dim_v)) if self.fragments else None
         self.tile_q = cfg.tile_m // cfg.pack_gqa  # query positions per tile
 
     # ------------------------------------------------------------------------------------------
@@ -234,23 +261,35 @@ class FlashFwdSm80:
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
+            min_blocks_per_mp=cfg.min_ctas_per_sm,
+            # (a bound of more than one CTA would ask the device for its shared memory)
+            preferred_smem_carveout=100 if const_expr(cfg.min_ctas_per_sm > 1) else None,
         )
 
     def shared_storage(self, sQ_layout, sK_layout, sV_layout):
         """The kernel's shared memory (a plain Python function: the struct's fields depend on
         the configuration, and a jit function's `if` would be traced, not taken)."""
         dtype, staged = self.dtype, self.cfg.kv_stages * self.tile_n  # keys an fp8 ring holds
+        pad = FRAGMENT_ROW_PAD if self.fragments else 0
 
         @cute.struct
         class SharedStorage:
             # 1024-byte aligned: a swizzle period (8 rows of 128 bytes) starts on a bank boundary
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
+            if not self.fragments:  # (fp8_fragments converts into registers)
+                sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
             if self.fp8:
-                sK8: cute.struct.Align[cute.struct.MemRange[Uint8, staged * self.d], 128]
-                sV8: cute.struct.Align[cute.struct.MemRange[Uint8, staged * self.dv], 128]
+                sK8: cute.struct.Align[cute.struct.MemRange[Uint8, staged * (self.d + pad)], 128]
+                sV8: cute.struct.Align[cute.struct.MemRange[Uint8, staged * (self.dv + pad)], 128]
         return SharedStorage
+
+    def ring_layout(self, cols: int) -> cute.Layout:
+        """An fp8 cache's ring of bytes as loaded, (keys, cols, stage): rows of `cols` bytes
+        (padded by FRAGMENT_ROW_PAD with fp8_fragments), a stage after the other."""
+        row = cols + (FRAGMENT_ROW_PAD if self.fragments else 0)
+        return cute.make_layout((self.tile_n, cols, self.cfg.kv_stages),
+                                stride=(row, 1, row * self.tile_n))
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -306,18 +345,18 @@ class FlashFwdSm80:
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
-        sK = storage.sK.get_tensor(sK_layout)
-        sV = storage.sV.get_tensor(sV_layout)
+        sK = sV = None
+        if const_expr(not self.fragments):
+            sK = storage.sK.get_tensor(sK_layout)
+            sV = storage.sV.get_tensor(sV_layout)
         head_idx_kv = head_idx // qhead_per_kvhead if const_expr(self.group == 1) else head_idx
         staging = None
         v_descale = None
         if const_expr(self.fp8):
-            # the ring of bytes as loaded: (keys, cols, stage), rows of 8-byte chunks that only
-            # the thread that loaded them reads back
-            staging = (storage.sK8.get_tensor(cute.make_ordered_layout(
-                           (self.tile_n, self.d, cfg.kv_stages), order=(1, 0, 2))),
-                       storage.sV8.get_tensor(cute.make_ordered_layout(
-                           (self.tile_n, self.dv, cfg.kv_stages), order=(1, 0, 2))))
+            # the ring of bytes as loaded (without fp8_fragments, only the thread that loaded
+            # a chunk reads it back)
+            staging = (storage.sK8.get_tensor(self.ring_layout(self.d)),
+                       storage.sV8.get_tensor(self.ring_layout(self.dv)))
             # the descales of this sequence's kv head: k's scales the raw scores (inside the
             # softcap when there is one), v's the output
             k_descale = mKDescale[batch_idx, head_idx_kv]
@@ -370,8 +409,10 @@ class FlashFwdSm80:
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (m_block, 0))
         tQgQ, tQsQ = copy_q.partition_S(gQ), copy_q.partition_D(sQ)
         # (with a ring: per stage)
-        tKsK = copy_k.partition_D(self.warp_rows(sK, own) if const_expr(local) else sK)
-        tVsV = copy_v.partition_D(self.warp_rows(sV, own) if const_expr(local) else sV)
+        tKsK = tVsV = None
+        if const_expr(not self.fragments):
+            tKsK = copy_k.partition_D(self.warp_rows(sK, own) if const_expr(local) else sK)
+            tVsV = copy_v.partition_D(self.warp_rows(sV, own) if const_expr(local) else sV)
         tQcQ = copy_q.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
         tKcK = copy_k.partition_S(cute.make_identity_tensor((kv_rows, self.d)))
         tVcV = copy_v.partition_S(cute.make_identity_tensor((kv_rows, self.dv)))
@@ -393,9 +434,10 @@ class FlashFwdSm80:
                 (copy_k8, to_k), (copy_v8, to_v) = (
                     [c.get_slice(kv_tidx) for c in mma.byte_copy_wide(self.dtype, kv_threads, cols)]
                     for cols in (self.d, self.dv))
-                # (the converted buffer in the wide copy's chunks: a thread's own two)
-                tKsK = to_k.partition_D(self.warp_rows(sK, own))
-                tVsV = to_v.partition_D(self.warp_rows(sV, own))
+                if const_expr(not self.fragments):
+                    # (the converted buffer in the wide copy's chunks: a thread's own two)
+                    tKsK = to_k.partition_D(self.warp_rows(sK, own))
+                    tVsV = to_v.partition_D(self.warp_rows(sV, own))
             else:
                 copy_k8 = mma.byte_copy_like(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
                 copy_v8 = mma.byte_copy_like(self.dtype, kv_threads, self.dv).get_slice(kv_tidx)
@@ -412,26 +454,34 @@ class FlashFwdSm80:
                              self.d)
             load_v = partial(load_block, copy_v, kv_v, pages, tVsV, tVcV, seqlen.seqlen_k,
                              self.dv)
-        # the stage-0 views build the MMA fragments (a stage is a whole tile: swizzle-safe)
-        sK0 = sK[None, None, 0] if const_expr(ring and not self.fp8) else sK
-        sV0 = sV[None, None, 0] if const_expr(ring and not self.fp8) else sV
-
         # MMA partitions: S = Q K^T from shared memory, O += P V with P in registers.
         # (split_keys: a one-warp MMA on this warp's keys; mma_tidx its lane)
         warp = tidx // 32
         mma_tidx = tidx % 32 if const_expr(cfg.split_keys) else tidx
         tiled_mma = mma.tiled_mma(self.dtype, 1 if const_expr(cfg.split_keys) else cfg.num_warps)
         thr_mma = tiled_mma.get_slice(mma_tidx)
-        sK0, sV0 = self.warp_keys(sK0, warp), self.warp_keys(sV0, warp)
         keys = KEYS_PER_WARP if const_expr(cfg.split_keys) else self.tile_n
-        sVt = transposed_view(sV0)
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK0))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
-        ld_q = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(mma_tidx)
-        ld_k = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(mma_tidx)
-        ld_v = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(mma_tidx)
-        tSsQ, tSsK, tOsVt = ld_q.partition_S(sQ), ld_k.partition_S(sK0), ld_v.partition_S(sVt)
+        ld_q = ld_k = ld_v = tSsQ = tSsK = tOsVt = ring_k = ring_v = None
+        if const_expr(self.fragments):
+            # K's and V's operands in registers (k_fragment, v_fragment); Q's by ldmatrix from
+            # its buffer, rewritten in the permuted head-dim order at the first block (permute_q)
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            tSrK = cute.make_rmem_tensor(thr_mma.partition_shape_B((keys, self.d)), self.dtype)
+            tOrVt = cute.make_rmem_tensor(thr_mma.partition_shape_B((self.dv, keys)), self.dtype)
+            ring_k, ring_v = (self.warp_rows(x, warp) for x in staging)
+        else:
+            # the stage-0 views build the MMA fragments (a stage is a whole tile: swizzle-safe)
+            sK0 = sK[None, None, 0] if const_expr(ring and not self.fp8) else sK
+            sV0 = sV[None, None, 0] if const_expr(ring and not self.fp8) else sV
+            sK0, sV0 = self.warp_keys(sK0, warp), self.warp_keys(sV0, warp)
+            sVt = transposed_view(sV0)
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK0))
+            tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+            ld_q = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(mma_tidx)
+            ld_k = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, False), tiled_mma).get_slice(mma_tidx)
+            ld_v = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), tiled_mma).get_slice(mma_tidx)
+            tSsQ, tSsK, tOsVt = ld_q.partition_S(sQ), ld_k.partition_S(sK0), ld_v.partition_S(sVt)
 
         acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, keys)), Float32)
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.dv)), Float32)
@@ -449,10 +499,13 @@ class FlashFwdSm80:
             tiled_mma=tiled_mma, acc_S=acc_S, acc_O=acc_O, acc_S_mn=acc_S_mn, acc_O_mn=acc_O_mn,
             coord_S_mn=coord_S_mn, tOrP=tOrP, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
             tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v, sK=sK, sV=sV, warp=warp,
-            tKsK=tKsK, tVsV=tVsV, tKsK8=tKsK8, tVsV8=tVsV8)
+            tKsK=tKsK, tVsV=tVsV, tKsK8=tKsK8, tVsV8=tVsV8, sQ=sQ, ring_k=ring_k, ring_v=ring_v,
+            lane=tidx % 32)
         key_block = self.key_block
         if const_expr(ring):
             key_block = self.key_block_fp8 if const_expr(self.fp8) else self.key_block_ring
+        if const_expr(self.fragments):
+            key_block = self.key_block_fragments
         block = partial(key_block, ops=ops,
                         softmax=softmax, load_k=load_k, load_v=load_v,
                         block_info=block_info, seqlen=seqlen, row_start=row_start,
@@ -490,7 +543,8 @@ class FlashFwdSm80:
         if const_expr(ring):
             cute.arch.cp_async_wait_group(0)  # (the last groups are empty; none left in flight)
         if const_expr(cfg.split_keys):  # warp 0 takes the other warps' rows in; it alone stores
-            self.merge_warps(acc_O, softmax, thr_mma, sK, warp, mma_tidx)
+            self.merge_warps(acc_O, softmax, thr_mma, staging[0] if const_expr(self.fragments)
+                             else sK, warp, mma_tidx)
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         softmax.finalize(acc_O_mn, lse, None, sink_log2)
         if const_expr(self.fp8):
@@ -505,7 +559,8 @@ class FlashFwdSm80:
                 gO = cute.local_tile(seqlen.q_view(mOPartial[None, None, None, None, split],
                                                    head_idx, batch_idx),
                                      (self.tile_m, self.dv), (m_block, 0))
-                epilogue.store_acc(acc_O, gO, thr_mma, row_start, rows_q, self.tile_m, self.dv)
+                epilogue.store_acc(acc_O, gO, thr_mma, row_start, rows_q, self.tile_m, self.dv,
+                                   column=self.o_column)
             self.by_storing_warps(store_partials, warp)
         else:
             self.by_storing_warps(lambda: epilogue.store_lse(
@@ -515,8 +570,13 @@ class FlashFwdSm80:
             sO = cute.make_tensor(sQ.iterator, sQ.layout)
             if const_expr(self.dv != self.d):  # (tile_m, dv) over Q's buffer
                 sO = cute.make_tensor(sQ.iterator, mma.smem_layout(self.dtype, self.tile_m, self.dv))
-            self.by_storing_warps(lambda: epilogue.stage_o(
-                acc_O, sO, tiled_mma, mma_tidx, self.dtype, stmatrix=False), warp)
+            if const_expr(self.fragments):  # (O's columns in fragment_column's order)
+                self.by_storing_warps(lambda: epilogue.store_acc(
+                    acc_O, sO, thr_mma, 0, self.tile_m, self.tile_m, self.dv, self.dtype,
+                    column=self.o_column), warp)
+            else:
+                self.by_storing_warps(lambda: epilogue.stage_o(
+                    acc_O, sO, tiled_mma, mma_tidx, self.dtype, stmatrix=False), warp)
             cute.arch.barrier()
             gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (self.tile_m, self.dv),
                                  (m_block, 0))
@@ -572,7 +632,7 @@ class FlashFwdSm80:
         acc_mn = acc_mn_view(acc_O)
         cols: cutlass.Constexpr = cute.size(acc_mn, mode=[1])
         # scratch: (max, sum) per (warp, row), then the other warps' values of a round
-        scratch_floats: cutlass.Constexpr = cute.cosize(sK.layout) * self.dtype.width // 32
+        scratch_floats: cutlass.Constexpr = cute.cosize(sK.layout) * sK.element_type.width // 32
         stats_floats: cutlass.Constexpr = 2 * warps * self.tile_m
         per_round: cutlass.Constexpr = (scratch_floats - stats_floats) // ((warps - 1) * 32 * rows)
         chunk: cutlass.Constexpr = max(c for c in range(1, cols + 1)
@@ -719,6 +779,115 @@ class FlashFwdSm80:
         convert_fragment(ops.acc_S, ops.tOrP)
         mma.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP, ops.tOrVt, None, ops.tOsVt, None, ops.ld_v,
                  a_in_registers=True)
+
+    @cute.jit
+    def key_block_fragments(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k,
+                            load_v, block_info: BlockInfo, seqlen: SeqlenInfo, row_start,
+                            q_start, n_min, n_max, score_scale, window_left, window_right,
+                            mask: cutlass.Constexpr, top: cutlass.Constexpr):
+        """key_block_fp8 with fp8_fragments: once all but the newest kv_stages - 2 of every
+        lane's commit groups have landed, the warp's sync makes the stage's bytes visible to all
+        its lanes; each reads its runs of them into K's and V's fragments (Q's at the first
+        block). The block kv_stages - 1 ahead then loads into the stage read one block ago. One
+        sync a block, no shared-memory write."""
+        stages = self.cfg.kv_stages
+        j = n_max - 1 - n_block
+        stage = j % stages
+        cute.arch.cp_async_wait_group(stages - 2)
+        self.block_sync(top)
+        if const_expr(top):
+            self.q_fragment(ops.sQ, ops.tSrQ, ops.lane)
+        ops.acc_S.fill(0.0)
+        self.scores_from_ring(ops.ring_k[None, None, stage], ops, ops.lane)
+        # (V's bytes read after S's MMAs are issued: K's fragments are dead by then, so the two
+        # are not live together; 194 registers against 201 at d=128)
+        self.v_fragment(ops.ring_v[None, None, stage], ops.tOrVt, ops.lane)
+        ahead = n_block - (stages - 1)
+        if ahead >= n_min:
+            page = load_k(ahead, False, (j + stages - 1) % stages)
+            load_v(ahead, False, (j + stages - 1) % stages, page=page)
+        cute.arch.cp_async_commit_group()
+        self.scores_to_probs(ops.acc_S, ops.acc_S_mn, ops.coord_S_mn, softmax, block_info, seqlen,
+                             row_start, q_start, n_block, score_scale, window_left, window_right,
+                             mask)
+        softmax.rescale(ops.acc_O_mn)
+        convert_fragment(ops.acc_S, ops.tOrP)
+        for k in cutlass.range_constexpr(cute.size(ops.tOrVt, mode=[2])):
+            cute.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP[None, None, k], ops.tOrVt[None, None, k],
+                      ops.acc_O)
+
+    # fp8_fragments' operands. Lane (g, t) = (lane // 4, lane % 4) of an m16n8k16 MMA holds, of
+    # each k block, A's rows g, g + 8 and B's column g, at k slots 2t, 2t + 1, 2t + 8, 2t + 9.
+    # S = Q K^T sums over the head dim in any order, so slot (k block s, j-th of those four)
+    # stands for head-dim column (d / 4) t + 4 s + j, the same in Q and K: a lane's columns of a
+    # K row are then d / 4 consecutive bytes. O's columns are permuted (fragment_column) for
+    # the same reason on V's rows.
+    @cute.jit
+    def q_fragment(self, sQ: cute.Tensor, tSrQ: cute.Tensor, lane):
+        """Q's A operand, in the permuted head-dim order, from its (swizzled) buffer; kept in
+        registers for the tile. Value v of a k block, (v0, v1, v2) = (v % 2, v // 2 % 2, v // 4):
+        row + 8 v1, head-dim column + v0 + 2 v2."""
+        g, t = lane // 4, lane % 4
+        for s in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
+            for v in cutlass.range_constexpr(8):
+                tSrQ[v, 0, s] = sQ[g + 8 * ((v // 2) % 2),
+                                   (self.d // 4) * t + 4 * s + 2 * (v // 4) + v % 2]
+
+    @cute.jit
+    def scores_from_ring(self, ring: cute.Tensor, ops: SimpleNamespace, lane):
+        """acc_S += Q K^T with K's B operand (this warp's 16 keys) from one stage of the ring:
+        key g + 8 n of n block n is its row's d/4 bytes from (d/4) t, each k block's four
+        converted just before its MMAs."""
+        g, t = lane // 4, lane % 4
+        run: cutlass.Constexpr = self.d // 4
+        raw = [self.ring_run(ring, g + 8 * n, run * t, run)
+               for n in range(cute.size(ops.tSrK, mode=[1]))]
+        for s in cutlass.range_constexpr(cute.size(ops.tSrK, mode=[2])):
+            for n in cutlass.range_constexpr(cute.size(ops.tSrK, mode=[1])):
+                values = self.converted(cute.local_tile(raw[n], (4,), (s,)))
+                for v in cutlass.range_constexpr(4):
+                    ops.tSrK[v, n, s] = values[v]
+            cute.gemm(ops.tiled_mma, ops.acc_S, ops.tSrQ[None, None, s], ops.tSrK[None, None, s],
+                      ops.acc_S)
+
+    @cute.jit
+    def k_fragment(self, ring: cute.Tensor, tSrK: cute.Tensor, lane):
+        """K's B operand (this warp's 16 keys) from one stage of the ring: key g + 8 n of n
+        block n is its row's d/4 bytes from (d/4) t, converted."""
+        g, t = lane // 4, lane % 4
+        run: cutlass.Constexpr = self.d // 4
+        for n in cutlass.range_constexpr(cute.size(tSrK, mode=[1])):
+            values = self.converted_run(ring, g + 8 * n, run * t, run)
+            for s in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
+                for v in cutlass.range_constexpr(4):
+                    tSrK[v, n, s] = values[4 * s + v]
+
+    @cute.jit
+    def v_fragment(self, ring: cute.Tensor, tOrVt: cute.Tensor, lane):
+        """V's B operand of P V from one stage of the ring: slot v of the 16 keys (key
+        2t + v % 2 + 8 (v // 2)) at n block n is column fragment_column(8 n + g) of that key's
+        row: the row's d_v/8 bytes from (d_v/8) g, converted."""
+        g, t = lane // 4, lane % 4
+        run: cutlass.Constexpr = self.dv // 8
+        for v in cutlass.range_constexpr(4):
+            values = self.converted(self.ring_run(ring, 2 * t + v % 2 + 8 * (v // 2), run * g, run))
+            for n in cutlass.range_constexpr(cute.size(tOrVt, mode=[1])):
+                tOrVt[v, n, 0] = values[n]
+
+    @cute.jit
+    def ring_run(self, ring: cute.Tensor, row, col, run: cutlass.Constexpr) -> cute.Tensor:
+        """`run` bytes of a ring row from column col (a multiple of run), in registers."""
+        raw = cute.make_rmem_tensor((run,), Uint8)
+        cute.autovec_copy(cute.local_tile(ring, (1, run), (row, col // run))[0, None], raw)
+        return raw
+
+    @cute.jit
+    def converted(self, raw: cute.Tensor) -> cute.Tensor:
+        """Bytes in the cache's fp8 format as `dtype` values (exact)."""
+        values = cute.make_rmem_tensor(raw.shape, self.dtype)
+        values.store(cute.recast_tensor(raw, self.cfg.kv_fp8).load().to(self.dtype))
+        return values
+
 
     @cute.jit
     def convert_chunks(self, src, dst):
