@@ -463,8 +463,8 @@ class FlashFwdSm80:
         keys = KEYS_PER_WARP if const_expr(cfg.split_keys) else self.tile_n
         ld_q = ld_k = ld_v = tSsQ = tSsK = tOsVt = ring_k = ring_v = None
         if const_expr(self.fragments):
-            # K's and V's operands in registers (k_fragment, v_fragment); Q's by ldmatrix from
-            # its buffer, rewritten in the permuted head-dim order at the first block (permute_q)
+            # every operand in registers: Q's for the tile (q_fragment, at the first block),
+            # K's and V's a block at a time from the ring (scores_from_ring, v_fragment)
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
             tSrK = cute.make_rmem_tensor(thr_mma.partition_shape_B((keys, self.d)), self.dtype)
             tOrVt = cute.make_rmem_tensor(thr_mma.partition_shape_B((self.dv, keys)), self.dtype)
@@ -799,8 +799,8 @@ class FlashFwdSm80:
             self.q_fragment(ops.sQ, ops.tSrQ, ops.lane)
         ops.acc_S.fill(0.0)
         self.scores_from_ring(ops.ring_k[None, None, stage], ops, ops.lane)
-        # (V's bytes read after S's MMAs are issued: K's fragments are dead by then, so the two
-        # are not live together; 194 registers against 201 at d=128)
+        # (V's bytes read after S's MMAs are issued, so that K's and V's fragments are not live
+        # together: 194 registers against 201 unbounded at d=128)
         self.v_fragment(ops.ring_v[None, None, stage], ops.tOrVt, ops.lane)
         ahead = n_block - (stages - 1)
         if ahead >= n_min:
@@ -851,18 +851,6 @@ class FlashFwdSm80:
                       ops.acc_S)
 
     @cute.jit
-    def k_fragment(self, ring: cute.Tensor, tSrK: cute.Tensor, lane):
-        """K's B operand (this warp's 16 keys) from one stage of the ring: key g + 8 n of n
-        block n is its row's d/4 bytes from (d/4) t, converted."""
-        g, t = lane // 4, lane % 4
-        run: cutlass.Constexpr = self.d // 4
-        for n in cutlass.range_constexpr(cute.size(tSrK, mode=[1])):
-            values = self.converted_run(ring, g + 8 * n, run * t, run)
-            for s in cutlass.range_constexpr(cute.size(tSrK, mode=[2])):
-                for v in cutlass.range_constexpr(4):
-                    tSrK[v, n, s] = values[4 * s + v]
-
-    @cute.jit
     def v_fragment(self, ring: cute.Tensor, tOrVt: cute.Tensor, lane):
         """V's B operand of P V from one stage of the ring: slot v of the 16 keys (key
         2t + v % 2 + 8 (v // 2)) at n block n is column fragment_column(8 n + g) of that key's
@@ -887,7 +875,6 @@ class FlashFwdSm80:
         values = cute.make_rmem_tensor(raw.shape, self.dtype)
         values.store(cute.recast_tensor(raw, self.cfg.kv_fp8).load().to(self.dtype))
         return values
-
 
     @cute.jit
     def convert_chunks(self, src, dst):
