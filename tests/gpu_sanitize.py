@@ -203,11 +203,13 @@ def cases() -> dict:
     for i in (0, 1):
         out[f"portable_decode_fp8_two_ctas{i}"] = _on_sm80(_two_ctas_per_sm(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8])))
-    for i in (0, 1, 2, 8):  # K and V straight into their fragments (a candidate): contiguous,
-        # page 16, splits of page 128, batch_idx + leftpad
-        out[f"portable_decode_fp8_fragments{i}"] = _on_sm80(_with_config(
+    for i in (0, 2, 8):  # the warp-local tile (lanes read each other's bytes of the ring):
+        # contiguous, splits of page 128, batch_idx + leftpad; and at 3 CTAs an SM
+        out[f"portable_decode_fp8_local{i}"] = _on_sm80(
+            lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]))
+        out[f"portable_decode_fp8_three_ctas{i}"] = _on_sm80(_with_config(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8]),
-            "DECODE_FP8_FRAGMENTS", True))
+            "decode_ctas_per_sm", lambda *args: 3))
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
         out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])

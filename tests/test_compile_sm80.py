@@ -78,12 +78,8 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 64, "local", "decode,page=64,split"],
                ["fp16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,ctas=3"],
                ["bf16", 128, "none", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3"],
-               # K and V converted straight into their MMA fragments (an A/B candidate,
-               # config.DECODE_FP8_FRAGMENTS), registers bounded for the CTAs an SM
-               ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,splitkeys,fragments"],
-               ["bf16", 128, "softcap", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3,fragments"],
-               ["fp16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,ctas=3,fragments"],
-               ["bf16", 192, "local", "decode,page=128,gqa=2,fp8=e4m3,splitkeys,fragments"]]
+               # (the warp-local fp8 tile, registers bounded for 3 CTAs an SM, with softcap)
+               ["bf16", 128, "softcap", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],
@@ -135,8 +131,8 @@ def test_compile_sm80_fwd(target, tmp_path):
         combine = r["variant"][3] == "combine"  # plain loads and stores, no MMA
         for needed in ("mma.sync.aligned.m16n8k16", "cp.async.cg.shared.global"):
             assert marks[needed] != combine, f"{where}: {needed}"
-        # (fp8_fragments' operands come from plain shared loads)
-        assert marks["ldmatrix"] != (combine or r.get("fragments", False)), where
+        # (the warp-local fp8 tile's operands come from plain shared loads)
+        assert marks["ldmatrix"] != (combine or r.get("warp_local", False)), where
         for hopper in ("wgmma", "stmatrix", "cp.async.bulk", "setmaxnreg"):
             assert not marks[hopper], f"{where}: uses {hopper}"
         assert marks["tanh.approx"] == (r["variant"][2] == "softcap"), where

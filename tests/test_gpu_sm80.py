@@ -220,38 +220,35 @@ def decode_configs_made(monkeypatch) -> list:
     return made
 
 
-@pytest.mark.parametrize("ctas", [2, 3])
 @pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
-def test_kvcache_fp8_fragments(seed, case, ctas, monkeypatch):
-    """The fp8 cases with K and V converted straight into their MMA fragments
-    (config.DECODE_FP8_FRAGMENTS, an A/B candidate), at 2 and 3 CTAs an SM (the register bound
-    follows). Steps on the warp-local split-keys tile at head dims of multiples of 64 must have
-    taken it."""
+def test_kvcache_fp8_three_ctas(seed, case, monkeypatch):
+    """The fp8 cases at 3 CTAs an SM (the ring sized for it; the warp-local tile's registers
+    bounded to fit: 168 at d=128), as split grids over pages of 16 run them. The split-keys
+    steps at head dims of multiples of 64 take the warp-local tile (K and V converted into
+    their fragments in registers)."""
     from cuteattn import kvcache
     from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "DECODE_FP8_FRAGMENTS", True)
-    monkeypatch.setattr(config, "decode_ctas_per_sm", lambda *args: ctas)
+    monkeypatch.setattr(config, "decode_ctas_per_sm", lambda *args: 3)
     monkeypatch.setattr(kvcache, "_decode_launches", {})
     monkeypatch.setattr(kvcache, "_steps", {})
     made = decode_configs_made(monkeypatch)
     b, sq, s_new, h, hk, d, cap, lens, extra = case
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
-    assert made and all(c.fp8_fragments == (c.warp_local and d % 64 == 0) for c in made)
+    assert made and all(c.warp_local == (c.split_keys and d % 64 == 0) for c in made), made
     if d in (64, 128) and sq * (h // hk) <= 16:
-        assert any(c.fp8_fragments for c in made), made
+        assert any(c.warp_local and c.min_ctas_per_sm == 3 for c in made), made
 
 
-@pytest.mark.parametrize("fragments", [False, True], ids=["converted", "fragments"])
+@pytest.mark.parametrize("tile", ["warp_local", "cta"])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fp8_cache_values_read_exactly(seed, dtype, fmt, fragments, monkeypatch):
+def test_fp8_cache_values_read_exactly(seed, dtype, fmt, tile, monkeypatch):
     """Every finite fp8 byte read back exactly: with one cached key the softmax weight is 1, so the output is
     that key's value row (v's descale 1), value for value, subnormals included. Two kv heads of
-    d=128 hold the 256 bytes (the non-finite ones replaced by 0), four query heads each. With
-    `fragments`, through config.DECODE_FP8_FRAGMENTS' kernel (its permuted output columns)."""
+    d=128 hold the 256 bytes (the non-finite ones replaced by 0), four query heads each. One
+    query position runs the warp-local tile (fragments converted in registers, output columns
+    permuted), five (20 rows a kv head) the CTA-wide one (a converted buffer in shared memory)."""
     from cuteattn import flash_attn_with_kvcache, kvcache
-    from cuteattn.kernels.sm80 import config
-    monkeypatch.setattr(config, "DECODE_FP8_FRAGMENTS", fragments)
     monkeypatch.setattr(kvcache, "_decode_launches", {})
     monkeypatch.setattr(kvcache, "_steps", {})
     made = decode_configs_made(monkeypatch)
@@ -259,12 +256,13 @@ def test_fp8_cache_values_read_exactly(seed, dtype, fmt, fragments, monkeypatch)
     byte = torch.where(torch.isfinite(byte.view(fmt).float()), byte, torch.zeros_like(byte))
     v_cache = byte.view(fmt).view(1, 1, 2, 128).cuda()  # (batch, one key, kv heads, d)
     k_cache = torch.zeros_like(v_cache)
-    q = torch.randn(1, 1, 8, 128, device="cuda", dtype=dtype)
+    sq = 1 if tile == "warp_local" else 5
+    q = torch.randn(1, sq, 8, 128, device="cuda", dtype=dtype)
     lens = torch.ones(1, dtype=torch.int32, device="cuda")
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, strict=True)
-    want = v_cache.to(dtype).repeat_interleave(4, dim=2)
+    want = v_cache.to(dtype).repeat_interleave(4, dim=2).expand(1, sq, 8, 128)
     assert torch.equal(out.float(), want.float())
-    assert [c.fp8_fragments for c in made] == [fragments]
+    assert made and all(c.warp_local == (tile == "warp_local") for c in made), made
 
 
 @pytest.mark.parametrize("page", [16, 48, 128])

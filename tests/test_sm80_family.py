@@ -585,14 +585,17 @@ H200_SMEM = 227 * 1024
 
 def test_decode_ctas_per_sm_where_split_kv_makes_the_grid():
     """config.decode_ctas_per_sm: where the tiles leave the GPU to split-KV, 3 CTAs an SM for an
-    fp8 cache (a 2-stage ring that fits a third of the shared memory) and 1 for a bf16 cache
-    whose key blocks do not gather pages; 2 otherwise (the tiles fill the GPU alone: the bench's
-    batch 64 over 8 kv heads, 128 over 4; or 16-key pages)."""
+    fp8 cache (a ring that fits a third of the shared memory) but on the warp-local tile over
+    pages that hold whole key blocks, and 1 for a bf16 cache whose key blocks do not gather
+    pages; 2 otherwise (the tiles fill the GPU alone: the bench's batch 64 over 8 kv heads, 128
+    over 4; or 16-key pages)."""
     tiles = lambda b, hk: config.decode_work_tiles(b, 32, hk, 1)
     assert tiles(8, 8) == 64 and tiles(1, 4) == 4 and config.decode_work_tiles(2, 12, 4, 1) == 24
     for b, hk in ((1, 8), (8, 4), (8, 8)):
         assert config.decode_ctas_per_sm(True, False, tiles(b, hk), 132, H200_SMEM) == 3
         assert config.decode_ctas_per_sm(True, True, tiles(b, hk), 132, H200_SMEM) == 3
+        assert config.decode_ctas_per_sm(True, False, tiles(b, hk), 132, H200_SMEM, True) == 2
+        assert config.decode_ctas_per_sm(True, True, tiles(b, hk), 132, H200_SMEM, True) == 3
         assert config.decode_ctas_per_sm(False, False, tiles(b, hk), 132, H200_SMEM) == 1
         assert config.decode_ctas_per_sm(False, True, tiles(b, hk), 132, H200_SMEM) == 2
     for b, hk in ((64, 8), (128, 4)):
@@ -608,7 +611,10 @@ def test_decode_ctas_per_sm_where_split_kv_makes_the_grid():
                                  kv_fp8=cutlass.Float8E4M3FN, split_keys=True, ctas_per_sm=3)
     two = config.decode_config(cutlass.BFloat16, 128, 128, *args, smem_limit=227 * 1024,
                                kv_fp8=cutlass.Float8E4M3FN, split_keys=True)
-    assert three.kv_stages == 2 and 3 * three.smem_bytes() <= 227 * 1024 < 3 * two.smem_bytes()
+    # (the warp-local tile: padded rows of bytes, nothing converted in shared memory; its
+    # registers bounded for the CTAs an SM)
+    assert three.warp_local and two.warp_local and (three.min_ctas_per_sm, two.min_ctas_per_sm) == (3, 2)
+    assert three.kv_stages == 3 and 3 * three.smem_bytes() <= 227 * 1024 < 3 * two.smem_bytes()
     one = config.decode_config(cutlass.BFloat16, 128, 128, *args, smem_limit=227 * 1024,
                                split_keys=True, ctas_per_sm=1)
     assert one.kv_stages == 4
@@ -624,8 +630,9 @@ def test_decode_grid_reads_the_spec(page, fp8, gathers):
                          head_dim_v=128, dtype=torch.bfloat16, causal=True, local=False,
                          has_softcap=False, varlen_q=False, varlen_k=False, paged_kv=page > 0, page_size=page,
                          kv_dtype=torch.float8_e4m3fn if fp8 else None)
+    # (one query row over GQA 4 at d=128: the split-keys tile, warp-local over an fp8 cache)
     assert config.decode_grid(spec, 132, H200_SMEM) == (
-        8, config.decode_ctas_per_sm(fp8, gathers, 8, 132, H200_SMEM))
+        8, config.decode_ctas_per_sm(fp8, gathers, 8, 132, H200_SMEM, fp8))
     # a head dim without a decode kernel (the reference serves it) still gets a count
     unserved = dataclasses.replace(spec, head_dim=80, head_dim_v=80)
     assert config.decode_grid(unserved, 132, H200_SMEM)[0] == 8

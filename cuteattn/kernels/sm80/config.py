@@ -15,6 +15,8 @@ traffic; 32 rows per warp is faster even with spills, but does not compile spill
 import dataclasses
 import math
 
+import cutlass
+
 from ..launch_common import compiled_width
 from . import mma
 from .fwd import KEYS_PER_WARP, Sm80FwdConfig
@@ -88,10 +90,6 @@ DECODE_TILES = {  # head_dim -> (tile_m, tile_n, num_warps)
     256: (64, 16, 4),
 }
 
-# An A/B candidate (docs/perf-log.md): warp-local fp8 decode tiles convert K and V straight into
-# their MMA fragments (Sm80FwdConfig.fp8_fragments) where the head dims are multiples of 64.
-DECODE_FP8_FRAGMENTS = False
-
 
 def decode_work_tiles(batch: int, nheads: int, nheads_k: int, seqlen_q: int) -> int:
     """The decode grid's tiles before any split: 64 rows, which with pack-GQA (a power-of-two
@@ -104,21 +102,25 @@ def decode_work_tiles(batch: int, nheads: int, nheads_k: int, seqlen_q: int) -> 
 
 
 def decode_ctas_per_sm(fp8_cache: bool, gathers_pages: bool, tiles: int, sms: int,
-                       smem_limit: int) -> int:
+                       smem_limit: int, warp_local: bool = False) -> int:
     """The decode kernel's CTAs an SM: its K/V ring is sized to fit that share of the shared
     memory (decode_stages), and the split-KV count (kvcache._splits) counts slots with it.
     2, except where the tiles leave the GPU to split-KV (fewer than 80% of the slots, as
     kvcache.split_count counts them at that many an SM). There an fp8 cache runs 3 (2 ring
-    stages; its step is latency-bound at 8 warps an SM) and a bf16/fp16 cache whose key blocks
+    stages; its step is latency-bound at 8 warps an SM), except on the warp-local tile
+    (`warp_local`: Sm80FwdConfig.warp_local, fragments converted in registers) where its key
+    blocks do not gather pages, and a bf16/fp16 cache whose key blocks
     do not gather pages (contiguous, or pages holding whole blocks) runs 1 (a 4-stage ring,
     fewer splits to merge) on a GPU of Hopper's shared memory (over 200 KB a CTA; 100 KB GPUs
     would fit only 2 stages at d=128, unmeasured: they keep 2). Measured at d=128 on an H200
     (docs/perf-log.md): fp8 3 ran
     1.04-1.26x where the grid splits, 0.81-0.97x where the tiles alone fill the GPU (a partial
     last wave); bf16 1 ran 1.01-1.03x at pages of 128 keys and contiguous, 0.90-0.96x at pages
-    of 16 (gathered blocks want the second CTA's loads in flight)."""
+    of 16 (gathered blocks want the second CTA's loads in flight). The warp-local tile at 2
+    against 3 where the grid splits: 1.04-1.11x contiguous and at pages of 128, 0.94-0.95x at
+    pages of 16."""
     if fp8_cache:
-        return 3 if tiles < 0.8 * 3 * sms else 2
+        return 3 if tiles < 0.8 * 3 * sms and (gathers_pages or not warp_local) else 2
     return 1 if not gathers_pages and tiles < 0.8 * sms and smem_limit > 200 * 1024 else 2
 
 
@@ -131,7 +133,12 @@ def decode_grid(spec, sms: int, smem_limit: int) -> tuple:
     # (a head dim without a decode kernel, d=80: the reference serves it; its count is moot)
     tile_n = DECODE_TILES[spec.head_dim][1] if spec.head_dim in DECODE_TILES else 64
     gathers = page % tile_n != 0
-    return tiles, decode_ctas_per_sm(spec.kv_dtype is not None, gathers, tiles, sms, smem_limit)
+    fp8 = spec.kv_dtype is not None
+    # (the warp-local tile, as decode_config gives it a split-keys step of 64-key blocks)
+    local = (fp8 and decode_split_keys(spec) and not spec.varlen_q
+             and DECODE_TILES.get(spec.head_dim, (0, 0, 1))[1:] == (64, 4)
+             and warp_local_fp8(cutlass.BFloat16, spec.head_dim, spec.head_dim_v, fp8))
+    return tiles, decode_ctas_per_sm(fp8, gathers, tiles, sms, smem_limit, local)
 
 
 def warps_for_key_block(dtype, head_dim: int, head_dim_v: int, tile_n: int, warps: int) -> int:
@@ -210,21 +217,31 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                      for cols in (head_dim, head_dim_v))
     if (split_keys and passes_fit and not varlen_q and cfg.tile_n == 16 * cfg.num_warps
             and stages >= 2):
-        # (its 16-byte copy passes, twice byte_copy_like's rows, must tile a warp's keys)
-        local = kv_fp8 is not None and all(
-            KEYS_PER_WARP % (2 * mma.rows_per_copy_pass(dtype, 32, cols)) == 0
-            for cols in (head_dim, head_dim_v))
-        fragments = (DECODE_FP8_FRAGMENTS and local and head_dim % 64 == 0
-                     and head_dim_v % 64 == 0)
+        local = warp_local_fp8(dtype, head_dim, head_dim_v, kv_fp8)
         split = dataclasses.replace(cfg, tile_m=16, split_keys=True, warp_local=local,
-                                    fp8_fragments=fragments,
                                     pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
         split = dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit, ctas_per_sm))
-        if fragments:  # (registers bounded for the CTAs an SM that its shared memory allows)
+        if local:  # (registers bounded for the CTAs an SM that its shared memory allows)
             split = dataclasses.replace(split, min_ctas_per_sm=min(
                 ctas_per_sm, smem_limit // split.smem_bytes()))
         return split
     return cfg
+
+
+def warp_local_fp8(dtype, head_dim: int, head_dim_v: int, kv_fp8) -> bool:
+    """Whether the split-keys tile over this cache takes Sm80FwdConfig.warp_local: an fp8
+    cache at head dims of multiples of 64 (a lane's runs of K's and V's rows), whose 16-byte
+    copy passes (twice byte_copy_like's rows) tile a warp's keys."""
+    return (kv_fp8 is not None and head_dim % 64 == 0 and head_dim_v % 64 == 0
+            and all(KEYS_PER_WARP % (2 * mma.rows_per_copy_pass(dtype, 32, cols)) == 0
+                    for cols in (head_dim, head_dim_v)))
+
+
+def decode_split_keys(spec) -> bool:
+    """Whether a decode step asks for the 16-row split-keys tile (Sm80FwdConfig.split_keys):
+    at most 16 rows a kv head, all its query heads packed (decode_config may still decline)."""
+    group = pack_gqa_group(spec.qhead_per_kvhead, 16)
+    return group == spec.qhead_per_kvhead and (spec.seqlen_q or 0) * group <= 16
 
 
 def decode_stages(cfg: Sm80FwdConfig, smem_limit: int, ctas_per_sm: int = 2) -> int:

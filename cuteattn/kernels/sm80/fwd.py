@@ -85,23 +85,20 @@ class Sm80FwdConfig:
     # a GQA-4 decode step: 4x the MMAs and every warp reading all of K and V by ldmatrix).
     # Measured on the H200: 1.24-1.29x an fp8 cache's step, 1.02-1.09x a bf16 one.
     split_keys: bool = False
-    # With split_keys, each warp also loads (and for an fp8 cache converts) its own keys of
-    # every block, with its own lanes, so the key loop syncs warps, not the CTA (one CTA
-    # barrier for Q, at the first block): warps no longer wait for each other at every block.
-    # Used for an fp8 cache (config.decode_config): 1.10-1.34x a contiguous fp8 step, 0.98-1.03x
-    # a paged one; a bf16 step ran 0.98-1.00x with it, so it keeps the CTA's shared copies.
-    # Its copies take 16 bytes a thread (mma.byte_copy_wide: two converted chunks a thread,
-    # cp.async.cg): 1.18-1.78x the 8-byte .ca copies on the H200.
+    # With split_keys and an fp8 cache (head dims multiples of 64): each warp loads its own
+    # keys of every block, with its own lanes, 16 bytes a thread (mma.byte_copy_wide,
+    # cp.async.cg), so the key loop syncs warps, not the CTA (one CTA barrier for Q, at the
+    # first block); and K's and V's MMA fragments are converted straight from the ring of
+    # bytes (a lane reads runs of its warp's rows, whoever loaded them), with no converted
+    # buffer, no ldmatrix and one warp sync a block. The fragments' head-dim order is permuted
+    # so that a lane's bytes are contiguous (q_fragment, fragment_column); the ring's rows are
+    # padded by FRAGMENT_ROW_PAD bytes so that those runs are read without bank conflicts.
+    # Measured on the H200 (docs/perf-log.md): the warp-local loads 1.10-1.34x a contiguous
+    # fp8 step, the 16-byte copies 1.18-1.78x the 8-byte ones, the fragments 1.00-1.13x the
+    # converted buffer. (A bf16 step ran 0.98-1.00x with warp-local loads: it keeps the CTA's.)
     warp_local: bool = False
-    # With warp_local: K's and V's MMA fragments converted straight from the ring of bytes (a
-    # lane reads 16-byte runs of its warp's rows, whoever loaded them; the warp's sync makes
-    # them visible), instead of through a converted buffer and ldmatrix: no second shared
-    # write and read of every element and no converted buffer. The fragments' order along the
-    # head dims is permuted so that a lane's bytes are contiguous (FRAGMENT_ORDER below); the
-    # ring's rows are padded by 16 bytes, so those runs are read without bank conflicts.
-    fp8_fragments: bool = False
     # A launch bound: ptxas fits the registers to this many CTAs an SM (0: unbounded). The
-    # fp8_fragments tile at d=128 takes 194 registers unbounded, 168 without spills at 3.
+    # warp-local tile at d=128 takes 194 registers unbounded, 168 without spills at 3.
     min_ctas_per_sm: int = 0
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of each row's
     # denominator in the epilogue (OnlineSoftmax.finalize); a tile's rows are one query head
@@ -121,19 +118,19 @@ class Sm80FwdConfig:
         converted to `dtype`)."""
         elem = self.dtype.width // 8
         kv_block = self.tile_n * (self.head_dim + self.head_dim_v)
-        if self.fp8_fragments:  # (padded rows of bytes, nothing converted in shared memory)
+        if self.warp_local:  # (padded rows of bytes, nothing converted in shared memory)
             kv_block = self.tile_n * (self.head_dim + self.head_dim_v + 2 * FRAGMENT_ROW_PAD)
-        converted = kv_block * elem if self.kv_fp8 is not None and not self.fp8_fragments else 0
+        converted = kv_block * elem if self.kv_fp8 is not None and not self.warp_local else 0
         return (self.tile_m * self.head_dim * elem + self.kv_stages * kv_block * self.kv_elem_bytes
                 + converted)
 
 
 KEYS_PER_WARP = 16  # Sm80FwdConfig.split_keys: each warp's share of a key block
-FRAGMENT_ROW_PAD = 16  # bytes after each row of the ring with fp8_fragments (bank spread)
+FRAGMENT_ROW_PAD = 16  # bytes after each row of the ring with warp_local (bank spread)
 
 
 def fragment_column(p: int, width: int) -> int:
-    """fp8_fragments' order of O's columns: accumulator column p (of `width`) holds output
+    """warp_local's order of O's columns: accumulator column p (of `width`) holds output
     column fragment_column(p). Lane g of the P V MMA's B operand holds column g of every 8-column
     n block; mapped so, those are the width/8 consecutive columns from g * width / 8 of V's rows,
     which the lane reads as one run."""
@@ -146,10 +143,9 @@ class FlashFwdSm80:
         assert cfg.head_dim_v <= cfg.head_dim, "head_dim_v > head_dim is not supported"
         assert not (cfg.padded and (cfg.paged_kv or cfg.pack_gqa > 1)), "padded: forward only"
         assert cfg.kv_fp8 is None or (cfg.kv_stages >= 2 and not cfg.padded), "fp8: a decode ring"
-        assert not cfg.warp_local or cfg.kv_fp8 is not None, cfg
         # (a lane's runs: d/4 bytes of a K row, d_v/8 of a V row, in 16- or 8-byte loads)
-        assert not cfg.fp8_fragments or (cfg.warp_local and cfg.head_dim % 64 == 0
-                                         and cfg.head_dim_v % 64 == 0), cfg
+        assert not cfg.warp_local or (cfg.kv_fp8 is not None and cfg.head_dim % 64 == 0
+                                      and cfg.head_dim_v % 64 == 0), cfg
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
         if cfg.split_keys:  # (16 rows; a warp per 16 keys of a ring stage)
             assert cfg.tile_m == mma.MMA_ROWS and cfg.tile_n == KEYS_PER_WARP * cfg.num_warps
@@ -173,8 +169,8 @@ class FlashFwdSm80:
         self.num_threads = cfg.num_threads
         self.group = cfg.pack_gqa      # query rows per query position (pack-GQA)
         self.fp8 = cfg.kv_fp8 is not None  # an fp8 cache (decoding)
-        self.fragments = cfg.fp8_fragments
-        # the output column of an accumulator column where fp8_fragments permutes them
+        self.fragments = cfg.warp_local  # (K's and V's operands converted into registers)
+        # the output column of an accumulator column where the warp-local tile permutes them
         self.o_column = (lambda p: fragment_column(p, cfg.head_dim_v)) if self.fragments else None
         self.tile_q = cfg.tile_m // cfg.pack_gqa  # query positions per tile
 
@@ -276,7 +272,7 @@ class FlashFwdSm80:
         class SharedStorage:
             # 1024-byte aligned: a swizzle period (8 rows of 128 bytes) starts on a bank boundary
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            if not self.fragments:  # (fp8_fragments converts into registers)
+            if not self.fragments:  # (the warp-local tile converts into registers)
                 sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
             if self.fp8:
@@ -286,7 +282,7 @@ class FlashFwdSm80:
 
     def ring_layout(self, cols: int) -> cute.Layout:
         """An fp8 cache's ring of bytes as loaded, (keys, cols, stage): rows of `cols` bytes
-        (padded by FRAGMENT_ROW_PAD with fp8_fragments), a stage after the other."""
+        (padded by FRAGMENT_ROW_PAD with warp_local), a stage after the other."""
         row = cols + (FRAGMENT_ROW_PAD if self.fragments else 0)
         return cute.make_layout((self.tile_n, cols, self.cfg.kv_stages),
                                 stride=(row, 1, row * self.tile_n))
@@ -353,8 +349,8 @@ class FlashFwdSm80:
         staging = None
         v_descale = None
         if const_expr(self.fp8):
-            # the ring of bytes as loaded (without fp8_fragments, only the thread that loaded
-            # a chunk reads it back)
+            # the ring of bytes as loaded (without warp_local, only the thread that loaded a
+            # chunk reads it back)
             staging = (storage.sK8.get_tensor(self.ring_layout(self.d)),
                        storage.sV8.get_tensor(self.ring_layout(self.dv)))
             # the descales of this sequence's kv head: k's scales the raw scores (inside the
@@ -411,8 +407,7 @@ class FlashFwdSm80:
         # (with a ring: per stage)
         tKsK = tVsV = None
         if const_expr(not self.fragments):
-            tKsK = copy_k.partition_D(self.warp_rows(sK, own) if const_expr(local) else sK)
-            tVsV = copy_v.partition_D(self.warp_rows(sV, own) if const_expr(local) else sV)
+            tKsK, tVsV = copy_k.partition_D(sK), copy_v.partition_D(sV)
         tQcQ = copy_q.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
         tKcK = copy_k.partition_S(cute.make_identity_tensor((kv_rows, self.d)))
         tVcV = copy_v.partition_S(cute.make_identity_tensor((kv_rows, self.dv)))
@@ -428,16 +423,12 @@ class FlashFwdSm80:
         ring = cfg.kv_stages > 1
         tKsK8 = tVsV8 = None
         if const_expr(self.fp8):
-            # the loads fill the ring of bytes, in the converted buffer's chunks (8 keys'
-            # elements a thread): the thread that loads a chunk converts it
+            # the loads fill the ring of bytes: with warp_local 16 bytes a lane; else in the
+            # converted buffer's chunks (8 keys' elements a thread), the thread that loads a
+            # chunk converting it
             if const_expr(local):
-                (copy_k8, to_k), (copy_v8, to_v) = (
-                    [c.get_slice(kv_tidx) for c in mma.byte_copy_wide(self.dtype, kv_threads, cols)]
-                    for cols in (self.d, self.dv))
-                if const_expr(not self.fragments):
-                    # (the converted buffer in the wide copy's chunks: a thread's own two)
-                    tKsK = to_k.partition_D(self.warp_rows(sK, own))
-                    tVsV = to_v.partition_D(self.warp_rows(sV, own))
+                copy_k8, copy_v8 = (mma.byte_copy_wide(self.dtype, kv_threads, cols).get_slice(kv_tidx)
+                                    for cols in (self.d, self.dv))
             else:
                 copy_k8 = mma.byte_copy_like(self.dtype, kv_threads, self.d).get_slice(kv_tidx)
                 copy_v8 = mma.byte_copy_like(self.dtype, kv_threads, self.dv).get_slice(kv_tidx)
@@ -768,7 +759,7 @@ class FlashFwdSm80:
             page = load_k(ahead, False, (j + stages - 1) % stages)
             load_v(ahead, False, (j + stages - 1) % stages, page=page)
         cute.arch.cp_async_commit_group()
-        self.block_sync(False)  # (the conversion visible: the warp's own rows with warp_local)
+        self.block_sync(False)  # (the conversion visible)
         ops.acc_S.fill(0.0)
         mma.gemm(ops.tiled_mma, ops.acc_S, ops.tSrQ, ops.tSrK, ops.tSsQ, ops.tSsK, ops.ld_q,
                  ops.ld_k)
@@ -785,7 +776,7 @@ class FlashFwdSm80:
                             load_v, block_info: BlockInfo, seqlen: SeqlenInfo, row_start,
                             q_start, n_min, n_max, score_scale, window_left, window_right,
                             mask: cutlass.Constexpr, top: cutlass.Constexpr):
-        """key_block_fp8 with fp8_fragments: once all but the newest kv_stages - 2 of every
+        """key_block_fp8 on the warp-local tile: once all but the newest kv_stages - 2 of every
         lane's commit groups have landed, the warp's sync makes the stage's bytes visible to all
         its lanes; each reads its runs of them into K's and V's fragments (Q's at the first
         block). The block kv_stages - 1 ahead then loads into the stage read one block ago. One
@@ -816,7 +807,7 @@ class FlashFwdSm80:
             cute.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP[None, None, k], ops.tOrVt[None, None, k],
                       ops.acc_O)
 
-    # fp8_fragments' operands. Lane (g, t) = (lane // 4, lane % 4) of an m16n8k16 MMA holds, of
+    # The warp-local tile's operands. Lane (g, t) = (lane // 4, lane % 4) of an m16n8k16 MMA holds, of
     # each k block, A's rows g, g + 8 and B's column g, at k slots 2t, 2t + 1, 2t + 8, 2t + 9.
     # S = Q K^T sums over the head dim in any order, so slot (k block s, j-th of those four)
     # stands for head-dim column (d / 4) t + 4 s + j, the same in Q and K: a lane's columns of a

@@ -178,9 +178,7 @@ class DecodeLaunch:
         self.fns = {}  # split_kv -> compiled kernel (compiled on first use)
         # a step of at most 16 rows a kv head (all its query heads packed) on the 16-row tile
         # whose warps split the keys (Sm80FwdConfig.split_keys)
-        group = config.pack_gqa_group(spec.qhead_per_kvhead, 16)
-        self.split_keys = (group == spec.qhead_per_kvhead
-                           and (spec.seqlen_q or 0) * group <= 16)
+        self.split_keys = config.decode_split_keys(spec)
         scalars = dict(launch_scalars(spec, config.decode_pack_group(spec, self.split_keys)))
         self.bind = Binder(DECODE_PER_CALL, scalars, arguments.ARGUMENTS,
                            None if self.tvm_ffi else to_runtime)

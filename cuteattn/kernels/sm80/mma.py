@@ -92,20 +92,17 @@ def byte_copy_like(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
         cute.make_layout((1, vec)))
 
 
-def byte_copy_wide(dtype, num_threads: int, cols: int) -> tuple:
-    """(cp.async of 16 bytes a thread over a (rows, cols) tile of 8-bit elements, the copy of
-    the matching `dtype` tile that a thread converts them into): each thread takes 16
-    consecutive elements of a row, two of gmem_to_smem_copy(dtype)'s chunks, so the loads are
-    16-byte cp.async.cg (byte_copy_like's are 8-byte .ca) and a pass covers twice the rows.
-    The second copy only addresses the thread's 32 bytes of the `dtype` tile."""
+def byte_copy_wide(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
+    """cp.async of 16 bytes a thread over a (rows, cols) tile of 8-bit elements (16-byte
+    cp.async.cg, where byte_copy_like's are 8-byte .ca): each thread takes 16 consecutive
+    elements of a row, two of gmem_to_smem_copy(dtype)'s chunks, so a pass covers twice the
+    rows of byte_copy_like's."""
     vec = 2 * COPY_BITS // dtype.width
     threads_per_row = atom_width_bytes(dtype, cols) * 8 // COPY_BITS // 2
     threads = cute.make_ordered_layout((num_threads // threads_per_row, threads_per_row), order=(1, 0))
     load = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
                                cutlass.Uint8, num_bits_per_copy=8 * vec)
-    store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=COPY_BITS)
-    return (cute.make_tiled_copy_tv(load, threads, cute.make_layout((1, vec))),
-            cute.make_tiled_copy_tv(store, threads, cute.make_layout((1, vec))))
+    return cute.make_tiled_copy_tv(load, threads, cute.make_layout((1, vec)))
 
 
 def ldmatrix_atom(dtype, transpose: bool) -> cute.CopyAtom:
