@@ -79,16 +79,17 @@ def test_varlen_seqused(seed, mask):
 
 def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=False,
                 window=(-1, -1), softcap=0.0, rotary=None, batch_idx=False, leftpad=None,
-                dtype=torch.bfloat16, sink=False, cache_dtype=None, descales=True):
+                dtype=torch.bfloat16, sink=False, cache_dtype=None, descales=True, q_scale=1.0):
     """flash_attn_with_kvcache (strict: the kernel must serve it) against the reference on a
     copy of the caches: the output by FlashAttention's rule, the LSE, and the caches after the
     append compared exactly. cache_dtype: an fp8 cache (values / descale, random per-(batch, kv
-    head) descales, or none with descales=False), the new tokens quantized into it."""
+    head) descales, or none with descales=False), the new tokens quantized into it. q_scale:
+    q's magnitude (randn times it)."""
     from cuteattn import flash_attn_with_kvcache
     from cuteattn.reference import attention_kvcache_ref
     from cuteattn.testing import assert_close_fa, assert_lse_close
     dev = "cuda"
-    q = torch.randn(b, sq, h, d, device=dev, dtype=dtype)
+    q = (torch.randn(b, sq, h, d, device=dev) * q_scale).to(dtype)
     k_new = v_new = None
     if s_new:
         k_new = torch.randn(b, s_new, hk, d, device=dev, dtype=dtype)
@@ -239,7 +240,28 @@ def test_kvcache_fp8_three_ctas(seed, case, monkeypatch):
         assert any(c.warp_local and c.min_ctas_per_sm == 3 for c in made), made
 
 
-@pytest.mark.parametrize("tile", ["warp_local", "cta"])
+@pytest.mark.parametrize("q_scale", [1.0, 3e5, 1e-6], ids=["q1", "q3e5", "q1e-6"])
+@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
+def test_kvcache_fp8_f16_operands(seed, case, q_scale, monkeypatch):
+    """The fp8 cases with the warp-local tile's MMAs in fp16 for a bf16 q
+    (config.DECODE_F16_OPERANDS, an A/B candidate), with q of ordinary, fp16-overflowing and
+    fp16-subnormal magnitudes (Q's fragment scaled by a power of two); the bf16 split-keys
+    steps at head dims of multiples of 64 must have taken it."""
+    from cuteattn import kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "DECODE_F16_OPERANDS", True)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    monkeypatch.setattr(kvcache, "_steps", {})
+    made = decode_configs_made(monkeypatch)
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra, q_scale=q_scale)
+    bf16 = extra.get("dtype", torch.bfloat16) == torch.bfloat16
+    assert made and all(c.f16_operands == (c.warp_local and bf16) for c in made), made
+    if d in (64, 128) and sq * (h // hk) <= 16 and bf16:
+        assert any(c.f16_operands for c in made), made
+
+
+@pytest.mark.parametrize("tile", ["warp_local", "warp_local_f16", "cta"])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_fp8_cache_values_read_exactly(seed, dtype, fmt, tile, monkeypatch):
@@ -249,6 +271,8 @@ def test_fp8_cache_values_read_exactly(seed, dtype, fmt, tile, monkeypatch):
     query position runs the warp-local tile (fragments converted in registers, output columns
     permuted), five (20 rows a kv head) the CTA-wide one (a converted buffer in shared memory)."""
     from cuteattn import flash_attn_with_kvcache, kvcache
+    from cuteattn.kernels.sm80 import config
+    monkeypatch.setattr(config, "DECODE_F16_OPERANDS", tile == "warp_local_f16")
     monkeypatch.setattr(kvcache, "_decode_launches", {})
     monkeypatch.setattr(kvcache, "_steps", {})
     made = decode_configs_made(monkeypatch)
@@ -256,13 +280,15 @@ def test_fp8_cache_values_read_exactly(seed, dtype, fmt, tile, monkeypatch):
     byte = torch.where(torch.isfinite(byte.view(fmt).float()), byte, torch.zeros_like(byte))
     v_cache = byte.view(fmt).view(1, 1, 2, 128).cuda()  # (batch, one key, kv heads, d)
     k_cache = torch.zeros_like(v_cache)
-    sq = 1 if tile == "warp_local" else 5
+    sq = 5 if tile == "cta" else 1
     q = torch.randn(1, sq, 8, 128, device="cuda", dtype=dtype)
     lens = torch.ones(1, dtype=torch.int32, device="cuda")
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, strict=True)
     want = v_cache.to(dtype).repeat_interleave(4, dim=2).expand(1, sq, 8, 128)
     assert torch.equal(out.float(), want.float())
-    assert made and all(c.warp_local == (tile == "warp_local") for c in made), made
+    assert made and all(c.warp_local == (tile != "cta") for c in made), made
+    assert all(c.f16_operands == (tile == "warp_local_f16" and dtype == torch.bfloat16)
+               for c in made), made
 
 
 @pytest.mark.parametrize("page", [16, 48, 128])

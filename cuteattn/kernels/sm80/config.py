@@ -219,6 +219,8 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
             and stages >= 2):
         local = warp_local_fp8(dtype, head_dim, head_dim_v, kv_fp8)
         split = dataclasses.replace(cfg, tile_m=16, split_keys=True, warp_local=local,
+                                    f16_operands=(DECODE_F16_OPERANDS and local
+                                                  and dtype is cutlass.BFloat16),
                                     pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
         split = dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit, ctas_per_sm))
         if local:  # (registers bounded for the CTAs an SM that its shared memory allows)
@@ -226,6 +228,11 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                 ctas_per_sm, smem_limit // split.smem_bytes()))
         return split
     return cfg
+
+
+# An A/B candidate (docs/perf-log.md): the warp-local fp8 tile's MMAs in fp16 for a bf16 q
+# (Sm80FwdConfig.f16_operands).
+DECODE_F16_OPERANDS = False
 
 
 def warp_local_fp8(dtype, head_dim: int, head_dim_v: int, kv_fp8) -> bool:

@@ -97,6 +97,13 @@ class Sm80FwdConfig:
     # fp8 step, the 16-byte copies 1.18-1.78x the 8-byte ones, the fragments 1.00-1.13x the
     # converted buffer. (A bf16 step ran 0.98-1.00x with warp-local loads: it keeps the CTA's.)
     warp_local: bool = False
+    # With warp_local and a bf16 q (an A/B candidate, config.DECODE_F16_OPERANDS): both MMAs
+    # in fp16, so that the cache's bytes take one conversion a pair (cvt e4m3x2/e5m2x2 ->
+    # f16x2, exact) instead of three more to bf16. Q's fragment is rounded to fp16 once a tile
+    # (scaled by the power of two that puts its largest magnitude just under 2^15, the scores
+    # scaled back), P is taken 2^F16_P_MAX_LOG2 times its value (the LSE takes it out) so
+    # that fp16 keeps small probabilities normal: both operands hold at least bf16's bits.
+    f16_operands: bool = False
     # A launch bound: ptxas fits the registers to this many CTAs an SM (0: unbounded). The
     # warp-local tile at d=128 takes 194 registers unbounded, 168 without spills at 3.
     min_ctas_per_sm: int = 0
@@ -127,6 +134,8 @@ class Sm80FwdConfig:
 
 KEYS_PER_WARP = 16  # Sm80FwdConfig.split_keys: each warp's share of a key block
 FRAGMENT_ROW_PAD = 16  # bytes after each row of the ring with warp_local (bank spread)
+F16_P_MAX_LOG2 = 15.0  # f16_operands: P at most 2^15 (fp16's largest power of two is 2^15)
+Q_F16_MAX_LOG2 = 14  # f16_operands: Q's largest magnitude scaled into [2^14, 2^15)
 
 
 def fragment_column(p: int, width: int) -> int:
@@ -170,6 +179,8 @@ class FlashFwdSm80:
         self.group = cfg.pack_gqa      # query rows per query position (pack-GQA)
         self.fp8 = cfg.kv_fp8 is not None  # an fp8 cache (decoding)
         self.fragments = cfg.warp_local  # (K's and V's operands converted into registers)
+        assert not cfg.f16_operands or cfg.warp_local, cfg
+        self.mma_dtype = cutlass.Float16 if cfg.f16_operands else cfg.dtype  # (the MMAs' operands)
         # the output column of an accumulator column where the warp-local tile permutes them
         self.o_column = (lambda p: fragment_column(p, cfg.head_dim_v)) if self.fragments else None
         self.tile_q = cfg.tile_m // cfg.pack_gqa  # query positions per tile
@@ -449,16 +460,17 @@ class FlashFwdSm80:
         # (split_keys: a one-warp MMA on this warp's keys; mma_tidx its lane)
         warp = tidx // 32
         mma_tidx = tidx % 32 if const_expr(cfg.split_keys) else tidx
-        tiled_mma = mma.tiled_mma(self.dtype, 1 if const_expr(cfg.split_keys) else cfg.num_warps)
+        tiled_mma = mma.tiled_mma(self.mma_dtype, 1 if const_expr(cfg.split_keys) else cfg.num_warps)
         thr_mma = tiled_mma.get_slice(mma_tidx)
         keys = KEYS_PER_WARP if const_expr(cfg.split_keys) else self.tile_n
         ld_q = ld_k = ld_v = tSsQ = tSsK = tOsVt = ring_k = ring_v = None
         if const_expr(self.fragments):
             # every operand in registers: Q's for the tile (q_fragment, at the first block),
             # K's and V's a block at a time from the ring (scores_from_ring, v_fragment)
-            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-            tSrK = cute.make_rmem_tensor(thr_mma.partition_shape_B((keys, self.d)), self.dtype)
-            tOrVt = cute.make_rmem_tensor(thr_mma.partition_shape_B((self.dv, keys)), self.dtype)
+            tSrQ = cute.make_rmem_tensor(thr_mma.partition_shape_A((self.tile_m, self.d)),
+                                         self.mma_dtype)
+            tSrK = cute.make_rmem_tensor(thr_mma.partition_shape_B((keys, self.d)), self.mma_dtype)
+            tOrVt = cute.make_rmem_tensor(thr_mma.partition_shape_B((self.dv, keys)), self.mma_dtype)
             ring_k, ring_v = (self.warp_rows(x, warp) for x in staging)
         else:
             # the stage-0 views build the MMA fragments (a stage is a whole tile: swizzle-safe)
@@ -482,8 +494,12 @@ class FlashFwdSm80:
         if const_expr(cfg.split_keys):  # (the block's coordinates of this warp's keys)
             coord_S = cute.local_tile(coord_S, (self.tile_m, keys), (0, warp))
         coord_S_mn = acc_mn_view(thr_mma.partition_C(coord_S))
-        tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.dtype)
-        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
+        tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.mma_dtype)
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]),
+                                       F16_P_MAX_LOG2 if const_expr(cfg.f16_operands) else 0.0)
+        q_unscale = None  # (f16_operands: Q's scale undone)
+        if const_expr(cfg.f16_operands):
+            q_unscale = cute.make_rmem_tensor((1,), Float32)
         softmax.reset()
 
         ops = SimpleNamespace(
@@ -491,7 +507,7 @@ class FlashFwdSm80:
             coord_S_mn=coord_S_mn, tOrP=tOrP, tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ,
             tSsK=tSsK, tOsVt=tOsVt, ld_q=ld_q, ld_k=ld_k, ld_v=ld_v, sK=sK, sV=sV, warp=warp,
             tKsK=tKsK, tVsV=tVsV, tKsK8=tKsK8, tVsV8=tVsV8, sQ=sQ, ring_k=ring_k, ring_v=ring_v,
-            lane=tidx % 32)
+            lane=tidx % 32, q_unscale=q_unscale)
         key_block = self.key_block
         if const_expr(ring):
             key_block = self.key_block_fp8 if const_expr(self.fp8) else self.key_block_ring
@@ -787,9 +803,12 @@ class FlashFwdSm80:
         cute.arch.cp_async_wait_group(stages - 2)
         self.block_sync(top)
         if const_expr(top):
-            self.q_fragment(ops.sQ, ops.tSrQ, ops.lane)
+            self.q_fragment(ops.sQ, ops.tSrQ, ops.lane, ops.q_unscale)
         ops.acc_S.fill(0.0)
         self.scores_from_ring(ops.ring_k[None, None, stage], ops, ops.lane)
+        if const_expr(self.cfg.f16_operands):  # (before softcap and the softmax)
+            for i in cutlass.range_constexpr(cute.size(ops.acc_S)):
+                ops.acc_S[i] = ops.acc_S[i] * ops.q_unscale[0]
         # (V's bytes read after S's MMAs are issued, so that K's and V's fragments are not live
         # together: 194 registers against 201 unbounded at d=128)
         self.v_fragment(ops.ring_v[None, None, stage], ops.tOrVt, ops.lane)
@@ -814,15 +833,39 @@ class FlashFwdSm80:
     # K row are then d / 4 consecutive bytes. O's columns are permuted (fragment_column) for
     # the same reason on V's rows.
     @cute.jit
-    def q_fragment(self, sQ: cute.Tensor, tSrQ: cute.Tensor, lane):
+    def q_fragment(self, sQ: cute.Tensor, tSrQ: cute.Tensor, lane, q_unscale: cute.Tensor):
         """Q's A operand, in the permuted head-dim order, from its (swizzled) buffer; kept in
         registers for the tile. Value v of a k block, (v0, v1, v2) = (v % 2, v // 2 % 2, v // 4):
-        row + 8 v1, head-dim column + v0 + 2 v2."""
+        row + 8 v1, head-dim column + v0 + 2 v2. With f16_operands the values are rounded to
+        fp16, first scaled by the power of two that brings the warp's largest magnitude into
+        [2^14, 2^15) (fp16's 11 bits then hold every value down to 2^-29 of it, more than
+        bf16's 8); q_unscale[0] gets its inverse."""
         g, t = lane // 4, lane % 4
+        values = tSrQ  # (with f16_operands: q's values first)
+        if const_expr(self.cfg.f16_operands):
+            values = cute.make_rmem_tensor(tSrQ.shape, self.dtype)
         for s in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             for v in cutlass.range_constexpr(8):
-                tSrQ[v, 0, s] = sQ[g + 8 * ((v // 2) % 2),
-                                   (self.d // 4) * t + 4 * s + 2 * (v // 4) + v % 2]
+                values[v, 0, s] = sQ[g + 8 * ((v // 2) % 2),
+                                     (self.d // 4) * t + 4 * s + 2 * (v // 4) + v % 2]
+        if const_expr(self.cfg.f16_operands):
+            top = Float32(0.0)
+            for i in cutlass.range_constexpr(cute.size(values)):
+                top = cute.arch.fmax(top, abs(Float32(values[i])))
+            top = cute.arch.warp_reduction_max(top)
+            # 2^(Q_F16_MAX_LOG2 - e) for top in [2^e, 2^(e+1)), from the float's exponent bits
+            # (exact; clamped so that both powers are normal floats: an all-zero Q any)
+            bits = cute.make_rmem_tensor((1,), Float32)
+            bits[0] = top
+            exponent = (cute.recast_tensor(bits, Int32)[0] >> 23) & 0xFF
+            shift = cutlass.min(cutlass.max(exponent - (127 + Q_F16_MAX_LOG2), -112), 112)
+            scales = cute.make_rmem_tensor((2,), Int32)
+            scales[0] = (127 - shift) << 23
+            scales[1] = (127 + shift) << 23
+            scale = cute.recast_tensor(scales, Float32)
+            for i in cutlass.range_constexpr(cute.size(values)):
+                tSrQ[i] = (Float32(values[i]) * scale[0]).to(cutlass.Float16)
+            q_unscale[0] = scale[1]
 
     @cute.jit
     def scores_from_ring(self, ring: cute.Tensor, ops: SimpleNamespace, lane):
@@ -862,9 +905,9 @@ class FlashFwdSm80:
 
     @cute.jit
     def converted(self, raw: cute.Tensor) -> cute.Tensor:
-        """Bytes in the cache's fp8 format as `dtype` values (exact)."""
-        values = cute.make_rmem_tensor(raw.shape, self.dtype)
-        values.store(cute.recast_tensor(raw, self.cfg.kv_fp8).load().to(self.dtype))
+        """Bytes in the cache's fp8 format as the MMAs' values (exact)."""
+        values = cute.make_rmem_tensor(raw.shape, self.mma_dtype)
+        values.store(cute.recast_tensor(raw, self.cfg.kv_fp8).load().to(self.mma_dtype))
         return values
 
     @cute.jit
