@@ -79,12 +79,13 @@ def test_varlen_seqused(seed, mask):
 
 def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=False,
                 window=(-1, -1), softcap=0.0, rotary=None, batch_idx=False, leftpad=None,
-                dtype=torch.bfloat16, sink=False, cache_dtype=None, descales=True, q_scale=1.0):
+                dtype=torch.bfloat16, sink=False, cache_dtype=None, descales=True, q_scale=1.0,
+                cache_scale=4.0):
     """flash_attn_with_kvcache (strict: the kernel must serve it) against the reference on a
     copy of the caches: the output by FlashAttention's rule, the LSE, and the caches after the
     append compared exactly. cache_dtype: an fp8 cache (values / descale, random per-(batch, kv
-    head) descales, or none with descales=False), the new tokens quantized into it. q_scale:
-    q's magnitude (randn times it)."""
+    head) descales, or none with descales=False), the new tokens quantized into it. q_scale,
+    cache_scale: q's magnitude (randn times it) and an fp8 cache's stored values'."""
     from cuteattn import flash_attn_with_kvcache
     from cuteattn.reference import attention_kvcache_ref
     from cuteattn.testing import assert_close_fa, assert_lse_close
@@ -109,7 +110,8 @@ def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=F
     if cache_dtype is not None:
         # stored values up to ~16; with descales up to 8.5 the real values reach ~140 (scores
         # far outside bf16's comfortable range if the descales were applied before the MMA)
-        k_cache, v_cache = (k_cache * 4).to(cache_dtype), (v_cache * 4).to(cache_dtype)
+        k_cache, v_cache = ((k_cache * cache_scale).to(cache_dtype),
+                            (v_cache * cache_scale).to(cache_dtype))
         if descales:
             k_descale = torch.rand(b, hk, device=dev) * 8 + 0.5
             v_descale = torch.rand(b, hk, device=dev) * 8 + 0.5
@@ -240,13 +242,22 @@ def test_kvcache_fp8_three_ctas(seed, case, monkeypatch):
         assert any(c.warp_local and c.min_ctas_per_sm == 3 for c in made), made
 
 
-@pytest.mark.parametrize("q_scale", [1.0, 3e5, 1e-6], ids=["q1", "q3e5", "q1e-6"])
-@pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
-def test_kvcache_fp8_f16_operands(seed, case, q_scale, monkeypatch):
+# (q scale, cache scale): ordinary; q past fp16's range over small cache values (scores of
+# ordinary size: an LSE of 1e6 would be off by more than the LSE check's 1e-3 in float32
+# whatever the kernel); q in fp16's subnormal range
+F16_MAGNITUDES = {"q1": (1.0, 4.0), "q1e5": (1e5, 1e-3), "q1e-6": (1e-6, 4.0)}
+F16_CASES = [pytest.param(case, mag, id=f"fp8case{i}-{mag}") for i, case in enumerate(FP8_DECODE_CASES)
+             for mag in F16_MAGNITUDES
+             if mag == "q1" or case[8].get("dtype", torch.bfloat16) == torch.bfloat16]
+
+
+@pytest.mark.parametrize("case, magnitude", F16_CASES)
+def test_kvcache_fp8_f16_operands(seed, case, magnitude, monkeypatch):
     """The fp8 cases with the warp-local tile's MMAs in fp16 for a bf16 q
     (config.DECODE_F16_OPERANDS, an A/B candidate), with q of ordinary, fp16-overflowing and
-    fp16-subnormal magnitudes (Q's fragment scaled by a power of two); the bf16 split-keys
-    steps at head dims of multiples of 64 must have taken it."""
+    fp16-subnormal magnitudes (Q's fragment scaled by a power of two; an fp16 q of 1e5 would
+    itself be inf, so those run the bf16 cases); the bf16 split-keys steps at head dims of
+    multiples of 64 must have taken it."""
     from cuteattn import kvcache
     from cuteattn.kernels.sm80 import config
     monkeypatch.setattr(config, "DECODE_F16_OPERANDS", True)
@@ -254,7 +265,9 @@ def test_kvcache_fp8_f16_operands(seed, case, q_scale, monkeypatch):
     monkeypatch.setattr(kvcache, "_steps", {})
     made = decode_configs_made(monkeypatch)
     b, sq, s_new, h, hk, d, cap, lens, extra = case
-    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra, q_scale=q_scale)
+    q_scale, cache_scale = F16_MAGNITUDES[magnitude]
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra, q_scale=q_scale,
+                cache_scale=cache_scale)
     bf16 = extra.get("dtype", torch.bfloat16) == torch.bfloat16
     assert made and all(c.f16_operands == (c.warp_local and bf16) for c in made), made
     if d in (64, 128) and sq * (h // hk) <= 16 and bf16:
