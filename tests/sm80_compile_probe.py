@@ -3,8 +3,8 @@ JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
 form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
-"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
-for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
+"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N][,f16]"
+for the decode kernel (fp8=: an fp8 cache; f16: config.DECODE_F16_OPERANDS on) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
 import re
@@ -16,6 +16,7 @@ from cuteattn.kernels.sm80.combine import CombineConfig
 from cuteattn.kernels.sm80.compile import (compile_bwd_with_report, compile_combine,
                                            compile_fwd_with_report)
 from cuteattn.kernels.compile_common import first_spill_free, ptxas_report
+from cuteattn.kernels.sm80 import config as sm80_config
 from cuteattn.kernels.sm80.config import decode_config, fwd_configs
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -71,6 +72,7 @@ def main():
                               has_sink=True)
         elif isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
             flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
+            sm80_config.DECODE_F16_OPERANDS = "f16" in flags
             cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
                                 varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,

@@ -79,7 +79,10 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["fp16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,ctas=3"],
                ["bf16", 128, "none", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3"],
                # (the warp-local fp8 tile, registers bounded for 3 CTAs an SM, with softcap)
-               ["bf16", 128, "softcap", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3"]]
+               ["bf16", 128, "softcap", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3"],
+               # ... with its MMAs in fp16 (an A/B candidate, config.DECODE_F16_OPERANDS)
+               ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,splitkeys,f16"],
+               ["bf16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,ctas=3,f16"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],
