@@ -63,6 +63,19 @@ def test_block_sparse_builders_are_reported_as_a_share_of_the_kernel():
     assert report.builder_shares(results) == [("a", 0.025)]
 
 
+def test_fp8_cache_step_time_against_the_bf16_cache():
+    """The fp8-cache decode cells report the step time over the bf16-cache step's (issue
+    target: <= 0.6x): the inverse of their rates' ratio, queued and replayed apart."""
+    from cuteattn.bench import report
+    results = [{"rates": {"cuteattn": 4000.0, "cuteattn-bf16-cache": 2000.0,
+                          "cuteattn graph": 2500.0, "cuteattn-bf16-cache graph": 2000.0}},
+               {"rates": {"cuteattn": 2000.0, "cuteattn-bf16-cache": 1500.0}},
+               {"rates": {"cuteattn": 3000.0, "sdpa": 3100.0}}]
+    assert report.fp8_step_ratios(results) == {"queued calls": (0.5, 0.75),
+                                               "CUDA-graph replays": (0.8, 0.8)}
+    assert report.fp8_step_ratios(results[2:]) == {}
+
+
 def test_a_peer_that_failed_its_check_is_no_comparison():
     """The ratio to the best peer leaves out a peer whose output failed the float32 check (FA4's
     block-sparse backward on sm90 returned wrong gradients and was still 'the best peer')."""

@@ -59,6 +59,9 @@ def print_table(results: list[dict], impls: list[str]) -> None:
     for kind, s in summary(results).items():
         print(f"{kind}: {s['cells']} cells, ratio to the best peer {s['min']:.2f}-{s['max']:.2f}x, "
               f"geometric mean {s['geomean']:.2f}x, {s['at_least_1x']} at or above 1.00x")
+    for timing, (low, high) in fp8_step_ratios(results).items():
+        print(f"fp8 cache: a step takes {low:.2f}-{high:.2f}x the time of the same step over a "
+              f"bf16 cache ({timing})")
     shares = builder_shares(results)
     if shares:
         print("block-sparse builders (GPU time: top-k lists expanded, or from_mask_mod) as a share "
@@ -75,6 +78,20 @@ def builder_shares(results: list[dict]) -> list:
         cell_ms = r.get("cell_ms", {}).get("cuteattn")  # (the median time behind its rate)
         if cell_ms:
             out.append((r["label"], r["builder_ms"] / cell_ms))
+    return out
+
+
+def fp8_step_ratios(results: list[dict]) -> dict:
+    """The fp8-cache decode cells' step time over the bf16-cache step's (both rated on the
+    same bytes, so the inverse of their rates' ratio): {"queued calls" | "CUDA-graph replays":
+    (lowest, highest)}, over the cells that timed both."""
+    out = {}
+    for timing, suffix in (("queued calls", ""), ("CUDA-graph replays", GRAPH)):
+        ratios = [r["rates"]["cuteattn-bf16-cache" + suffix] / r["rates"]["cuteattn" + suffix]
+                  for r in results
+                  if r["rates"].get("cuteattn" + suffix) and r["rates"].get("cuteattn-bf16-cache" + suffix)]
+        if ratios:
+            out[timing] = (min(ratios), max(ratios))
     return out
 
 
