@@ -6,14 +6,28 @@ or the backward with stalls per source line (kernels compiled with line informat
     CUTE_DSL_LINEINFO=1 ncu --clock-control none --section WarpStateStats --section SourceCounters \\
         -k regex:FlashBwdSm90 --launch-skip 2 --launch-count 1 --export $OUT/bwd \\
         python3 benchmarks/dev_profile.py 128 16384 0 bwd
+or the bench's paged prefill cell (2048 queries over a 16k-key paged cache, causal) at a page
+size, e.g. pages of 16 against 128:
+    ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:FlashFwdSm90 \
+        --launch-skip 2 --launch-count 1 python3 benchmarks/dev_profile.py prefill 16
 Arguments: head_dim seqlen causal(0/1) [bwd]; batch x seqlen = 16384 tokens, nheads x d = 2048,
-bf16.
+bf16. Or: prefill page_size.
 """
 import sys
 
 import torch
 
 from cuteattn import flash_attn_func
+
+if sys.argv[1] == "prefill":
+    from cuteattn.bench import peers, shapes
+    cell = next(c for c in shapes.prefill_grid() if c.page_size == int(sys.argv[2]))
+    dev = torch.device("cuda")
+    step = peers._prefill(cell, peers._decode_inputs(cell, dev, torch.bfloat16), dev)["cuteattn"]
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    sys.exit(0)
 
 d, s, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 backward = len(sys.argv) > 4 and sys.argv[4] == "bwd"
