@@ -111,27 +111,24 @@ def ldmatrix_atom(dtype, transpose: bool) -> cute.CopyAtom:
 
 @cute.jit
 def gemm(tiled_mma, acc, frag_a, frag_b, smem_a, smem_b, copy_a, copy_b,
-         a_in_registers: cutlass.Constexpr = False, b_in_registers: cutlass.Constexpr = False):
-    """acc += A B over every k block. A's and B's fragments (unless `a_in_registers` /
-    `b_in_registers`: already there) come from shared memory (smem_a/smem_b: the thread's
-    ldmatrix partitions) one k block ahead of the MMAs that use them, so the loads overlap the
-    math. (Loading each block just before its MMAs, to keep one block's fragments live instead
-    of two, did not lower ptxas' register use at d_v = 256: it schedules the loads early either
-    way.)"""
+         a_in_registers: cutlass.Constexpr = False):
+    """acc += A B over every k block. B's (and, unless `a_in_registers`, A's) fragments come
+    from shared memory (smem_a/smem_b: the thread's ldmatrix partitions) one k block ahead of
+    the MMAs that use them, so the loads overlap the math. (Loading each block just before its
+    MMAs, to keep one block's fragments live instead of two, did not lower ptxas' register use
+    at d_v = 256: it schedules the loads early either way.)"""
+    view_b = copy_b.retile(frag_b)
     k_blocks: cutlass.Constexpr = cute.size(frag_b, mode=[2])
-    view_a = view_b = None
+    view_a = None
     if cutlass.const_expr(not a_in_registers):
         view_a = copy_a.retile(frag_a)
         cute.copy(copy_a, smem_a[None, None, 0], view_a[None, None, 0])
-    if cutlass.const_expr(not b_in_registers):
-        view_b = copy_b.retile(frag_b)
-        cute.copy(copy_b, smem_b[None, None, 0], view_b[None, None, 0])
+    cute.copy(copy_b, smem_b[None, None, 0], view_b[None, None, 0])
     for k in cutlass.range_constexpr(k_blocks):
         if cutlass.const_expr(k + 1 < k_blocks):
             if cutlass.const_expr(not a_in_registers):
                 cute.copy(copy_a, smem_a[None, None, k + 1], view_a[None, None, k + 1])
-            if cutlass.const_expr(not b_in_registers):
-                cute.copy(copy_b, smem_b[None, None, k + 1], view_b[None, None, k + 1])
+            cute.copy(copy_b, smem_b[None, None, k + 1], view_b[None, None, k + 1])
         cute.gemm(tiled_mma, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
 
 
