@@ -3,8 +3,8 @@ JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
 form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
-"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N][,f16]"
-for the decode kernel (fp8=: an fp8 cache; f16: config.DECODE_F16_OPERANDS on) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
+"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
+for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
 import re
@@ -72,7 +72,6 @@ def main():
                               has_sink=True)
         elif isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
             flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
-            sm80_config.DECODE_F16_OPERANDS = "f16" in flags
             cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
                                 varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
@@ -93,7 +92,8 @@ def main():
         ptx = compiled.__ptx__
         out.append(dict(variant=[dtype, d, mask, form], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],
                         smem=cfg.smem_bytes(), targets=re.findall(r"\.target (\S+)", ptx),
-                        marks={m: m in ptx for m in MARKS}, warp_local=cfg.warp_local, **info))
+                        marks={m: m in ptx for m in MARKS}, warp_local=cfg.warp_local,
+                        f16_operands=cfg.f16_operands, **info))
     print("RESULT " + json.dumps(out))
 
 

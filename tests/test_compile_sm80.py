@@ -25,7 +25,7 @@ from cuteattn.kernels.sm80 import config  # noqa: E402
 from cuteattn.kernels.sm80 import launch as sm80_launch  # noqa: E402
 
 PROBE = Path(__file__).with_name("sm80_compile_probe.py")
-TARGETS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_120a": (12, 0)}
+TARGETS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90a": (9, 0), "sm_120a": (12, 0)}
 MASKS = ("none", "causal", "local", "softcap")
 HEAD_DIMS = config.SUPPORTED_HEAD_DIMS
 # every head dim with a rotating mask kind, every mask kind at d=128, fp16, and varlen
@@ -80,9 +80,9 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 128, "none", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3"],
                # (the warp-local fp8 tile, registers bounded for 3 CTAs an SM, with softcap)
                ["bf16", 128, "softcap", "decode,page=16,split,gqa=4,fp8=e4m3,splitkeys,ctas=3"],
-               # ... with its MMAs in fp16 (an A/B candidate, config.DECODE_F16_OPERANDS)
-               ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,splitkeys,f16"],
-               ["bf16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,ctas=3,f16"]]
+               # (a bf16 q's warp-local tile takes its MMAs in fp16)
+               ["bf16", 128, "none", "decode,page=128,split,gqa=4,fp8=e4m3,splitkeys"],
+               ["bf16", 64, "causal", "decode,page=16,gqa=8,fp8=e5m2,splitkeys,ctas=3"]]
             # the backward: every head dim and mask kind, varlen, fp16
             + [["bf16", d, m, "bwd"] for d in (64, 96, 128) for m in MASKS]
             + [["bf16", 128, "causal", "bwd,varlen"], ["fp16", 96, "local", "bwd,varlen"],
@@ -136,6 +136,8 @@ def test_compile_sm80_fwd(target, tmp_path):
             assert marks[needed] != combine, f"{where}: {needed}"
         # (the warp-local fp8 tile's operands come from plain shared loads)
         assert marks["ldmatrix"] != (combine or r.get("warp_local", False)), where
+        # (a bf16 q's warp-local tile takes its MMAs in fp16: the cache's bytes convert once)
+        assert r.get("f16_operands", False) == (r.get("warp_local", False) and r["variant"][0] == "bf16"), where
         for hopper in ("wgmma", "stmatrix", "cp.async.bulk", "setmaxnreg"):
             assert not marks[hopper], f"{where}: uses {hopper}"
         assert marks["tanh.approx"] == (r["variant"][2] == "softcap"), where

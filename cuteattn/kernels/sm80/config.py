@@ -77,6 +77,12 @@ def fwd_config(*args, **kwargs) -> Sm80FwdConfig:
     return fwd_configs(*args, **kwargs)[0]
 
 
+# The CTA-wide fp8 decode tile (not split keys) converts a key block of at most this many
+# elements (keys x head dim): 64 x 128 fits 255 registers, 64 x 192 spilled 44 bytes on sm_90a
+# (where its ring fits 172 KB of shared memory; on 99 KB targets the ring already took 32-key
+# blocks).
+FP8_CONVERTED_BLOCK_ELEMS = 64 * 128
+
 # Decoding (flash_attn_with_kvcache): a few query rows against a long cache, bound by memory.
 # 64-row tiles (4 warps) waste less on one-row queries than 128; wide key blocks keep more of
 # the cache in flight per barrier (as register room allows). A paged cache keeps the key block
@@ -199,14 +205,16 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
                                kv_fp8=kv_fp8)
+
+    def narrower(cfg):  # half the key block (a page that held whole blocks still does, and a
+        # gathered block's copy passes only get fewer rows)
+        warps = warps_for_key_block(dtype, head_dim, head_dim_v, cfg.tile_n // 2, cfg.num_warps)
+        return dataclasses.replace(cfg, tile_n=cfg.tile_n // 2, num_warps=warps)
+
     stages = decode_stages(cfg, smem_limit, ctas_per_sm)
     while kv_fp8 is not None and stages < 2 and cfg.tile_n > 16:
-        # an fp8 cache's ring needs 2 stages besides its converted block: narrower key blocks
-        # (d = 192 in 99 KB; a page that held whole blocks still does, and a gathered block's
-        # copy passes only get fewer rows)
-        tile_n = cfg.tile_n // 2
-        warps = warps_for_key_block(dtype, head_dim, head_dim_v, tile_n, cfg.num_warps)
-        cfg = dataclasses.replace(cfg, tile_n=tile_n, num_warps=warps)
+        # an fp8 cache's ring needs 2 stages besides its converted block (d = 192 in 99 KB)
+        cfg = narrower(cfg)
         stages = decode_stages(cfg, smem_limit, ctas_per_sm)
     if kv_fp8 is not None and stages < 2:
         raise ValueError(f"an fp8 cache at head_dim {head_dim}: its K/V ring does not fit "
@@ -219,20 +227,18 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
             and stages >= 2):
         local = warp_local_fp8(dtype, head_dim, head_dim_v, kv_fp8)
         split = dataclasses.replace(cfg, tile_m=16, split_keys=True, warp_local=local,
-                                    f16_operands=(DECODE_F16_OPERANDS and local
-                                                  and dtype is cutlass.BFloat16),
+                                    f16_operands=local and dtype is cutlass.BFloat16,
                                     pack_gqa=pack_gqa_group(qhead_per_kvhead, 16))
         split = dataclasses.replace(split, kv_stages=decode_stages(split, smem_limit, ctas_per_sm))
         if local:  # (registers bounded for the CTAs an SM that its shared memory allows)
             split = dataclasses.replace(split, min_ctas_per_sm=min(
                 ctas_per_sm, smem_limit // split.smem_bytes()))
         return split
+    while kv_fp8 is not None and cfg.tile_n * head_dim > FP8_CONVERTED_BLOCK_ELEMS:
+        # the CTA-wide tile converts whole key blocks in registers
+        cfg = narrower(cfg)
+        cfg = dataclasses.replace(cfg, kv_stages=decode_stages(cfg, smem_limit, ctas_per_sm))
     return cfg
-
-
-# An A/B candidate (docs/perf-log.md): the warp-local fp8 tile's MMAs in fp16 for a bf16 q
-# (Sm80FwdConfig.f16_operands).
-DECODE_F16_OPERANDS = False
 
 
 def warp_local_fp8(dtype, head_dim: int, head_dim_v: int, kv_fp8) -> bool:

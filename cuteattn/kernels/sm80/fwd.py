@@ -97,8 +97,8 @@ class Sm80FwdConfig:
     # fp8 step, the 16-byte copies 1.18-1.78x the 8-byte ones, the fragments 1.00-1.13x the
     # converted buffer. (A bf16 step ran 0.98-1.00x with warp-local loads: it keeps the CTA's.)
     warp_local: bool = False
-    # With warp_local and a bf16 q (an A/B candidate, config.DECODE_F16_OPERANDS): both MMAs
-    # in fp16, so that the cache's bytes take one conversion a pair (cvt e4m3x2/e5m2x2 ->
+    # With warp_local and a bf16 q (measured 1.01-1.14x the fp8 step where the tiles fill the
+    # GPU, 0.98-1.02x on split grids; docs/perf-log.md): both MMAs in fp16, so that the cache's bytes take one conversion a pair (cvt e4m3x2/e5m2x2 ->
     # f16x2, exact) instead of three more to bf16. Q's fragment is rounded to fp16 once a tile
     # (scaled by the power of two that puts its largest magnitude just under 2^15, the scores
     # scaled back), P is rounded to fp16 times 2^F16_P_LOG2 (the output's scale takes it out)
