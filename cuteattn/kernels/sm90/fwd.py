@@ -472,9 +472,9 @@ class FlashFwdSm90:
             cute.group_modes(cute.local_tile(view, (self.dv, self.tile_n), (0, None)), 0, 2))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         # copy_k / copy_v(n_block, stage, barrier, where): the TMA copies of a key block into a
-        # stage; where = lookup(n_block) (pages smaller than a block: the block's page ids, read
-        # one block ahead so that the table read's latency hides under the previous block's
-        # copies; otherwise unused)
+        # stage; where = lookup(n_block), read before the producer waits for the stage (pages
+        # smaller than a block: the block's page ids, so that the table read's latency hides
+        # under the wait; otherwise unused)
         lookup = lambda n_block: n_block
         if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
             copy_k, copy_v, lookup = self.page_slice_copies(
@@ -507,9 +507,9 @@ class FlashFwdSm90:
                 tma_atom_k, tKgK[None, n_block], tKsK[None, stage], tma_bar_ptr=barrier)
             copy_v = lambda n_block, stage, barrier, where: cute.copy(
                 tma_atom_v, tVgV[None, n_block], tVsV[None, stage], tma_bar_ptr=barrier)
-        load_kv = lambda state, n_block, v_past_end, where: self.load_kv(
+        load_kv = lambda state, n_block, v_past_end: self.load_kv(
             copy_k, copy_v, pipeline_k, pipeline_v, state, n_block, v_past_end, v_fix_barrier,
-            where)
+            lookup(n_block))
 
         visit = visit()  # (built here: where it is computed sets the code's order)
         n_blocks = visit.count()
@@ -523,7 +523,7 @@ class FlashFwdSm90:
             first = visit.first()
             if const_expr(cfg.page_size):
                 past_end = (first + 1) * self.tile_n > seqlen.seqlen_k
-            kv_state = load_kv(kv_state, first, past_end, lookup(first))
+            kv_state = load_kv(kv_state, first, past_end)
         pipeline_q.producer_acquire(q_state)
         for wg in cutlass.range_constexpr(self.num_wg):
             cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
@@ -533,17 +533,8 @@ class FlashFwdSm90:
             if past_end:
                 self.finish_v_past_end(sVt, pipeline_v, first_stage, v_fix_barrier,
                                        seqlen.seqlen_k - visit.first() * self.tile_n)
-        if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
-            # the next block's page ids read before this block's copies (the last read twice)
-            ahead = lookup(visit.block(cutlass.min(1, n_blocks - 1)))
-            for i in cutlass.range(1, n_blocks, unroll=1):
-                where = ahead
-                ahead = lookup(visit.block(cutlass.min(i + 1, n_blocks - 1)))
-                kv_state = load_kv(kv_state, visit.block(i), False, where)
-        else:
-            for i in cutlass.range(1, n_blocks, unroll=1):
-                n_block = visit.block(i)
-                kv_state = load_kv(kv_state, n_block, False, lookup(n_block))
+        for i in cutlass.range(1, n_blocks, unroll=1):
+            kv_state = load_kv(kv_state, visit.block(i), False)
         return q_state, kv_state
 
     @cute.jit
