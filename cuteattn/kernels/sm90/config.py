@@ -117,6 +117,10 @@ SPARSE_MAX_HEAD_DIM = 128
 # the columns past the cache's).
 PAGED_TILE_N = (128, 64)
 SLICED_PAGE_WIDTH = 64
+# Sliced pages are gathered by the producer warp's cp.async (FlashFwdSm90.load_gathered), which
+# needs 56 registers (pipelines.register_split): the consumers' 224 then hold key blocks of at
+# most this many keys ((anchor, local): 176 spilled at d=128, and windowed 128).
+GATHER_TILE_N = {(128, False): 160, (128, True): 112}
 
 
 def sliced_pages(page_size: int) -> bool:
@@ -177,6 +181,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         tile_n = min(tile_n, MASK_MOD_TILE_N.get(anchor, tile_n))
     if mask_mod is not None and score_mod is not None:
         tile_n = min(tile_n, BOTH_MODS_TILE_N.get(anchor, tile_n))
+    if page_size and sliced_pages(page_size):
+        tile_n = min(tile_n, GATHER_TILE_N.get((anchor, local), tile_n))
     if page_size:
         paged = paged_tile_n(tile_n, page_size)
         if paged is None:

@@ -17,7 +17,7 @@ def make_tma_pipeline(barrier_storage, num_stages: int, tx_bytes: int, consumer_
         tx_count=tx_bytes, defer_sync=True)
 
 
-def register_split(num_consumer_wg: int, busy_producer: bool) -> tuple:
+def register_split(num_consumer_wg: int, busy_producer: bool, gathers: bool = False) -> tuple:
     """(producer, consumer) registers per thread after setmaxnreg. The producer only issues TMA,
     so registers move to the consumers; ptxas keeps the producer's code within its budget, and
     a producer with more work per tile (the varlen prefix sum: `busy_producer`) spilled at 24.
@@ -26,6 +26,8 @@ def register_split(num_consumer_wg: int, busy_producer: bool) -> tuple:
     forever (2 consumer warpgroups with a 32-register producer hung), hence the check."""
     producer, consumer = {1: (40, 232) if busy_producer else (24, 240),
                           2: (40, 232) if busy_producer else (24, 240), 3: (32, 160)}[num_consumer_wg]
+    if gathers:  # (a producer warp gathering pages by cp.async spilled at 40: GATHER_TILE_N)
+        producer, consumer = {1: (56, 224), 2: (56, 224), 3: (48, 152)}[num_consumer_wg]
     threads = WG_THREADS * (1 + num_consumer_wg)
     launch = (65536 // threads) // 8 * 8
     assert WG_THREADS * (producer + num_consumer_wg * consumer) <= launch * threads, \
