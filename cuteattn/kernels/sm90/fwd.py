@@ -105,6 +105,9 @@ class Sm90FwdConfig:
     # page in the batch's place; each key block lies inside one page (tile_n divides
     # page_size), found through mPageTable; the keys' count is seqused_k. 0: not paged.
     page_size: int = 0
+    # Pages smaller than a key block gathered by the producer warp's cp.async (load_gathered)
+    # instead of a TMA copy a (page, 64-column) slice (an A/B candidate, config.GATHER_PAGES)
+    gather_pages: bool = False
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of every
     # row's softmax denominator, with no value (OnlineSoftmax.finalize)
     has_sink: bool = False
@@ -156,10 +159,11 @@ class FlashFwdSm90:
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.num_wg = cfg.num_wg
         self.num_threads = WG_THREADS * (1 + cfg.num_wg)
-        # Pages smaller than a key block: the producer warp gathers each block's page slices by
-        # cp.async (load_gathered). A TMA copy a (page, 64-column) slice, 44 of 2 KB a block at
-        # page 16 and d=128, starved the consumers: 0.71x the contiguous forward.
-        self.gathers_pages = bool(cfg.page_size) and cfg.page_size < self.tile_n
+        # Pages smaller than a key block: a TMA copy a (page, 64-column) slice (44 of 2 KB a
+        # block at page 16 and d=128 starved the consumers: 0.71x the contiguous forward), or
+        # with gather_pages the producer warp's cp.async gathers (load_gathered)
+        self.gathers_pages = cfg.gather_pages
+        assert not cfg.gather_pages or 0 < cfg.page_size < self.tile_n, cfg
         self.producer_regs, self.consumer_regs = register_split(
             cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k, gathers=self.gathers_pages)
         self.pingpong = PingPong(cfg.pingpong, cfg.num_wg, FwdBarrier.TURN)
@@ -238,6 +242,13 @@ class FlashFwdSm90:
             tma_load, mQ, cute.slice_(sQ_layout, (None, None, 0)), (WG_ROWS, self.d))
         k_box, v_box = cute.slice_(sK_layout, (None, None, 0)), cute.slice_(sVt_layout, (None, None, 0))
         k_tile, v_tile = (self.tile_n, self.d), (self.dv, self.tile_n)
+        if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
+            # pages smaller than a key block: one (page, 64-column) slice a copy (load)
+            k_tile, v_tile = (cfg.page_size, 64), (64, cfg.page_size)
+            k_box = cute.slice_(sm90_utils.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, (WG_ROWS, *k_tile), self.dtype, 1), (None, None, 0))
+            v_box = cute.slice_(sm90_utils.make_smem_layout_b(
+                LayoutEnum.COL_MAJOR, (WG_ROWS, *v_tile), self.dtype, 1), (None, None, 0))
         tma_atom_k, tma_k, tma_atom_v, tma_vt = None, mK, None, mVt  # (gathered pages: cp.async)
         if const_expr(not self.gathers_pages):
             tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, k_box, k_tile)
@@ -477,10 +488,15 @@ class FlashFwdSm90:
             cute.group_modes(cute.local_tile(view, (self.dv, self.tile_n), (0, None)), 0, 2))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         # copy_k / copy_v(n_block, stage, barrier, where): the TMA copies of a key block into a
-        # stage; where = lookup(n_block), read before the producer waits for the stage (unused
-        # here: pages smaller than a block take load_gathered)
+        # stage; where = lookup(n_block), read before the producer waits for the stage (pages
+        # smaller than a block: the block's page ids, so that the table read's latency hides
+        # under the wait; otherwise unused)
         lookup = lambda n_block: n_block
-        if const_expr(cfg.page_size):
+        if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
+            copy_k, copy_v, lookup = self.page_slice_copies(
+                tma_atom_k, mK, sK, tma_atom_v, mVt, sVt, mPageTable, batch_idx, head_idx_kv,
+                seqlen.seqlen_k)
+        elif const_expr(cfg.page_size):
             # each block from its page (the table's), in the page's place of the batch mode
             num_pages = mK.shape[3]
             tKsK, _ = k_blocks(mK[None, None, head_idx_kv, 0])
@@ -565,37 +581,86 @@ class FlashFwdSm90:
         kv_state.advance()
         return kv_state
 
+    def page_slice_copies(self, tma_atom_k, mK, sK, tma_atom_v, mVt, sVt, mPageTable,
+                          batch_idx, head_idx_kv, seqlen_k):
+        """(copy_k, copy_v, lookup) for pages smaller than a key block (Sm90FwdConfig.page_size
+        < tile_n): copy_page_slices for K and for V, block_page_ids as the lookup."""
+        copy_k = lambda n_block, stage, barrier, lane_pid: self.copy_page_slices(
+            tma_atom_k, mK[None, None, head_idx_kv, None], sK, n_block, stage, barrier, lane_pid,
+            False)
+        copy_v = lambda n_block, stage, barrier, lane_pid: self.copy_page_slices(
+            tma_atom_v, mVt[None, None, head_idx_kv, None], sVt, n_block, stage, barrier,
+            lane_pid, True)
+        lookup = lambda n_block: self.block_page_ids(mPageTable, batch_idx, seqlen_k, n_block,
+                                                     mK.shape[3])
+        return copy_k, copy_v, lookup
+
+    @cute.jit
+    def block_page_ids(self, mPageTable, batch_idx, seqlen_k, n_block, num_pages, outside=None):
+        """Lane i's value: the page of key block n_block's slice i (page_size keys), read from
+        the table by every lane at once (the whole producer warp runs this); a slice wholly
+        past the sequence, or an entry outside the cache, gets `outside` (default num_pages:
+        past the cache's end, where TMA reads zeros; gathers take page 0, whose rows there are
+        masked or zeroed). One read a slice, one after another, held each slice's copies
+        up by the read's latency (the page-16 prefill ran at half the speed of page 128)."""
+        page = self.cfg.page_size
+        slices = self.tile_n // page  # (at most 16: pages are >= 16 keys, blocks <= 256)
+        first = n_block * self.tile_n + cutlass.min(cute.arch.lane_idx(), slices - 1) * page
+        entry = mPageTable[batch_idx, cutlass.min(first // page, mPageTable.shape[1] - 1)]
+        valid = (first < seqlen_k) & (entry >= 0) & (entry < num_pages)
+        return cutlass.select_(valid, entry, num_pages if outside is None else outside)
+
+    @cute.jit
+    def copy_page_slices(self, tma_atom, mX, sX, n_block, stage, barrier, lane_pid,
+                         transposed: cutlass.Constexpr):
+        """Key block n_block into `stage`, one page_size-key slice a page (lane_pid: the
+        slices' pages, block_page_ids), its head dim 64 columns a TMA copy (the atom's box is
+        one 128-byte swizzle atom wide, so a slice of the stage's layout is the atom's own
+        layout). mX / sX: K of one kv head (keys, d, pages) and its ring, or with `transposed`
+        V^T (d_v, keys, pages) and its ring."""
+        page, cols = self.cfg.page_size, 64
+        one = cute.make_layout(1)
+        width = self.dv if const_expr(transposed) else self.d
+        for i in cutlass.range_constexpr(self.tile_n // page):
+            pid = cute.arch.shuffle_sync(lane_pid, i)
+            for j in cutlass.range_constexpr(width // cols):
+                if const_expr(transposed):
+                    dst = cute.local_tile(sX[None, None, stage], (cols, page), (j, i))
+                    src = cute.local_tile(mX[None, None, pid], (cols, page), (j, 0))
+                else:
+                    dst = cute.local_tile(sX[None, None, stage], (page, cols), (i, j))
+                    src = cute.local_tile(mX[None, None, pid], (page, cols), (0, j))
+                t_dst, t_src = cpasync.tma_partition(tma_atom, 0, one, cute.group_modes(dst, 0, 2),
+                                                     cute.group_modes(src, 0, 2))
+                cute.copy(tma_atom, t_src, t_dst, tma_bar_ptr=barrier)
+
     @cute.jit
     def load_gathered(self, tma_atom_q, mQ, mK, mVt, sQ, sK, sVt, pipeline_q, pipeline_k,
                       pipeline_v, q_state, kv_state, seqlen: SeqlenInfo, visit, m_block,
                       head_idx, head_idx_kv, batch_idx, mPageTable):
-        """load for pages smaller than a key block: the producer warp's lanes gather each
-        block's page slices by cp.async (16 bytes a lane, page_copy), the first block before Q
-        as in load. A block is published on its K and V full barriers once its copies have
-        landed (cp.async.wait_group, then a proxy fence for the consumers' wgmma), one block
-        behind the issue, so that a block's copies fly while the previous one is waited for
-        (with one stage: at once). V's rows past the sequence's end are zeros (stores, not
-        copies: a page's unused rows may hold NaN); K's there are masked."""
+        """load with gather_pages: the producer warp's lanes gather each block's page slices by
+        cp.async (16 bytes a lane, page_copy; K and V one commit group each), the first block
+        before Q as in load. A block's K or V is published on its full barrier once its copies
+        have landed (cp.async.wait_group, then a proxy fence for the consumers' wgmma): K(j)
+        while V(j) flies, V(j) after K(j + 1) is issued. That order is the consumers': they
+        release V(j - 1) only after their S GEMM of block j, so the producer must publish K(j)
+        before it waits for V(j - 1)'s slot. (With one stage each waits at once.) V's rows
+        past the sequence's end are zeros (stores, not copies: a page's unused rows may hold
+        NaN); K's there are masked."""
         cfg = self.cfg
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
                                            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         lane = cute.arch.lane_idx()
-        copies = (self.page_copy(False).get_slice(lane), self.page_copy(True).get_slice(lane))
-        sources = (mK[None, None, head_idx_kv, None], mVt[None, None, head_idx_kv, None])
-        gather = lambda n_block, stage, bounded: self.gather_block(
-            copies, sources, sK, sVt, mPageTable, batch_idx, seqlen.seqlen_k, n_block, stage,
-            bounded)
-        lag = 1 if const_expr(cfg.num_stages > 1) else 0
-        stages = cfg.num_stages
-        before = lambda stage: (stage + stages - 1) % stages  # (the stage issued before it)
+        thr_k, thr_v = self.page_copy(False).get_slice(lane), self.page_copy(True).get_slice(lane)
+        mK, mVt = mK[None, None, head_idx_kv, None], mVt[None, None, head_idx_kv, None]
+        block = lambda n_block, first: self.gather_block(
+            thr_k, thr_v, mK, mVt, sK, sVt, pipeline_k, pipeline_v, kv_state, mPageTable,
+            batch_idx, seqlen.seqlen_k, n_block, first)
         visit = visit()
         n_blocks = visit.count()
         if n_blocks > 0:
-            self.acquire_stage(pipeline_k, pipeline_v, kv_state)
-            gather(visit.first(), kv_state.index, True)  # (the block with the sequence's end)
-            if const_expr(lag == 0):
-                self.publish_stage(pipeline_k, pipeline_v, kv_state.index, 0)
+            block(visit.first(), True)  # (the block with the sequence's end)
             kv_state.advance()
         pipeline_q.producer_acquire(q_state)
         for wg in cutlass.range_constexpr(self.num_wg):
@@ -603,17 +668,35 @@ class FlashFwdSm90:
                       tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         q_state.advance()
         for i in cutlass.range(1, n_blocks, unroll=1):
-            self.acquire_stage(pipeline_k, pipeline_v, kv_state)
-            gather(visit.block(i), kv_state.index, False)
-            if const_expr(lag == 0):
-                self.publish_stage(pipeline_k, pipeline_v, kv_state.index, 0)
-            else:
-                self.publish_stage(pipeline_k, pipeline_v, before(kv_state.index), lag)
+            block(visit.block(i), False)
             kv_state.advance()
-        if const_expr(lag > 0):
-            if n_blocks > 0:
-                self.publish_stage(pipeline_k, pipeline_v, before(kv_state.index), 0)
+        if const_expr(cfg.num_stages > 1):
+            if n_blocks > 0:  # (the last block's V)
+                cute.arch.cp_async_wait_group(0)
+                self.publish(pipeline_v, (kv_state.index + cfg.num_stages - 1) % cfg.num_stages)
         return q_state, kv_state
+
+    @cute.jit
+    def gather_block(self, thr_k, thr_v, mK, mVt, sK, sVt, pipeline_k, pipeline_v, kv_state,
+                     mPageTable, batch_idx, seqlen_k, n_block, first: cutlass.Constexpr):
+        """One block of load_gathered into kv_state's stage: K (after its slot is free), then
+        the previous block's V published, then V (its slot free; with `first`, the block with
+        the sequence's end: V's keys from the end on zeros), then K published."""
+        stages = self.cfg.num_stages
+        lag = 1 if const_expr(stages > 1) else 0
+        pages = self.block_page_ids(mPageTable, batch_idx, seqlen_k, n_block, mK.shape[2], 0)
+        pipeline_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
+        self.gather_keys(thr_k, mK, sK, kv_state.index, pages)
+        if const_expr(lag > 0 and not first):
+            cute.arch.cp_async_wait_group(1)  # (the previous block's V has landed)
+            self.publish(pipeline_v, (kv_state.index + stages - 1) % stages)
+        pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
+        self.gather_values(thr_v, mVt, sVt, kv_state.index, pages,
+                           seqlen_k - n_block * self.tile_n, first)
+        cute.arch.cp_async_wait_group(lag)  # (this block's K has landed; V too with one stage)
+        self.publish(pipeline_k, kv_state.index)
+        if const_expr(lag == 0):
+            self.publish(pipeline_v, kv_state.index)
 
     def page_copy(self, transposed: bool) -> cute.TiledCopy:
         """cp.async of 16 bytes a lane over a (page_size keys, 64 columns) slice of K, or with
@@ -629,64 +712,53 @@ class FlashFwdSm90:
                                        cute.make_layout((1, vec)))
 
     @cute.jit
-    def acquire_stage(self, pipeline_k, pipeline_v, kv_state):
-        """Waits until the consumers have released both K's and V's slots of the next stage."""
-        pipeline_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
-        pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
-
-    @cute.jit
-    def publish_stage(self, pipeline_k, pipeline_v, stage, newer: cutlass.Constexpr):
-        """Once all but the `newer` most recent blocks' copies of this lane have landed (one
-        commit group a block): its writes fenced for the async proxy (the consumers' wgmma),
-        the warp synced, one lane arrives on the stage's K and V full barriers (no bytes
-        expected: the phases complete)."""
-        cute.arch.cp_async_wait_group(newer)
+    def publish(self, pipe, stage):
+        """After this lane's copies into `stage` have landed (the caller's wait_group): its
+        writes fenced for the async proxy (the consumers' wgmma), the warp synced, one lane
+        arrives on the stage's full barrier (no bytes expected: the phase completes)."""
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(pipeline_k.sync_object_full.get_barrier(stage))
-            cute.arch.mbarrier_arrive(pipeline_v.sync_object_full.get_barrier(stage))
+            cute.arch.mbarrier_arrive(pipe.sync_object_full.get_barrier(stage))
 
     @cute.jit
-    def gather_block(self, copies, sources, sK, sVt, mPageTable, batch_idx, seqlen_k, n_block,
-                     stage, bounded: cutlass.Constexpr):
-        """Key block n_block's K and V into `stage`, slice by slice from their pages (lane i
-        reads slice i's table entry; a slice past the sequence, or an entry outside the cache,
-        reads page 0, whose rows there are masked or zeroed), one commit group. Columns past
-        the cache's head dims (the kernel's widths are padded to 64) are zeros, not read; with
-        `bounded` (the block with the sequence's end) so are V's rows from the end on."""
+    def gather_keys(self, thr_k, mK, sK, stage, pages):
+        """K of a key block into `stage`, slice by slice from its page (pages: lane i holds
+        slice i's, block_page_ids), one commit group; columns past the cache's head dim (the
+        kernel's width is padded to 64) are zeros, not read. mK: one kv head's (keys, d,
+        pages)."""
         page = self.cfg.page_size
-        thr_k, thr_v = copies
-        mK, mVt = sources
-        num_pages = mK.shape[2]
-        slices = self.tile_n // page  # (at most 16: pages are >= 16 keys, blocks <= 256)
-        first = n_block * self.tile_n + cutlass.min(cute.arch.lane_idx(), slices - 1) * page
-        entry = mPageTable[batch_idx, cutlass.min(first // page, mPageTable.shape[1] - 1)]
-        lane_pid = cutlass.select_((first < seqlen_k) & (entry >= 0) & (entry < num_pages),
-                                   entry, 0)
-        valid = seqlen_k - n_block * self.tile_n  # (keys of the block inside the sequence)
-        # this lane's (row, column) of a K slice chunk and (column, key) of a V^T one
-        k_at = thr_k.partition_S(cute.make_identity_tensor((page, 64)))
-        v_at = thr_v.partition_S(cute.make_identity_tensor((64, page)))
-        for i in cutlass.range(slices, unroll=1):  # (unrolled, the addresses spilled at 40 registers)
-            pid = cute.arch.shuffle_sync(lane_pid, i)
+        at = thr_k.partition_S(cute.make_identity_tensor((page, 64)))  # (row, column)
+        for i in cutlass.range(self.tile_n // page, unroll=1):  # (unrolled: spills at 40 registers)
+            pid = cute.arch.shuffle_sync(pages, i)
             for j in cutlass.range_constexpr(self.d // 64):
                 src = thr_k.partition_S(cute.local_tile(mK[None, None, pid], (page, 64), (0, j)))
                 dst = thr_k.partition_D(cute.local_tile(sK[None, None, stage], (page, 64), (i, j)))
-                inside = j * 64 + k_at[0, 0, 0][1] < mK.shape[1]
+                inside = j * 64 + at[0, 0, 0][1] < mK.shape[1]
                 for m in cutlass.range(cute.size(dst, mode=[1]), unroll=1):
                     if inside:
                         cute.copy(thr_k, src[None, m, None], dst[None, m, None])
                     else:
                         dst[None, m, None].fill(0)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def gather_values(self, thr_v, mVt, sVt, stage, pages, valid, bounded: cutlass.Constexpr):
+        """V^T of a key block into `stage` as gather_keys does K (mVt: one kv head's (d_v,
+        keys, pages)); with `bounded` (the block with the sequence's end, `valid` of its keys
+        inside) the keys from the end on are zeros."""
+        page = self.cfg.page_size
+        at = thr_v.partition_S(cute.make_identity_tensor((64, page)))  # (column, key)
+        for i in cutlass.range(self.tile_n // page, unroll=1):
+            pid = cute.arch.shuffle_sync(pages, i)
             for j in cutlass.range_constexpr(self.dv // 64):
                 src = thr_v.partition_S(cute.local_tile(mVt[None, None, pid], (64, page), (j, 0)))
                 dst = thr_v.partition_D(cute.local_tile(sVt[None, None, stage], (64, page), (j, i)))
-                inside = j * 64 + v_at[0, 0, 0][0] < mVt.shape[0]
+                inside = j * 64 + at[0, 0, 0][0] < mVt.shape[0]
                 for m in cutlass.range(cute.size(dst, mode=[2]), unroll=1):
                     keep = inside
                     if const_expr(bounded):
-                        keep = inside & (i * page + v_at[0, 0, m][1] < valid)
+                        keep = inside & (i * page + at[0, 0, m][1] < valid)
                     if keep:
                         cute.copy(thr_v, src[None, None, m], dst[None, None, m])
                     else:

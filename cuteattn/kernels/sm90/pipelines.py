@@ -26,7 +26,7 @@ def register_split(num_consumer_wg: int, busy_producer: bool, gathers: bool = Fa
     forever (2 consumer warpgroups with a 32-register producer hung), hence the check."""
     producer, consumer = {1: (40, 232) if busy_producer else (24, 240),
                           2: (40, 232) if busy_producer else (24, 240), 3: (32, 160)}[num_consumer_wg]
-    if gathers:  # (a producer warp gathering pages by cp.async spilled at 40: GATHER_TILE_N)
+    if gathers:  # (a producer warp gathering pages by cp.async spilled at 40: config.GATHER_TILE_N)
         producer, consumer = {1: (56, 224), 2: (56, 224), 3: (48, 152)}[num_consumer_wg]
     threads = WG_THREADS * (1 + num_consumer_wg)
     launch = (65536 // threads) // 8 * 8
