@@ -1,0 +1,45 @@
+"""A/B of the sm90 forward's paged-prefill candidates in one process: the bench's prefill cells
+(2048 queries over a 16k-key paged cache, causal; pages of 16 and 128) timed with each
+variant, interleaved per cell and repeated, beside our fixed-length forward on the same keys.
+Usage (GPU):
+    PYTHONPATH=$PWD python3 benchmarks/dev_prefill_ab.py FLAG ... [--rounds 3]
+FLAG names a constant of cuteattn/kernels/sm90/config.py set True for that variant ('base': the
+defaults). Prints each variant's time, its ratio to the first, and the fixed-length forward's
+time over it (the issue's metric: >= 0.9)."""
+import sys
+
+import torch
+
+from cuteattn import api
+from cuteattn.bench import peers, shapes
+from cuteattn.bench.timing import median_ms
+from cuteattn.kernels.sm90 import config
+
+rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
+args = [a for a in sys.argv[1:] if not a.startswith("--") and a != str(rounds)]
+variants = [tuple(f for f in a.split(",") if f != "base") for a in args] or [()]
+defaults = {f: getattr(config, f) for v in variants for f in v}
+dev = torch.device("cuda")
+
+
+def set_variant(v):
+    for name, value in defaults.items():
+        setattr(config, name, value)
+    for f in v:
+        setattr(config, f, True)
+    api._launches.clear()
+
+
+for cell in shapes.prefill_grid():
+    impls = peers._prefill(cell, peers._decode_inputs(cell, dev, torch.bfloat16), dev)
+    fixed = median_ms(impls["cuteattn-fixed"], dev)
+    best = {}
+    for _ in range(rounds):
+        for v in variants:
+            set_variant(v)
+            impls["cuteattn"]()
+            best[v] = min(best.get(v, 1e9), median_ms(impls["cuteattn"], dev))
+    base = best[variants[0]]
+    row = "  ".join(f"{'+'.join(v) or 'base'} {best[v] * 1e3:6.0f} us ({base / best[v]:.3f}x, "
+                    f"fixed/paged {fixed / best[v]:.3f})" for v in variants)
+    print(f"prefill page{cell.page_size}: fixed {fixed * 1e3:6.0f} us  {row}", flush=True)
