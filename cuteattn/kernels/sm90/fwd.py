@@ -654,13 +654,14 @@ class FlashFwdSm90:
         lane = cute.arch.lane_idx()
         thr_k, thr_v = self.page_copy(False).get_slice(lane), self.page_copy(True).get_slice(lane)
         mK, mVt = mK[None, None, head_idx_kv, None], mVt[None, None, head_idx_kv, None]
-        block = lambda n_block, first: self.gather_block(
-            thr_k, thr_v, mK, mVt, sK, sVt, pipeline_k, pipeline_v, kv_state, mPageTable,
+        # (the state passed at each call, not captured: a dynamic loop carries its own)
+        block = lambda state, n_block, first: self.gather_block(
+            thr_k, thr_v, mK, mVt, sK, sVt, pipeline_k, pipeline_v, state, mPageTable,
             batch_idx, seqlen.seqlen_k, n_block, first)
         visit = visit()
         n_blocks = visit.count()
         if n_blocks > 0:
-            block(visit.first(), True)  # (the block with the sequence's end)
+            block(kv_state, visit.first(), True)  # (the block with the sequence's end)
             kv_state.advance()
         pipeline_q.producer_acquire(q_state)
         for wg in cutlass.range_constexpr(self.num_wg):
@@ -668,7 +669,7 @@ class FlashFwdSm90:
                       tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         q_state.advance()
         for i in cutlass.range(1, n_blocks, unroll=1):
-            block(visit.block(i), False)
+            block(kv_state, visit.block(i), False)
             kv_state.advance()
         if const_expr(cfg.num_stages > 1):
             if n_blocks > 0:  # (the last block's V)
