@@ -98,8 +98,9 @@ class Sm80FwdConfig:
     # converted buffer. (A bf16 step ran 0.98-1.00x with warp-local loads: it keeps the CTA's.)
     warp_local: bool = False
     # With warp_local and a bf16 q (measured 1.01-1.14x the fp8 step where the tiles fill the
-    # GPU, 0.98-1.02x on split grids; docs/perf-log.md): both MMAs in fp16, so that the cache's bytes take one conversion a pair (cvt e4m3x2/e5m2x2 ->
-    # f16x2, exact) instead of three more to bf16. Q's fragment is rounded to fp16 once a tile
+    # GPU, 0.98-1.02x on split grids; docs/perf-log.md): both MMAs in fp16, so that the
+    # cache's bytes take one conversion a pair (cvt e4m3x2/e5m2x2 -> f16x2, exact) instead of
+    # three more to bf16. Q's fragment is rounded to fp16 once a tile
     # (scaled by the power of two that puts its largest magnitude just under 2^15, the scores
     # scaled back), P is rounded to fp16 times 2^F16_P_LOG2 (the output's scale takes it out)
     # so that fp16 keeps small probabilities normal: both operands hold at least bf16's bits.

@@ -162,10 +162,9 @@ class FlashFwdSm90:
         # Pages smaller than a key block: a TMA copy a (page, 64-column) slice (44 of 2 KB a
         # block at page 16 and d=128 starved the consumers: 0.71x the contiguous forward), or
         # with gather_pages the producer warp's cp.async gathers (load_gathered)
-        self.gathers_pages = cfg.gather_pages
         assert not cfg.gather_pages or 0 < cfg.page_size < self.tile_n, cfg
         self.producer_regs, self.consumer_regs = register_split(
-            cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k, gathers=self.gathers_pages)
+            cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k, gathers=cfg.gather_pages)
         self.pingpong = PingPong(cfg.pingpong, cfg.num_wg, FwdBarrier.TURN)
 
     # ------------------------------------------------------------------------------------------
@@ -250,7 +249,7 @@ class FlashFwdSm90:
             v_box = cute.slice_(sm90_utils.make_smem_layout_b(
                 LayoutEnum.COL_MAJOR, (WG_ROWS, *v_tile), self.dtype, 1), (None, None, 0))
         tma_atom_k, tma_k, tma_atom_v, tma_vt = None, mK, None, mVt  # (gathered pages: cp.async)
-        if const_expr(not self.gathers_pages):
+        if const_expr(not cfg.gather_pages):
             tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, k_box, k_tile)
             tma_atom_v, tma_vt = cpasync.make_tiled_tma_atom(tma_load, mVt, v_box, v_tile)
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
@@ -395,17 +394,18 @@ class FlashFwdSm90:
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load(
-                    tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
-                    lambda: visit(seqlen, m_block, head_idx, batch_idx),
-                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
-                    mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.page_size) else None)
-                if const_expr(self.gathers_pages):
+                if const_expr(cfg.gather_pages):
                     load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load_gathered(
                         tma_atom_q, mQ, mK, mVt, sQ, sK, sVt, pipeline_q, pipeline_k, pipeline_v,
                         q_state, kv_state, seqlen, lambda: visit(seqlen, m_block, head_idx, batch_idx),
                         m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, mPageTable)
+                else:
+                    load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load(
+                        tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
+                        pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
+                        lambda: visit(seqlen, m_block, head_idx, batch_idx),
+                        m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
+                        mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.page_size) else None)
                 walk.walk(True, tile_info, load_tile,
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
