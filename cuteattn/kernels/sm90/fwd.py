@@ -46,6 +46,10 @@ from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coor
 from .gemm import PingPong, gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
+# Producer warps that gather pages with gather_pages (load_gathered): half K, half V. One warp
+# gathering a whole block issued too slowly (0.39x of the TMA slices at pages of 16).
+GATHER_WARPS = 4
+
 
 
 
@@ -105,7 +109,7 @@ class Sm90FwdConfig:
     # page in the batch's place; each key block lies inside one page (tile_n divides
     # page_size), found through mPageTable; the keys' count is seqused_k. 0: not paged.
     page_size: int = 0
-    # Pages smaller than a key block gathered by the producer warp's cp.async (load_gathered)
+    # Pages smaller than a key block gathered by the producer warps' cp.async (load_gathered)
     # instead of a TMA copy a (page, 64-column) slice (an A/B candidate, config.GATHER_PAGES)
     gather_pages: bool = False
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of every
@@ -351,11 +355,17 @@ class FlashFwdSm90:
         storage = smem.allocate(self.shared_storage)
         consumer_warps = 4 * self.num_wg  # TMA pipelines count one release per consumer warp
         pipeline_q = make_tma_pipeline(storage.mbar_q, 1, self.q_bytes, consumer_warps)
-        pipeline_k = make_tma_pipeline(storage.mbar_k, cfg.num_stages, self.k_bytes, consumer_warps)
-        pipeline_v = make_tma_pipeline(storage.mbar_v, cfg.num_stages, self.v_bytes, consumer_warps)
+        # (gathered pages: two producer warps fill each K stage, two each V stage)
+        fillers = GATHER_WARPS // 2 if const_expr(cfg.gather_pages) else 1
+        pipeline_k = make_tma_pipeline(storage.mbar_k, cfg.num_stages, self.k_bytes, consumer_warps,
+                                       fillers)
+        pipeline_v = make_tma_pipeline(storage.mbar_v, cfg.num_stages, self.v_bytes, consumer_warps,
+                                       fillers)
         handoff = None
         if const_expr(cfg.dynamic_tiles):
-            handoff = TileWalk.make_handoff(storage.mbar_tile, WG_THREADS * self.num_wg)
+            # (the producer warps that gather pages beside warp 0 take each next tile too)
+            takers = WG_THREADS * self.num_wg + (32 * (GATHER_WARPS - 1) if const_expr(cfg.gather_pages) else 0)
+            handoff = TileWalk.make_handoff(storage.mbar_tile, takers)
         # Make the barrier initialisation visible to every warp before anyone waits on it.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -393,22 +403,29 @@ class FlashFwdSm90:
             (mFullCount, mFullIndex, mPartialCount, mPartialIndex))
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                if const_expr(cfg.gather_pages):
-                    load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load_gathered(
-                        tma_atom_q, mQ, mK, mVt, sQ, sK, sVt, pipeline_q, pipeline_k, pipeline_v,
-                        q_state, kv_state, seqlen, lambda: visit(seqlen, m_block, head_idx, batch_idx),
-                        m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, mPageTable)
-                else:
-                    load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load(
-                        tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
-                        pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
-                        lambda: visit(seqlen, m_block, head_idx, batch_idx),
-                        m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
-                        mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.page_size) else None)
-                walk.walk(True, tile_info, load_tile,
-                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
-                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
+            producer_states = lambda: (
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
+            if const_expr(cfg.gather_pages):
+                # every producer warp gathers its share of each block (load_gathered); warp 0
+                # also loads Q and draws the tiles, the others take them from it
+                gather_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load_gathered(
+                    warp_idx, tma_atom_q, mQ, mK, mVt, sQ, sK, sVt, pipeline_q, pipeline_k,
+                    pipeline_v, q_state, kv_state, seqlen,
+                    lambda: visit(seqlen, m_block, head_idx, batch_idx),
+                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, mPageTable)
+                if warp_idx == 0:
+                    walk.walk(True, tile_info, gather_tile, *producer_states())
+                elif warp_idx < GATHER_WARPS:
+                    walk.walk(False, tile_info, gather_tile, *producer_states())
+            elif warp_idx == 0:
+                load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load(
+                    tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
+                    pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
+                    lambda: visit(seqlen, m_block, head_idx, batch_idx),
+                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
+                    mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.page_size) else None)
+                walk.walk(True, tile_info, load_tile, *producer_states())
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = (warp_idx // 4) - 1
@@ -635,19 +652,20 @@ class FlashFwdSm90:
                 cute.copy(tma_atom, t_src, t_dst, tma_bar_ptr=barrier)
 
     @cute.jit
-    def load_gathered(self, tma_atom_q, mQ, mK, mVt, sQ, sK, sVt, pipeline_q, pipeline_k,
+    def load_gathered(self, warp, tma_atom_q, mQ, mK, mVt, sQ, sK, sVt, pipeline_q, pipeline_k,
                       pipeline_v, q_state, kv_state, seqlen: SeqlenInfo, visit, m_block,
                       head_idx, head_idx_kv, batch_idx, mPageTable):
-        """load with gather_pages: the producer warp's lanes gather each block's page slices by
-        cp.async (16 bytes a lane, page_copy; K and V one commit group each), the first block
-        before Q as in load. A block's K or V is published on its full barrier once its copies
-        have landed (cp.async.wait_group, then a proxy fence for the consumers' wgmma): K(j)
-        while V(j) flies, V(j) after K(j + 1) is issued. That order is the consumers': they
-        release V(j - 1) only after their S GEMM of block j, so the producer must publish K(j)
-        before it waits for V(j - 1)'s slot. (With one stage each waits at once.) V's rows
-        past the sequence's end are zeros (stores, not copies: a page's unused rows may hold
-        NaN); K's there are masked."""
-        cfg = self.cfg
+        """load with gather_pages, as producer warp `warp` of GATHER_WARPS: the first half
+        gather K, the second half V, each warp every other page slice of a block, by cp.async
+        (16 bytes a lane, page_copy), and arrive on the stage's full barrier (one arrival a
+        warp, no bytes) once its own copies have landed (cp.async.wait_group, then a proxy
+        fence for the consumers' wgmma). A warp waits only on its own ring's slots, so no wait
+        of K's warps depends on V's, nor the reverse. Warp 0 also loads Q by TMA, after its
+        share of the tile's first block (the block with the sequence's end). V's rows past the
+        sequence's end are zeros (stores, not copies: a page's unused rows may hold NaN); K's
+        there are masked."""
+        is_k = warp < GATHER_WARPS // 2
+        share = warp % (GATHER_WARPS // 2)
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
                                            cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
@@ -655,49 +673,52 @@ class FlashFwdSm90:
         thr_k, thr_v = self.page_copy(False).get_slice(lane), self.page_copy(True).get_slice(lane)
         mK, mVt = mK[None, None, head_idx_kv, None], mVt[None, None, head_idx_kv, None]
         # (the state passed at each call, not captured: a dynamic loop carries its own)
-        block = lambda state, n_block, first: self.gather_block(
-            thr_k, thr_v, mK, mVt, sK, sVt, pipeline_k, pipeline_v, state, mPageTable,
-            batch_idx, seqlen.seqlen_k, n_block, first)
+        block = lambda state, n_block, bounded: self.gather_share(
+            is_k, share, thr_k, thr_v, mK, mVt, sK, sVt, pipeline_k, pipeline_v, state,
+            mPageTable, batch_idx, seqlen.seqlen_k, n_block, bounded)
         visit = visit()
         n_blocks = visit.count()
         if n_blocks > 0:
-            block(kv_state, visit.first(), True)  # (the block with the sequence's end)
-            kv_state.advance()
-        pipeline_q.producer_acquire(q_state)
-        for wg in cutlass.range_constexpr(self.num_wg):
-            cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            block(kv_state, visit.first(), True)
+        if warp == 0:
+            pipeline_q.producer_acquire(q_state)
+            for wg in cutlass.range_constexpr(self.num_wg):
+                cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
+                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         q_state.advance()
+        if n_blocks > 0:
+            self.publish_share(is_k, pipeline_k, pipeline_v, kv_state.index)
+            kv_state.advance()
         for i in cutlass.range(1, n_blocks, unroll=1):
             block(kv_state, visit.block(i), False)
+            self.publish_share(is_k, pipeline_k, pipeline_v, kv_state.index)
             kv_state.advance()
-        if const_expr(cfg.num_stages > 1):
-            if n_blocks > 0:  # (the last block's V)
-                cute.arch.cp_async_wait_group(0)
-                self.publish(pipeline_v, (kv_state.index + cfg.num_stages - 1) % cfg.num_stages)
         return q_state, kv_state
 
     @cute.jit
-    def gather_block(self, thr_k, thr_v, mK, mVt, sK, sVt, pipeline_k, pipeline_v, kv_state,
-                     mPageTable, batch_idx, seqlen_k, n_block, first: cutlass.Constexpr):
-        """One block of load_gathered into kv_state's stage: K (after its slot is free), then
-        the previous block's V published, then V (its slot free; with `first`, the block with
-        the sequence's end: V's keys from the end on zeros), then K published."""
-        stages = self.cfg.num_stages
-        lag = 1 if const_expr(stages > 1) else 0
+    def gather_share(self, is_k, share, thr_k, thr_v, mK, mVt, sK, sVt, pipeline_k, pipeline_v,
+                     kv_state, mPageTable, batch_idx, seqlen_k, n_block,
+                     bounded: cutlass.Constexpr):
+        """This warp's share of key block n_block into kv_state's stage, once the slot is
+        free: K's slices, or V's (with `bounded`, the block with the sequence's end: V's keys
+        from the end on zeros)."""
         pages = self.block_page_ids(mPageTable, batch_idx, seqlen_k, n_block, mK.shape[2], 0)
-        pipeline_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
-        self.gather_keys(thr_k, mK, sK, kv_state.index, pages)
-        if const_expr(lag > 0 and not first):
-            cute.arch.cp_async_wait_group(1)  # (the previous block's V has landed)
-            self.publish(pipeline_v, (kv_state.index + stages - 1) % stages)
-        pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
-        self.gather_values(thr_v, mVt, sVt, kv_state.index, pages,
-                           seqlen_k - n_block * self.tile_n, first)
-        cute.arch.cp_async_wait_group(lag)  # (this block's K has landed; V too with one stage)
-        self.publish(pipeline_k, kv_state.index)
-        if const_expr(lag == 0):
-            self.publish(pipeline_v, kv_state.index)
+        if is_k:
+            pipeline_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
+            self.gather_keys(thr_k, mK, sK, kv_state.index, pages, share)
+        else:
+            pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
+            self.gather_values(thr_v, mVt, sVt, kv_state.index, pages, share,
+                               seqlen_k - n_block * self.tile_n, bounded)
+
+    @cute.jit
+    def publish_share(self, is_k, pipeline_k, pipeline_v, stage):
+        """This warp's copies into `stage` landed, then published (publish)."""
+        cute.arch.cp_async_wait_group(0)
+        if is_k:
+            self.publish(pipeline_k, stage)
+        else:
+            self.publish(pipeline_v, stage)
 
     def page_copy(self, transposed: bool) -> cute.TiledCopy:
         """cp.async of 16 bytes a lane over a (page_size keys, 64 columns) slice of K, or with
@@ -723,14 +744,16 @@ class FlashFwdSm90:
             cute.arch.mbarrier_arrive(pipe.sync_object_full.get_barrier(stage))
 
     @cute.jit
-    def gather_keys(self, thr_k, mK, sK, stage, pages):
-        """K of a key block into `stage`, slice by slice from its page (pages: lane i holds
-        slice i's, block_page_ids), one commit group; columns past the cache's head dim (the
+    def gather_keys(self, thr_k, mK, sK, stage, pages, share):
+        """This warp's share of a key block's K into `stage`: every other page slice from
+        `share` on, each from its page (pages: lane i holds slice i's, block_page_ids), one
+        commit group; columns past the cache's head dim (the
         kernel's width is padded to 64) are zeros, not read. mK: one kv head's (keys, d,
         pages)."""
         page = self.cfg.page_size
         at = thr_k.partition_S(cute.make_identity_tensor((page, 64)))  # (row, column)
-        for i in cutlass.range(self.tile_n // page, unroll=1):  # (unrolled: spills at 40 registers)
+        # this warp's slices: every other one from `share` (unrolled: spills at 40 registers)
+        for i in cutlass.range(share, self.tile_n // page, GATHER_WARPS // 2, unroll=1):
             pid = cute.arch.shuffle_sync(pages, i)
             for j in cutlass.range_constexpr(self.d // 64):
                 src = thr_k.partition_S(cute.local_tile(mK[None, None, pid], (page, 64), (0, j)))
@@ -744,13 +767,14 @@ class FlashFwdSm90:
         cute.arch.cp_async_commit_group()
 
     @cute.jit
-    def gather_values(self, thr_v, mVt, sVt, stage, pages, valid, bounded: cutlass.Constexpr):
+    def gather_values(self, thr_v, mVt, sVt, stage, pages, share, valid,
+                      bounded: cutlass.Constexpr):
         """V^T of a key block into `stage` as gather_keys does K (mVt: one kv head's (d_v,
         keys, pages)); with `bounded` (the block with the sequence's end, `valid` of its keys
         inside) the keys from the end on are zeros."""
         page = self.cfg.page_size
         at = thr_v.partition_S(cute.make_identity_tensor((64, page)))  # (column, key)
-        for i in cutlass.range(self.tile_n // page, unroll=1):
+        for i in cutlass.range(share, self.tile_n // page, GATHER_WARPS // 2, unroll=1):
             pid = cute.arch.shuffle_sync(pages, i)
             for j in cutlass.range_constexpr(self.dv // 64):
                 src = thr_v.partition_S(cute.local_tile(mVt[None, None, pid], (64, page), (j, 0)))
