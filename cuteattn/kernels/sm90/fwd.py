@@ -355,8 +355,9 @@ class FlashFwdSm90:
         storage = smem.allocate(self.shared_storage)
         consumer_warps = 4 * self.num_wg  # TMA pipelines count one release per consumer warp
         pipeline_q = make_tma_pipeline(storage.mbar_q, 1, self.q_bytes, consumer_warps)
-        # (gathered pages: two producer warps fill each K stage, two each V stage)
-        fillers = GATHER_WARPS // 2 if const_expr(cfg.gather_pages) else 1
+        # (gathered pages: each thread of two producer warps arrives on a K stage once its
+        # copies have landed, two other warps' on a V stage: cp.async.mbarrier.arrive)
+        fillers = 32 * GATHER_WARPS // 2 if const_expr(cfg.gather_pages) else 1
         pipeline_k = make_tma_pipeline(storage.mbar_k, cfg.num_stages, self.k_bytes, consumer_warps,
                                        fillers)
         pipeline_v = make_tma_pipeline(storage.mbar_v, cfg.num_stages, self.v_bytes, consumer_warps,
@@ -659,12 +660,13 @@ class FlashFwdSm90:
                       head_idx, head_idx_kv, batch_idx, mPageTable):
         """load with gather_pages, as producer warp `warp` of GATHER_WARPS: the first half
         gather K, the second half V (gather_rows: each thread a key's 16-byte pieces, the key's
-        address computed once a block), and each warp arrives on the stage's full barrier (one
-        arrival a warp, no bytes) once its own copies have landed (cp.async.wait_group, then a
-        proxy fence for the consumers' wgmma). A warp waits only on its own ring's slots, so no
-        wait of K's warps depends on V's, nor the reverse. Warp 0 also loads Q by TMA, after
-        its share of the tile's first block (the block with the sequence's end). V's rows past
-        the sequence's end are zeros (stores, not copies: a page's unused rows may hold NaN);
+        address computed once a pass), and each thread's arrival on the stage's full barrier
+        fires when its copies have landed (cp.async.mbarrier.arrive.noinc: 64 arrivals a
+        stage), so a warp never waits for its own copies, only for free slots in its own ring
+        (no wait of K's warps depends on V's, nor the reverse). The consumers fence the async
+        proxy after their wait (wait_kv). Warp 0 also loads Q by TMA, after its share of the
+        tile's first block (the block with the sequence's end). V's rows past the sequence's
+        end are zero-filled by the copy (no bytes read: a page's unused rows may hold NaN);
         K's there are masked."""
         is_k = warp < GATHER_WARPS // 2
         gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
@@ -687,11 +689,9 @@ class FlashFwdSm90:
                           tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         q_state.advance()
         if n_blocks > 0:
-            self.publish_share(is_k, pipeline_k, pipeline_v, kv_state.index)
             kv_state.advance()
         for i in cutlass.range(1, n_blocks, unroll=1):
             block(kv_state, visit.block(i), False)
-            self.publish_share(is_k, pipeline_k, pipeline_v, kv_state.index)
             kv_state.advance()
         return q_state, kv_state
 
@@ -707,42 +707,36 @@ class FlashFwdSm90:
         if is_k:
             pipeline_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
             self.gather_rows(tid, mK, sK, sK_raw, kv_state.index, pages, valid, False, False)
+            cute.arch.cp_async_mbarrier_arrive_noinc(
+                pipeline_k.sync_object_full.get_barrier(kv_state.index))
         else:
             pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
             self.gather_rows(tid, mVt, sVt, sVt_raw, kv_state.index, pages, valid, bounded, True)
+            cute.arch.cp_async_mbarrier_arrive_noinc(
+                pipeline_v.sync_object_full.get_barrier(kv_state.index))
 
     @cute.jit
-    def publish_share(self, is_k, pipeline_k, pipeline_v, stage):
-        """This warp's copies into `stage` landed, then published (publish)."""
-        cute.arch.cp_async_wait_group(0)
-        if is_k:
-            self.publish(pipeline_k, stage)
-        else:
-            self.publish(pipeline_v, stage)
-
-    @cute.jit
-    def publish(self, pipe, stage):
-        """After this lane's copies into `stage` have landed (the caller's wait_group): its
-        writes fenced for the async proxy (the consumers' wgmma), the warp synced, one lane
-        arrives on the stage's full barrier (no bytes expected: the phase completes)."""
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.sync_warp()
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(pipe.sync_object_full.get_barrier(stage))
+    def wait_kv(self, pipe, state):
+        """A consumer's wait for a K or V stage. With gather_pages its bytes were written by
+        cp.async (the generic proxy) and the wgmma reads them through the async proxy: the
+        fence after the wait orders the two for this thread."""
+        pipe.consumer_wait(state)
+        if const_expr(self.cfg.gather_pages):
+            cute.arch.fence_proxy("async.shared", space="cta")
 
     @cute.jit
     def gather_rows(self, tid, mX, sX, sX_raw, stage, pages, valid, bounded: cutlass.Constexpr,
                     transposed: cutlass.Constexpr):
         """A key block into ring stage `stage` by the 64 threads of a pair of producer warps
-        (tid: 0-63), 16-byte cp.async pieces, one commit group. Thread tid copies piece tid % 8
-        of key tid // 8 of each pass of 8 keys: the key's global address is computed once a
-        pass (its page from `pages`, where lane i holds the block's i-th page, block_page_ids),
-        its shared address once a block, and each 64-column chunk lies at a constant offset
-        from both, so a copy is a few instructions. Columns past the cache's head dim (the
-        kernel's width is padded to 64) are zeros, not read; with `bounded` so are the keys
-        from `valid` on. mX: one kv head's K (page_size, d, pages), or with `transposed` V^T
-        (d_v, page_size, pages); sX: the ring, (tile_n, d, stages) or (d_v, tile_n, stages)
-        (its layout unswizzled, sX_raw: its first element)."""
+        (tid: 0-63), 16-byte cp.async pieces. Thread tid copies piece tid % 8 of key tid // 8
+        of each pass of 8 keys: the key's global address is computed once a pass (its page from
+        `pages`, where lane i holds the block's i-th page, block_page_ids), its shared address
+        once a block, and each 64-column chunk lies at a constant offset from both, so a copy
+        is one instruction. Columns past the cache's head dim (the kernel's width is padded to
+        64) are zero-filled by the copy, no bytes read; with `bounded` so are the keys from
+        `valid` on. mX: one kv head's K (page_size, d, pages), or with `transposed` V^T (d_v,
+        page_size, pages); sX: the ring, (tile_n, d, stages) or (d_v, tile_n, stages) (its
+        layout unswizzled, sX_raw: its first element)."""
         page = self.cfg.page_size
         width = self.dv if const_expr(transposed) else self.d
         true_width = mX.shape[0] if const_expr(transposed) else mX.shape[1]
@@ -768,17 +762,14 @@ class FlashFwdSm90:
                 dst_key = dst_block + p * 512
                 for c in cutlass.range_constexpr(width // 64):
                     src = cute.make_tensor(cute.make_ptr(self.dtype, src_key + c * 128, cute.AddressSpace.gmem,
-                                                         assumed_align=16), cute.make_layout(vec))
+                                                         assumed_align=16), cute.make_layout(((vec, 1), 1)))
                     dst = cute.make_tensor(sX_raw + cute.assume(dst_key + c * chunk, divby=vec),
-                                           cute.make_layout(vec))
-                    keep = piece * vec + c * 64 < true_width
+                                           cute.make_layout(((vec, 1), 1)))
+                    keep = cute.make_rmem_tensor((1, 1), cutlass.Boolean)
+                    keep[0, 0] = piece * vec + c * 64 < true_width
                     if const_expr(bounded):
-                        keep = keep & (p * 8 + key < valid)
-                    if keep:
-                        cute.copy(copy, src, dst)
-                    else:
-                        dst.fill(0)
-        cute.arch.cp_async_commit_group()
+                        keep[0, 0] = keep[0, 0] & (p * 8 + key < valid)
+                    cute.copy(copy, src, dst, pred=keep)  # (else zeros: no bytes read)
 
     @cute.jit
     def finish_v_past_end(self, sVt, pipeline_v, stage, v_fix_barrier, valid):
@@ -879,7 +870,7 @@ class FlashFwdSm90:
         pipeline_q.consumer_wait(q_state)
         if visit.any():
             # First block: S = Q K^T alone.
-            pipeline_k.consumer_wait(k_state)
+            self.wait_kv(pipeline_k, k_state)
             self.pingpong.wait(wg)
             gemm_qk(k_state.index)
             self.pingpong.pass_on(wg)
@@ -901,10 +892,10 @@ class FlashFwdSm90:
                 first, stop, mask = runs[run]
                 for i in cutlass.range(first, stop, unroll=1):
                     # one key block: visit.block(i)
-                    pipeline_k.consumer_wait(k_state)
+                    self.wait_kv(pipeline_k, k_state)
                     self.pingpong.wait(wg)
                     gemm_qk(k_state.index)
-                    pipeline_v.consumer_wait(v_state)
+                    self.wait_kv(pipeline_v, v_state)
                     gemm_pv(v_state.index)
                     self.pingpong.pass_on(wg)
                     warpgroup.wait_group(1)
@@ -921,7 +912,7 @@ class FlashFwdSm90:
                 # this tile's last P V and its epilogue
                 pipeline_q.consumer_release(q_state)
             # Last block's O += P V.
-            pipeline_v.consumer_wait(v_state)
+            self.wait_kv(pipeline_v, v_state)
             gemm_pv(v_state.index)
             warpgroup.wait_group(0)
             if const_expr(cfg.o_path != "v_stage"):  # else the epilogue stages O there first
