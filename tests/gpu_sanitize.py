@@ -175,14 +175,6 @@ def cases() -> dict:
     out["surface_paged_d128_causal"] = lambda: su.run_paged_prefill(128, 128, causal=True)
     out["surface_paged_d64_page64"] = lambda: su.run_paged_prefill(64, 64)
     out["surface_paged_d128_page16"] = lambda: su.run_paged_prefill(16, 128, causal=True)
-    # pages gathered by cp.async (a candidate, config.GATHER_PAGES): a head dim padded to 64
-    # columns, whose last columns are not read; a window over pages of 48
-    import cuteattn.kernels.sm90.config as sm90_config
-    out["surface_paged_gathered_d112_page16"] = _with_module(
-        lambda: su.run_paged_prefill(16, 112, causal=True), sm90_config, "GATHER_PAGES", True)
-    out["surface_paged_gathered_d128_page48_window"] = _with_module(
-        lambda: su.run_paged_prefill(48, 128, window_size=(100, 0)), sm90_config,
-        "GATHER_PAGES", True)
     out["surface_paged_sink_page64"] = lambda: su.run_paged_prefill(
         64, 128, causal=True, sink=torch.randn(8, device="cuda") * 2)
     out["surface_seqused_only"] = lambda: su.run_varlen(

@@ -396,27 +396,6 @@ def test_compile_paged_forward(d, page, mask, capfd, tmp_path, monkeypatch):
     assert spills and max(spills) == 0
 
 
-GATHERED_CASES = [c for c in PAGED_CASES if c[1] % 64]  # (pages that slice a key block)
-
-
-@pytest.mark.parametrize("d,page,mask", GATHERED_CASES, ids=[f"d{d}-page{p}-{m}" for d, p, m in GATHERED_CASES])
-def test_compile_paged_forward_gathered(d, page, mask, capfd, tmp_path, monkeypatch):
-    """The candidate config.GATHER_PAGES: pages smaller than a key block gathered by the
-    producer warp's cp.async (16-byte copies), spill-free with its 56-register producer."""
-    from cuteattn.kernels.sm90 import config
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(config, "GATHER_PAGES", True)
-    causal, local, softcap = (mask in ("causal", "softcap", "causal-sink"), mask == "window",
-                              mask == "softcap")
-    cfg = config.fwd_config(cutlass.BFloat16, d, d, causal, local, softcap, True, False,
-                            has_seqused_k=True, page_size=page, has_sink=mask.endswith("sink"))
-    assert cfg.gather_pages == (page < cfg.tile_n) and cfg.tile_n % page == 0, cfg
-    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
-    assert "cp.async.cg.shared.global" in ptx
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
-    assert spills and max(spills) == 0
-
-
 @pytest.mark.parametrize("dv", [64, 128, 256])
 @pytest.mark.parametrize("varlen", [False, True], ids=["batched", "packed"])
 def test_compile_fp8_value_transpose(dv, varlen, capfd, tmp_path, monkeypatch):

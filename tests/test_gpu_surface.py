@@ -262,26 +262,6 @@ def test_paged_prefill_pages_read_by_sm90(seed, page, d, mask, monkeypatch):
     run_paged_prefill(page, d, **kw)
 
 
-@pytest.mark.parametrize("page", [16, 48])
-@pytest.mark.parametrize("d", [64, 112, 128, 256])
-@pytest.mark.parametrize("mask", ["none", "causal", "window"])
-def test_paged_prefill_gathered(seed, page, d, mask, monkeypatch):
-    """The candidate config.GATHER_PAGES: pages smaller than a key block gathered by the
-    producer warp's cp.async (V's rows past a sequence zeros, the columns past d=112 neither
-    read nor left stale), over the same NaN-poisoned shuffled pages; the gathering kernel must
-    have served the call."""
-    from cuteattn import api
-    from cuteattn.kernels.sm90 import config
-    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
-    monkeypatch.setattr(config, "GATHER_PAGES", True)
-    monkeypatch.setattr(api, "_launches", {})
-    made, real = [], config.fwd_config
-    monkeypatch.setattr(config, "fwd_config", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
-    kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 30))}[mask]
-    run_paged_prefill(page, d, **kw)
-    assert made and (any(c.gather_pages for c in made) or all(c.tile_n == page for c in made)), made
-
-
 @pytest.mark.parametrize("page,path", [(16, None), (128, None), (16, "sm80")])
 def test_paged_prefill_with_a_learnable_sink(seed, page, path, monkeypatch):
     """A learnable sink with pages read by the sm90 forward, or by the portable kernel (the

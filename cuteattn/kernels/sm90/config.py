@@ -117,12 +117,6 @@ SPARSE_MAX_HEAD_DIM = 128
 # the columns past the cache's).
 PAGED_TILE_N = (128, 64)
 SLICED_PAGE_WIDTH = 64
-# An A/B candidate (docs/perf-log.md): sliced pages gathered by the producer warp's cp.async
-# (Sm90FwdConfig.gather_pages, FlashFwdSm90.load_gathered) instead of a TMA copy a slice. The
-# producer then needs 56 registers (pipelines.register_split): the consumers' 224 hold key
-# blocks of at most GATHER_TILE_N keys ((anchor, local): 176 spilled at d=128, windowed 128).
-GATHER_PAGES = False
-GATHER_TILE_N = {(128, False): 160, (128, True): 112}
 
 
 def sliced_pages(page_size: int) -> bool:
@@ -183,9 +177,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         tile_n = min(tile_n, MASK_MOD_TILE_N.get(anchor, tile_n))
     if mask_mod is not None and score_mod is not None:
         tile_n = min(tile_n, BOTH_MODS_TILE_N.get(anchor, tile_n))
-    gather = GATHER_PAGES and bool(page_size) and sliced_pages(page_size)
-    if gather:
-        tile_n = min(tile_n, GATHER_TILE_N.get((anchor, local), tile_n))
     if page_size:
         paged = paged_tile_n(tile_n, page_size)
         if paged is None:
@@ -205,7 +196,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
         mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
-        gather_pages=gather and page_size < tile_n,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

@@ -46,10 +46,6 @@ from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coor
 from .gemm import PingPong, gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
-# Producer warps that gather pages with gather_pages (load_gathered): half K, half V. One warp
-# gathering a whole block issued too slowly (0.39x of the TMA slices at pages of 16).
-GATHER_WARPS = 4
-
 
 
 
@@ -109,9 +105,6 @@ class Sm90FwdConfig:
     # page in the batch's place; each key block lies inside one page (tile_n divides
     # page_size), found through mPageTable; the keys' count is seqused_k. 0: not paged.
     page_size: int = 0
-    # Pages smaller than a key block gathered by the producer warps' cp.async (load_gathered)
-    # instead of a TMA copy a (page, 64-column) slice (an A/B candidate, config.GATHER_PAGES)
-    gather_pages: bool = False
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of every
     # row's softmax denominator, with no value (OnlineSoftmax.finalize)
     has_sink: bool = False
@@ -163,12 +156,8 @@ class FlashFwdSm90:
         self.d, self.dv = cfg.head_dim, cfg.head_dim_v
         self.num_wg = cfg.num_wg
         self.num_threads = WG_THREADS * (1 + cfg.num_wg)
-        # Pages smaller than a key block: a TMA copy a (page, 64-column) slice (44 of 2 KB a
-        # block at page 16 and d=128 starved the consumers: 0.71x the contiguous forward), or
-        # with gather_pages the producer warp's cp.async gathers (load_gathered)
-        assert not cfg.gather_pages or 0 < cfg.page_size < self.tile_n, cfg
         self.producer_regs, self.consumer_regs = register_split(
-            cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k, gathers=cfg.gather_pages)
+            cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k)
         self.pingpong = PingPong(cfg.pingpong, cfg.num_wg, FwdBarrier.TURN)
 
     # ------------------------------------------------------------------------------------------
@@ -252,10 +241,8 @@ class FlashFwdSm90:
                 LayoutEnum.ROW_MAJOR, (WG_ROWS, *k_tile), self.dtype, 1), (None, None, 0))
             v_box = cute.slice_(sm90_utils.make_smem_layout_b(
                 LayoutEnum.COL_MAJOR, (WG_ROWS, *v_tile), self.dtype, 1), (None, None, 0))
-        tma_atom_k, tma_k, tma_atom_v, tma_vt = None, mK, None, mVt  # (gathered pages: cp.async)
-        if const_expr(not cfg.gather_pages):
-            tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, k_box, k_tile)
-            tma_atom_v, tma_vt = cpasync.make_tiled_tma_atom(tma_load, mVt, v_box, v_tile)
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, k_box, k_tile)
+        tma_atom_v, tma_vt = cpasync.make_tiled_tma_atom(tma_load, mVt, v_box, v_tile)
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
@@ -325,8 +312,8 @@ class FlashFwdSm90:
     def kernel(
         self,
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor,
-        tma_atom_k: Optional[cute.CopyAtom], mK: cute.Tensor,  # (gathered pages: no atoms, and
-        tma_atom_v: Optional[cute.CopyAtom], mVt: cute.Tensor,  # the caches' own tensors)
+        tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_v: cute.CopyAtom, mVt: cute.Tensor,
         mO: cute.Tensor, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
@@ -348,25 +335,17 @@ class FlashFwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
-                if const_expr(atom is not None):
-                    cpasync.prefetch_descriptor(atom)
+                cpasync.prefetch_descriptor(atom)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         consumer_warps = 4 * self.num_wg  # TMA pipelines count one release per consumer warp
         pipeline_q = make_tma_pipeline(storage.mbar_q, 1, self.q_bytes, consumer_warps)
-        # (gathered pages: each thread of two producer warps arrives on a K stage once its
-        # copies have landed, two other warps' on a V stage: cp.async.mbarrier.arrive)
-        fillers = 32 * GATHER_WARPS // 2 if const_expr(cfg.gather_pages) else 1
-        pipeline_k = make_tma_pipeline(storage.mbar_k, cfg.num_stages, self.k_bytes, consumer_warps,
-                                       fillers)
-        pipeline_v = make_tma_pipeline(storage.mbar_v, cfg.num_stages, self.v_bytes, consumer_warps,
-                                       fillers)
+        pipeline_k = make_tma_pipeline(storage.mbar_k, cfg.num_stages, self.k_bytes, consumer_warps)
+        pipeline_v = make_tma_pipeline(storage.mbar_v, cfg.num_stages, self.v_bytes, consumer_warps)
         handoff = None
         if const_expr(cfg.dynamic_tiles):
-            # (the producer warps that gather pages beside warp 0 take each next tile too)
-            takers = WG_THREADS * self.num_wg + (32 * (GATHER_WARPS - 1) if const_expr(cfg.gather_pages) else 0)
-            handoff = TileWalk.make_handoff(storage.mbar_tile, takers)
+            handoff = TileWalk.make_handoff(storage.mbar_tile, WG_THREADS * self.num_wg)
         # Make the barrier initialisation visible to every warp before anyone waits on it.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -404,30 +383,16 @@ class FlashFwdSm90:
             (mFullCount, mFullIndex, mPartialCount, mPartialIndex))
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            producer_states = lambda: (
-                pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
-                pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
-            if const_expr(cfg.gather_pages):
-                # every producer warp gathers its share of each block (load_gathered); warp 0
-                # also loads Q and draws the tiles, the others take them from it
-                gather_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load_gathered(
-                    warp_idx, tma_atom_q, mQ, mK, mVt, sQ, sK, sVt, storage.sK.data_ptr(),
-                    storage.sVt.data_ptr(), pipeline_q, pipeline_k, pipeline_v, q_state,
-                    kv_state, seqlen,
-                    lambda: visit(seqlen, m_block, head_idx, batch_idx),
-                    m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, mPageTable)
-                if warp_idx == 0:
-                    walk.walk(True, tile_info, gather_tile, *producer_states())
-                elif warp_idx < GATHER_WARPS:
-                    walk.walk(False, tile_info, gather_tile, *producer_states())
-            elif warp_idx == 0:
+            if warp_idx == 0:
                 load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load(
                     tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
                     pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                     lambda: visit(seqlen, m_block, head_idx, batch_idx),
                     m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
                     mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.page_size) else None)
-                walk.walk(True, tile_info, load_tile, *producer_states())
+                walk.walk(True, tile_info, load_tile,
+                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
+                          pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = (warp_idx // 4) - 1
@@ -615,19 +580,18 @@ class FlashFwdSm90:
         return copy_k, copy_v, lookup
 
     @cute.jit
-    def block_page_ids(self, mPageTable, batch_idx, seqlen_k, n_block, num_pages, outside=None):
+    def block_page_ids(self, mPageTable, batch_idx, seqlen_k, n_block, num_pages):
         """Lane i's value: the page of key block n_block's slice i (page_size keys), read from
         the table by every lane at once (the whole producer warp runs this); a slice wholly
-        past the sequence, or an entry outside the cache, gets `outside` (default num_pages:
-        past the cache's end, where TMA reads zeros; gathers take page 0, whose rows there are
-        masked or zeroed). One read a slice, one after another, held each slice's copies
+        past the sequence, or an entry outside the cache, gets num_pages (past the cache's end,
+        where TMA reads zeros). One read a slice, one after another, held each slice's copies
         up by the read's latency (the page-16 prefill ran at half the speed of page 128)."""
         page = self.cfg.page_size
         slices = self.tile_n // page  # (at most 16: pages are >= 16 keys, blocks <= 256)
         first = n_block * self.tile_n + cutlass.min(cute.arch.lane_idx(), slices - 1) * page
         entry = mPageTable[batch_idx, cutlass.min(first // page, mPageTable.shape[1] - 1)]
         valid = (first < seqlen_k) & (entry >= 0) & (entry < num_pages)
-        return cutlass.select_(valid, entry, num_pages if outside is None else outside)
+        return cutlass.select_(valid, entry, num_pages)
 
     @cute.jit
     def copy_page_slices(self, tma_atom, mX, sX, n_block, stage, barrier, lane_pid,
@@ -652,124 +616,6 @@ class FlashFwdSm90:
                 t_dst, t_src = cpasync.tma_partition(tma_atom, 0, one, cute.group_modes(dst, 0, 2),
                                                      cute.group_modes(src, 0, 2))
                 cute.copy(tma_atom, t_src, t_dst, tma_bar_ptr=barrier)
-
-    @cute.jit
-    def load_gathered(self, warp, tma_atom_q, mQ, mK, mVt, sQ, sK, sVt, sK_raw, sVt_raw,
-                      pipeline_q, pipeline_k,
-                      pipeline_v, q_state, kv_state, seqlen: SeqlenInfo, visit, m_block,
-                      head_idx, head_idx_kv, batch_idx, mPageTable):
-        """load with gather_pages, as producer warp `warp` of GATHER_WARPS: the first half
-        gather K, the second half V (gather_rows: each thread a key's 16-byte pieces, the key's
-        address computed once a pass), and each thread's arrival on the stage's full barrier
-        fires when its copies have landed (cp.async.mbarrier.arrive.noinc: 64 arrivals a
-        stage), so a warp never waits for its own copies, only for free slots in its own ring
-        (no wait of K's warps depends on V's, nor the reverse). The consumers fence the async
-        proxy after their wait (wait_kv). Warp 0 also loads Q by TMA, after its share of the
-        tile's first block (the block with the sequence's end). V's rows past the sequence's
-        end are zero-filled by the copy (no bytes read: a page's unused rows may hold NaN);
-        K's there are masked."""
-        is_k = warp < GATHER_WARPS // 2
-        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (WG_ROWS, self.d), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, cute.make_layout(1),
-                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tid = (warp % (GATHER_WARPS // 2)) * 32 + cute.arch.lane_idx()  # (in the pair)
-        mK, mVt = mK[None, None, head_idx_kv, None], mVt[None, None, head_idx_kv, None]
-        # (the state passed at each call, not captured: a dynamic loop carries its own)
-        block = lambda state, n_block, bounded: self.gather_share(
-            is_k, tid, mK, mVt, sK, sVt, sK_raw, sVt_raw, pipeline_k, pipeline_v, state,
-            mPageTable, batch_idx, seqlen.seqlen_k, n_block, bounded)
-        visit = visit()
-        n_blocks = visit.count()
-        if n_blocks > 0:
-            block(kv_state, visit.first(), True)
-        if warp == 0:
-            pipeline_q.producer_acquire(q_state)
-            for wg in cutlass.range_constexpr(self.num_wg):
-                cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
-                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-        q_state.advance()
-        if n_blocks > 0:
-            kv_state.advance()
-        for i in cutlass.range(1, n_blocks, unroll=1):
-            block(kv_state, visit.block(i), False)
-            kv_state.advance()
-        return q_state, kv_state
-
-    @cute.jit
-    def gather_share(self, is_k, tid, mK, mVt, sK, sVt, sK_raw, sVt_raw, pipeline_k, pipeline_v,
-                     kv_state, mPageTable, batch_idx, seqlen_k, n_block,
-                     bounded: cutlass.Constexpr):
-        """This warp's share of key block n_block into kv_state's stage, once the slot is
-        free: K's rows, or V's (with `bounded`, the block with the sequence's end: V's keys
-        from the end on zeros)."""
-        pages = self.block_page_ids(mPageTable, batch_idx, seqlen_k, n_block, mK.shape[2], 0)
-        valid = seqlen_k - n_block * self.tile_n
-        if is_k:
-            pipeline_k.sync_object_empty.wait(kv_state.index, kv_state.phase)
-            self.gather_rows(tid, mK, sK, sK_raw, kv_state.index, pages, valid, False, False)
-            cute.arch.cp_async_mbarrier_arrive_noinc(
-                pipeline_k.sync_object_full.get_barrier(kv_state.index))
-        else:
-            pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
-            self.gather_rows(tid, mVt, sVt, sVt_raw, kv_state.index, pages, valid, bounded, True)
-            cute.arch.cp_async_mbarrier_arrive_noinc(
-                pipeline_v.sync_object_full.get_barrier(kv_state.index))
-
-    @cute.jit
-    def wait_kv(self, pipe, state):
-        """A consumer's wait for a K or V stage. With gather_pages its bytes were written by
-        cp.async (the generic proxy) and the wgmma reads them through the async proxy: the
-        fence after the wait orders the two for this thread."""
-        pipe.consumer_wait(state)
-        if const_expr(self.cfg.gather_pages):
-            cute.arch.fence_proxy("async.shared", space="cta")
-
-    @cute.jit
-    def gather_rows(self, tid, mX, sX, sX_raw, stage, pages, valid, bounded: cutlass.Constexpr,
-                    transposed: cutlass.Constexpr):
-        """A key block into ring stage `stage` by the 64 threads of a pair of producer warps
-        (tid: 0-63), 16-byte cp.async pieces. Thread tid copies piece tid % 8 of key tid // 8
-        of each pass of 8 keys: the key's global address is computed once a pass (its page from
-        `pages`, where lane i holds the block's i-th page, block_page_ids), its shared address
-        once a block, and each 64-column chunk lies at a constant offset from both, so a copy
-        is one instruction. Columns past the cache's head dim (the kernel's width is padded to
-        64) are zero-filled by the copy, no bytes read; with `bounded` so are the keys from
-        `valid` on. mX: one kv head's K (page_size, d, pages), or with `transposed` V^T (d_v,
-        page_size, pages); sX: the ring, (tile_n, d, stages) or (d_v, tile_n, stages) (its
-        layout unswizzled, sX_raw: its first element)."""
-        page = self.cfg.page_size
-        width = self.dv if const_expr(transposed) else self.d
-        true_width = mX.shape[0] if const_expr(transposed) else mX.shape[1]
-        vec = 128 // self.dtype.width  # (elements a piece)
-        at = lambda key, col, st: cute.crd2idx((col, key, st) if const_expr(transposed)
-                                               else (key, col, st), sX.layout)
-        # the ring's layout: 64-column rows of 128 bytes, a 128-byte swizzle over 8-row atoms,
-        # 64-column chunks and stages whole atoms apart; so an 8-key pass is 512 elements on
-        # and the swizzle moves a row's pieces by its row % 8, which is the thread's key
-        assert at(1, 0, 0) == 64 and at(8, 0, 0) == 512 and at(0, 1, 0) == 1, sX.layout
-        chunk = at(0, 64, 0) if const_expr(width > 64) else 0
-        assert chunk % 512 == 0, sX.layout
-        key, piece = tid // 8, tid % 8
-        copy = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
-                                   self.dtype, num_bits_per_copy=128)
-        dst_block = cute.assume(at(key, ((piece ^ key) * vec), stage), divby=vec)
-        for i in cutlass.range(self.tile_n // page, unroll=1):
-            pid = cute.arch.shuffle_sync(pages, i)
-            for q in cutlass.range(page // 8, unroll=1):
-                p = i * (page // 8) + q  # (the pass)
-                crd = (piece * vec, q * 8 + key, pid) if const_expr(transposed) else (q * 8 + key, piece * vec, pid)
-                src_key = (mX.iterator + cute.crd2idx(crd, mX.layout)).toint()
-                dst_key = dst_block + p * 512
-                for c in cutlass.range_constexpr(width // 64):
-                    src = cute.make_tensor(cute.make_ptr(self.dtype, src_key + c * 128, cute.AddressSpace.gmem,
-                                                         assumed_align=16), cute.make_layout(((vec, 1), 1)))
-                    dst = cute.make_tensor(sX_raw + cute.assume(dst_key + c * chunk, divby=vec),
-                                           cute.make_layout(((vec, 1), 1)))
-                    keep = cute.make_rmem_tensor((1, 1), cutlass.Boolean)
-                    keep[0, 0] = piece * vec + c * 64 < true_width
-                    if const_expr(bounded):
-                        keep[0, 0] = keep[0, 0] & (p * 8 + key < valid)
-                    cute.copy(copy, src, dst, pred=keep)  # (else zeros: no bytes read)
 
     @cute.jit
     def finish_v_past_end(self, sVt, pipeline_v, stage, v_fix_barrier, valid):
@@ -870,7 +716,7 @@ class FlashFwdSm90:
         pipeline_q.consumer_wait(q_state)
         if visit.any():
             # First block: S = Q K^T alone.
-            self.wait_kv(pipeline_k, k_state)
+            pipeline_k.consumer_wait(k_state)
             self.pingpong.wait(wg)
             gemm_qk(k_state.index)
             self.pingpong.pass_on(wg)
@@ -892,10 +738,10 @@ class FlashFwdSm90:
                 first, stop, mask = runs[run]
                 for i in cutlass.range(first, stop, unroll=1):
                     # one key block: visit.block(i)
-                    self.wait_kv(pipeline_k, k_state)
+                    pipeline_k.consumer_wait(k_state)
                     self.pingpong.wait(wg)
                     gemm_qk(k_state.index)
-                    self.wait_kv(pipeline_v, v_state)
+                    pipeline_v.consumer_wait(v_state)
                     gemm_pv(v_state.index)
                     self.pingpong.pass_on(wg)
                     warpgroup.wait_group(1)
@@ -912,7 +758,7 @@ class FlashFwdSm90:
                 # this tile's last P V and its epilogue
                 pipeline_q.consumer_release(q_state)
             # Last block's O += P V.
-            self.wait_kv(pipeline_v, v_state)
+            pipeline_v.consumer_wait(v_state)
             gemm_pv(v_state.index)
             warpgroup.wait_group(0)
             if const_expr(cfg.o_path != "v_stage"):  # else the epilogue stages O there first

@@ -6,21 +6,18 @@ WG_THREADS = 128  # threads of a warpgroup
 WG_ROWS = 64  # rows of one consumer warpgroup's wgmma tile
 
 
-def make_tma_pipeline(barrier_storage, num_stages: int, tx_bytes: int, consumer_warps: int,
-                      producers: int = 1):
+def make_tma_pipeline(barrier_storage, num_stages: int, tx_bytes: int, consumer_warps: int):
     """A ring of `num_stages` shared-memory stages filled by TMA (one producer thread issues,
     `tx_bytes` land per stage) and released by every consumer warp. The barriers are
-    initialised without a sync (the kernel syncs once after all its pipelines exist).
-    producers > 1: a stage is full once that many arrivals came (warps that fill it by
-    cp.async and arrive without bytes: FlashFwdSm90.load_gathered)."""
+    initialised without a sync (the kernel syncs once after all its pipelines exist)."""
     return pipeline.PipelineTmaAsync.create(
         barrier_storage=barrier_storage.data_ptr(), num_stages=num_stages,
-        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producers),
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
         tx_count=tx_bytes, defer_sync=True)
 
 
-def register_split(num_consumer_wg: int, busy_producer: bool, gathers: bool = False) -> tuple:
+def register_split(num_consumer_wg: int, busy_producer: bool) -> tuple:
     """(producer, consumer) registers per thread after setmaxnreg. The producer only issues TMA,
     so registers move to the consumers; ptxas keeps the producer's code within its budget, and
     a producer with more work per tile (the varlen prefix sum: `busy_producer`) spilled at 24.
@@ -29,8 +26,6 @@ def register_split(num_consumer_wg: int, busy_producer: bool, gathers: bool = Fa
     forever (2 consumer warpgroups with a 32-register producer hung), hence the check."""
     producer, consumer = {1: (40, 232) if busy_producer else (24, 240),
                           2: (40, 232) if busy_producer else (24, 240), 3: (32, 160)}[num_consumer_wg]
-    if gathers:  # (producer warps gathering pages by cp.async spilled at 40: config.GATHER_TILE_N)
-        producer, consumer = {1: (56, 224), 2: (56, 224), 3: (48, 152)}[num_consumer_wg]
     threads = WG_THREADS * (1 + num_consumer_wg)
     launch = (65536 // threads) // 8 * 8
     assert WG_THREADS * (producer + num_consumer_wg * consumer) <= launch * threads, \
