@@ -20,7 +20,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 WARPS = 4  # rows per CTA
-UNROLL = 8  # splits whose partial rows a warp loads at once (latency, not bandwidth, bounds it)
+AT_ONCE = 16  # splits whose partial rows a warp loads at once (latency, not bandwidth, bounds it)
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
@@ -66,10 +66,15 @@ class CombineSplits:
             h = row % heads
             q = (row // heads) % seqlen_q
             b = row // (heads * seqlen_q)
-            # the merged LSE: max first, then the sum of exponentials relative to it; lane l
-            # takes splits l, l + 32, ... (one round of loads for up to 32 splits, not a chain)
-            top = -Float32.inf
-            for s in cutlass.range(lane, num_splits, 32, unroll=1):
+            # the merged LSE: max first, then the sum of exponentials relative to it. Lane l
+            # takes splits l, l + 32, ...; split l's LSE stays in a register (`own`), read once
+            # for the max, the sum and its weight (each read is a round trip to L2: at batch 1
+            # the kernel is a chain of them, not bandwidth)
+            own = -Float32.inf
+            if lane < num_splits:
+                own = mLSEPartial[lane, b, h, q]
+            top = own
+            for s in cutlass.range(lane + 32, num_splits, 32, unroll=1):
                 top = cute.arch.fmax(top, mLSEPartial[s, b, h, q])
             top = cute.arch.warp_reduction_max(top)
             if const_expr(self.cfg.has_sink):
@@ -77,8 +82,8 @@ class CombineSplits:
             safe_top = top
             if top == -Float32.inf:
                 safe_top = Float32(0.0)
-            total = Float32(0.0)
-            for s in cutlass.range(lane, num_splits, 32, unroll=1):
+            total = cute.math.exp2((own - safe_top) * LOG2E, fastmath=True)
+            for s in cutlass.range(lane + 32, num_splits, 32, unroll=1):
                 total += cute.math.exp2((mLSEPartial[s, b, h, q] - safe_top) * LOG2E, fastmath=True)
             total = cute.arch.warp_reduction_sum(total)
             if const_expr(self.cfg.has_sink):
@@ -90,23 +95,30 @@ class CombineSplits:
             if lse == -Float32.inf:
                 safe_lse = Float32(0.0)
             # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key). Lane l
-            # computes split base + l's weight, the warp takes them in turn (a shuffle) and
-            # UNROLL splits' rows at a time, so their loads are in flight together.
+            # computes split base + l's weight, the warp takes them in turn (a shuffle), AT_ONCE
+            # splits' rows at a time: all their loads first, then the sums, so the loads are in
+            # flight together (a group past the last split reloads the last split's row, whose
+            # weight there is 0: no branch between the loads)
             acc = cute.make_rmem_tensor(self.cols, Float32)
             acc.fill(0.0)
-            part = cute.make_rmem_tensor(self.cols, Float32)
+            parts = cute.make_rmem_tensor((self.cols, AT_ONCE), Float32)
             for base in cutlass.range(0, num_splits, 32, unroll=1):
                 mine = Float32(0.0)
                 if base + lane < num_splits and lse != -Float32.inf:
-                    mine = cute.math.exp2((mLSEPartial[base + lane, b, h, q] - safe_lse) * LOG2E,
-                                          fastmath=True)
+                    lse_s = own
+                    if base > 0:
+                        lse_s = mLSEPartial[base + lane, b, h, q]
+                    mine = cute.math.exp2((lse_s - safe_lse) * LOG2E, fastmath=True)
                 count = cutlass.min(num_splits - base, 32)
-                for j in cutlass.range(count, unroll=UNROLL):
-                    weight = cute.arch.shuffle_sync(mine, j)
-                    src = cute.local_tile(mOPartial[base + j, b, q, h, None], (self.cols,), (lane,))
-                    cute.autovec_copy(src, part)
-                    for c in cutlass.range_constexpr(self.cols):
-                        acc[c] = acc[c] + weight * part[c]
+                for group in cutlass.range(0, count, AT_ONCE, unroll=1):
+                    for j in cutlass.range_constexpr(AT_ONCE):
+                        split = base + cutlass.min(group + j, count - 1)
+                        cute.autovec_copy(cute.local_tile(mOPartial[split, b, q, h, None],
+                                                          (self.cols,), (lane,)), parts[None, j])
+                    for j in cutlass.range_constexpr(AT_ONCE):
+                        weight = cute.arch.shuffle_sync(mine, group + j)  # (0 past count)
+                        for c in cutlass.range_constexpr(self.cols):
+                            acc[c] = acc[c] + weight * parts[c, j]
             out = cute.make_rmem_tensor(self.cols, self.cfg.dtype)
             out.store(acc.load().to(self.cfg.dtype))
             cute.autovec_copy(out, cute.local_tile(mO[b, q, h, None], (self.cols,), (lane,)))
