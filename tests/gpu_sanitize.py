@@ -263,27 +263,19 @@ def _two_ctas_per_sm(fn):
 
 def _with_config(fn, name: str, value):
     """fn run with sm80 config's `name` set to value (fresh decode launches), then restored."""
-    from cuteattn import kvcache
-    from cuteattn.kernels.sm80 import config
-    return _with_module(fn, config, name, value, (kvcache._decode_launches, kvcache._steps))
-
-
-def _with_module(fn, module, name: str, value, caches=None):
-    """fn run with module's `name` set to value, then restored; `caches` (dicts; default the
-    forward's launches) emptied before and after."""
     def run():
-        from cuteattn import api
-        held = (api._launches,) if caches is None else caches
-        chosen = getattr(module, name)
-        setattr(module, name, value)
-        for cache in held:
-            cache.clear()
+        from cuteattn import kvcache
+        from cuteattn.kernels.sm80 import config
+        chosen = getattr(config, name)
+        setattr(config, name, value)
+        kvcache._decode_launches.clear()
+        kvcache._steps.clear()
         try:
             fn()
         finally:
-            setattr(module, name, chosen)
-            for cache in held:
-                cache.clear()
+            setattr(config, name, chosen)
+            kvcache._decode_launches.clear()
+            kvcache._steps.clear()
     return run
 
 
