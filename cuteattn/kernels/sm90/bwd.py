@@ -26,7 +26,10 @@ of the head dim's columns of dV += P^T dO, dK += dS^T Q (A operands from shared 
 dQ = dS K. At d=256 that is 64 + 64 accumulator registers of dK and dV a thread.
 Deterministic mode orders those additions: the key blocks of a (batch, head) add into a query
 block one after the other, in key-block order, through a semaphore per query block (the CTAs
-of lower key blocks are launched first, so waiting on them cannot deadlock).
+of lower key blocks are launched first, so waiting on them cannot deadlock). With dQ by TMA the
+wait is not the consumers': the producer warpgroup's second warp (the dQ writer) takes each
+staged share, waits for the turn, issues the reduce-add, frees the box once it is read and
+passes the turn once it is complete, while the consumers go on to the next query block.
 
 softmax_scale is applied once at the end (dK) and per block to the dQ share; softcap multiplies
 dS by its derivative (common/score_mod.softcap_grad's rule, the scale applied later). Masks are
@@ -75,6 +78,8 @@ class BwdBarrier(enum.IntEnum):
     DQ_ORDER = 3   # deterministic: the turn of this key block to add into a query block
     DQ_DONE = 4    # deterministic: every consumer's additions are issued and fenced
     DQ_STAGED = 5  # (dq_tma; + the warpgroup) its dQ share is in shared memory for the TMA
+                   # (dq_writer: one barrier, the consumers' shares for the writer warp)
+    DQ_FREE = 7    # (dq_writer) the last reduce-add has read the boxes: they may be rewritten
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,15 @@ class Sm90BwdConfig:
     # has the consumers waiting on the load/store unit to take those. Rows past the sequence
     # are 0 there (their P is masked), so the tile is added whole.
     dq_tma: bool = False
+
+    @property
+    def dq_writer(self) -> bool:
+        """Deterministic dQ by TMA: the turns are taken by a warp of the producer warpgroup, not
+        by the consumers. In the consumers a turn costs a semaphore poll, the reduce-add's
+        completion and a release, each a round trip to L2, every query block (the deterministic
+        backward ran at 0.49-0.77x of the plain one that way); the writer overlaps them with
+        the consumers' next block."""
+        return self.dq_tma and self.deterministic
 
     @property
     def sparse(self) -> bool:
@@ -206,12 +220,12 @@ class FlashBwdSm90:
         assert not (cfg.split_d and (cfg.dq_single_wg or cfg.sparse or cfg.mask_mod is not None
                                      or cfg.score_mod is not None))
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
-        # (the deterministic turns count additions done when signalled; the TMA's are async)
-        assert not (cfg.dq_tma and cfg.deterministic)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.num_threads = WG_THREADS * (1 + NUM_CONSUMER_WG)
+        # (dq_writer) the consumers that stage dQ and the writer warp, at DQ_STAGED / DQ_FREE
+        self.dq_writer_threads = cfg.dq_wgs * WG_THREADS + 32
         self.consumer_threads = WG_THREADS * NUM_CONSUMER_WG
         # producer 24, consumers 240 (24 + 2 * 240 = 504, what a 384-thread CTA holds); packed
         # sequences with dQ by reductions take 40 / 232 (pipelines.register_split), those with
@@ -459,6 +473,12 @@ class FlashBwdSm90:
                               tma_atom_lse, mLSE2, tma_atom_dsum, mD,
                               sQ, sdO, sK, sV, sLSE2, sD, pipeline_q, pipeline_do, pipeline_kv, seqlen,
                               n_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, rows)
+                if const_expr(cfg.dq_writer):
+                    if warp_idx == 1:
+                        self.write_dq(dq_store[0], dq_store[1], sdQ, seqlen, head_idx, batch_idx,
+                                      rows, self.dq_order_of(mSemaphore, mDqTurns, seqlen,
+                                                             block_info, n_block, head_idx,
+                                                             batch_idx, rows_q), tidx % 32)
             else:
                 cute.arch.setmaxregister_increase(self.consumer_regs)
                 self.consume(sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,
@@ -537,6 +557,26 @@ class FlashBwdSm90:
         n = cutlass.max(cutlass.min(key_block, mDqTurns.shape[3] - 1), 0)
         return mDqTurns[b, h, m, n]
 
+    def dq_order_of(self, mSemaphore, mDqTurns, seqlen: SeqlenInfo, block_info: BlockInfo,
+                    n_block, head_idx, batch_idx, rows_q):
+        """Deterministic mode: query block -> (its semaphore, this key block's turn there): the
+        key blocks before it that see the query block (block-sparse: counted in mDqTurns)."""
+        cfg = self.cfg
+        turn_of = lambda m_block: n_block - block_info.first_key_block(
+            seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+        if const_expr(cfg.descending_turns):
+            turn_of = lambda m_block: block_info.last_key_block(
+                seqlen.seqlen_q, seqlen.seqlen_k, m_block) - n_block
+        if const_expr(cfg.sparse and cfg.deterministic):
+            turn_of = lambda m_block: self.dq_turn(
+                mDqTurns, batch_idx, head_idx, m_block // (cfg.sparse_q_block // self.tile_m),
+                n_block)
+        return lambda m_block: (
+            mSemaphore[head_idx, None].iterator
+            + semaphore_slot(mSemaphore, seqlen, m_block, batch_idx, rows_q, self.tile_m,
+                             cfg.varlen_q),
+            turn_of(m_block))
+
     @cute.jit
     def consume(self, sdp, dkv, dq, views, sLSE2, sD, mdQacc, mdK, mdV, mSemaphore,
                 pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo, block_info: BlockInfo,
@@ -601,22 +641,8 @@ class FlashBwdSm90:
         num_cols = cute.size(acc_S_mn, mode=[1])
         key_start = n_block * self.tile_n + (0 if const_expr(cfg.split_d) else wg * WG_ROWS)
 
-        # deterministic mode: (semaphore, this key block's turn) of a query block: the key
-        # blocks before it that see the query block (block-sparse: counted in mDqTurns)
-        turn_of = lambda m_block: n_block - block_info.first_key_block(
-            seqlen.seqlen_q, seqlen.seqlen_k, m_block)
-        if const_expr(cfg.descending_turns):
-            turn_of = lambda m_block: block_info.last_key_block(
-                seqlen.seqlen_q, seqlen.seqlen_k, m_block) - n_block
-        if const_expr(cfg.sparse and cfg.deterministic):
-            turn_of = lambda m_block: self.dq_turn(
-                mDqTurns, batch_idx, head_idx, m_block // (cfg.sparse_q_block // self.tile_m),
-                n_block)
-        order = lambda m_block: (
-            mSemaphore[head_idx, None].iterator
-            + semaphore_slot(mSemaphore, seqlen, m_block, batch_idx, rows_q, self.tile_m,
-                             cfg.varlen_q),
-            turn_of(m_block))
+        order = self.dq_order_of(mSemaphore, mDqTurns, seqlen, block_info, n_block, head_idx,
+                                 batch_idx, rows_q)
 
         dkv.set(warpgroup.Field.ACCUMULATE, True)
         make_sdp = self.make_sdp
@@ -729,7 +755,7 @@ class FlashBwdSm90:
                 if const_expr(not cfg.dq_before_dk):
                     issue_dk()
             cute.arch.fence_view_async_shared()  # dS^T's generic writes, before wgmma reads
-            if const_expr(cfg.dq_tma):
+            if const_expr(cfg.dq_tma and not cfg.dq_writer):
                 if dq_issuer:  # the last block's reduce-add has read its staged share
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             named_barriers.sync(BwdBarrier.DS_READY, self.consumer_threads)
@@ -761,7 +787,10 @@ class FlashBwdSm90:
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
         warpgroup.wait_group(0)  # (dq_before_dk: the last dK GEMM)
-        if const_expr(cfg.dq_tma):
+        if const_expr(cfg.dq_writer):
+            if tidx < cfg.dq_wgs * WG_THREADS:  # (the writer's last "free", so none is left over)
+                named_barriers.sync(BwdBarrier.DQ_FREE, self.dq_writer_threads)
+        elif const_expr(cfg.dq_tma):
             if dq_issuer:  # every reduce-add has read its box before shared memory goes
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
         for i in cutlass.range_constexpr(cute.size(acc_dK)):
@@ -822,16 +851,58 @@ class FlashBwdSm90:
             Float32, (1, 1, 1), self.cfg.dq_box)
         pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
         thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
+        if const_expr(self.cfg.dq_writer):  # the writer warp's last reduce-add has read the box
+            named_barriers.sync(BwdBarrier.DQ_FREE, self.dq_writer_threads)
         cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, before the TMA's reads
-        staged = BwdBarrier.DQ_STAGED + tidx // WG_THREADS
-        if (tidx % WG_THREADS) // 32 == 0:  # (consume's dq_issuer)
-            named_barriers.sync(staged, WG_THREADS)
-            boxes_per_step = self.tile_m // self.cfg.dq_box[0]
-            cute.copy(tma_atom, tdQs, tdQg[None, m_block * boxes_per_step + row_box])
-            cute.arch.cp_async_bulk_commit_group()
+        if const_expr(self.cfg.dq_writer):  # it is the writer warp's to add, in turn
+            named_barriers.arrive(BwdBarrier.DQ_STAGED, self.dq_writer_threads)
         else:
-            named_barriers.arrive(staged, WG_THREADS)
+            staged = BwdBarrier.DQ_STAGED + tidx // WG_THREADS
+            if (tidx % WG_THREADS) // 32 == 0:  # (consume's dq_issuer)
+                named_barriers.sync(staged, WG_THREADS)
+                boxes_per_step = self.tile_m // self.cfg.dq_box[0]
+                cute.copy(tma_atom, tdQs, tdQg[None, m_block * boxes_per_step + row_box])
+                cute.arch.cp_async_bulk_commit_group()
+            else:
+                named_barriers.arrive(staged, WG_THREADS)
+
+    @cute.jit
+    def write_dq(self, tma_atom_dq, tma_dq, sdQ, seqlen: SeqlenInfo, head_idx, batch_idx, rows,
+                 order, lane):
+        """dq_writer (the producer warpgroup's second warp): per query block of the walk, once
+        the consumers have staged their dQ shares (DQ_STAGED), wait for this key block's turn,
+        reduce-add the boxes into the accumulator, free them (DQ_FREE) once read, and pass the
+        turn once the additions are complete. The boxes start free."""
+        cfg = self.cfg
+        gdQ_boxes = cute.local_tile(seqlen.q_view(tma_dq, head_idx, batch_idx), cfg.dq_box,
+                                    (None, None))
+        tdQs, tdQg = cpasync.tma_partition(tma_atom_dq, 0, cute.make_layout(1),
+                                           cute.group_modes(sdQ, 0, 2),
+                                           cute.group_modes(gdQ_boxes, 0, 2))
+        boxes_per_step = self.tile_m // cfg.dq_box[0]
+        threads = self.dq_writer_threads
+        named_barriers.arrive(BwdBarrier.DQ_FREE, threads)
+        for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
+            m_block = rows.block(it)
+            named_barriers.sync(BwdBarrier.DQ_STAGED, threads)
+            ptr, turn = order(m_block)
+
+            def add():
+                # (after the turn's acquire: the reduce-adds follow the earlier key blocks')
+                cute.arch.fence_proxy("async.global")
+                for w in cutlass.range_constexpr(cfg.dq_wgs):
+                    # (the box's column, and its row within a query step, by the split)
+                    col_box, row_box = (0, w) if const_expr(cfg.dq_split_rows) else (w, 0)
+                    cute.copy(tma_atom_dq, tdQs[None, w],
+                              tdQg[None, m_block * boxes_per_step + row_box, col_box])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                named_barriers.arrive(BwdBarrier.DQ_FREE, threads)
+                cute.arch.cp_async_bulk_wait_group(0)  # complete: the next turn may add
+                cute.arch.fence_proxy("async.global")
+
+            in_turn(ptr, turn, lane == 0, cute.arch.sync_warp, cute.arch.sync_warp, add)
 
     @cute.jit
     def add_dq(self, acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale):
@@ -851,7 +922,7 @@ class FlashBwdSm90:
         deterministic mode only on this key block's turn for query block m_block
         (`order(m_block)`: the semaphore and the turn), counting the turn done once every
         consumer's additions are visible."""
-        if const_expr(not self.cfg.deterministic):
+        if const_expr(not self.cfg.deterministic or self.cfg.dq_tma):  # (dq_tma: dq_writer's)
             if const_expr(add is not None):
                 add()
         else:

@@ -35,6 +35,10 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
+# Deterministic mode with dQ by TMA, its turns taken by a writer warp (bwd.Sm90BwdConfig.dq_writer)
+# instead of the consumers' reductions in turn (an A/B: 0 = the reductions)
+DETERMINISTIC_DQ_WRITER = 1
+
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -51,13 +55,14 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     split = head_dim > 128
     tile_n = WG_ROWS if split else Sm90BwdConfig.tile_n
     # dQ's shares by one TMA reduce-add a warpgroup box (bwd.Sm90BwdConfig.dq_tma): 1.07-1.22x
-    # at 4k-16k, packed sequences at d=128 1.07-1.23x. Not in deterministic mode (its turns then
-    # wait for each reduce-add to complete: measured 0.996x, rejected), not where d=128 spills
+    # at 4k-16k, packed sequences at d=128 1.07-1.23x. In deterministic mode its turns are a writer
+    # warp's (the consumers waiting for each reduce-add to complete measured 0.996x of the
+    # reductions; DETERMINISTIC_DQ_WRITER); not where d=128 spills
     # with it: a window (4 bytes; packed 44), packed sequences with softcap (12), block-sparse
     # lists or mods (36-48) or causal with seqused (8). Over 128 (split_d) at d=192 only:
     # 1.25-1.36x there; d=256 fits its dQ box only beside one Q / dO stage, 0.95-1.02x
     packed = spec.varlen_q or spec.varlen_k
-    dq_tma = head_dim <= 192 and not spec.deterministic and not (head_dim == 128 and (
+    dq_tma = head_dim <= 192 and (DETERMINISTIC_DQ_WRITER or not spec.deterministic) and not (head_dim == 128 and (
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
