@@ -302,7 +302,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
               mModTensor2: Optional[cute.Tensor], mModTensor3: Optional[cute.Tensor],
               qhead_per_kvhead: Int32, softmax_scale: Float32, score_scale: Float32,
               softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
-              num_n_blocks: Int32, info: cute.Tensor):
+              num_n_blocks: Int32, heads_interleaved: Int32, info: cute.Tensor):
     i = 0
     for t in (mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore):
         for m in cutlass.range_constexpr(cute.rank(t)):
@@ -320,7 +320,7 @@ def probe_bwd(mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tenso
             for m in cutlass.range_constexpr(cute.rank(t)):
                 info[i] = Int64(t.shape[m])
                 i += 1
-    for x in (qhead_per_kvhead, window_left, window_right, num_n_blocks):
+    for x in (qhead_per_kvhead, window_left, window_right, num_n_blocks, heads_interleaved):
         info[i] = Int64(x)
         i += 1
     for x in (softmax_scale, score_scale, softmax_scale_log2):
@@ -391,8 +391,10 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
         lse = torch.randn(q.shape[0], q.shape[2], q.shape[1])
         bl(dout, q, k, v, o, lse)
     values = seen["values"]
-    tensors, (cu_q, cu_k, used_q, used_k), semaphore, n_blocks = values[:9], values[9:13], values[13], values[-1]
-    assert values[14:-1] == (None,) * 10  # no block-sparse lists, tables nor mod tensors: dense
+    tensors, (cu_q, cu_k, used_q, used_k), semaphore = values[:9], values[9:13], values[13]
+    n_blocks, heads_interleaved = values[-2:]
+    assert heads_interleaved == 1  # (CPU tensors: one head's key blocks after another)
+    assert values[14:-2] == (None,) * 10  # no block-sparse lists, tables nor mod tensors: dense
     want = []
     for t in (*tensors, semaphore):
         for n, st in zip(t.shape, t.stride()):
@@ -401,9 +403,33 @@ def test_bwd_runtime_tensors_bind_to_compiled_signature(layout, tvm_ffi, monkeyp
         if t is not None:
             want += [t.shape[0], int(t[1])]
     score_scale, scale_log2, left, right = launch.kernel_scalars(spec)
-    want += [spec.qhead_per_kvhead, left, right, n_blocks]
+    want += [spec.qhead_per_kvhead, left, right, n_blocks, heads_interleaved]
     want += [int(spec.softmax_scale * 1e6), int(score_scale * 1e6), int(scale_log2 * 1e6)]
     got = info[: len(want)].tolist()
     assert got[:-3] == want[:-3]
     assert got[-3:] == pytest.approx(want[-3:], rel=1e-6)
     assert tensors[7].shape[-2] == spec.nheads  # dk per query head, summed afterwards
+
+
+def test_deterministic_backward_interleaves_heads(monkeypatch):
+    """Deterministic turns in key-block order: the grid interleaves G heads' key blocks, G the
+    smallest divisor of the heads with G >= 2 x SMs / (query steps a walk); 1 under a causal
+    mask (descending turns), without deterministic mode, or on the CPU."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(launch_bwd, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch_bwd, "_compiled", lambda *a, **k: None)
+
+    def interleaved(seqlen, heads=16, causal=False, deterministic=True, device="cuda"):
+        spec = AttentionSpec(dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=causal,
+                             local=False, has_softcap=False, varlen_q=False, varlen_k=False,
+                             nheads=heads, nheads_k=heads, softmax_scale=0.1, kind="bwd",
+                             deterministic=deterministic)
+        q = SimpleNamespace(device=SimpleNamespace(type=device, index=0),
+                            shape=(1, seqlen, heads, 128))
+        return launch_bwd.BwdLaunch(spec).heads_interleaved(q, None)
+
+    # 64-row query steps: 1k 16 steps (want 17), 4k 64 (want 5), 16k 256 (want 2)
+    assert [interleaved(s) for s in (1024, 4096, 16384)] == [16, 8, 2]
+    assert interleaved(4096, heads=12) == 6 and interleaved(1024, heads=12) == 12
+    assert interleaved(4096, causal=True) == 1 and interleaved(4096, deterministic=False) == 1
+    assert interleaved(4096, device="cpu") == 1

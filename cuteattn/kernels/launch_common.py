@@ -314,7 +314,7 @@ def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int):
 # What each backward call passes, in this order (the scalars fixed per spec come from the launch)
 BWD_PER_CALL = ("mQ", "mK", "mV", "mdO", "mLSE2", "mD", "mdQacc", "mdK", "mdV",
                 *arguments.group_names("varlen", arguments.backward_arguments()), "mSemaphore",
-                "num_n_blocks")
+                "num_n_blocks", "heads_interleaved")
 
 
 class BackwardLaunch:
@@ -336,7 +336,7 @@ class BackwardLaunch:
         # and a traced mask_mod's and score_mod's tensors after them (common/mods.py)
         self.mod_names = tuple(n for n in ("mModTensor0", "mModTensor1", "mModTensor2",
                                            "mModTensor3") if n in arguments.names(entries))
-        per_call = (*BWD_PER_CALL[:-1], *self.sparse_names, *self.mod_names, BWD_PER_CALL[-1])
+        per_call = (*BWD_PER_CALL[:-2], *self.sparse_names, *self.mod_names, *BWD_PER_CALL[-2:])
         self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -366,10 +366,16 @@ class BackwardLaunch:
             lists = tuple(sparse) + (None,) * (len(self.sparse_names) - len(sparse))
             lists += tuple(mod_tensors) + (None,) * (len(self.mod_names) - len(mod_tensors))
             args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
-                             cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks)
+                             cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks,
+                             self.heads_interleaved(q, cu_seqlens_q))
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
         grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
         return grads if sink is None else (*grads, sink_gradient(sink, lse2, dsum))
+
+    def heads_interleaved(self, q, cu_seqlens_q) -> int:
+        """How many heads' key blocks the grid interleaves (a divisor of nheads): the key blocks
+        of a head launch this many CTAs apart. 1: a head's key blocks one after another."""
+        return 1
 
 
 @functools.lru_cache(maxsize=64)

@@ -224,6 +224,7 @@ def backward_arguments(extra: tuple = ()) -> tuple:
         Arg("window_left", INT32),            # 1 << 30: unbounded
         Arg("window_right", INT32),
         Arg("num_n_blocks", INT32),           # grid x: key blocks (per sequence, or a packed bound)
+        Arg("heads_interleaved", INT32),      # grid x interleaves this many heads' key blocks
     )
 
 

@@ -60,6 +60,17 @@ def fixed_tile_coord(tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: 
     return m_block, pair % num_heads, pair // num_heads
 
 
+def backward_block_coord(heads_interleaved: Int32):
+    """(key block, head, batch) of a backward CTA (its block index). Grid x interleaves the key
+    blocks of `heads_interleaved` heads (x = key block * heads_interleaved + the head's place in
+    its group), grid y the groups of heads, z the batch (packed key blocks: 0). In deterministic
+    mode a key block's dQ turns follow the one before it in the same head by a round trip
+    chain; interleaving heads launches those neighbours that many CTAs apart, so that they
+    start no closer than the chain lets them run (launch_bwd.BwdLaunch.heads_interleaved)."""
+    x, y, z = cute.arch.block_idx()
+    return x // heads_interleaved, y * heads_interleaved + x % heads_interleaved, z
+
+
 @cute.jit
 def varlen_tile_coord(tile: Int32, mCuSeqlensQ, mSeqUsedQ, batch: Int32, total_q: Int32,
                       tile_m: cutlass.Constexpr, reverse: cutlass.Constexpr):

@@ -37,7 +37,7 @@ from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major
 from ..common.mask import apply_mask_transposed
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.tile_scheduler import varlen_tile_coord
+from ..common.tile_scheduler import backward_block_coord, varlen_tile_coord
 from . import mma
 
 
@@ -135,6 +135,7 @@ class FlashBwdSm80:
         window_left: Int32,
         window_right: Int32,
         num_n_blocks: Int32,  # grid x: key blocks (per sequence, or a packed bound)
+        heads_interleaved: Int32,  # (tile_scheduler.backward_block_coord)
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -163,9 +164,10 @@ class FlashBwdSm80:
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSemaphore, qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
-            sQ_layout, sK_layout, sdS_layout, SharedStorage,
+            heads_interleaved, sQ_layout, sK_layout, sdS_layout, SharedStorage,
         ).launch(
-            grid=[num_n_blocks, heads, 1 if const_expr(cfg.varlen_k) else batch],
+            grid=[num_n_blocks * heads_interleaved, heads // heads_interleaved,
+                  1 if const_expr(cfg.varlen_k) else batch],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -183,12 +185,13 @@ class FlashBwdSm80:
         mSemaphore: cute.Tensor,
         qhead_per_kvhead: Int32, batch: Int32, softmax_scale: Float32, score_scale: Float32,
         softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
+        heads_interleaved: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_idx, batch_idx = cute.arch.block_idx()
+        n_block, head_idx, batch_idx = backward_block_coord(heads_interleaved)
         in_range = True
         if const_expr(cfg.varlen_k):
             n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch,

@@ -61,7 +61,7 @@ from ..common.mask import apply_mask_transposed
 from ..common.mods import KernelMod, apply_mask_mod, traced, value_and_grad
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.tile_scheduler import varlen_tile_coord
+from ..common.tile_scheduler import backward_block_coord, varlen_tile_coord
 from .gemm import gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
@@ -300,6 +300,7 @@ class FlashBwdSm90:
         window_left: Int32,
         window_right: Int32,
         num_n_blocks: Int32,       # grid x: key blocks (per sequence, or packed bound)
+        heads_interleaved: Int32,  # (tile_scheduler.backward_block_coord)
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -352,9 +353,10 @@ class FlashBwdSm90:
             (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
             mQ.shape[0], mK.shape[0], qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
-            sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, dq_store,
+            heads_interleaved, sdp, dkv, dq, sQ_layout, sK_layout, sV_layout, sdS_layout, sRow_layout, dq_store,
         ).launch(
-            grid=[num_n_blocks, num_heads, 1 if const_expr(cfg.varlen_k) else batch],
+            grid=[num_n_blocks * heads_interleaved, num_heads // heads_interleaved,
+                  1 if const_expr(cfg.varlen_k) else batch],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -403,7 +405,7 @@ class FlashBwdSm90:
         mKeyHalves: Optional[cute.Tensor], mDqTurns: Optional[cute.Tensor], mod_tensors: tuple,
         rows_q: Int32, rows_k: Int32, qhead_per_kvhead: Int32, batch: Int32,
         softmax_scale: Float32, score_scale: Float32, softmax_scale_log2: Float32,
-        window_left: Int32, window_right: Int32,
+        window_left: Int32, window_right: Int32, heads_interleaved: Int32,
         sdp: cute.TiledMma, dkv: cute.TiledMma, dq: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout, sRow_layout: cute.Layout,
@@ -442,7 +444,7 @@ class FlashBwdSm90:
             sdQ = storage.sdQ.get_tensor(dq_store[2].outer, swizzle=dq_store[2].inner)
 
         # Which key block, head and batch this CTA owns.
-        n_block, head_idx, batch_idx = cute.arch.block_idx()
+        n_block, head_idx, batch_idx = backward_block_coord(heads_interleaved)
         in_range = True
         if const_expr(cfg.varlen_k):
             n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch, rows_k,

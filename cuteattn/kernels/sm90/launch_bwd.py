@@ -22,7 +22,7 @@ from .bwd import NUM_CONSUMER_WG, Sm90BwdConfig
 from .config import kernel_width
 from .pipelines import WG_ROWS
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
-                            unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
+                            unserved_dtype_or_dims, unserved_form, use_tvm_ffi, sm_count)
 
 ARCH, KIND = "sm90", "bwd"
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -38,6 +38,16 @@ NATIVE_WIDTH_MAX = 96
 # Deterministic mode with dQ by TMA, its turns taken by a writer warp (bwd.Sm90BwdConfig.dq_writer)
 # instead of the consumers' reductions in turn (an A/B: 0 = the reductions)
 DETERMINISTIC_DQ_WRITER = 1
+
+# Deterministic mode with key-block-ordered turns: the grid interleaves the key blocks of this
+# many heads at least (BwdLaunch.heads_interleaved); an A/B switch (0: one head's key blocks one
+# after another)
+DETERMINISTIC_HEADS_INTERLEAVED = 1
+
+# Deterministic mode takes dQ by TMA up to this head dim: at d=256 its box fits beside one Q / dO
+# stage only (plain mode measured that 0.95-1.02x of two stages and reductions), but the
+# reductions in turn are the consumers' round trips (an A/B: 192 or 256)
+DQ_TMA_MAX_DIM_DETERMINISTIC = 256
 
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
@@ -62,7 +72,8 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # lists or mods (36-48) or causal with seqused (8). Over 128 (split_d) at d=192 only:
     # 1.25-1.36x there; d=256 fits its dQ box only beside one Q / dO stage, 0.95-1.02x
     packed = spec.varlen_q or spec.varlen_k
-    dq_tma = head_dim <= 192 and (DETERMINISTIC_DQ_WRITER or not spec.deterministic) and not (head_dim == 128 and (
+    dq_tma_max = DQ_TMA_MAX_DIM_DETERMINISTIC if spec.deterministic else 192
+    dq_tma = head_dim <= dq_tma_max and (DETERMINISTIC_DQ_WRITER or not spec.deterministic) and not (head_dim == 128 and (
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
@@ -119,6 +130,25 @@ class BwdLaunch(BackwardLaunch):
         fns = (getattr(spec.mask_mod, "fn", None), getattr(spec.score_mod, "fn", None))
         super().__init__(spec, cfg, _compiled(cfg, tvm_ffi, *fns), tvm_ffi,
                          arguments.BWD_ARGUMENTS)
+
+    def heads_interleaved(self, q, cu_seqlens_q) -> int:
+        """Deterministic mode with turns in key-block order (no causal or window mask, no
+        lists): key block n of a head adds into each query block one turn-chain link (a few
+        round trips to L2, about one query step's time) after block n - 1, so when a head's key
+        blocks start together (the first wave) or closer than that (later waves, with several
+        heads a wave) they idle. Interleaving G heads launches a head's neighbours G CTAs apart,
+        G x (a CTA's walk) / (the SMs) apart in time: G is the smallest divisor of the heads
+        with G >= 2 x SMs / (query steps a walk), twice the spacing a link needs."""
+        cfg = self.cfg
+        if not (cfg.deterministic and DETERMINISTIC_HEADS_INTERLEAVED) or cfg.descending_turns \
+                or cfg.sparse or q.device.type != "cuda":
+            return 1
+        batch = 1 if cu_seqlens_q is None else max(cu_seqlens_q.shape[0] - 1, 1)
+        rows = q.shape[1] if cu_seqlens_q is None else q.shape[0] // batch
+        steps = max(-(-rows // cfg.tile_m), 1)
+        want = -(-2 * sm_count(q.device.index or 0) // steps)
+        heads = self.spec.nheads
+        return next((g for g in range(1, heads + 1) if heads % g == 0 and g >= want), heads)
 
 
 class Sm90Backward:
