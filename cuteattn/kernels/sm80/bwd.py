@@ -37,7 +37,7 @@ from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major
 from ..common.mask import apply_mask_transposed
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.tile_scheduler import backward_block_coord, varlen_tile_coord
+from ..common.tile_scheduler import varlen_tile_coord
 from . import mma
 
 
@@ -135,7 +135,8 @@ class FlashBwdSm80:
         window_left: Int32,
         window_right: Int32,
         num_n_blocks: Int32,  # grid x: key blocks (per sequence, or a packed bound)
-        heads_interleaved: Int32,  # (tile_scheduler.backward_block_coord)
+        heads_interleaved: Int32,  # 1 here (BackwardLaunch's default): the grid is (key block,
+                                   # head, batch); the decode's registers spilled at d=128/256
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
@@ -164,10 +165,9 @@ class FlashBwdSm80:
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSemaphore, qhead_per_kvhead, batch,
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
-            heads_interleaved, sQ_layout, sK_layout, sdS_layout, SharedStorage,
+            sQ_layout, sK_layout, sdS_layout, SharedStorage,
         ).launch(
-            grid=[num_n_blocks * heads_interleaved, heads // heads_interleaved,
-                  1 if const_expr(cfg.varlen_k) else batch],
+            grid=[num_n_blocks, heads, 1 if const_expr(cfg.varlen_k) else batch],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -185,13 +185,12 @@ class FlashBwdSm80:
         mSemaphore: cute.Tensor,
         qhead_per_kvhead: Int32, batch: Int32, softmax_scale: Float32, score_scale: Float32,
         softmax_scale_log2: Float32, window_left: Int32, window_right: Int32,
-        heads_interleaved: Int32,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_idx, batch_idx = backward_block_coord(heads_interleaved)
+        n_block, head_idx, batch_idx = cute.arch.block_idx()
         in_range = True
         if const_expr(cfg.varlen_k):
             n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch,
