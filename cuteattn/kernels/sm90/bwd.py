@@ -125,15 +125,12 @@ class Sm90BwdConfig:
     # has the consumers waiting on the load/store unit to take those. Rows past the sequence
     # are 0 there (their P is masked), so the tile is added whole.
     dq_tma: bool = False
-
-    @property
-    def dq_writer(self) -> bool:
-        """Deterministic dQ by TMA: the turns are taken by a warp of the producer warpgroup, not
-        by the consumers. In the consumers a turn costs a semaphore poll, the reduce-add's
-        completion and a release, each a round trip to L2, every query block (the deterministic
-        backward ran at 0.49-0.77x of the plain one that way); the writer overlaps them with
-        the consumers' next block."""
-        return self.dq_tma and self.deterministic
+    # (dq_tma) the reduce-adds issued by a warp of the producer warpgroup, not by the consumers:
+    # it waits for the staged shares, issues, and frees the boxes once read. In deterministic
+    # mode it also takes the turns: in the consumers a turn cost a semaphore poll, the
+    # reduce-add's completion and a release, each a round trip to L2, every query block (0.49-
+    # 0.77x of the plain backward that way); the writer overlaps them with the next block.
+    dq_writer: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -220,6 +217,9 @@ class FlashBwdSm90:
         assert not (cfg.split_d and (cfg.dq_single_wg or cfg.sparse or cfg.mask_mod is not None
                                      or cfg.score_mod is not None))
         assert cfg.head_dim % 16 == 0 and cfg.tile_m % 16 == 0
+        # (deterministic dQ by TMA: the turns are the writer warp's, the reduce-adds being async)
+        assert cfg.dq_tma or not cfg.dq_writer
+        assert not (cfg.deterministic and cfg.dq_tma and not cfg.dq_writer)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -873,9 +873,9 @@ class FlashBwdSm90:
     def write_dq(self, tma_atom_dq, tma_dq, sdQ, seqlen: SeqlenInfo, head_idx, batch_idx, rows,
                  order, lane):
         """dq_writer (the producer warpgroup's second warp): per query block of the walk, once
-        the consumers have staged their dQ shares (DQ_STAGED), wait for this key block's turn,
-        reduce-add the boxes into the accumulator, free them (DQ_FREE) once read, and pass the
-        turn once the additions are complete. The boxes start free."""
+        the consumers have staged their dQ shares (DQ_STAGED), reduce-add the boxes into the
+        accumulator and free them (DQ_FREE) once read; in deterministic mode only on this key
+        block's turn, passed on once the additions are complete. The boxes start free."""
         cfg = self.cfg
         gdQ_boxes = cute.local_tile(seqlen.q_view(tma_dq, head_idx, batch_idx), cfg.dq_box,
                                     (None, None))
@@ -888,11 +888,11 @@ class FlashBwdSm90:
         for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
             m_block = rows.block(it)
             named_barriers.sync(BwdBarrier.DQ_STAGED, threads)
-            ptr, turn = order(m_block)
 
             def add():
-                # (after the turn's acquire: the reduce-adds follow the earlier key blocks')
-                cute.arch.fence_proxy("async.global")
+                if const_expr(cfg.deterministic):
+                    # (after the turn's acquire: the reduce-adds follow the earlier key blocks')
+                    cute.arch.fence_proxy("async.global")
                 for w in cutlass.range_constexpr(cfg.dq_wgs):
                     # (the box's column, and its row within a query step, by the split)
                     col_box, row_box = (0, w) if const_expr(cfg.dq_split_rows) else (w, 0)
@@ -901,10 +901,15 @@ class FlashBwdSm90:
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 named_barriers.arrive(BwdBarrier.DQ_FREE, threads)
-                cute.arch.cp_async_bulk_wait_group(0)  # complete: the next turn may add
-                cute.arch.fence_proxy("async.global")
+                if const_expr(cfg.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0)  # complete: the next turn may add
+                    cute.arch.fence_proxy("async.global")
 
-            in_turn(ptr, turn, lane == 0, cute.arch.sync_warp, cute.arch.sync_warp, add)
+            if const_expr(cfg.deterministic):
+                ptr, turn = order(m_block)
+                in_turn(ptr, turn, lane == 0, cute.arch.sync_warp, cute.arch.sync_warp, add)
+            else:
+                add()
 
     @cute.jit
     def add_dq(self, acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale):
@@ -924,7 +929,7 @@ class FlashBwdSm90:
         deterministic mode only on this key block's turn for query block m_block
         (`order(m_block)`: the semaphore and the turn), counting the turn done once every
         consumer's additions are visible."""
-        if const_expr(not self.cfg.deterministic or self.cfg.dq_tma):  # (dq_tma: dq_writer's)
+        if const_expr(not self.cfg.deterministic or self.cfg.dq_writer):  # (the writer's turns)
             if const_expr(add is not None):
                 add()
         else:

@@ -35,19 +35,11 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
-# Deterministic mode with dQ by TMA, its turns taken by a writer warp (bwd.Sm90BwdConfig.dq_writer)
-# instead of the consumers' reductions in turn (an A/B: 0 = the reductions)
-DETERMINISTIC_DQ_WRITER = 1
-
-# Deterministic mode with key-block-ordered turns: the grid interleaves the key blocks of this
-# many heads at least (BwdLaunch.heads_interleaved); an A/B switch (0: one head's key blocks one
-# after another)
-DETERMINISTIC_HEADS_INTERLEAVED = 1
-
-# Deterministic mode takes dQ by TMA up to this head dim: at d=256 its box fits beside one Q / dO
-# stage only (plain mode measured that 0.95-1.02x of two stages and reductions), but the
-# reductions in turn are the consumers' round trips (an A/B: 192 or 256)
-DQ_TMA_MAX_DIM_DETERMINISTIC = 256
+# The plain backward takes dQ by TMA up to this head dim (an A/B candidate: 192 or 256). Over 192
+# (d=256) its box fits beside one Q / dO stage only and the writer warp issues the reduce-adds
+# (Sm90BwdConfig.dq_writer), as deterministic mode does there (1.27-1.49x its reductions in
+# turn, and faster than the plain backward's two stages with reductions)
+DQ_TMA_MAX_DIM_PLAIN = 256
 
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
@@ -65,15 +57,15 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     split = head_dim > 128
     tile_n = WG_ROWS if split else Sm90BwdConfig.tile_n
     # dQ's shares by one TMA reduce-add a warpgroup box (bwd.Sm90BwdConfig.dq_tma): 1.07-1.22x
-    # at 4k-16k, packed sequences at d=128 1.07-1.23x. In deterministic mode its turns are a writer
-    # warp's (the consumers waiting for each reduce-add to complete measured 0.996x of the
-    # reductions; DETERMINISTIC_DQ_WRITER); not where d=128 spills
-    # with it: a window (4 bytes; packed 44), packed sequences with softcap (12), block-sparse
-    # lists or mods (36-48) or causal with seqused (8). Over 128 (split_d) at d=192 only:
-    # 1.25-1.36x there; d=256 fits its dQ box only beside one Q / dO stage, 0.95-1.02x
+    # at 4k-16k, packed sequences at d=128 1.07-1.23x; not where d=128 spills with it: a window
+    # (4 bytes; packed 44), packed sequences with softcap (12), block-sparse lists or mods
+    # (36-48) or causal with seqused (8). Over 128 (split_d) at d=192: 1.25-1.36x; d=256 fits
+    # its box only beside one Q / dO stage (0.95-1.02x with the consumers issuing). Deterministic
+    # mode takes it at every head dim, its turns the writer warp's (Sm90BwdConfig.dq_writer):
+    # 1.27-1.74x the consumers' reductions in turn (d=256 1.27-1.49x)
     packed = spec.varlen_q or spec.varlen_k
-    dq_tma_max = DQ_TMA_MAX_DIM_DETERMINISTIC if spec.deterministic else 192
-    dq_tma = head_dim <= dq_tma_max and (DETERMINISTIC_DQ_WRITER or not spec.deterministic) and not (head_dim == 128 and (
+    dq_tma_max = 256 if spec.deterministic else DQ_TMA_MAX_DIM_PLAIN
+    dq_tma = head_dim <= dq_tma_max and not (head_dim == 128 and (
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
@@ -105,6 +97,9 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
         dq_tma=dq_tma,
+        # the writer warp issues dQ's reduce-adds: in deterministic mode (it takes the turns) and
+        # over 192 (one Q / dO stage: the consumers do not wait for the box's reads)
+        dq_writer=dq_tma and (spec.deterministic or head_dim > 192),
     )
 
 
@@ -137,16 +132,19 @@ class BwdLaunch(BackwardLaunch):
         round trips to L2, about one query step's time) after block n - 1, so when a head's key
         blocks start together (the first wave) or closer than that (later waves, with several
         heads a wave) they idle. Interleaving G heads launches a head's neighbours G CTAs apart,
-        G x (a CTA's walk) / (the SMs) apart in time: G is the smallest divisor of the heads
-        with G >= 2 x SMs / (query steps a walk), twice the spacing a link needs."""
+        G x (a CTA's walk) / (the SMs) apart in time. A walk of at least as many query steps as
+        there are SMs needs none (later launches already come a step apart; G = 2 measured
+        0.97x at 16k, d=128); shorter ones take the smallest divisor of the heads with
+        G >= 2 x SMs / (query steps a walk), twice the spacing a link needs (1.14-1.27x at 1k
+        and 4k)."""
         cfg = self.cfg
-        if not (cfg.deterministic and DETERMINISTIC_HEADS_INTERLEAVED) or cfg.descending_turns \
-                or cfg.sparse or q.device.type != "cuda":
+        if not cfg.deterministic or cfg.descending_turns or cfg.sparse or q.device.type != "cuda":
             return 1
         batch = 1 if cu_seqlens_q is None else max(cu_seqlens_q.shape[0] - 1, 1)
         rows = q.shape[1] if cu_seqlens_q is None else q.shape[0] // batch
         steps = max(-(-rows // cfg.tile_m), 1)
-        want = -(-2 * sm_count(q.device.index or 0) // steps)
+        sms = sm_count(q.device.index or 0)
+        want = 1 if steps >= sms else -(-2 * sms // steps)
         heads = self.spec.nheads
         return next((g for g in range(1, heads + 1) if heads % g == 0 and g >= want), heads)
 
