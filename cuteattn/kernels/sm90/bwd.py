@@ -131,6 +131,10 @@ class Sm90BwdConfig:
     # reduce-add's completion and a release, each a round trip to L2, every query block (0.49-
     # 0.77x of the plain backward that way); the writer overlaps them with the next block.
     dq_writer: bool = False
+    # (without a mask or turns) each key block walks the query blocks from its own offset
+    # (common/block_info.DenseRows' shift), so that a head's key blocks, which run together,
+    # do not all add into one query block's dQ rows at the same time
+    rotate_walk: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -220,6 +224,7 @@ class FlashBwdSm90:
         # (deterministic dQ by TMA: the turns are the writer warp's, the reduce-adds being async)
         assert cfg.dq_tma or not cfg.dq_writer
         assert not (cfg.deterministic and cfg.dq_tma and not cfg.dq_writer)
+        assert not (cfg.rotate_walk and (cfg.deterministic or cfg.causal or cfg.local or cfg.sparse))
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -462,6 +467,11 @@ class FlashBwdSm90:
         m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
         # the query steps this key block visits
         rows = DenseRows(m_min, m_max)
+        if const_expr(cfg.rotate_walk):
+            # key block n of N starts its walk n / N of the way along it: the key blocks of a
+            # head then add into different query blocks' dQ at any time, not all into the same
+            rows = DenseRows(m_min, m_max, (n_block * (m_max - m_min)) // cutlass.max(
+                cute.ceil_div(seqlen.seqlen_k, self.tile_n), 1))
         if const_expr(cfg.sparse):
             rows = SparseRows(SparseBlocks.create(
                 mFullCount, mFullIndex, mPartialCount, mPartialIndex, batch_idx, head_idx,

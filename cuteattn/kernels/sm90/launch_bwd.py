@@ -35,11 +35,11 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
-# The plain backward takes dQ by TMA up to this head dim (an A/B candidate: 192 or 256). Over 192
-# (d=256) its box fits beside one Q / dO stage only and the writer warp issues the reduce-adds
-# (Sm90BwdConfig.dq_writer), as deterministic mode does there (1.27-1.49x its reductions in
-# turn, and faster than the plain backward's two stages with reductions)
-DQ_TMA_MAX_DIM_PLAIN = 256
+# Key blocks walk the query blocks each from its own offset (Sm90BwdConfig.rotate_walk; an A/B
+# candidate, off): the deterministic backward, whose turns stagger the key blocks, ran 1.06-1.22x
+# the plain one at d=256 without a mask, as if the plain one's key blocks, all adding into one
+# query block's dQ at once, contended for it
+ROTATE_WALK = 0
 
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
@@ -60,11 +60,12 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # at 4k-16k, packed sequences at d=128 1.07-1.23x; not where d=128 spills with it: a window
     # (4 bytes; packed 44), packed sequences with softcap (12), block-sparse lists or mods
     # (36-48) or causal with seqused (8). Over 128 (split_d) at d=192: 1.25-1.36x; d=256 fits
-    # its box only beside one Q / dO stage (0.95-1.02x with the consumers issuing). Deterministic
-    # mode takes it at every head dim, its turns the writer warp's (Sm90BwdConfig.dq_writer):
-    # 1.27-1.74x the consumers' reductions in turn (d=256 1.27-1.49x)
+    # its box only beside one Q / dO stage (0.95-1.02x with the consumers issuing, 0.97-1.01x
+    # with the writer warp). Deterministic mode takes it at every head dim, its turns the writer
+    # warp's (Sm90BwdConfig.dq_writer): 1.27-1.74x the consumers' reductions in turn (d=256
+    # 1.27-1.49x)
     packed = spec.varlen_q or spec.varlen_k
-    dq_tma_max = 256 if spec.deterministic else DQ_TMA_MAX_DIM_PLAIN
+    dq_tma_max = 256 if spec.deterministic else 192
     dq_tma = head_dim <= dq_tma_max and not (head_dim == 128 and (
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
@@ -97,9 +98,10 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
         dq_tma=dq_tma,
-        # the writer warp issues dQ's reduce-adds: in deterministic mode (it takes the turns) and
-        # over 192 (one Q / dO stage: the consumers do not wait for the box's reads)
-        dq_writer=dq_tma and (spec.deterministic or head_dim > 192),
+        # in deterministic mode the writer warp issues dQ's reduce-adds and takes the turns
+        dq_writer=dq_tma and spec.deterministic,
+        rotate_walk=bool(ROTATE_WALK) and not (spec.deterministic or spec.causal or spec.local
+                                              or spec.sparse_q_block),
     )
 
 
