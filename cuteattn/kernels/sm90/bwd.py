@@ -141,6 +141,12 @@ class Sm90BwdConfig:
         return self.sparse_q_block > 0
 
     @property
+    def interleaves_heads(self) -> bool:
+        """Deterministic turns in key-block order: the launch may interleave the key blocks of
+        several heads in the grid (launch_bwd.BwdLaunch.heads_interleaved; 1 for the others)."""
+        return self.deterministic and not self.descending_turns and not self.sparse
+
+    @property
     def dq_split_rows(self) -> bool:
         """Query steps of 128 rows: the warpgroups split dQ by rows (64 each, every column)."""
         return self.tile_m > WG_ROWS
@@ -448,8 +454,11 @@ class FlashBwdSm90:
         if const_expr(cfg.dq_tma):
             sdQ = storage.sdQ.get_tensor(dq_store[2].outer, swizzle=dq_store[2].inner)
 
-        # Which key block, head and batch this CTA owns.
-        n_block, head_idx, batch_idx = backward_block_coord(heads_interleaved)
+        # Which key block, head and batch this CTA owns (the heads interleaved only where the
+        # launch may interleave them: the decode's registers cost spills elsewhere)
+        n_block, head_idx, batch_idx = cute.arch.block_idx()
+        if const_expr(cfg.interleaves_heads):
+            n_block, head_idx, batch_idx = backward_block_coord(heads_interleaved)
         in_range = True
         if const_expr(cfg.varlen_k):
             n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch, rows_k,

@@ -140,7 +140,7 @@ class BwdLaunch(BackwardLaunch):
         G >= 2 x SMs / (query steps a walk), twice the spacing a link needs (1.14-1.27x at 1k
         and 4k)."""
         cfg = self.cfg
-        if not cfg.deterministic or cfg.descending_turns or cfg.sparse or q.device.type != "cuda":
+        if not cfg.interleaves_heads or q.device.type != "cuda":
             return 1
         batch = 1 if cu_seqlens_q is None else max(cu_seqlens_q.shape[0] - 1, 1)
         rows = q.shape[1] if cu_seqlens_q is None else q.shape[0] // batch
