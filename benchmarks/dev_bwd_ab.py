@@ -5,7 +5,8 @@ Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_bwd_ab.py NAME A B [--deterministic] [--d 64,128]
         [--rounds 3] [--path sm80]
 A value is an int or a comma-separated tuple of ints. e.g. `NATIVE_WIDTH_MAX 64 96 --d 80`
-(d=80 padded to 96 against its own width); --path sm80 for the portable path's constants."""
+(d=80 padded to 96 against its own width); --path sm80 for the portable path's constants.
+NAME1+NAME2 sets several constants to the same values together."""
 import argparse
 import math
 import statistics
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--path", choices=["sm80"], help="the portable path's backward")
     ap.add_argument("--causal-only", action="store_true")
+    ap.add_argument("--noncausal-only", action="store_true")
+    ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--varlen", action="store_true",
                     help="the packed-sequence cells (bench --varlen --bwd's) instead of the grid")
     args = ap.parse_args()
@@ -48,12 +51,14 @@ def main() -> None:
             f"{args.name}={args.b}".replace(" ", ""): args.b}
     kw = dict(deterministic=args.deterministic, strict=True)
     cells = [Cell("bwd", d, 16384 // s, 2048 // d, 2048 // d, s, s, c)
-             for d in map(int, args.d.split(",")) for s in (1024, 4096, 16384)
+             for d in map(int, args.d.split(",")) for s in map(int, args.seqlens.split(","))
              for c in (False, True)]
     if args.varlen:
         cells = shapes.varlen_grid(bwd=True)
     if args.causal_only:
         cells = [c for c in cells if c.causal]
+    if args.noncausal_only:
+        cells = [c for c in cells if not c.causal]
     print(f"{'cell':<40} " + " ".join(f"{a:>14}" for a in arms) + "  b/a", flush=True)
     ratios = []
     for cell in cells:
@@ -67,7 +72,8 @@ def main() -> None:
         grads, rates = {}, {arm: [] for arm in arms}
         for _ in range(args.rounds):
             for arm, setting in arms.items():
-                setattr(launch_bwd, args.name, setting)
+                for name in args.name.split("+"):  # (NAME1+NAME2: set together)
+                    setattr(launch_bwd, name, setting)
                 api._launches.clear()  # (launches hold their config)
                 run = lambda: torch.autograd.grad(attend(), (q, k, v), dout)
                 grads[arm] = run()  # compiles this arm's kernel on first use

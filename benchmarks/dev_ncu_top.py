@@ -30,3 +30,24 @@ for r in sorted(body, key=lambda r: -num(r[samples]))[:count]:
     top = sorted(((num(r[col[s]]), s[6:]) for s in stalls), reverse=True)[:2]
     why = ", ".join(f"{name} {v / total:.1%}" for v, name in top if v)
     print(f"{num(r[samples]) / total:6.1%} {r[col['Address']][-5:]} {r[col['Source']].strip()[:60]:60s} {why}")
+
+# The executed instructions by opcode (warp-level counts), and the shared-memory instructions
+# with excess wavefronts (bank conflicts): two kernels' mixes side by side show where one issues more
+executed = next((h for h in hdr if h.startswith("Instructions Executed")), None)
+if executed:
+    by_op = {}
+    for r in body:
+        words = [w for w in r[col["Source"]].split() if not w.startswith("@")]
+        op = words[0].split(".")[0] if words else "?"
+        by_op[op] = by_op.get(op, 0.0) + num(r[col[executed]])
+    all_ops = sum(by_op.values()) or 1.0
+    print(f"\n{all_ops:.4g} warp instructions executed, by opcode:")
+    for op, n in sorted(by_op.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"  {op:12s} {n:12.4g} {n / all_ops:6.1%}")
+excess = next((h for h in hdr if "Shared Excessive" in h), None)
+if excess:
+    worst = sorted(body, key=lambda r: -num(r[col[excess]]))[:12]
+    print(f"\nshared excess wavefronts ({excess}):")
+    for r in worst:
+        if num(r[col[excess]]):
+            print(f"  {num(r[col[excess]]):10.4g} {r[col['Address']][-5:]} {r[col['Source']].strip()[:70]}")

@@ -135,6 +135,21 @@ class Sm90BwdConfig:
     # (common/block_info.DenseRows' shift), so that a head's key blocks, which run together,
     # do not all add into one query block's dQ rows at the same time
     rotate_walk: bool = False
+    # A/B candidates (launch_bwd, off; the ncu comparison with FlashAttention-4 at d=128 and
+    # 256: 1.5x its instructions a unit of work, docs/perf-log.md):
+    # the consumers' warpgroup index marked warp-uniform (from the thread index it was not, so
+    # every wgmma descriptor went through vector registers: R2UR and IMAD per GEMM)
+    uniform_wg: bool = False
+    # dS^T (and split_d's P^T) into shared memory by transposing matrix stores (stmatrix.trans,
+    # 4 a thread) instead of 32 scalar 16-bit stores a thread
+    ds_stmatrix: bool = False
+    # dQ's shares added unscaled; the postprocess scales the sum as it converts it (32 fewer
+    # multiplies a thread a block)
+    dq_scale_later: bool = False
+    # dQ's staging box unswizzled in 32-byte column chunks (rows of 8 floats, then the chunks):
+    # a half-warp's 64-bit stores of four rows fill one 128-byte line, where the 128-byte
+    # swizzle put two rows on the same banks (4 wavefronts a store instead of 2)
+    dq_box_chunked: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -206,6 +221,16 @@ def _k_major_layout(dtype, rows: int, cols: int, stages: int, major: int):
         sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, major), dtype)
     shape = (rows, cols) if stages is None else (rows, cols, stages)
     return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
+
+
+def _chunked_box_layout(rows: int, cols: int, stages: int):
+    """(rows, cols, stages) float32 without a swizzle, in chunks of 8 columns (32 bytes): a
+    chunk's rows one after another, then the next chunk (Sm90BwdConfig.dq_box_chunked). A
+    TMA box of three modes (8 columns, the rows, the chunks) reads it."""
+    chunks = cols // 8
+    layout = cute.make_layout((rows, (8, chunks), stages),
+                              stride=(8, (1, 8 * rows), rows * cols))
+    return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, layout)
 
 
 def _transposed(storage_field, layout):
@@ -343,6 +368,8 @@ class FlashBwdSm90:
         if const_expr(cfg.dq_tma):
             # each dQ warpgroup's float32 share (cfg.dq_box), a box of the TMA reduce-add
             sdQ_layout = _k_major_layout(Float32, *cfg.dq_box, cfg.dq_wgs, cfg.dq_cols)
+            if const_expr(cfg.dq_box_chunked):
+                sdQ_layout = _chunked_box_layout(*cfg.dq_box, cfg.dq_wgs)
             tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, stage(sdQ_layout), cfg.dq_box)
             dq_store = (tma_atom_dq, tma_dq, sdQ_layout)
@@ -610,6 +637,8 @@ class FlashBwdSm90:
         cfg = self.cfg
         sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt, sPt = views
         wg = tidx // WG_THREADS
+        if const_expr(cfg.uniform_wg):
+            wg = cute.arch.make_warp_uniform(wg)
         wg_slice = wg * WG_THREADS
         wg_sdp, wg_dkv, wg_dq = (sdp.get_slice(wg_slice), dkv.get_slice(wg_slice),
                                    dq.get_slice(0 if const_expr(cfg.dq_single_wg) else wg_slice))
@@ -642,6 +671,15 @@ class FlashBwdSm90:
         # where this thread's dS^T elements go in the (query, key) buffer, seen transposed
         tSsdSt = thr_sdp.partition_C(sdSt)
         tSsPt = thr_sdp.partition_C(sPt) if const_expr(cfg.split_d) else None
+        store_t = None
+        if const_expr(cfg.ds_stmatrix):
+            # each 8 x 8 piece of the (key, query) fragment stored transposed: a row of the
+            # buffer (a query) gets 8 contiguous keys, 16 bytes a lane
+            store_t = cute.make_tiled_copy_C(cute.make_copy_atom(
+                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+                sdp).get_slice(tidx)
+            tSsdSt = store_t.partition_D(sdSt)
+            tSsPt = store_t.partition_D(sPt) if const_expr(cfg.split_d) else None
 
         gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
         if const_expr(cfg.dq_tma):
@@ -762,10 +800,16 @@ class FlashBwdSm90:
             # dS^T rows into the dQ GEMM's buffer (this stage was last read two blocks ago,
             # before every consumer passed the previous block's DS_READY)
             rdS = cute.make_tensor(tKrdS.iterator, acc_dP.layout)
-            cute.autovec_copy(rdS, tSsdSt[None, None, None, ds_stage])
+            if const_expr(cfg.ds_stmatrix):
+                cute.copy(store_t, store_t.retile(rdS), tSsdSt[None, None, None, ds_stage])
+            else:
+                cute.autovec_copy(rdS, tSsdSt[None, None, None, ds_stage])
             if const_expr(cfg.split_d):  # P^T too: the dV GEMMs of both read every query's
-                cute.autovec_copy(cute.make_tensor(tVrP.iterator, acc_S.layout),
-                                  tSsPt[None, None, None, ds_stage])
+                rP = cute.make_tensor(tVrP.iterator, acc_S.layout)
+                if const_expr(cfg.ds_stmatrix):
+                    cute.copy(store_t, store_t.retile(rP), tSsPt[None, None, None, ds_stage])
+                else:
+                    cute.autovec_copy(rP, tSsPt[None, None, None, ds_stage])
             # dK += dS^T Q: before dQ's GEMM, or (dq_before_dk) right after it, dQ's additions
             # under it; dS^T from registers, or (split_d) from shared memory after the barrier
             issue_dk = lambda: gemm_async(
@@ -865,8 +909,9 @@ class FlashBwdSm90:
         reduce-add of the box into the accumulator, issued by the warpgroup's first warp once
         the others have arrived (they go on without waiting)."""
         tma_atom, tdQs, tdQg, sdQ, row_box = dq_box
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            acc_dQ[i] = acc_dQ[i] * softmax_scale
+        if const_expr(not self.cfg.dq_scale_later):
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                acc_dQ[i] = acc_dQ[i] * softmax_scale
         one_wg = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, (1, 1, 1), self.cfg.dq_box)
@@ -939,8 +984,11 @@ class FlashBwdSm90:
                 for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
                     col = coord[r, c][1]
                     ptr = gdQ.iterator + cute.crd2idx((row, col), gdQ.layout)
-                    red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
-                                  acc_mn[r, c + 1] * softmax_scale)
+                    if const_expr(self.cfg.dq_scale_later):
+                        red_add_f32x2(ptr, acc_mn[r, c], acc_mn[r, c + 1])
+                    else:
+                        red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
+                                      acc_mn[r, c + 1] * softmax_scale)
 
     @cute.jit
     def dq_order(self, order, m_block, tidx, add):
