@@ -43,12 +43,12 @@ ROTATE_WALK = 0
 
 # A/B candidates from the ncu comparison with FlashAttention-4 (Sm90BwdConfig's uniform_wg,
 # ds_stmatrix, dq_scale_later, dq_box_chunked; all off)
-WARP_UNIFORM_WG = 0
-DS_STMATRIX = 0
+WARP_UNIFORM_WG = 1
+DS_STMATRIX = 1
 DQ_SCALE_LATER = 0
 DQ_BOX_CHUNKED = 0
 # the plain backward's reduce-adds by the writer warp too (d <= 192; d=256 measured 0.97-1.01x)
-PLAIN_DQ_WRITER = 0
+PLAIN_DQ_WRITER = 1
 
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
