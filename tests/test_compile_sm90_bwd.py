@@ -97,6 +97,21 @@ def compile_and_check(case, capfd):
     return cfg
 
 
+def test_dq_writer_and_lean_stores_without_packed_sequences():
+    """The writer warp issues dQ's reduce-adds wherever dQ goes by TMA, but in plain mode over
+    packed sequences (whose consumers issue them); the warp-uniform warpgroup index and dS^T's
+    matrix stores (lean_stores) are not taken with packed sequences either (ptxas spills with
+    them at d=128)."""
+    cfg = lambda d, mask="causal", varlen=False, det=False: launch_bwd.bwd_config(
+        make_spec(torch.bfloat16, d, mask, varlen=varlen, deterministic=det))
+    for d in (64, 96, 128, 192):
+        assert cfg(d).dq_tma and cfg(d).dq_writer and cfg(d).lean_stores
+        assert cfg(d, "none").dq_writer
+        assert not cfg(d, varlen=True).dq_writer and not cfg(d, varlen=True).lean_stores
+        assert cfg(d, varlen=True, det=True).dq_writer
+    assert not cfg(256).dq_writer and cfg(256).lean_stores  # (d=256 plain: reductions)
+
+
 def test_d96_takes_dq_in_one_warpgroup():
     """Split dQ columns set K's swizzle width (launch_bwd.bwd_config): d=96's halves would need
     a 32-byte swizzle, so one warpgroup computes all of dQ there; d=64 and 128 split it."""
@@ -105,12 +120,12 @@ def test_d96_takes_dq_in_one_warpgroup():
 
 
 def test_dq_tma_over_128():
-    """dQ by TMA over 128: at d=192 beside two Q/dO stages, issued by the consumers; d=256 by
-    reductions (its box would leave one stage), but in deterministic mode by TMA beside one
-    stage, the writer warp taking the turns (at every head dim)."""
+    """dQ by TMA over 128: at d=192 beside two Q/dO stages; d=256 by reductions (its box would
+    leave one stage), but in deterministic mode by TMA beside one stage, the writer warp taking
+    the turns (at every head dim)."""
     cfg = lambda d, det=False: launch_bwd.bwd_config(make_spec(torch.bfloat16, d, "causal",
                                                                deterministic=det))
-    assert cfg(192).split_d and cfg(192).dq_tma and cfg(192).num_stages == 2 and not cfg(192).dq_writer
+    assert cfg(192).split_d and cfg(192).dq_tma and cfg(192).num_stages == 2 and cfg(192).dq_writer
     assert cfg(256).split_d and not cfg(256).dq_tma and cfg(256).num_stages == 2
     assert cfg(256, det=True).dq_tma and cfg(256, det=True).num_stages == 1
     assert all(cfg(d, det=True).dq_writer for d in (64, 96, 128, 192, 256))

@@ -295,17 +295,11 @@ def bwd_buffers(spec: AttentionSpec, q, k, width: int):
             alloc(dkv_shape, dtype=q.dtype, device=q.device))
 
 
-def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int, dq_scale=None):
+def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int):
     """(dq in q's dtype, dk and dv summed over the query heads of each kv head), each at its
-    tensor's head dim (contiguous) when the buffers are wider (bwd_buffers). dq_scale: a
-    kernel that added its dQ shares unscaled has them multiplied here, in the conversion's
-    one pass."""
+    tensor's head dim (contiguous) when the buffers are wider (bwd_buffers)."""
     d, d_v = q.shape[-1], v.shape[-1]
-    if dq_scale is None:
-        dq = dq_acc[..., :d].to(q.dtype).contiguous()
-    else:
-        dq = torch.mul(dq_acc[..., :d], dq_scale,
-                       out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+    dq = dq_acc[..., :d].to(q.dtype).contiguous()
     if ratio > 1:
         group = (*k.shape[:-2], k.shape[-2], ratio, dk.shape[-1])
         dk = dk.view(group).sum(-2)
@@ -375,8 +369,7 @@ class BackwardLaunch:
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks,
                              self.heads_interleaved(q, cu_seqlens_q))
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
-        grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead,
-                                spec.softmax_scale if getattr(cfg, "dq_scale_later", False) else None)
+        grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
         return grads if sink is None else (*grads, sink_gradient(sink, lse2, dsum))
 
     def heads_interleaved(self, q, cu_seqlens_q) -> int:

@@ -175,11 +175,9 @@ class DenseBlocks:
 class DenseRows:
     """The backward's query steps of a dense key block: m_block in [m_min, m_max), each its own
     step (block_sparse.SparseRows is the other order with these methods). The loop runs
-    `for it in range(start(), stop())` with m_block = block(it). A `shift` in [0, m_max - m_min)
-    rotates the walk: it starts at m_min + shift and wraps around to m_min."""
+    `for it in range(start(), stop())` with m_block = block(it)."""
     m_min: Int32
     m_max: Int32
-    shift: Int32 = 0
 
     def start(self):
         return self.m_min
@@ -188,9 +186,7 @@ class DenseRows:
         return self.m_max
 
     def block(self, it):
-        if cutlass.const_expr(isinstance(self.shift, int) and self.shift == 0):
-            return it
-        return self.m_min + (it - self.m_min + self.shift) % (self.m_max - self.m_min)
+        return it
 
     def stage(self, it):
         """Which of two alternating buffers step `it` uses."""

@@ -18,7 +18,8 @@ In each CTA:
     (or warpgroup 0 all of them: `dq_single_wg`; or, in 128-row query steps, 64 of the rows
     each: `dq_split_rows`) from it and K, then add their float32 share to the dQ accumulator:
     staged in shared memory and added by one TMA reduce-add a warpgroup (`dq_tma`, FA3's
-    way), or where that does not fit with vector reductions (red.global.add.v2.f32).
+    way; issued by the producer warpgroup's second warp, the dQ writer, `dq_writer`), or where
+    that does not fit with vector reductions (red.global.add.v2.f32).
 Head dims over 128 (`split_d`): dK and dV of 64 keys each would need 2d float32 registers a
 thread, so a CTA owns 64 keys, which both warpgroups share: each computes S^T and dP^T for half
 of the block's queries, writes P^T and dS^T to shared memory, and after one barrier takes half
@@ -126,34 +127,27 @@ class Sm90BwdConfig:
     # are 0 there (their P is masked), so the tile is added whole.
     dq_tma: bool = False
     # (dq_tma) the reduce-adds issued by a warp of the producer warpgroup, not by the consumers:
-    # it waits for the staged shares, issues, and frees the boxes once read. In deterministic
-    # mode it also takes the turns: in the consumers a turn cost a semaphore poll, the
-    # reduce-add's completion and a release, each a round trip to L2, every query block (0.49-
-    # 0.77x of the plain backward that way); the writer overlaps them with the next block.
+    # it waits for the staged shares, issues, and frees the boxes once read (a consumer warp
+    # that issued waited for its warpgroup to stage first: 1.00-1.10x without it). In
+    # deterministic mode it also takes the turns: in the consumers a turn cost a semaphore
+    # poll, the reduce-add's completion and a release, each a round trip to L2, every query
+    # block (0.49-0.77x of the plain backward that way); the writer overlaps them with the next
+    # block.
     dq_writer: bool = False
-    # (without a mask or turns) each key block walks the query blocks from its own offset
-    # (common/block_info.DenseRows' shift), so that a head's key blocks, which run together,
-    # do not all add into one query block's dQ rows at the same time
-    rotate_walk: bool = False
-    # A/B candidates (launch_bwd, off; the ncu comparison with FlashAttention-4 at d=128 and
-    # 256: 1.5x its instructions a unit of work, docs/perf-log.md):
-    # the consumers' warpgroup index marked warp-uniform (from the thread index it was not, so
-    # every wgmma descriptor went through vector registers: R2UR and IMAD per GEMM)
-    uniform_wg: bool = False
-    # dS^T (and split_d's P^T) into shared memory by transposing matrix stores (stmatrix.trans,
-    # 4 a thread) instead of 32 scalar 16-bit stores a thread
-    ds_stmatrix: bool = False
-    # dQ's shares added unscaled; the postprocess scales the sum as it converts it (32 fewer
-    # multiplies a thread a block)
-    dq_scale_later: bool = False
-    # dQ's staging box unswizzled in 32-byte column chunks (rows of 8 floats, then the chunks):
-    # a half-warp's 64-bit stores of four rows fill one 128-byte line, where the 128-byte
-    # swizzle put two rows on the same banks (4 wavefronts a store instead of 2)
-    dq_box_chunked: bool = False
 
     @property
     def sparse(self) -> bool:
         return self.sparse_q_block > 0
+
+    @property
+    def lean_stores(self) -> bool:
+        """The consumers' warpgroup index marked warp-uniform (from the thread index it was
+        not, so each wgmma descriptor went through vector registers: an R2UR and IMADs a GEMM)
+        and dS^T (split_d: P^T too) stored by transposing matrix stores, 4 a thread instead of
+        32 scalar 16-bit stores: 1.02-1.04x and 1.00-1.08x at 4k (perf-log). Not with packed
+        sequences, whose offsets keep the registers full: ptxas spills 4-16 bytes at d=128
+        with them."""
+        return not (self.varlen_q or self.varlen_k)
 
     @property
     def interleaves_heads(self) -> bool:
@@ -223,16 +217,6 @@ def _k_major_layout(dtype, rows: int, cols: int, stages: int, major: int):
     return cute.tile_to_shape(atom, shape, order=(0, 1) if stages is None else (0, 1, 2))
 
 
-def _chunked_box_layout(rows: int, cols: int, stages: int):
-    """(rows, cols, stages) float32 without a swizzle, in chunks of 8 columns (32 bytes): a
-    chunk's rows one after another, then the next chunk (Sm90BwdConfig.dq_box_chunked). A
-    TMA box of three modes (8 columns, the rows, the chunks) reads it."""
-    chunks = cols // 8
-    layout = cute.make_layout((rows, (8, chunks), stages),
-                              stride=(8, (1, 8 * rows), rows * cols))
-    return cute.make_composed_layout(cute.make_swizzle(0, 4, 3), 0, layout)
-
-
 def _transposed(storage_field, layout):
     """The buffer with its first two modes swapped (a view: same bytes, same swizzle)."""
     modes = [1, 0] + list(range(2, cute.rank(layout.outer)))
@@ -255,7 +239,6 @@ class FlashBwdSm90:
         # (deterministic dQ by TMA: the turns are the writer warp's, the reduce-adds being async)
         assert cfg.dq_tma or not cfg.dq_writer
         assert not (cfg.deterministic and cfg.dq_tma and not cfg.dq_writer)
-        assert not (cfg.rotate_walk and (cfg.deterministic or cfg.causal or cfg.local or cfg.sparse))
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.tile_m, self.tile_n, self.d = cfg.tile_m, cfg.tile_n, cfg.head_dim
@@ -368,8 +351,6 @@ class FlashBwdSm90:
         if const_expr(cfg.dq_tma):
             # each dQ warpgroup's float32 share (cfg.dq_box), a box of the TMA reduce-add
             sdQ_layout = _k_major_layout(Float32, *cfg.dq_box, cfg.dq_wgs, cfg.dq_cols)
-            if const_expr(cfg.dq_box_chunked):
-                sdQ_layout = _chunked_box_layout(*cfg.dq_box, cfg.dq_wgs)
             tma_atom_dq, tma_dq = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), mdQacc, stage(sdQ_layout), cfg.dq_box)
             dq_store = (tma_atom_dq, tma_dq, sdQ_layout)
@@ -503,11 +484,6 @@ class FlashBwdSm90:
         m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
         # the query steps this key block visits
         rows = DenseRows(m_min, m_max)
-        if const_expr(cfg.rotate_walk):
-            # key block n of N starts its walk n / N of the way along it: the key blocks of a
-            # head then add into different query blocks' dQ at any time, not all into the same
-            rows = DenseRows(m_min, m_max, (n_block * (m_max - m_min)) // cutlass.max(
-                cute.ceil_div(seqlen.seqlen_k, self.tile_n), 1))
         if const_expr(cfg.sparse):
             rows = SparseRows(SparseBlocks.create(
                 mFullCount, mFullIndex, mPartialCount, mPartialIndex, batch_idx, head_idx,
@@ -637,7 +613,7 @@ class FlashBwdSm90:
         cfg = self.cfg
         sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt, sPt = views
         wg = tidx // WG_THREADS
-        if const_expr(cfg.uniform_wg):
+        if const_expr(cfg.lean_stores):
             wg = cute.arch.make_warp_uniform(wg)
         wg_slice = wg * WG_THREADS
         wg_sdp, wg_dkv, wg_dq = (sdp.get_slice(wg_slice), dkv.get_slice(wg_slice),
@@ -672,7 +648,7 @@ class FlashBwdSm90:
         tSsdSt = thr_sdp.partition_C(sdSt)
         tSsPt = thr_sdp.partition_C(sPt) if const_expr(cfg.split_d) else None
         store_t = None
-        if const_expr(cfg.ds_stmatrix):
+        if const_expr(cfg.lean_stores):
             # each 8 x 8 piece of the (key, query) fragment stored transposed: a row of the
             # buffer (a query) gets 8 contiguous keys, 16 bytes a lane
             store_t = cute.make_tiled_copy_C(cute.make_copy_atom(
@@ -800,13 +776,13 @@ class FlashBwdSm90:
             # dS^T rows into the dQ GEMM's buffer (this stage was last read two blocks ago,
             # before every consumer passed the previous block's DS_READY)
             rdS = cute.make_tensor(tKrdS.iterator, acc_dP.layout)
-            if const_expr(cfg.ds_stmatrix):
+            if const_expr(cfg.lean_stores):
                 cute.copy(store_t, store_t.retile(rdS), tSsdSt[None, None, None, ds_stage])
             else:
                 cute.autovec_copy(rdS, tSsdSt[None, None, None, ds_stage])
             if const_expr(cfg.split_d):  # P^T too: the dV GEMMs of both read every query's
                 rP = cute.make_tensor(tVrP.iterator, acc_S.layout)
-                if const_expr(cfg.ds_stmatrix):
+                if const_expr(cfg.lean_stores):
                     cute.copy(store_t, store_t.retile(rP), tSsPt[None, None, None, ds_stage])
                 else:
                     cute.autovec_copy(rP, tSsPt[None, None, None, ds_stage])
@@ -909,9 +885,8 @@ class FlashBwdSm90:
         reduce-add of the box into the accumulator, issued by the warpgroup's first warp once
         the others have arrived (they go on without waiting)."""
         tma_atom, tdQs, tdQg, sdQ, row_box = dq_box
-        if const_expr(not self.cfg.dq_scale_later):
-            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                acc_dQ[i] = acc_dQ[i] * softmax_scale
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            acc_dQ[i] = acc_dQ[i] * softmax_scale
         one_wg = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, (1, 1, 1), self.cfg.dq_box)
@@ -984,11 +959,8 @@ class FlashBwdSm90:
                 for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
                     col = coord[r, c][1]
                     ptr = gdQ.iterator + cute.crd2idx((row, col), gdQ.layout)
-                    if const_expr(self.cfg.dq_scale_later):
-                        red_add_f32x2(ptr, acc_mn[r, c], acc_mn[r, c + 1])
-                    else:
-                        red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
-                                      acc_mn[r, c + 1] * softmax_scale)
+                    red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
+                                  acc_mn[r, c + 1] * softmax_scale)
 
     @cute.jit
     def dq_order(self, order, m_block, tidx, add):

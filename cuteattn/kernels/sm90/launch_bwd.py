@@ -35,21 +35,6 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
-# Key blocks walk the query blocks each from its own offset (Sm90BwdConfig.rotate_walk; an A/B
-# candidate, off): the deterministic backward, whose turns stagger the key blocks, ran 1.06-1.22x
-# the plain one at d=256 without a mask, as if the plain one's key blocks, all adding into one
-# query block's dQ at once, contended for it
-ROTATE_WALK = 0
-
-# A/B candidates from the ncu comparison with FlashAttention-4 (Sm90BwdConfig's uniform_wg,
-# ds_stmatrix, dq_scale_later, dq_box_chunked; all off)
-WARP_UNIFORM_WG = 1
-DS_STMATRIX = 1
-DQ_SCALE_LATER = 0
-DQ_BOX_CHUNKED = 0
-# the plain backward's reduce-adds by the writer warp too (d <= 192; d=256 measured 0.97-1.01x)
-PLAIN_DQ_WRITER = 1
-
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -108,11 +93,10 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
         dq_tma=dq_tma,
         # in deterministic mode the writer warp issues dQ's reduce-adds and takes the turns
-        dq_writer=dq_tma and (spec.deterministic or bool(PLAIN_DQ_WRITER)),
-        rotate_walk=bool(ROTATE_WALK) and not (spec.deterministic or spec.causal or spec.local
-                                              or spec.sparse_q_block),
-        uniform_wg=bool(WARP_UNIFORM_WG), ds_stmatrix=bool(DS_STMATRIX),
-        dq_scale_later=bool(DQ_SCALE_LATER), dq_box_chunked=bool(DQ_BOX_CHUNKED) and dq_tma,
+        # the reduce-adds by the producer warpgroup's writer warp (deterministic mode: and the
+        # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
+        # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
+        dq_writer=dq_tma and (spec.deterministic or not packed),
     )
 
 
