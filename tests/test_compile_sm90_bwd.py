@@ -97,6 +97,21 @@ def compile_and_check(case, capfd):
     return cfg
 
 
+def test_ordered_d256_candidate(capfd, tmp_path, monkeypatch):
+    """launch_bwd.ORDERED_D256 (an A/B candidate, off): plain d=256 without a mask takes the
+    deterministic kernel (dQ by the writer warp, in turn, beside one Q/dO stage); masks,
+    packed sequences and the other head dims keep the plain one. Kept compiling until decided."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch_bwd, "ORDERED_D256", 1)
+    cfg = lambda d, mask="none", varlen=False: launch_bwd.bwd_config(
+        make_spec(torch.bfloat16, d, mask, varlen=varlen))
+    assert cfg(256).deterministic and cfg(256).dq_writer and cfg(256).num_stages == 1
+    assert cfg(256, "softcap").deterministic and cfg(256).interleaves_heads
+    assert not any(cfg(256, m).deterministic for m in ("causal", "local"))
+    assert not cfg(256, varlen=True).deterministic and not cfg(128).deterministic
+    assert compile_and_check((torch.bfloat16, 256, "none", False, False, False), capfd).deterministic
+
+
 def test_dq_writer_and_lean_stores_without_packed_sequences():
     """The writer warp issues dQ's reduce-adds wherever dQ goes by TMA, but in plain mode over
     packed sequences (whose consumers issue them); the warp-uniform warpgroup index and dS^T's

@@ -35,6 +35,12 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
+# The plain backward at d=256 (fixed length, no mask) with its dQ additions in turn, as
+# deterministic mode orders them (an A/B candidate, off): two in-process benches read the
+# deterministic kernel 1.02-1.17x faster than the plain one there (its turns stagger the key
+# blocks of a head, which otherwise add into the same query block's dQ at once); causal equal
+ORDERED_D256 = 0
+
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -59,7 +65,12 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # warp's (Sm90BwdConfig.dq_writer): 1.27-1.74x the consumers' reductions in turn (d=256
     # 1.27-1.49x)
     packed = spec.varlen_q or spec.varlen_k
-    dq_tma_max = 256 if spec.deterministic else 192
+    # dQ's additions in turn: deterministic mode, or (ORDERED_D256) plain d=256 without a mask
+    ordered = spec.deterministic or (
+        bool(ORDERED_D256) and head_dim == 256 and not (
+            spec.causal or spec.local or packed or spec.has_seqused_q or spec.has_seqused_k
+            or spec.sparse_q_block or spec.mods_or_lists))
+    dq_tma_max = 256 if ordered else 192
     dq_tma = head_dim <= dq_tma_max and not (head_dim == 128 and (
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
@@ -84,7 +95,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
                           or (tall and spec.causal)),
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
-        has_seqused_k=spec.has_seqused_k, deterministic=spec.deterministic,
+        has_seqused_k=spec.has_seqused_k, deterministic=ordered,
         # halves of 48 (40, 24, ...) columns would need a 32-byte swizzle on K: one warpgroup
         # takes all of dQ
         dq_single_wg=not split and head_dim % (NUM_CONSUMER_WG * 64) != 0 and head_dim != 64,
@@ -92,11 +103,10 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         sparse_kv_half=spec.sparse_kv_block == Sm90BwdConfig.tile_n // 2,
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
         dq_tma=dq_tma,
-        # in deterministic mode the writer warp issues dQ's reduce-adds and takes the turns
         # the reduce-adds by the producer warpgroup's writer warp (deterministic mode: and the
         # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
         # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
-        dq_writer=dq_tma and (spec.deterministic or not packed),
+        dq_writer=dq_tma and (ordered or not packed),
     )
 
 
