@@ -112,6 +112,21 @@ def test_ordered_d256_candidate(capfd, tmp_path, monkeypatch):
     assert compile_and_check((torch.bfloat16, 256, "none", False, False, False), capfd).deterministic
 
 
+@pytest.mark.parametrize("case", [(torch.bfloat16, 128, "none", False, False, False),
+                                  (torch.bfloat16, 64, "causal", False, False, False),
+                                  (torch.float16, 96, "softcap", False, False, True),
+                                  (torch.bfloat16, 192, "local", False, False, False)],
+                         ids=case_id)
+def test_dq_stmatrix_candidate(case, capfd, tmp_path, monkeypatch):
+    """launch_bwd.DQ_STMATRIX (an A/B candidate, off): dQ's share staged by stmatrix compiles
+    spill-free (compile_and_check); packed sequences keep the 64-bit stores."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch_bwd, "DQ_STMATRIX", 1)
+    cfg = compile_and_check(case, capfd)
+    assert cfg.dq_stmatrix
+    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 128, "none", varlen=True)).dq_stmatrix
+
+
 def test_dq_writer_and_lean_stores_without_packed_sequences():
     """The writer warp issues dQ's reduce-adds wherever dQ goes by TMA, but in plain mode over
     packed sequences (whose consumers issue them); the warp-uniform warpgroup index and dS^T's

@@ -134,6 +134,13 @@ class Sm90BwdConfig:
     # block (0.49-0.77x of the plain backward that way); the writer overlaps them with the next
     # block.
     dq_writer: bool = False
+    # (dq_tma) dQ's float32 share staged by matrix stores (stmatrix, 8 a thread at d=128, each
+    # 8 rows of 16 bytes on distinct banks), each float32 stored as two 16-bit halves: a
+    # 32-byte column group then holds its columns as 0, 2, 4, 6, 1, 3, 5, 7, the accumulator
+    # too, and the postprocess puts them back (launch_common.bwd_postprocess). Instead of 16
+    # 64-bit stores a thread whose half-warps' four rows meet on the same banks (4 wavefronts
+    # a store, not 2: ncu at d=128). An A/B candidate (launch_bwd.DQ_STMATRIX, off).
+    dq_stmatrix: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -887,14 +894,17 @@ class FlashBwdSm90:
         tma_atom, tdQs, tdQg, sdQ, row_box = dq_box
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             acc_dQ[i] = acc_dQ[i] * softmax_scale
-        one_wg = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, 1, 1), self.cfg.dq_box)
-        pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-        thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
         if const_expr(self.cfg.dq_writer):  # the writer warp's last reduce-add has read the box
             named_barriers.sync(BwdBarrier.DQ_FREE, self.dq_writer_threads)
-        cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
+        if const_expr(self.cfg.dq_stmatrix):
+            self.stage_dq_halves(acc_dQ, sdQ, tidx)
+        else:
+            one_wg = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
+                cute.nvgpu.OperandMajorMode.MN, Float32, (1, 1, 1), self.cfg.dq_box)
+            pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+            thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
+            cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, before the TMA's reads
         if const_expr(self.cfg.dq_writer):  # it is the writer warp's to add, in turn
             named_barriers.arrive(BwdBarrier.DQ_STAGED, self.dq_writer_threads)
@@ -907,6 +917,32 @@ class FlashBwdSm90:
                 cute.arch.cp_async_bulk_commit_group()
             else:
                 named_barriers.arrive(staged, WG_THREADS)
+
+    @cute.jit
+    def stage_dq_halves(self, acc_dQ, sdQ, tidx):
+        """dq_stmatrix: the warpgroup's float32 dQ share (a wgmma accumulator of dq_box) into its
+        box by stmatrix, seen as a 16-bit accumulator twice as wide. Register 2j + e of a row
+        (e: the column's parity in its pair, j: its 8-column group) is then the 16-bit pair at
+        columns 2(lane % 4) + 8(2j + e): float32 column 8j + 2(lane % 4) + e lands at float32
+        column 8j + 4e + lane % 4 of the box (its group's columns 0, 2, 4, 6, 1, 3, 5, 7)."""
+        rows, cols = self.cfg.dq_box
+        wide = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1, 1), (rows, 2 * cols))
+        store = cute.make_tiled_copy_C(cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            wide).get_slice(tidx % WG_THREADS)
+        # the accumulator's registers (e, h, j) at e + 2h + 4j as 16-bit halves (half, h, 2j + e)
+        halves = cute.make_tensor(
+            cute.recast_ptr(acc_dQ.iterator, dtype=self.dtype),
+            cute.make_layout(((2, 2, (2, cols // 8)), 1, 1), stride=((1, 4, (2, 8)), 0, 0)))
+        # the box as 16-bit elements: the same bytes and the same 128-byte swizzle, which the
+        # pointer carries in elements (recast_tensor would drop it)
+        swizzle = _k_major_layout(self.dtype, rows, 2 * cols, None, 2 * cols).inner
+        sdQ_halves = cute.make_tensor(
+            cute.recast_ptr(sdQ.iterator, swizzle_=swizzle, dtype=self.dtype),
+            cute.recast_layout(self.dtype.width, Float32.width, sdQ.layout))
+        cute.copy(store, store.retile(halves), store.partition_D(sdQ_halves))
 
     @cute.jit
     def write_dq(self, tma_atom_dq, tma_dq, sdQ, seqlen: SeqlenInfo, head_idx, batch_idx, rows,

@@ -41,6 +41,10 @@ NATIVE_WIDTH_MAX = 96
 # blocks of a head, which otherwise add into the same query block's dQ at once); causal equal
 ORDERED_D256 = 0
 
+# dQ's share staged by stmatrix, its columns permuted in 8-column groups (Sm90BwdConfig.
+# dq_stmatrix; an A/B candidate, off)
+DQ_STMATRIX = 0
+
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -107,6 +111,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
         # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
         dq_writer=dq_tma and (ordered or not packed),
+        dq_stmatrix=bool(DQ_STMATRIX) and dq_tma and not packed,  # (packed d=128 spills 12 B)
     )
 
 
