@@ -116,10 +116,11 @@ DETERMINISTIC = [(128, "none", 1031, 1031), (128, "causal", 1031, 1031), (128, "
                  # move the diagonal, one-sided windows end the ranges on one side only)
                  (64, "causal", 700, 1031), (128, "softcap_causal", 1031, 300), (96, "left", 513, 900),
                  (64, "right", 900, 513),
-                 # dQ's turns taken by the writer warp (launch_bwd.DETERMINISTIC_DQ_WRITER): d=64
-                 # in 128-row steps (a box per warpgroup by rows), and 4k keys (32 key blocks
-                 # a head, 64 query blocks: long chains of turns on every query block)
-                 (64, "none", 2049, 2049), (128, "none", 4096, 4096)]
+                 # dQ's turns taken by the writer warp (Sm90BwdConfig.dq_writer): d=64 in 128-row
+                 # steps (a box per warpgroup by rows), and 4k keys (32 key blocks a head, 64
+                 # query blocks: long chains of turns on every query block); d=256 without a
+                 # mask (its box beside one Q/dO stage; launch_bwd.ORDERED_D256's kernel)
+                 (64, "none", 2049, 2049), (128, "none", 4096, 4096), (256, "none", 1031, 1031)]
 
 
 @pytest.mark.parametrize("d,mask,sq,sk", DETERMINISTIC)
