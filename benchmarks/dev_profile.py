@@ -10,8 +10,8 @@ or the bench's paged prefill cell (2048 queries over a 16k-key paged cache, caus
 size, e.g. pages of 16 against 128:
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:FlashFwdSm90 \
         --launch-skip 2 --launch-count 1 python3 benchmarks/dev_profile.py prefill 16
-Arguments: head_dim seqlen causal(0/1) [bwd [fa4]]; fa4 runs flash-attn-4's kernels instead of
-ours (its backward kernel matches -k regex:BackwardSm90); batch x seqlen = 16384 tokens, nheads x d = 2048,
+Arguments: head_dim seqlen causal(0/1) [bwd [fa4|det]]; fa4 runs flash-attn-4's kernels instead of
+ours (its backward kernel matches -k regex:BackwardSm90), det our deterministic backward; batch x seqlen = 16384 tokens, nheads x d = 2048,
 bf16. Or: prefill page_size.
 """
 import sys
@@ -32,7 +32,9 @@ if sys.argv[1] == "prefill":
 
 d, s, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 backward = len(sys.argv) > 4 and sys.argv[4] == "bwd"
-attend = lambda q, k, v: flash_attn_func(q, k, v, causal=causal, strict=True)
+deterministic = sys.argv[5:6] == ["det"]
+attend = lambda q, k, v: flash_attn_func(q, k, v, causal=causal, strict=True,
+                                         deterministic=deterministic)
 if sys.argv[5:6] == ["fa4"]:
     from flash_attn.cute.interface import flash_attn_func as fa4
     first = lambda r: r[0] if isinstance(r, tuple) else r  # (out, lse)
