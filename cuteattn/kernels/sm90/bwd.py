@@ -149,8 +149,8 @@ class Sm90BwdConfig:
     @property
     def lean_stores(self) -> bool:
         """The consumers' warpgroup index marked warp-uniform (from the thread index it was
-        not, so each wgmma descriptor went through vector registers: an R2UR and IMADs a GEMM)
-        and dS^T (split_d: P^T too) stored by transposing matrix stores, 4 a thread instead of
+        not, which we read as the cause of ncu's R2URs and IMADs around each wgmma: the
+        descriptors in vector registers) and dS^T (split_d: P^T too) stored by transposing matrix stores, 4 a thread instead of
         32 scalar 16-bit stores: 1.02-1.04x and 1.00-1.08x at 4k (perf-log). Not with packed
         sequences, whose offsets keep the registers full: ptxas spills 4-16 bytes at d=128
         with them."""
@@ -887,10 +887,11 @@ class FlashBwdSm90:
 
     @cute.jit
     def reduce_dq(self, acc_dQ, dq_box, m_block, tidx, softmax_scale):
-        """dq_tma: this warpgroup's dQ share, scaled, into its shared-memory box (free: the
-        issuing warp waited for the last reduce-add's reads before DS_READY), then one TMA
-        reduce-add of the box into the accumulator, issued by the warpgroup's first warp once
-        the others have arrived (they go on without waiting)."""
+        """dq_tma: this warpgroup's dQ share, scaled, into its shared-memory box, then one TMA
+        reduce-add of the box into the accumulator: the writer warp's (dq_writer: the box is
+        free once it says so, DQ_FREE), or (packed sequences in plain mode) issued by the
+        warpgroup's first warp once the others have arrived (it waited for the last
+        reduce-add's reads before DS_READY; the others go on without waiting)."""
         tma_atom, tdQs, tdQg, sdQ, row_box = dq_box
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             acc_dQ[i] = acc_dQ[i] * softmax_scale
