@@ -48,7 +48,8 @@ CASES = (
        # head dims over 128 (split_d): fp16, packed with seqused, deterministic
        (torch.float16, 256, "causal", False, False, False), (torch.bfloat16, 256, "local", True, True, True),
        (torch.bfloat16, 192, "causal", True, False, True), (torch.float16, 192, "softcap", False, True, False),
-       # d=192 adds dQ by TMA (its box beside two Q/dO stages), d=256 by reductions
+       # d=192 adds dQ by TMA (its box beside two Q/dO stages), d=256 by reductions (with a
+       # mask: without one it takes the deterministic kernel)
        (torch.bfloat16, 192, "local", True, True, False),
        # head dims up to 96 at their own 16-column width (launch_bwd.NATIVE_WIDTH_MAX)
        (torch.bfloat16, 80, "causal", True, False, False), (torch.float16, 80, "local", False, False, True),
@@ -97,34 +98,36 @@ def compile_and_check(case, capfd):
     return cfg
 
 
-def test_ordered_d256_candidate(capfd, tmp_path, monkeypatch):
-    """launch_bwd.ORDERED_D256 (an A/B candidate, off): plain d=256 without a mask takes the
-    deterministic kernel (dQ by the writer warp, in turn, beside one Q/dO stage); masks,
-    packed sequences and the other head dims keep the plain one. Kept compiling until decided."""
+EARLY_DO_CASES = [(torch.bfloat16, 256, "none", False, False, False),
+                  (torch.float16, 256, "causal", False, False, False),
+                  (torch.bfloat16, 128, "none", False, False, False),
+                  (torch.bfloat16, 128, "causal", False, False, True),
+                  (torch.bfloat16, 64, "causal", False, False, False),
+                  (torch.float16, 96, "softcap", False, False, False),
+                  (torch.float16, 192, "softcap", False, True, False)]
+
+
+@pytest.mark.parametrize("case", EARLY_DO_CASES, ids=case_id)
+def test_early_do_release_candidate(case, capfd, tmp_path, monkeypatch):
+    """launch_bwd.EARLY_DO_RELEASE (an A/B candidate, off): dO's stage freed after dV's GEMM,
+    loaded before Q, compiles without new spills in each kind of kernel; not with packed
+    sequences (packed d=128 with a window spilled 16 bytes with it, 12 without)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch_bwd, "ORDERED_D256", 1)
+    monkeypatch.setattr(launch_bwd, "EARLY_DO_RELEASE", 1)
+    assert compile_and_check(case, capfd).early_do_release
+    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "none", varlen=True)).early_do_release
+
+
+def test_plain_d256_without_a_mask_adds_dq_in_turn():
+    """Plain d=256 without a mask runs the deterministic kernel (dQ by the writer warp, in
+    turn, beside one Q/dO stage: 1.01-1.16x its reductions); masks, packed sequences and the
+    other head dims keep the plain one. (CASES compiles it: bf16 d=256 "none".)"""
     cfg = lambda d, mask="none", varlen=False: launch_bwd.bwd_config(
         make_spec(torch.bfloat16, d, mask, varlen=varlen))
     assert cfg(256).deterministic and cfg(256).dq_writer and cfg(256).num_stages == 1
     assert cfg(256, "softcap").deterministic and cfg(256).interleaves_heads
     assert not any(cfg(256, m).deterministic for m in ("causal", "local"))
     assert not cfg(256, varlen=True).deterministic and not cfg(128).deterministic
-    assert compile_and_check((torch.bfloat16, 256, "none", False, False, False), capfd).deterministic
-
-
-@pytest.mark.parametrize("case", [(torch.bfloat16, 128, "none", False, False, False),
-                                  (torch.bfloat16, 64, "causal", False, False, False),
-                                  (torch.float16, 96, "softcap", False, False, True),
-                                  (torch.bfloat16, 192, "local", False, False, False)],
-                         ids=case_id)
-def test_dq_stmatrix_candidate(case, capfd, tmp_path, monkeypatch):
-    """launch_bwd.DQ_STMATRIX (an A/B candidate, off): dQ's share staged by stmatrix compiles
-    spill-free (compile_and_check); packed sequences keep the 64-bit stores."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch_bwd, "DQ_STMATRIX", 1)
-    cfg = compile_and_check(case, capfd)
-    assert cfg.dq_stmatrix
-    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 128, "none", varlen=True)).dq_stmatrix
 
 
 def test_dq_writer_and_lean_stores_without_packed_sequences():

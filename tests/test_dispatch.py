@@ -165,24 +165,6 @@ def test_backward_buffers_at_the_kernel_width_and_cut_back():
     assert torch.equal(dv2, dv.view(2, 7, 2, 2, 96).sum(-2)[..., :48])
 
 
-def test_backward_postprocess_puts_permuted_dq_groups_back():
-    """With dq_groups_permuted, the accumulator holds each 8-column group as its columns
-    0, 2, 4, 6, 1, 3, 5, 7 (the sm90 kernel's stmatrix staging, bwd.stage_dq_halves: float32
-    column 8j + 2i + e at 8j + 4e + i); bwd_postprocess returns them in order."""
-    from cuteattn.kernels.launch_common import bwd_postprocess
-    q = torch.randn(2, 3, 4, 80)
-    k = torch.randn(2, 3, 4, 80)
-    true = torch.randn(2, 3, 4, 96)
-    stored = torch.empty_like(true)
-    for col in range(96):
-        j, i, e = col // 8, (col % 8) // 2, col % 2
-        stored[..., 8 * j + 4 * e + i] = true[..., col]
-    dk = dv = torch.zeros(2, 3, 4, 96)
-    dq, _, _ = bwd_postprocess(stored, dk, dv, q, k, k, ratio=1, dq_groups_permuted=True)
-    assert torch.equal(dq, true[..., :80]) and dq.is_contiguous()
-    assert not torch.equal(bwd_postprocess(stored, dk, dv, q, k, k, ratio=1)[0], true[..., :80])
-
-
 def test_registered_family_serves_its_kind(gpu, registry):
     fake = FakeFamily()
     dispatch.register(arch="sm90", kind="decode", family=fake)

@@ -119,7 +119,7 @@ DETERMINISTIC = [(128, "none", 1031, 1031), (128, "causal", 1031, 1031), (128, "
                  # dQ's turns taken by the writer warp (Sm90BwdConfig.dq_writer): d=64 in 128-row
                  # steps (a box per warpgroup by rows), and 4k keys (32 key blocks a head, 64
                  # query blocks: long chains of turns on every query block); d=256 without a
-                 # mask (its box beside one Q/dO stage; launch_bwd.ORDERED_D256's kernel)
+                 # mask (its box beside one Q/dO stage; plain d=256 without a mask runs it too)
                  (64, "none", 2049, 2049), (128, "none", 4096, 4096), (256, "none", 1031, 1031)]
 
 

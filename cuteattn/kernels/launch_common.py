@@ -295,14 +295,10 @@ def bwd_buffers(spec: AttentionSpec, q, k, width: int):
             alloc(dkv_shape, dtype=q.dtype, device=q.device))
 
 
-def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int, dq_groups_permuted: bool = False):
+def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int):
     """(dq in q's dtype, dk and dv summed over the query heads of each kv head), each at its
-    tensor's head dim (contiguous) when the buffers are wider (bwd_buffers).
-    dq_groups_permuted: the kernel stored each 8-column group of the accumulator as its columns
-    0, 2, 4, 6, 1, 3, 5, 7 (sm90 bwd.Sm90BwdConfig.dq_stmatrix); put back in the conversion."""
+    tensor's head dim (contiguous) when the buffers are wider (bwd_buffers)."""
     d, d_v = q.shape[-1], v.shape[-1]
-    if dq_groups_permuted:  # (group, parity, i) holds column 2i + parity: read as (group, i, parity)
-        dq_acc = dq_acc.unflatten(-1, (dq_acc.shape[-1] // 8, 2, 4)).transpose(-1, -2).flatten(-3)
     dq = dq_acc[..., :d].to(q.dtype).contiguous()
     if ratio > 1:
         group = (*k.shape[:-2], k.shape[-2], ratio, dk.shape[-1])
@@ -373,8 +369,7 @@ class BackwardLaunch:
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks,
                              self.heads_interleaved(q, cu_seqlens_q))
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
-        grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead,
-                                getattr(cfg, "dq_stmatrix", False))
+        grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
         return grads if sink is None else (*grads, sink_gradient(sink, lse2, dsum))
 
     def heads_interleaved(self, q, cu_seqlens_q) -> int:

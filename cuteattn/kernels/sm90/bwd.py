@@ -25,8 +25,9 @@ thread, so a CTA owns 64 keys, which both warpgroups share: each computes S^T an
 of the block's queries, writes P^T and dS^T to shared memory, and after one barrier takes half
 of the head dim's columns of dV += P^T dO, dK += dS^T Q (A operands from shared memory) and of
 dQ = dS K. At d=256 that is 64 + 64 accumulator registers of dK and dV a thread.
-Deterministic mode orders those additions: the key blocks of a (batch, head) add into a query
-block one after the other, in key-block order, through a semaphore per query block (the CTAs
+Deterministic mode (and plain d=256 without a mask, where it measured faster) orders those
+additions: the key blocks of a (batch, head) add into a query block one after the other, in
+key-block order, through a semaphore per query block (the CTAs
 of lower key blocks are launched first, so waiting on them cannot deadlock). With dQ by TMA the
 wait is not the consumers': the producer warpgroup's second warp (the dQ writer) takes each
 staged share, waits for the turn, issues the reduce-add, frees the box once it is read and
@@ -134,13 +135,12 @@ class Sm90BwdConfig:
     # block (0.49-0.77x of the plain backward that way); the writer overlaps them with the next
     # block.
     dq_writer: bool = False
-    # (dq_tma) dQ's float32 share staged by matrix stores (stmatrix, 8 a thread at d=128, each
-    # 8 rows of 16 bytes on distinct banks), each float32 stored as two 16-bit halves: a
-    # 32-byte column group then holds its columns as 0, 2, 4, 6, 1, 3, 5, 7, the accumulator
-    # too, and the postprocess puts them back (launch_common.bwd_postprocess). Instead of 16
-    # 64-bit stores a thread whose half-warps' four rows meet on the same banks (4 wavefronts
-    # a store, not 2: ncu at d=128). An A/B candidate (launch_bwd.DQ_STMATRIX, off).
-    dq_stmatrix: bool = False
+    # dO's stage freed as soon as its last GEMM (dV's) is done, at dQ's GEMM wait, not with Q's
+    # at the end of the step; the producer loads dO before Q, so the next block's dO is on its
+    # way while dQ is staged and dK's GEMM runs (FlashAttention-4's order). One stage (d=256)
+    # otherwise leaves the consumers waiting for both loads every step (ncu: 16% of their
+    # stall samples on the full barrier). An A/B candidate (launch_bwd.EARLY_DO_RELEASE, off).
+    early_do_release: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -150,8 +150,9 @@ class Sm90BwdConfig:
     def lean_stores(self) -> bool:
         """The consumers' warpgroup index marked warp-uniform (from the thread index it was
         not, which we read as the cause of ncu's R2URs and IMADs around each wgmma: the
-        descriptors in vector registers) and dS^T (split_d: P^T too) stored by transposing matrix stores, 4 a thread instead of
-        32 scalar 16-bit stores: 1.02-1.04x and 1.00-1.08x at 4k (perf-log). Not with packed
+        descriptors in vector registers; ncu after it: no R2UR left at d=128) and dS^T
+        (split_d: P^T too) stored by transposing matrix stores, 4 a thread instead of 32
+        scalar 16-bit stores: 1.02-1.04x and 1.00-1.08x at 4k (perf-log). Not with packed
         sequences, whose offsets keep the registers full: ptxas spills 4-16 bytes at d=128
         with them."""
         return not (self.varlen_q or self.varlen_k)
@@ -545,17 +546,25 @@ class FlashBwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
         for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
             m_block = rows.block(it)
-            pipeline_q.producer_acquire(state)
-            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
-            cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+            if const_expr(not self.cfg.early_do_release):
+                self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_lse, tLgL, tLsL, pipeline_q, state, m_block)
             pipeline_do.producer_acquire(state)
             cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
             cute.copy(tma_atom_dsum, tDgD[None, m_block], tDsD[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+            if const_expr(self.cfg.early_do_release):  # (dO's stage is freed first)
+                self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_lse, tLgL, tLsL, pipeline_q, state, m_block)
             state.advance()
+
+    @cute.jit
+    def load_q(self, tma_atom_q, tQgQ, tQsQ, tma_atom_lse, tLgL, tLsL, pipeline_q, state, m_block):
+        """A query block's Q and LSE rows into the stage, by TMA."""
+        pipeline_q.producer_acquire(state)
+        cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
+                  tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+        cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index],
+                  tma_bar_ptr=pipeline_q.producer_get_barrier(state))
 
     def row_view(self, mX: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
         """The (rows,) LSE or D of one head. Packed sequences are laid out padded
@@ -813,24 +822,30 @@ class FlashBwdSm90:
                 if const_expr(not cfg.dq_before_dk):
                     issue_dk()
             then = issue_dk if const_expr(cfg.dq_before_dk) else None
+            # (early_do_release) dV's GEMM, dO's last reader, is done once dQ's is
+            free_do = (lambda: pipeline_do.consumer_release(state)) if const_expr(
+                cfg.early_do_release) else None
             if const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                                 softmax_scale, m_block, tidx, then)
+                                 softmax_scale, m_block, tidx, then, free_do)
                 else:
                     if const_expr(then is not None):
                         then()
                     warpgroup.wait_group(0)
+                    if const_expr(free_do is not None):
+                        free_do()
                     self.dq_order(order, m_block, tidx, None)
             else:
                 self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                             softmax_scale, m_block, tidx, then)
+                             softmax_scale, m_block, tidx, then, free_do)
             if const_expr(cfg.dq_before_dk):
                 # dK's GEMM (issued after dQ's, run under dQ's additions) reads Q's stage: it
                 # is done before the stage is freed for the producer's next TMA write
                 warpgroup.wait_group(0)
             pipeline_q.consumer_release(state)
-            pipeline_do.consumer_release(state)
+            if const_expr(not cfg.early_do_release):
+                pipeline_do.consumer_release(state)
             state.advance()
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
@@ -862,10 +877,11 @@ class FlashBwdSm90:
 
     @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
-                m_block, tidx, then=None):
+                m_block, tidx, then=None, gemms_done=None):
         """dQ's share of this key block for query block m_block: dS K, scaled, added to the
         float32 accumulator (rows inside the sequence only). `then`: issues dK's GEMM after
-        dQ's, which the additions then wait for alone."""
+        dQ's, which the additions then wait for alone. `gemms_done`: called once the GEMMs
+        issued before dQ's are done."""
         thr_dq = dq.get_slice(tidx)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         fresh = sm90_utils.make_trivial_tiled_mma(
@@ -877,6 +893,8 @@ class FlashBwdSm90:
             warpgroup.wait_group(1)
         else:
             warpgroup.wait_group(0)
+        if const_expr(gemms_done is not None):
+            gemms_done()
         if const_expr(self.cfg.dq_tma):
             self.reduce_dq(acc_dQ, gdQ, m_block, tidx, softmax_scale)
         else:
@@ -895,17 +913,14 @@ class FlashBwdSm90:
         tma_atom, tdQs, tdQg, sdQ, row_box = dq_box
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             acc_dQ[i] = acc_dQ[i] * softmax_scale
+        one_wg = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
+            Float32, (1, 1, 1), self.cfg.dq_box)
+        pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
         if const_expr(self.cfg.dq_writer):  # the writer warp's last reduce-add has read the box
             named_barriers.sync(BwdBarrier.DQ_FREE, self.dq_writer_threads)
-        if const_expr(self.cfg.dq_stmatrix):
-            self.stage_dq_halves(acc_dQ, sdQ, tidx)
-        else:
-            one_wg = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K,
-                cute.nvgpu.OperandMajorMode.MN, Float32, (1, 1, 1), self.cfg.dq_box)
-            pairs = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-            thr_copy = cute.make_tiled_copy_C(pairs, one_wg).get_slice(tidx % WG_THREADS)
-            cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
+        cute.copy(thr_copy, thr_copy.retile(acc_dQ), thr_copy.partition_D(sdQ))
         cute.arch.fence_proxy("async.shared", space="cta")  # generic writes, before the TMA's reads
         if const_expr(self.cfg.dq_writer):  # it is the writer warp's to add, in turn
             named_barriers.arrive(BwdBarrier.DQ_STAGED, self.dq_writer_threads)
@@ -918,32 +933,6 @@ class FlashBwdSm90:
                 cute.arch.cp_async_bulk_commit_group()
             else:
                 named_barriers.arrive(staged, WG_THREADS)
-
-    @cute.jit
-    def stage_dq_halves(self, acc_dQ, sdQ, tidx):
-        """dq_stmatrix: the warpgroup's float32 dQ share (a wgmma accumulator of dq_box) into its
-        box by stmatrix, seen as a 16-bit accumulator twice as wide. Register 2j + e of a row
-        (e: the column's parity in its pair, j: its 8-column group) is then the 16-bit pair at
-        columns 2(lane % 4) + 8(2j + e): float32 column 8j + 2(lane % 4) + e lands at float32
-        column 8j + 4e + lane % 4 of the box (its group's columns 0, 2, 4, 6, 1, 3, 5, 7)."""
-        rows, cols = self.cfg.dq_box
-        wide = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
-            Float32, (1, 1, 1), (rows, 2 * cols))
-        store = cute.make_tiled_copy_C(cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
-            wide).get_slice(tidx % WG_THREADS)
-        # the accumulator's registers (e, h, j) at e + 2h + 4j as 16-bit halves (half, h, 2j + e)
-        halves = cute.make_tensor(
-            cute.recast_ptr(acc_dQ.iterator, dtype=self.dtype),
-            cute.make_layout(((2, 2, (2, cols // 8)), 1, 1), stride=((1, 4, (2, 8)), 0, 0)))
-        # the box as 16-bit elements: the same bytes and the same 128-byte swizzle, which the
-        # pointer carries in elements (recast_tensor would drop it)
-        swizzle = _k_major_layout(self.dtype, rows, 2 * cols, None, 2 * cols).inner
-        sdQ_halves = cute.make_tensor(
-            cute.recast_ptr(sdQ.iterator, swizzle_=swizzle, dtype=self.dtype),
-            cute.recast_layout(self.dtype.width, Float32.width, sdQ.layout))
-        cute.copy(store, store.retile(halves), store.partition_D(sdQ_halves))
 
     @cute.jit
     def write_dq(self, tma_atom_dq, tma_dq, sdQ, seqlen: SeqlenInfo, head_idx, batch_idx, rows,

@@ -35,15 +35,9 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
-# The plain backward at d=256 (fixed length, no mask) with its dQ additions in turn, as
-# deterministic mode orders them (an A/B candidate, off): two in-process benches read the
-# deterministic kernel 1.02-1.17x faster than the plain one there (its turns stagger the key
-# blocks of a head, which otherwise add into the same query block's dQ at once); causal equal
-ORDERED_D256 = 0
-
-# dQ's share staged by stmatrix, its columns permuted in 8-column groups (Sm90BwdConfig.
-# dq_stmatrix; an A/B candidate, off)
-DQ_STMATRIX = 0
+# dO's stage freed after dV's GEMM and loaded before Q (Sm90BwdConfig.early_do_release; an A/B
+# candidate, off)
+EARLY_DO_RELEASE = 0
 
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
@@ -69,9 +63,12 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # warp's (Sm90BwdConfig.dq_writer): 1.27-1.74x the consumers' reductions in turn (d=256
     # 1.27-1.49x)
     packed = spec.varlen_q or spec.varlen_k
-    # dQ's additions in turn: deterministic mode, or (ORDERED_D256) plain d=256 without a mask
+    # dQ's additions in turn: deterministic mode, and plain d=256 without a mask too: 1.01-1.16x
+    # (geometric mean 1.08) its reductions beside two Q / dO stages; the turns stagger the 64-key
+    # blocks of a head, which otherwise add 64 KB of dQ each into the same query block at once
+    # (causal measured 0.97-1.04x, not taken)
     ordered = spec.deterministic or (
-        bool(ORDERED_D256) and head_dim == 256 and not (
+        head_dim == 256 and not (
             spec.causal or spec.local or packed or spec.has_seqused_q or spec.has_seqused_k
             or spec.sparse_q_block or spec.mods_or_lists))
     dq_tma_max = 256 if ordered else 192
@@ -111,7 +108,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
         # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
         dq_writer=dq_tma and (ordered or not packed),
-        dq_stmatrix=bool(DQ_STMATRIX) and dq_tma and not packed,  # (packed d=128 spills 12 B)
+        early_do_release=bool(EARLY_DO_RELEASE) and not packed,  # (packed d=128 spills 4 B more)
     )
 
 
