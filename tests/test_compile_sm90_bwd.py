@@ -98,7 +98,7 @@ def compile_and_check(case, capfd):
     return cfg
 
 
-EARLY_DO_CASES = [(torch.bfloat16, 256, "none", False, False, False),
+EARLY_CASES = [(torch.bfloat16, 256, "none", False, False, False),
                   (torch.float16, 256, "causal", False, False, False),
                   (torch.bfloat16, 128, "none", False, False, False),
                   (torch.bfloat16, 128, "causal", False, False, True),
@@ -107,15 +107,20 @@ EARLY_DO_CASES = [(torch.bfloat16, 256, "none", False, False, False),
                   (torch.float16, 192, "softcap", False, True, False)]
 
 
-@pytest.mark.parametrize("case", EARLY_DO_CASES, ids=case_id)
-def test_early_do_release_candidate(case, capfd, tmp_path, monkeypatch):
-    """launch_bwd.EARLY_DO_RELEASE (an A/B candidate, off): dO's stage freed after dV's GEMM,
-    loaded before Q, compiles without new spills in each kind of kernel; not with packed
-    sequences (packed d=128 with a window spilled 16 bytes with it, 12 without)."""
+@pytest.mark.parametrize("case,level", [(c, 1) for c in EARLY_CASES]
+                         + [(c, 2) for c in EARLY_CASES if c[1] == 256],
+                         ids=lambda x: case_id(x) if isinstance(x, tuple) else f"level{x}")
+def test_early_release_candidate(case, level, capfd, tmp_path, monkeypatch):
+    """launch_bwd.EARLY_RELEASE (an A/B candidate, off): Q's and dO's stages freed once their
+    last GEMMs are done (2: and d=256 with dK's GEMM before dQ's) compile without new spills in
+    each kind of kernel; not with packed sequences (packed d=128 with a window spilled 16
+    bytes with it, 12 without)."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch_bwd, "EARLY_DO_RELEASE", 1)
-    assert compile_and_check(case, capfd).early_do_release
-    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "none", varlen=True)).early_do_release
+    before = launch_bwd.bwd_config(make_spec(*case)).dq_before_dk
+    monkeypatch.setattr(launch_bwd, "EARLY_RELEASE", level)
+    cfg = compile_and_check(case, capfd)
+    assert cfg.early_release and cfg.dq_before_dk == (before and not (level == 2 and case[1] == 256))
+    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "none", varlen=True)).early_release
 
 
 def test_plain_d256_without_a_mask_adds_dq_in_turn():

@@ -135,12 +135,14 @@ class Sm90BwdConfig:
     # block (0.49-0.77x of the plain backward that way); the writer overlaps them with the next
     # block.
     dq_writer: bool = False
-    # dO's stage freed as soon as its last GEMM (dV's) is done, at dQ's GEMM wait, not with Q's
-    # at the end of the step; the producer loads dO before Q, so the next block's dO is on its
-    # way while dQ is staged and dK's GEMM runs (FlashAttention-4's order). One stage (d=256)
-    # otherwise leaves the consumers waiting for both loads every step (ncu: 16% of their
-    # stall samples on the full barrier). An A/B candidate (launch_bwd.EARLY_DO_RELEASE, off).
-    early_do_release: bool = False
+    # Q's and dO's stages each freed as soon as its last GEMM is done, at the wait that
+    # follows dQ's GEMM, not at the end of the step: dO's once dV's GEMM is (with
+    # dq_before_dk the producer loads dO before Q, so the next block's dO is on its way while
+    # dQ is staged and dK's GEMM runs: FlashAttention-4's order), and without dq_before_dk Q's
+    # too, dK's GEMM having gone before dQ's. One stage (d=256) otherwise leaves the consumers
+    # waiting for both loads every step (ncu: 16% of their stall samples on the full barrier).
+    # An A/B candidate (launch_bwd.EARLY_RELEASE, off).
+    early_release: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -546,14 +548,15 @@ class FlashBwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
         for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
             m_block = rows.block(it)
-            if const_expr(not self.cfg.early_do_release):
+            do_first = self.cfg.early_release and self.cfg.dq_before_dk  # (dO's stage freed first)
+            if const_expr(not do_first):
                 self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_lse, tLgL, tLsL, pipeline_q, state, m_block)
             pipeline_do.producer_acquire(state)
             cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
             cute.copy(tma_atom_dsum, tDgD[None, m_block], tDsD[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
-            if const_expr(self.cfg.early_do_release):  # (dO's stage is freed first)
+            if const_expr(do_first):
                 self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_lse, tLgL, tLsL, pipeline_q, state, m_block)
             state.advance()
 
@@ -822,29 +825,35 @@ class FlashBwdSm90:
                 if const_expr(not cfg.dq_before_dk):
                     issue_dk()
             then = issue_dk if const_expr(cfg.dq_before_dk) else None
-            # (early_do_release) dV's GEMM, dO's last reader, is done once dQ's is
-            free_do = (lambda: pipeline_do.consumer_release(state)) if const_expr(
-                cfg.early_do_release) else None
+            # (early_release) the stages whose last GEMMs are done at dQ's wait: dO's (dV's
+            # GEMM), and without dq_before_dk Q's (dK's GEMM)
+            free_early = None
+            if const_expr(cfg.early_release and cfg.dq_before_dk):
+                free_early = lambda: pipeline_do.consumer_release(state)
+            elif const_expr(cfg.early_release):
+                free_early = lambda: (pipeline_do.consumer_release(state),
+                                   pipeline_q.consumer_release(state))
             if const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                                 softmax_scale, m_block, tidx, then, free_do)
+                                 softmax_scale, m_block, tidx, then, free_early)
                 else:
                     if const_expr(then is not None):
                         then()
                     warpgroup.wait_group(0)
-                    if const_expr(free_do is not None):
-                        free_do()
+                    if const_expr(free_early is not None):
+                        free_early()
                     self.dq_order(order, m_block, tidx, None)
             else:
                 self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                             softmax_scale, m_block, tidx, then, free_do)
+                             softmax_scale, m_block, tidx, then, free_early)
             if const_expr(cfg.dq_before_dk):
                 # dK's GEMM (issued after dQ's, run under dQ's additions) reads Q's stage: it
                 # is done before the stage is freed for the producer's next TMA write
                 warpgroup.wait_group(0)
-            pipeline_q.consumer_release(state)
-            if const_expr(not cfg.early_do_release):
+            if const_expr(not cfg.early_release or cfg.dq_before_dk):
+                pipeline_q.consumer_release(state)
+            if const_expr(not cfg.early_release):
                 pipeline_do.consumer_release(state)
             state.advance()
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
@@ -880,8 +889,8 @@ class FlashBwdSm90:
                 m_block, tidx, then=None, gemms_done=None):
         """dQ's share of this key block for query block m_block: dS K, scaled, added to the
         float32 accumulator (rows inside the sequence only). `then`: issues dK's GEMM after
-        dQ's, which the additions then wait for alone. `gemms_done`: called once the GEMMs
-        issued before dQ's are done."""
+        dQ's, which the additions then wait for alone. `gemms_done`: called as soon as the
+        GEMMs issued before dQ's are done."""
         thr_dq = dq.get_slice(tidx)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         fresh = sm90_utils.make_trivial_tiled_mma(
@@ -892,9 +901,11 @@ class FlashBwdSm90:
             then()
             warpgroup.wait_group(1)
         else:
-            warpgroup.wait_group(0)
+            warpgroup.wait_group(0 if const_expr(gemms_done is None) else 1)
         if const_expr(gemms_done is not None):
             gemms_done()
+            if const_expr(then is None):
+                warpgroup.wait_group(0)
         if const_expr(self.cfg.dq_tma):
             self.reduce_dq(acc_dQ, gdQ, m_block, tidx, softmax_scale)
         else:

@@ -35,9 +35,10 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
-# dO's stage freed after dV's GEMM and loaded before Q (Sm90BwdConfig.early_do_release; an A/B
-# candidate, off)
-EARLY_DO_RELEASE = 0
+# Q's and dO's stages freed once their last GEMMs are done (Sm90BwdConfig.early_release; an A/B
+# candidate, off): 1; 2 also takes dK's GEMM before dQ's at d=256, so that Q's single stage is
+# freed before dQ's staging too
+EARLY_RELEASE = 0
 
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
@@ -93,7 +94,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # sequences at d=128 it spills (28-48 bytes), so those keep dK's GEMM first (and
         # d=64's causal 128-row steps: 20 bytes)
         dq_before_dk=not (((spec.varlen_q or spec.varlen_k) and head_dim == 128)
-                          or (tall and spec.causal)),
+                          or (tall and spec.causal) or (EARLY_RELEASE >= 2 and head_dim == 256)),
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=ordered,
@@ -108,7 +109,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
         # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
         dq_writer=dq_tma and (ordered or not packed),
-        early_do_release=bool(EARLY_DO_RELEASE) and not packed,  # (packed d=128 spills 4 B more)
+        early_release=bool(EARLY_RELEASE) and not packed,  # (packed d=128 spills 4 B more)
     )
 
 
