@@ -123,6 +123,17 @@ def test_early_release_candidate(case, level, capfd, tmp_path, monkeypatch):
     assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "none", varlen=True)).early_release
 
 
+def test_loose_turns_candidate(capfd, tmp_path, monkeypatch):
+    """launch_bwd.LOOSE_TURNS (an A/B candidate, off): plain d=256's turns passed on once the
+    box is read compiles spill-free, without the completion wait; deterministic mode keeps it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch_bwd, "LOOSE_TURNS", 1)
+    case = (torch.bfloat16, 256, "none", False, False, False)
+    assert compile_and_check(case, capfd).loose_turns
+    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "none", deterministic=True)).loose_turns
+    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "causal")).loose_turns
+
+
 def test_plain_d256_without_a_mask_adds_dq_in_turn():
     """Plain d=256 without a mask runs the deterministic kernel (dQ by the writer warp, in
     turn, beside one Q/dO stage: 1.01-1.16x its reductions); masks, packed sequences and the

@@ -143,6 +143,11 @@ class Sm90BwdConfig:
     # waiting for both loads every step (ncu: 16% of their stall samples on the full barrier).
     # An A/B candidate (launch_bwd.EARLY_RELEASE, off).
     early_release: bool = False
+    # (deterministic, dq_writer) the turn passed on once the reduce-add has read the box, not
+    # once it is complete: the key blocks still start their additions in turn (the stagger
+    # that made plain d=256 faster in turn), but may overlap, so their order is not fixed.
+    # Only where determinism was not asked for. An A/B candidate (launch_bwd.LOOSE_TURNS, off).
+    loose_turns: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -977,7 +982,7 @@ class FlashBwdSm90:
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 named_barriers.arrive(BwdBarrier.DQ_FREE, threads)
-                if const_expr(cfg.deterministic):
+                if const_expr(cfg.deterministic and not cfg.loose_turns):
                     cute.arch.cp_async_bulk_wait_group(0)  # complete: the next turn may add
                     cute.arch.fence_proxy("async.global")
 

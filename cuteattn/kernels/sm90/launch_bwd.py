@@ -40,6 +40,10 @@ NATIVE_WIDTH_MAX = 96
 # freed before dQ's staging too
 EARLY_RELEASE = 0
 
+# Plain d=256's turns passed on once the reduce-add has read the box (Sm90BwdConfig.loose_turns;
+# an A/B candidate, off)
+LOOSE_TURNS = 0
+
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -109,7 +113,8 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
         # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
         dq_writer=dq_tma and (ordered or not packed),
-        early_release=bool(EARLY_RELEASE) and not packed,  # (packed d=128 spills 4 B more)
+        early_release=bool(EARLY_RELEASE) and not packed,
+        loose_turns=bool(LOOSE_TURNS) and ordered and not spec.deterministic,  # (packed d=128 spills 4 B more)
     )
 
 
