@@ -123,6 +123,16 @@ def test_early_release_candidate(case, level, capfd, tmp_path, monkeypatch):
     assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "none", varlen=True)).early_release
 
 
+@pytest.mark.parametrize("case", EARLY_CASES, ids=case_id)
+def test_prefetch_lse_candidate(case, capfd, tmp_path, monkeypatch):
+    """launch_bwd.PREFETCH_LSE (an A/B candidate, off): the LSE rows read into registers before
+    the S^T GEMM's wait compiles without new spills (d=64's 128-row steps do not take it)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launch_bwd, "PREFETCH_LSE", 1)
+    cfg = compile_and_check(case, capfd)
+    assert cfg.prefetch_lse == (cfg.tile_m == 64)
+
+
 def test_loose_turns_candidate(capfd, tmp_path, monkeypatch):
     """launch_bwd.LOOSE_TURNS (an A/B candidate, off): plain d=256's turns passed on once the
     box is read compiles spill-free, without the completion wait; deterministic mode keeps it."""

@@ -148,6 +148,11 @@ class Sm90BwdConfig:
     # that made plain d=256 faster in turn), but may overlap, so their order is not fixed.
     # Only where determinism was not asked for. An A/B candidate (launch_bwd.LOOSE_TURNS, off).
     loose_turns: bool = False
+    # the thread's LSE rows read from shared memory into registers right after the S^T GEMM
+    # is issued, not where the exponentials use them after its wait: ncu had 6% of d=128's
+    # stall samples on the first exponential's FFMA waiting for its LSE load. (D's too spilled
+    # 12-28 bytes at d=128.) An A/B candidate (launch_bwd.PREFETCH_LSE, off).
+    prefetch_lse: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -698,6 +703,7 @@ class FlashBwdSm90:
         # (dq_tma) the warp of each dQ warpgroup that issues its reduce-add
         dq_issuer = (tidx % WG_THREADS) // 32 == 0
         num_cols = cute.size(acc_S_mn, mode=[1])
+        lse_rows = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)  # (prefetch_lse)
         key_start = n_block * self.tile_n + (0 if const_expr(cfg.split_d) else wg * WG_ROWS)
 
         order = self.dq_order_of(mSemaphore, mDqTurns, seqlen, block_info, n_block, head_idx,
@@ -719,6 +725,10 @@ class FlashBwdSm90:
             dsum_of = lambda c: sD[coord_st[0, c][1], state.index]
             pipeline_q.consumer_wait(state)
             gemm_async(make_sdp(), acc_S, tSrK, tSrQ[None, None, None, state.index], True)
+            if const_expr(cfg.prefetch_lse):
+                for c in cutlass.range_constexpr(num_cols):
+                    lse_rows[c] = sLSE2[coord_st[0, c][1], state.index]
+                lse2_of = lambda c: lse_rows[c]
             pipeline_do.consumer_wait(state)
             gemm_async(make_sdp(), acc_dP, tPrV, tPrdO[None, None, None, state.index], True)
             # P^T = exp2(S^T * scale_log2 - lse_log2), masked entries 0; then

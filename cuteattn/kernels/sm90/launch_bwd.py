@@ -44,6 +44,10 @@ EARLY_RELEASE = 0
 # an A/B candidate, off)
 LOOSE_TURNS = 0
 
+# The LSE rows read into registers before the S^T GEMM's wait (Sm90BwdConfig.prefetch_lse; an
+# A/B candidate, off; not in d=64's 128-row steps, which spill 20-32 bytes with it)
+PREFETCH_LSE = 0
+
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -114,7 +118,8 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
         dq_writer=dq_tma and (ordered or not packed),
         early_release=bool(EARLY_RELEASE) and not packed,
-        loose_turns=bool(LOOSE_TURNS) and ordered and not spec.deterministic,  # (packed d=128 spills 4 B more)
+        loose_turns=bool(LOOSE_TURNS) and ordered and not spec.deterministic,
+        prefetch_lse=bool(PREFETCH_LSE) and not tall,  # (packed d=128 spills 4 B more)
     )
 
 
