@@ -98,52 +98,6 @@ def compile_and_check(case, capfd):
     return cfg
 
 
-EARLY_CASES = [(torch.bfloat16, 256, "none", False, False, False),
-                  (torch.float16, 256, "causal", False, False, False),
-                  (torch.bfloat16, 128, "none", False, False, False),
-                  (torch.bfloat16, 128, "causal", False, False, True),
-                  (torch.bfloat16, 64, "causal", False, False, False),
-                  (torch.float16, 96, "softcap", False, False, False),
-                  (torch.float16, 192, "softcap", False, True, False)]
-
-
-@pytest.mark.parametrize("case,level", [(c, 1) for c in EARLY_CASES]
-                         + [(c, 2) for c in EARLY_CASES if c[1] == 256],
-                         ids=lambda x: case_id(x) if isinstance(x, tuple) else f"level{x}")
-def test_early_release_candidate(case, level, capfd, tmp_path, monkeypatch):
-    """launch_bwd.EARLY_RELEASE (an A/B candidate, off): Q's and dO's stages freed once their
-    last GEMMs are done (2: and d=256 with dK's GEMM before dQ's) compile without new spills in
-    each kind of kernel; not with packed sequences (packed d=128 with a window spilled 16
-    bytes with it, 12 without)."""
-    monkeypatch.chdir(tmp_path)
-    before = launch_bwd.bwd_config(make_spec(*case)).dq_before_dk
-    monkeypatch.setattr(launch_bwd, "EARLY_RELEASE", level)
-    cfg = compile_and_check(case, capfd)
-    assert cfg.early_release and cfg.dq_before_dk == (before and not (level == 2 and case[1] == 256))
-    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "none", varlen=True)).early_release
-
-
-@pytest.mark.parametrize("case", EARLY_CASES, ids=case_id)
-def test_prefetch_lse_candidate(case, capfd, tmp_path, monkeypatch):
-    """launch_bwd.PREFETCH_LSE (an A/B candidate, off): the LSE rows read into registers before
-    the S^T GEMM's wait compiles without new spills (d=64's 128-row steps do not take it)."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch_bwd, "PREFETCH_LSE", 1)
-    cfg = compile_and_check(case, capfd)
-    assert cfg.prefetch_lse == (cfg.tile_m == 64)
-
-
-def test_loose_turns_candidate(capfd, tmp_path, monkeypatch):
-    """launch_bwd.LOOSE_TURNS (an A/B candidate, off): plain d=256's turns passed on once the
-    box is read compiles spill-free, without the completion wait; deterministic mode keeps it."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(launch_bwd, "LOOSE_TURNS", 1)
-    case = (torch.bfloat16, 256, "none", False, False, False)
-    assert compile_and_check(case, capfd).loose_turns
-    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "none", deterministic=True)).loose_turns
-    assert not launch_bwd.bwd_config(make_spec(torch.bfloat16, 256, "causal")).loose_turns
-
-
 def test_plain_d256_without_a_mask_adds_dq_in_turn():
     """Plain d=256 without a mask runs the deterministic kernel (dQ by the writer warp, in
     turn, beside one Q/dO stage: 1.01-1.16x its reductions); masks, packed sequences and the

@@ -135,28 +135,20 @@ class Sm90BwdConfig:
     # block (0.49-0.77x of the plain backward that way); the writer overlaps them with the next
     # block.
     dq_writer: bool = False
-    # Q's and dO's stages each freed as soon as its last GEMM is done, at the wait that
-    # follows dQ's GEMM, not at the end of the step: dO's once dV's GEMM is (with
-    # dq_before_dk the producer loads dO before Q, so the next block's dO is on its way while
-    # dQ is staged and dK's GEMM runs: FlashAttention-4's order), and without dq_before_dk Q's
-    # too, dK's GEMM having gone before dQ's. One stage (d=256) otherwise leaves the consumers
-    # waiting for both loads every step (ncu: 16% of their stall samples on the full barrier).
-    # An A/B candidate (launch_bwd.EARLY_RELEASE, off).
-    early_release: bool = False
-    # (deterministic, dq_writer) the turn passed on once the reduce-add has read the box, not
-    # once it is complete: the key blocks still start their additions in turn (the stagger
-    # that made plain d=256 faster in turn), but may overlap, so their order is not fixed.
-    # Only where determinism was not asked for. An A/B candidate (launch_bwd.LOOSE_TURNS, off).
-    loose_turns: bool = False
-    # the thread's LSE rows read from shared memory into registers right after the S^T GEMM
-    # is issued, not where the exponentials use them after its wait: ncu had 6% of d=128's
-    # stall samples on the first exponential's FFMA waiting for its LSE load. (D's too spilled
-    # 12-28 bytes at d=128.) An A/B candidate (launch_bwd.PREFETCH_LSE, off).
-    prefetch_lse: bool = False
 
     @property
     def sparse(self) -> bool:
         return self.sparse_q_block > 0
+
+    @property
+    def prefetch_lse(self) -> bool:
+        """The thread's LSE rows read from shared memory into registers right after the S^T
+        GEMM is issued, not where the exponentials use them after its wait (ncu had 6% of
+        d=128's stall samples on the first exponential's FFMA waiting for its LSE load):
+        0.997-1.022x at d=128. Not in 128-row query steps (d=64), which spill 20-32 bytes with
+        it, nor with packed sequences (48-84 bytes at d=128); D's rows too spilled 12-28 bytes
+        at d=128."""
+        return self.tile_m == 64 and not (self.varlen_q or self.varlen_k)
 
     @property
     def lean_stores(self) -> bool:
@@ -558,26 +550,17 @@ class FlashBwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
         for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
             m_block = rows.block(it)
-            do_first = self.cfg.early_release and self.cfg.dq_before_dk  # (dO's stage freed first)
-            if const_expr(not do_first):
-                self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_lse, tLgL, tLsL, pipeline_q, state, m_block)
+            pipeline_q.producer_acquire(state)
+            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
+            cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index],
+                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
             pipeline_do.producer_acquire(state)
             cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
             cute.copy(tma_atom_dsum, tDgD[None, m_block], tDsD[None, state.index],
                       tma_bar_ptr=pipeline_do.producer_get_barrier(state))
-            if const_expr(do_first):
-                self.load_q(tma_atom_q, tQgQ, tQsQ, tma_atom_lse, tLgL, tLsL, pipeline_q, state, m_block)
             state.advance()
-
-    @cute.jit
-    def load_q(self, tma_atom_q, tQgQ, tQsQ, tma_atom_lse, tLgL, tLsL, pipeline_q, state, m_block):
-        """A query block's Q and LSE rows into the stage, by TMA."""
-        pipeline_q.producer_acquire(state)
-        cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
-                  tma_bar_ptr=pipeline_q.producer_get_barrier(state))
-        cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index],
-                  tma_bar_ptr=pipeline_q.producer_get_barrier(state))
 
     def row_view(self, mX: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
         """The (rows,) LSE or D of one head. Packed sequences are laid out padded
@@ -840,36 +823,24 @@ class FlashBwdSm90:
                 if const_expr(not cfg.dq_before_dk):
                     issue_dk()
             then = issue_dk if const_expr(cfg.dq_before_dk) else None
-            # (early_release) the stages whose last GEMMs are done at dQ's wait: dO's (dV's
-            # GEMM), and without dq_before_dk Q's (dK's GEMM)
-            free_early = None
-            if const_expr(cfg.early_release and cfg.dq_before_dk):
-                free_early = lambda: pipeline_do.consumer_release(state)
-            elif const_expr(cfg.early_release):
-                free_early = lambda: (pipeline_do.consumer_release(state),
-                                   pipeline_q.consumer_release(state))
             if const_expr(cfg.dq_single_wg):
                 if wg == 0:
                     self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                                 softmax_scale, m_block, tidx, then, free_early)
+                                 softmax_scale, m_block, tidx, then)
                 else:
                     if const_expr(then is not None):
                         then()
                     warpgroup.wait_group(0)
-                    if const_expr(free_early is not None):
-                        free_early()
                     self.dq_order(order, m_block, tidx, None)
             else:
                 self.dq_step(dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen.seqlen_q,
-                             softmax_scale, m_block, tidx, then, free_early)
+                             softmax_scale, m_block, tidx, then)
             if const_expr(cfg.dq_before_dk):
                 # dK's GEMM (issued after dQ's, run under dQ's additions) reads Q's stage: it
                 # is done before the stage is freed for the producer's next TMA write
                 warpgroup.wait_group(0)
-            if const_expr(not cfg.early_release or cfg.dq_before_dk):
-                pipeline_q.consumer_release(state)
-            if const_expr(not cfg.early_release):
-                pipeline_do.consumer_release(state)
+            pipeline_q.consumer_release(state)
+            pipeline_do.consumer_release(state)
             state.advance()
         # dK (scaled) and dV out, staged through K's and V's buffers once every consumer is
         # past its last dQ GEMM (they read all of K)
@@ -901,11 +872,10 @@ class FlashBwdSm90:
 
     @cute.jit
     def dq_step(self, dq, tQrdS, tQrKt, ds_stage, gdQ, order, seqlen_q, softmax_scale,
-                m_block, tidx, then=None, gemms_done=None):
+                m_block, tidx, then=None):
         """dQ's share of this key block for query block m_block: dS K, scaled, added to the
         float32 accumulator (rows inside the sequence only). `then`: issues dK's GEMM after
-        dQ's, which the additions then wait for alone. `gemms_done`: called as soon as the
-        GEMMs issued before dQ's are done."""
+        dQ's, which the additions then wait for alone."""
         thr_dq = dq.get_slice(tidx)
         acc_dQ = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.d)))
         fresh = sm90_utils.make_trivial_tiled_mma(
@@ -916,11 +886,7 @@ class FlashBwdSm90:
             then()
             warpgroup.wait_group(1)
         else:
-            warpgroup.wait_group(0 if const_expr(gemms_done is None) else 1)
-        if const_expr(gemms_done is not None):
-            gemms_done()
-            if const_expr(then is None):
-                warpgroup.wait_group(0)
+            warpgroup.wait_group(0)
         if const_expr(self.cfg.dq_tma):
             self.reduce_dq(acc_dQ, gdQ, m_block, tidx, softmax_scale)
         else:
@@ -992,7 +958,7 @@ class FlashBwdSm90:
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
                 named_barriers.arrive(BwdBarrier.DQ_FREE, threads)
-                if const_expr(cfg.deterministic and not cfg.loose_turns):
+                if const_expr(cfg.deterministic):
                     cute.arch.cp_async_bulk_wait_group(0)  # complete: the next turn may add
                     cute.arch.fence_proxy("async.global")
 

@@ -35,19 +35,6 @@ COMPILE_MODULE = "cuteattn.kernels.sm90.compile"
 # packed-sequence variants spill).
 NATIVE_WIDTH_MAX = 96
 
-# Q's and dO's stages freed once their last GEMMs are done (Sm90BwdConfig.early_release; an A/B
-# candidate, off): 1; 2 also takes dK's GEMM before dQ's at d=256, so that Q's single stage is
-# freed before dQ's staging too
-EARLY_RELEASE = 0
-
-# Plain d=256's turns passed on once the reduce-add has read the box (Sm90BwdConfig.loose_turns;
-# an A/B candidate, off)
-LOOSE_TURNS = 0
-
-# The LSE rows read into registers before the S^T GEMM's wait (Sm90BwdConfig.prefetch_lse; an
-# A/B candidate, off; not in d=64's 128-row steps, which spill 20-32 bytes with it)
-PREFETCH_LSE = 0
-
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
@@ -102,7 +89,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # sequences at d=128 it spills (28-48 bytes), so those keep dK's GEMM first (and
         # d=64's causal 128-row steps: 20 bytes)
         dq_before_dk=not (((spec.varlen_q or spec.varlen_k) and head_dim == 128)
-                          or (tall and spec.causal) or (EARLY_RELEASE >= 2 and head_dim == 256)),
+                          or (tall and spec.causal)),
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=ordered,
@@ -117,9 +104,6 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
         # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
         dq_writer=dq_tma and (ordered or not packed),
-        early_release=bool(EARLY_RELEASE) and not packed,
-        loose_turns=bool(LOOSE_TURNS) and ordered and not spec.deterministic,
-        prefetch_lse=bool(PREFETCH_LSE) and not tall,  # (packed d=128 spills 4 B more)
     )
 
 
