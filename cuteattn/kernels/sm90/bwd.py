@@ -146,9 +146,12 @@ class Sm90BwdConfig:
         GEMM is issued, not where the exponentials use them after its wait (ncu had 6% of
         d=128's stall samples on the first exponential's FFMA waiting for its LSE load):
         0.997-1.022x at d=128. Not in 128-row query steps (d=64), which spill 20-32 bytes with
-        it, nor with packed sequences (48-84 bytes at d=128); D's rows too spilled 12-28 bytes
-        at d=128."""
-        return self.tile_m == 64 and not (self.varlen_q or self.varlen_k)
+        it, nor with packed sequences (48-84 bytes at d=128) or a mod (a prefix-LM mask_mod
+        spilled), nor with block-sparse lists (not timed with it); D's rows too spilled 12-28
+        bytes at d=128."""
+        return self.tile_m == 64 and not (self.varlen_q or self.varlen_k or self.sparse
+                                          or self.mask_mod is not None
+                                          or self.score_mod is not None)
 
     @property
     def lean_stores(self) -> bool:
