@@ -10,9 +10,11 @@ or the bench's paged prefill cell (2048 queries over a 16k-key paged cache, caus
 size, e.g. pages of 16 against 128:
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:FlashFwdSm90 \
         --launch-skip 2 --launch-count 1 python3 benchmarks/dev_profile.py prefill 16
-Arguments: head_dim seqlen causal(0/1) [bwd [fa4|det]]; fa4 runs flash-attn-4's kernels instead of
-ours (its backward kernel matches -k regex:BackwardSm90), det our deterministic backward; batch x seqlen = 16384 tokens, nheads x d = 2048,
-bf16. Or: prefill page_size.
+Arguments: head_dim seqlen causal(0/1) [fwd|bwd [fa4|det]]; fa4 runs flash-attn-4's kernels instead
+of ours (its backward kernel matches -k regex:BackwardSm90), det our deterministic backward;
+batch x seqlen = 16384 tokens, nheads x d = 2048 (d=80 and 96: 24 heads, as the bench's surface
+rows), bf16. e.g. d=80's forward beside FlashAttention-4's: `80 4096 0 fwd` and `80 4096 0 fwd fa4`.
+Or: prefill page_size.
 """
 import sys
 
@@ -39,7 +41,7 @@ if sys.argv[5:6] == ["fa4"]:
     from flash_attn.cute.interface import flash_attn_func as fa4
     first = lambda r: r[0] if isinstance(r, tuple) else r  # (out, lse)
     attend = lambda q, k, v: first(fa4(q, k, v, causal=causal))
-b, h = 16384 // s, 2048 // d
+b, h = 16384 // s, {80: 24, 96: 24}.get(d, 2048 // d)
 q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
            for _ in range(3)]
 for _ in range(4):
