@@ -689,7 +689,8 @@ class FlashBwdSm90:
         # (dq_tma) the warp of each dQ warpgroup that issues its reduce-add
         dq_issuer = (tidx % WG_THREADS) // 32 == 0
         num_cols = cute.size(acc_S_mn, mode=[1])
-        lse_rows = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32)  # (prefetch_lse)
+        lse_rows = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32) if const_expr(
+            cfg.prefetch_lse) else None
         key_start = n_block * self.tile_n + (0 if const_expr(cfg.split_d) else wg * WG_ROWS)
 
         order = self.dq_order_of(mSemaphore, mDqTurns, seqlen, block_info, n_block, head_idx,
