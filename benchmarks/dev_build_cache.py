@@ -27,7 +27,7 @@ MASKS = {  # name -> (causal, local, softcap)
 def specs():
     from cuteattn.spec import AttentionSpec
     for dtype, d, mask, varlen, seqlen in itertools.product(
-            (torch.bfloat16, torch.float16), (64, 96, 128, 192, 256), MASKS, (False, True),
+            (torch.bfloat16, torch.float16), (64, 80, 96, 128, 192, 256), MASKS, (False, True),
             (1024, 4096)):
         causal, local, softcap = MASKS[mask]
         for seqused in ((False, True) if varlen else (False,)):

@@ -147,3 +147,29 @@ def test_tile_counters_left_at_zero_across_streams(seed, mask):
         lowprec, _ = attention_ref(q, k, v, **kw, upcast=False)
         assert_close_fa(out, ref, lowprec, name=f"call {i}")
     assert all(int(c.abs().sum()) == 0 for c in sm90_launch._tile_counters.values())
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_rising_row_maxima(seed, dtype, d, causal):
+    """Scores that climb along the keys, in steps smaller and larger than the row max's lag
+    (OnlineSoftmax.max_lag_log2: 8 in exp2 units, 5.5 natural): rows keep a stale max over
+    some blocks (probabilities up to 2^8) and move it over others, in every warp's own
+    pattern (a per-row offset), with a large jump now and then."""
+    b, s, h = 2, 2111, 4
+    scale = d ** -0.5
+    keys = torch.arange(s, device="cuda", dtype=torch.float32)
+    rows = torch.arange(s, device="cuda", dtype=torch.float32)
+    # target scores (natural units): 2.3 a step every 97 keys (3.3 in exp2 units: two steps
+    # stay within the lag, a third moves the max), plus 13 every 701 keys
+    target = 2.3 * torch.floor(keys / 97) + 13.0 * torch.floor(keys / 701)
+    q = 0.1 * torch.randn(b, s, h, d, device="cuda")
+    k = 0.1 * torch.randn(b, s, h, d, device="cuda")
+    q[..., 0] = 1.0 + (rows % 7)[None, :, None] / 7  # rows climb at their own rates
+    k[..., 0] = (target / scale / 2)[None, :, None]
+    q, k = q.to(dtype), k.to(dtype)
+    v = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
+    run_and_check(q, k, v, causal=causal)

@@ -26,11 +26,17 @@ class OnlineSoftmax:
     # probabilities relative to the row max are 2^p_max_log2 at most (FA3's max offset: 8 for
     # fp8 P, so that e4m3 keeps more of them normal); the LSE takes it out again
     p_max_log2: cutlass.Constexpr[float] = 0.0
+    # A row keeps its max until a block's scores exceed it by more than this (in exp2 units), so
+    # the probabilities reach 2^max_lag_log2 at most (FA4's rescale threshold on sm100); when no
+    # row of a warp moved its max, the warp skips rescaling the output (rescale). 0: every rise.
+    max_lag_log2: cutlass.Constexpr[float] = 0.0
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int, p_max_log2: float = 0.0) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int, p_max_log2: float = 0.0,
+               max_lag_log2: float = 0.0) -> "OnlineSoftmax":
         make = lambda: cute.make_rmem_tensor(num_rows, Float32)
-        return OnlineSoftmax(scale_log2, num_rows, make(), make(), make(), p_max_log2)
+        return OnlineSoftmax(scale_log2, num_rows, make(), make(), make(), p_max_log2,
+                             max_lag_log2)
 
     @cute.jit
     def reset(self):
@@ -48,6 +54,10 @@ class OnlineSoftmax:
             for c in cutlass.range_constexpr(ncols):
                 cur_max = cute.arch.fmax(cur_max, acc_mn[r, c])
             cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=4)
+            if cutlass.const_expr(self.max_lag_log2 != 0.0):
+                # (both -inf: NaN, not >=, and the max stays -inf)
+                if (prev_max - cur_max) * self.scale_log2 >= -self.max_lag_log2:
+                    cur_max = prev_max
             self.row_max[r] = cur_max
             # A row with no visible key so far keeps max -inf: subtract 0 instead, so that
             # exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
@@ -56,6 +66,9 @@ class OnlineSoftmax:
                 safe_max = Float32(0.0)
             offset = safe_max * self.scale_log2
             scale = cute.math.exp2(prev_max * self.scale_log2 - offset, fastmath=True)
+            if cutlass.const_expr(self.max_lag_log2 != 0.0):
+                if cur_max == prev_max:  # exactly 1: rescale's test
+                    scale = Float32(1.0)
             self.row_scale[r] = scale
             row_sum = Float32(0.0)
             if cutlass.const_expr(self.p_max_log2 != 0.0):
@@ -68,6 +81,17 @@ class OnlineSoftmax:
 
     @cute.jit
     def rescale(self, acc_o_mn: cute.Tensor):
+        if cutlass.const_expr(self.max_lag_log2 != 0.0):
+            moved = self.row_scale[0] != Float32(1.0)
+            for r in cutlass.range_constexpr(1, self.num_rows):
+                moved = moved | (self.row_scale[r] != Float32(1.0))
+            if cute.arch.vote_any_sync(moved):
+                self.multiply(acc_o_mn)
+        else:
+            self.multiply(acc_o_mn)
+
+    @cute.jit
+    def multiply(self, acc_o_mn: cute.Tensor):
         for r in cutlass.range_constexpr(self.num_rows):
             for c in cutlass.range_constexpr(cute.size(acc_o_mn, mode=[1])):
                 acc_o_mn[r, c] = acc_o_mn[r, c] * self.row_scale[r]

@@ -24,6 +24,7 @@ TILES = {
 NARROW_V_TILES = {(192, 128): (2, 128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 SMEM_LIMIT = 227 * 1024
+LAZY_RESCALE = False  # A/B
 # A head dim between those runs at its own width rounded up to WIDTH_STEP columns (the 16-bit
 # wgmma k step; TMA zero-fills the columns past the tensor's), on the tiles of the next width
 # of TILES at or above it (tile_anchor): fewer columns need fewer registers and less shared
@@ -196,6 +197,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
         mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
+        lazy_rescale=LAZY_RESCALE and not fp8,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

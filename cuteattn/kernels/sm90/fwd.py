@@ -42,6 +42,8 @@ from ..common.mods import KernelMod, apply_mask_mod, apply_score_mod, traced
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import LOG2E, OnlineSoftmax
+
+MAX_LAG_LOG2 = 8.0
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from .gemm import PingPong, gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
@@ -108,6 +110,7 @@ class Sm90FwdConfig:
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of every
     # row's softmax denominator, with no value (OnlineSoftmax.finalize)
     has_sink: bool = False
+    lazy_rescale: bool = False  # A/B: OnlineSoftmax.max_lag_log2 = MAX_LAG_LOG2
 
     @property
     def tile_m(self) -> int:
@@ -684,7 +687,8 @@ class FlashFwdSm90:
             to_p = lambda: convert_fragment(acc_S, tOrP)
 
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]),
-                                       FP8_P_MAX_LOG2 if const_expr(cfg.fp8) else 0.0)
+                                       FP8_P_MAX_LOG2 if const_expr(cfg.fp8) else 0.0,
+                                       MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale) else 0.0)
         softmax.reset()
         row_start = m_block * self.tile_m + wg * WG_ROWS
 

@@ -1,0 +1,62 @@
+"""A/B of an sm90 forward switch in one process: each cell of the forward bench's grids (default
+d=64/128/256, the surface rows d=80/96/192, the varlen cells) timed with the switch off and on,
+interleaved and repeated (best of rounds), with the ratio on/off; exits 3 if the geometric mean
+loses. Usage (GPU):
+    PYTHONPATH=$PWD python3 benchmarks/dev_fwd_ab.py FLAG [--rounds N] [--grid default,surface,varlen]
+        [--fp16] [--path sm80]
+FLAG names a boolean constant of cuteattn/kernels/sm90/config.py (sm80/config.py with --path
+sm80, which runs the portable kernels); off is False, on is True."""
+import math
+import os
+import sys
+
+argv = sys.argv[1:]
+opt = lambda name, default: argv[argv.index(name) + 1] if name in argv else default
+path = opt("--path", "sm90")
+if path != "sm90":
+    os.environ["CUTEATTN_PATH"] = path
+
+import torch  # noqa: E402
+
+from cuteattn import api
+from cuteattn.bench import peers, shapes
+from cuteattn.bench.timing import median_ms
+from cuteattn.kernels.sm90 import config as sm90_config  # noqa: E402
+from cuteattn.kernels.sm80 import config as sm80_config  # noqa: E402
+
+config = sm80_config if path == "sm80" else sm90_config
+flag = argv[0]
+rounds = int(opt("--rounds", 2))
+grids = opt("--grid", "default,surface,varlen").split(",")
+dev = torch.device("cuda")
+cells = []
+for g in grids:
+    cells += {"default": shapes.default_grid, "surface": shapes.surface_grid,
+              "varlen": shapes.varlen_grid}[g]()
+if "--fp16" in argv:
+    import dataclasses
+    cells = [dataclasses.replace(c, dtype="fp16") for c in cells]
+
+
+def use(on: bool):
+    setattr(config, flag, on)
+    api._launches.clear()
+
+
+logs = []
+for cell in cells:
+    x = peers.make_inputs(cell, dev)
+    fn = peers._cuteattn(cell, x, strict=True)
+    best = {}
+    for _ in range(rounds):
+        for on in (False, True):
+            use(on)
+            fn()
+            best[on] = min(best.get(on, 1e9), median_ms(fn, dev))
+    ratio = best[False] / best[True]
+    logs.append(math.log(ratio))
+    print(f"{cell.label():40s} off {cell.rate(best[False]):7.1f} on {cell.rate(best[True]):7.1f} "
+          f"TFLOP/s  on/off {ratio:.3f}", flush=True)
+gm = math.exp(sum(logs) / len(logs))
+print(f"{flag}: geometric mean {gm:.4f} over {len(logs)} cells")
+sys.exit(3 if gm < 1.0 else 0)
