@@ -38,7 +38,6 @@ LOCAL_TILES = {  # with a sliding window
     192: [(64, 64, 4)],
 }
 SUPPORTED_HEAD_DIMS = tuple(TILES)
-LAZY_RESCALE = False  # A/B
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
 # the device). sm_90 is here for the H100/H200, where the path is tested.
@@ -64,8 +63,7 @@ def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool
         tile_n=tile_n,
         num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
-        has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1, has_sink=has_sink,
-        lazy_rescale=LAZY_RESCALE)
+        has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1, has_sink=has_sink)
         for tile_m, tile_n, warps, *stages in tiles]
     configs = [cfg for cfg in configs if cfg.smem_bytes() <= smem_limit]
     if not configs:

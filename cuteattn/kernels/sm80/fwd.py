@@ -105,7 +105,6 @@ class Sm80FwdConfig:
     # scaled back), P is rounded to fp16 times 2^F16_P_LOG2 (the output's scale takes it out)
     # so that fp16 keeps small probabilities normal: both operands hold at least bf16's bits.
     f16_operands: bool = False
-    lazy_rescale: bool = False  # A/B: OnlineSoftmax.max_lag_log2 = MAX_LAG_LOG2
     # A launch bound: ptxas fits the registers to this many CTAs an SM (0: unbounded). The
     # warp-local tile at d=128 takes 194 registers unbounded, 168 without spills at 3.
     min_ctas_per_sm: int = 0
@@ -136,7 +135,6 @@ class Sm80FwdConfig:
 
 KEYS_PER_WARP = 16  # Sm80FwdConfig.split_keys: each warp's share of a key block
 FRAGMENT_ROW_PAD = 16  # bytes after each row of the ring with warp_local (bank spread)
-MAX_LAG_LOG2 = 8.0
 F16_P_LOG2 = 15  # f16_operands: P in [0, 1] rounded to fp16 as 2^15 P (fp16's top power of two)
 Q_F16_MAX_LOG2 = 14  # f16_operands: Q's largest magnitude scaled into [2^14, 2^15)
 
@@ -498,9 +496,7 @@ class FlashFwdSm80:
             coord_S = cute.local_tile(coord_S, (self.tile_m, keys), (0, warp))
         coord_S_mn = acc_mn_view(thr_mma.partition_C(coord_S))
         tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.mma_dtype)
-        softmax = OnlineSoftmax.create(
-            softmax_scale_log2, cute.size(acc_S_mn, mode=[0]),
-            max_lag_log2=MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale and not cfg.f16_operands) else 0.0)
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
         q_unscale = None  # (f16_operands: Q's scale undone)
         if const_expr(cfg.f16_operands):
             q_unscale = cute.make_rmem_tensor((1,), Float32)

@@ -24,7 +24,6 @@ TILES = {
 NARROW_V_TILES = {(192, 128): (2, 128, 2)}
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 SMEM_LIMIT = 227 * 1024
-LAZY_RESCALE = False  # A/B
 # A head dim between those runs at its own width rounded up to WIDTH_STEP columns (the 16-bit
 # wgmma k step; TMA zero-fills the columns past the tensor's), on the tiles of the next width
 # of TILES at or above it (tile_anchor): fewer columns need fewer registers and less shared
@@ -197,7 +196,12 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
         mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
-        lazy_rescale=LAZY_RESCALE and not fp8,
+        # The row max may lag (OnlineSoftmax.max_lag_log2; not with fp8's P, which uses that
+        # headroom): it pays on the three-warpgroup tiles, whose softmax is the largest share
+        # of a block, and at d=256, whose rescale of the widest O sits between P V GEMMs with no
+        # turns to hide it (+1-4% and +2-9% non-causal); two-warpgroup tiles at d=64-192 ran
+        # 0.93-1.01x with it (docs/perf-log.md, twenty-seventh session).
+        lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256),
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)
@@ -212,7 +216,8 @@ def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdC
     for stages in (4, 3, 2):
         cfg = with_o_path(dataclasses.replace(
             dense, sparse=True, num_wg=q_block // 64, tile_n=kv_block, num_stages=stages,
-            pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer"))
+            pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer",
+            lazy_rescale=dense.lazy_rescale and q_block // 64 == 3))
         if cfg.smem_bytes() <= SMEM_LIMIT:
             return cfg
     raise ValueError(f"no K/V ring for block-sparse {q_block}x{kv_block} at head_dim {dense.head_dim}")

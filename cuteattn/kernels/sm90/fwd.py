@@ -110,7 +110,9 @@ class Sm90FwdConfig:
     # a learnable sink per query head (gpt-oss): float32 mSink (h,), one more term of every
     # row's softmax denominator, with no value (OnlineSoftmax.finalize)
     has_sink: bool = False
-    lazy_rescale: bool = False  # A/B: OnlineSoftmax.max_lag_log2 = MAX_LAG_LOG2
+    # a row keeps its max until scores pass it by MAX_LAG_LOG2, and a warp whose rows all kept
+    # theirs skips O's rescale (OnlineSoftmax.max_lag_log2; config.py says where)
+    lazy_rescale: bool = False
 
     @property
     def tile_m(self) -> int:
