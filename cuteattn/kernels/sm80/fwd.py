@@ -33,9 +33,9 @@ from ..common.mask import apply_mask
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import LOG2E, OnlineSoftmax
-from .combine import merge_row
 from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
 from . import mma
+from .combine import merge_row
 
 
 @dataclass(frozen=True)
