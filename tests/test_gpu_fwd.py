@@ -163,8 +163,9 @@ def test_rising_row_maxima(seed, dtype, d, causal):
     scale = d ** -0.5
     keys = torch.arange(s, device="cuda", dtype=torch.float32)
     rows = torch.arange(s, device="cuda", dtype=torch.float32)
-    # target scores (natural units): 2.3 a step every 97 keys (3.3 in exp2 units: two steps
-    # stay within the lag, a third moves the max), plus 13 every 701 keys
+    # scores q0 * target / 2 with q0 in [1, 1.86) (natural units): steps of 1.2-2.1 every 97
+    # keys (1.7-3.1 in exp2 units: a few stay within the lag, then the max moves) and jumps of
+    # 6.5-12 every 701 keys (9.4-17: past it at once)
     target = 2.3 * torch.floor(keys / 97) + 13.0 * torch.floor(keys / 701)
     q = 0.1 * torch.randn(b, s, h, d, device="cuda")
     k = 0.1 * torch.randn(b, s, h, d, device="cuda")
