@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import statistics
 import warnings
 
 import torch
@@ -63,7 +64,13 @@ def parse_args(argv=None):
                    help="write a bar chart (default path: the JSON path with .png)")
     p.add_argument("--commit", help="commit to record when this tree is not a git checkout")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per cell (median taken)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="timing rounds per cell, the implementations in turn (median of the rounds)")
     return p.parse_args(argv)
+
+
+def _reason(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def compile_stats():
@@ -73,10 +80,14 @@ def compile_stats():
         return None
 
 
-def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
+def run_cell(cell: shapes.Cell, device: torch.device, iters: int, rounds: int = 1) -> dict:
+    """Each implementation's first call and check, then `rounds` rounds of timing that take the
+    implementations in turn (so none is timed only right after its own check, or only first), the
+    cell's rate from the median of its rounds' medians (all rounds' times kept in `round_ms`)."""
     x = make_inputs(cell, device)
     result = dict(label=cell.label(), cell=cell.to_json(), metric=cell.metric, rates={},
                   check={}, skipped={}, first_call_s={}, compiles=None)
+    timed = {}
     for name, fn in implementations(cell, x, device).items():
         if isinstance(fn, str):
             result["skipped"][name] = fn
@@ -98,18 +109,33 @@ def run_cell(cell: shapes.Cell, device: torch.device, iters: int) -> dict:
                     if key not in before["kernel_info"]}
             result["check"][name] = check(cell, x, out, getattr(fn, "state", {}).get("dout"))
             del out
-            ms = median_ms(fn, device, iters=iters)
         except Exception as e:  # one failing implementation must not end the run
-            result["skipped"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            result["skipped"][name] = _reason(e)
             continue
-        result["rates"][name] = float(f"{cell.rate(ms):.4g}")  # 4 significant digits, never 0
-        result.setdefault("cell_ms", {})[name] = round(ms, 4)  # the median time itself
-        if cell.kind == "decode" and device.type == "cuda":  # also as a CUDA-graph replay
+        timed[name] = fn
+    round_ms = {}
+    for _ in range(rounds):
+        for name, fn in list(timed.items()):
             try:
-                ms = graph_replay_ms(fn, device, iters=iters)
-                result["rates"][name + report.GRAPH] = float(f"{cell.rate(ms):.4g}")
-            except Exception as e:  # a peer that cannot be captured
-                result["skipped"][name + report.GRAPH] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                round_ms.setdefault(name, []).append(median_ms(fn, device, iters=iters))
+                if cell.kind == "decode" and device.type == "cuda":  # also as a CUDA-graph replay
+                    graph = name + report.GRAPH
+                    if graph not in result["skipped"]:
+                        try:
+                            round_ms.setdefault(graph, []).append(graph_replay_ms(fn, device, iters=iters))
+                        except Exception as e:  # a peer that cannot be captured
+                            result["skipped"][graph] = _reason(e)
+            except Exception as e:
+                result["skipped"][name] = _reason(e)
+                round_ms.pop(name, None)
+                del timed[name]
+    for name, times in round_ms.items():
+        ms = statistics.median(times)
+        result["rates"][name] = float(f"{cell.rate(ms):.4g}")  # 4 significant digits, never 0
+        if not name.endswith(report.GRAPH):
+            result.setdefault("cell_ms", {})[name] = round(ms, 4)  # the median time itself
+        if rounds > 1:
+            result.setdefault("round_ms", {})[name] = [round(t, 4) for t in times]
     if "builders" in x:  # block-sparse: the metadata builders, on the GPU, apart from the kernel
         try:
             result["builder_ms"] = round(median_ms(x["builders"], device, iters=iters), 4)
@@ -153,7 +179,7 @@ def main(argv=None) -> int:
         os.environ["CUTEATTN_PATH"] = args.path  # dispatch.PATH_ENV
     results = []
     for cell in grid:
-        results.append(run_cell(cell, device, args.iters))
+        results.append(run_cell(cell, device, args.iters, args.rounds))
         r = results[-1]
         if args.path:
             r["path"] = args.path
