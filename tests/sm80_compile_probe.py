@@ -3,7 +3,7 @@ JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
 form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
 split-KV combine kernel (d: d_v; mask:
-"sink" or "none"), or "decode[,page=N][,split][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
+"sink" or "none"), or "decode[,page=N][,split[,fold]][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
 for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
@@ -76,7 +76,8 @@ def main():
                                 int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
                                 varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
                                 smem_limit=smem, kv_fp8=FP8.get(flags.get("fp8")),
-                                split_keys="splitkeys" in flags, ctas_per_sm=int(flags.get("ctas", 2)))
+                                split_keys="splitkeys" in flags, ctas_per_sm=int(flags.get("ctas", 2)),
+                                fold_combine="fold" in flags)
             if "sink" in flags:  # (the paged prefill's learnable sink: its epilogue's)
                 import dataclasses
                 cfg = dataclasses.replace(cfg, has_sink=True)

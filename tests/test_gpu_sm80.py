@@ -209,6 +209,29 @@ def test_kvcache_two_ctas_per_sm(seed, case, monkeypatch):
     run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
 
 
+SPLIT_CASES = [c for c in DECODE_CASES + FP8_DECODE_CASES if c[-1].get("splits", 1) != 1]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=[f"split{i}" for i in range(len(SPLIT_CASES))])
+def test_kvcache_folded_combine(seed, case, monkeypatch):
+    """The split decode cases with the merge in each tile's last split (config.FOLD_COMBINE; a
+    sink keeps the combine kernel), twice (the second call finds the counters the first left),
+    and every split counter back at zero after them."""
+    from cuteattn import kvcache
+    from cuteattn.kernels.sm80 import config, launch
+    monkeypatch.setattr(config, "FOLD_COMBINE", True)
+    monkeypatch.setattr(kvcache, "_decode_launches", {})
+    monkeypatch.setattr(kvcache, "_steps", {})
+    monkeypatch.setattr(launch, "_split_counts", {})
+    b, sq, s_new, h, hk, d, cap, lens, extra = case
+    for _ in range(2):
+        run_kvcache(b, sq, s_new, h, hk, d, cap, lens, **extra)
+    torch.cuda.synchronize()
+    if extra.get("splits", 1) > 1 and not extra.get("sink"):  # (the folded kernel ran)
+        assert launch._split_counts
+    assert all(int(c.abs().sum()) == 0 for c in launch._split_counts.values())
+
+
 @pytest.mark.parametrize("case", FP8_DECODE_CASES, ids=[f"fp8case{i}" for i in range(len(FP8_DECODE_CASES))])
 def test_kvcache_fp8(seed, case):
     """An fp8 cache read by the decode kernel (converted in shared memory, descales folded into

@@ -13,13 +13,14 @@ from ..common.arguments import (FLOAT32, INT32, OPTIONAL_TENSOR, TENSOR, VARLEN,
 
 class CacheMetadata(NamedTuple):
     """A KV cache's index tensors, the split-KV outputs and an fp8 cache's descales
-    (flash_attn_with_kvcache), None where not used; the kernel takes them as seven positional
+    (flash_attn_with_kvcache), None where not used; the kernel takes them as eight positional
     parameters."""
     kv_batch_idx: Any = None  # int32 (b,): cache_batch_idx
     leftpad_k: Any = None     # int32 (b,): cache_leftpad
     page_table: Any = None    # int32 (b, max_pages): block_table
     o_partial: Any = None     # float32 (splits, b, s_q, h, d_v)
     lse_partial: Any = None   # float32 (splits, b, h, s_q)
+    split_counts: Any = None  # int32 (>= tiles,): zero (fold_combine)
     k_descale: Any = None     # float32 (b, h_k): an fp8 cache's k descales
     v_descale: Any = None     # float32 (b, h_k): its v descales
 
@@ -46,6 +47,12 @@ def _lse_partial(cfg, sym, align, memspace):
     return fake_tensor(Float32, (sym["splits"], sym["b"], sym["h"], sym["sq"]), align, memspace)
 
 
+def _split_counts(cfg, sym, align, memspace):
+    if not cfg.fold_combine:
+        return None
+    return fake_tensor(Int32, (cute.sym_int(),), align, memspace)
+
+
 def _descale(cfg, sym, align, memspace):
     if cfg.kv_fp8 is None:
         return None
@@ -70,6 +77,7 @@ CACHE = Group("cache", CacheMetadata, (
     Arg("mPageTable", OPTIONAL_TENSOR, _page_table, align=4),
     Arg("mOPartial", OPTIONAL_TENSOR, _o_partial),
     Arg("mLSEPartial", OPTIONAL_TENSOR, _lse_partial, align=4),
+    Arg("mSplitCounts", OPTIONAL_TENSOR, _split_counts, align=4),
     Arg("mKDescale", OPTIONAL_TENSOR, _descale, align=4),
     Arg("mVDescale", OPTIONAL_TENSOR, _descale, align=4),
 ))

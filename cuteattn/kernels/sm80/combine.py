@@ -66,61 +66,74 @@ class CombineSplits:
             h = row % heads
             q = (row // heads) % seqlen_q
             b = row // (heads * seqlen_q)
-            # the merged LSE: max first, then the sum of exponentials relative to it. Lane l
-            # takes splits l, l + 32, ...; split l's LSE stays in a register (`own`), read once
-            # for the max, the sum and its weight (each read is a round trip to L2: at batch 1
-            # the kernel is a chain of them, not bandwidth)
-            own = -Float32.inf
-            if lane < num_splits:
-                own = mLSEPartial[lane, b, h, q]
-            top = own
-            for s in cutlass.range(lane + 32, num_splits, 32, unroll=1):
-                top = cute.arch.fmax(top, mLSEPartial[s, b, h, q])
-            top = cute.arch.warp_reduction_max(top)
-            if const_expr(self.cfg.has_sink):
-                top = cute.arch.fmax(top, mSink[h])
-            safe_top = top
-            if top == -Float32.inf:
-                safe_top = Float32(0.0)
-            total = cute.math.exp2((own - safe_top) * LOG2E, fastmath=True)
-            for s in cutlass.range(lane + 32, num_splits, 32, unroll=1):
-                total += cute.math.exp2((mLSEPartial[s, b, h, q] - safe_top) * LOG2E, fastmath=True)
-            total = cute.arch.warp_reduction_sum(total)
-            if const_expr(self.cfg.has_sink):
-                total += cute.math.exp2((mSink[h] - safe_top) * LOG2E, fastmath=True)
-            lse = -Float32.inf
-            if total > 0.0:
-                lse = safe_top + cute.math.log2(total, fastmath=True) * LN2
-            safe_lse = lse
-            if lse == -Float32.inf:
-                safe_lse = Float32(0.0)
-            # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key). Lane l
-            # computes split base + l's weight, the warp takes them in turn (a shuffle), AT_ONCE
-            # splits' rows at a time: all their loads first, then the sums, so the loads are in
-            # flight together (a group past the last split reloads the last split's row, whose
-            # weight there is 0: no branch between the loads)
-            acc = cute.make_rmem_tensor(self.cols, Float32)
-            acc.fill(0.0)
-            parts = cute.make_rmem_tensor((self.cols, AT_ONCE), Float32)
-            for base in cutlass.range(0, num_splits, 32, unroll=1):
-                mine = Float32(0.0)
-                if base + lane < num_splits and lse != -Float32.inf:
-                    lse_s = own
-                    if base > 0:
-                        lse_s = mLSEPartial[base + lane, b, h, q]
-                    mine = cute.math.exp2((lse_s - safe_lse) * LOG2E, fastmath=True)
-                count = cutlass.min(num_splits - base, 32)
-                for group in cutlass.range(0, count, AT_ONCE, unroll=1):
-                    for j in cutlass.range_constexpr(AT_ONCE):
-                        split = base + cutlass.min(group + j, count - 1)
-                        cute.autovec_copy(cute.local_tile(mOPartial[split, b, q, h, None],
-                                                          (self.cols,), (lane,)), parts[None, j])
-                    for j in cutlass.range_constexpr(AT_ONCE):
-                        weight = cute.arch.shuffle_sync(mine, group + j)  # (0 past count)
-                        for c in cutlass.range_constexpr(self.cols):
-                            acc[c] = acc[c] + weight * parts[c, j]
-            out = cute.make_rmem_tensor(self.cols, self.cfg.dtype)
-            out.store(acc.load().to(self.cfg.dtype))
-            cute.autovec_copy(out, cute.local_tile(mO[b, q, h, None], (self.cols,), (lane,)))
-            if lane == 0:
-                mLSE[b, h, q] = lse
+            merge_row(mOPartial, mLSEPartial, mSink, mO, mLSE, num_splits, b, q, h, lane,
+                      self.cols, self.cfg.dtype, self.cfg.has_sink)
+
+
+@cute.jit
+def merge_row(mOPartial: cute.Tensor, mLSEPartial: cute.Tensor, mSink, mO: cute.Tensor,
+              mLSE: cute.Tensor, num_splits: Int32, b, q, h, lane, cols: cutlass.Constexpr,
+              dtype: cutlass.Constexpr, has_sink: cutlass.Constexpr):
+    """One output row (b, q, h) merged by one warp (`lane`: its lane): the row's split LSEs, a
+    split a lane, and `cols` = d_v / 32 columns a lane of the weighted partial rows; O in
+    `dtype`, the merged LSE in mLSE. Tensors in CombineSplits' layouts. The combine kernel
+    runs it for every row; the decode kernel (Sm80FwdConfig.fold_combine) for its tile's rows
+    in the CTA that stores the tile's last split."""
+    # the merged LSE: max first, then the sum of exponentials relative to it. Lane l
+    # takes splits l, l + 32, ...; split l's LSE stays in a register (`own`), read once
+    # for the max, the sum and its weight (each read is a round trip to L2: at batch 1
+    # the kernel is a chain of them, not bandwidth)
+    own = -Float32.inf
+    if lane < num_splits:
+        own = mLSEPartial[lane, b, h, q]
+    top = own
+    for s in cutlass.range(lane + 32, num_splits, 32, unroll=1):
+        top = cute.arch.fmax(top, mLSEPartial[s, b, h, q])
+    top = cute.arch.warp_reduction_max(top)
+    if const_expr(has_sink):
+        top = cute.arch.fmax(top, mSink[h])
+    safe_top = top
+    if top == -Float32.inf:
+        safe_top = Float32(0.0)
+    total = cute.math.exp2((own - safe_top) * LOG2E, fastmath=True)
+    for s in cutlass.range(lane + 32, num_splits, 32, unroll=1):
+        total += cute.math.exp2((mLSEPartial[s, b, h, q] - safe_top) * LOG2E, fastmath=True)
+    total = cute.arch.warp_reduction_sum(total)
+    if const_expr(has_sink):
+        total += cute.math.exp2((mSink[h] - safe_top) * LOG2E, fastmath=True)
+    lse = -Float32.inf
+    if total > 0.0:
+        lse = safe_top + cute.math.log2(total, fastmath=True) * LN2
+    safe_lse = lse
+    if lse == -Float32.inf:
+        safe_lse = Float32(0.0)
+    # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key). Lane l
+    # computes split base + l's weight, the warp takes them in turn (a shuffle), AT_ONCE
+    # splits' rows at a time: all their loads first, then the sums, so the loads are in
+    # flight together (a group past the last split reloads the last split's row, whose
+    # weight there is 0: no branch between the loads)
+    acc = cute.make_rmem_tensor(cols, Float32)
+    acc.fill(0.0)
+    parts = cute.make_rmem_tensor((cols, AT_ONCE), Float32)
+    for base in cutlass.range(0, num_splits, 32, unroll=1):
+        mine = Float32(0.0)
+        if base + lane < num_splits and lse != -Float32.inf:
+            lse_s = own
+            if base > 0:
+                lse_s = mLSEPartial[base + lane, b, h, q]
+            mine = cute.math.exp2((lse_s - safe_lse) * LOG2E, fastmath=True)
+        count = cutlass.min(num_splits - base, 32)
+        for group in cutlass.range(0, count, AT_ONCE, unroll=1):
+            for j in cutlass.range_constexpr(AT_ONCE):
+                split = base + cutlass.min(group + j, count - 1)
+                cute.autovec_copy(cute.local_tile(mOPartial[split, b, q, h, None],
+                                                  (cols,), (lane,)), parts[None, j])
+            for j in cutlass.range_constexpr(AT_ONCE):
+                weight = cute.arch.shuffle_sync(mine, group + j)  # (0 past count)
+                for c in cutlass.range_constexpr(cols):
+                    acc[c] = acc[c] + weight * parts[c, j]
+    out = cute.make_rmem_tensor(cols, dtype)
+    out.store(acc.load().to(dtype))
+    cute.autovec_copy(out, cute.local_tile(mO[b, q, h, None], (cols,), (lane,)))
+    if lane == 0:
+        mLSE[b, h, q] = lse

@@ -38,6 +38,7 @@ LOCAL_TILES = {  # with a sliding window
     192: [(64, 64, 4)],
 }
 SUPPORTED_HEAD_DIMS = tuple(TILES)
+FOLD_COMBINE = False  # A/B: split decode steps merge in their last split's CTA (fold_combine)
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
 # the device). sm_90 is here for the H100/H200, where the path is tested.
@@ -178,7 +179,8 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                   has_softcap: bool, kv_batch_idx: bool, leftpad_k: bool, page_size: int,
                   split_kv: bool, qhead_per_kvhead: int = 1, varlen_q: bool = False,
                   has_seqused_q: bool = False, smem_limit: int = 99 * 1024,
-                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = 2) -> Sm80FwdConfig:
+                  kv_fp8=None, split_keys: bool = False, ctas_per_sm: int = 2,
+                  fold_combine: bool = False) -> Sm80FwdConfig:
     """The decode kernel's config: q against a cache whose used length is seqused_k;
     page_size 0 for a contiguous cache; the GQA ratio picks the pack-GQA group (a compile-time
     constant: one kernel per ratio that packs). With varlen_q (packed q: the paged prefill of
@@ -188,7 +190,8 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     block is 16 keys a warp (else the usual tile); with an fp8 cache that tile's warps load and
     convert their own keys (Sm80FwdConfig.warp_local: 1.10-1.34x on a contiguous fp8 cache,
     0.98-1.03x paged; neutral for bf16, 0.98-1.00x, so not used there). ctas_per_sm:
-    decode_stages' (decode_ctas_per_sm)."""
+    decode_stages' (decode_ctas_per_sm). fold_combine: with split_kv (batched q), each tile's
+    last split merges the tile's rows (Sm80FwdConfig.fold_combine)."""
     tile_m, tile_n, warps = DECODE_TILES[head_dim]
     gather = False
     if page_size % tile_n:  # (a contiguous cache has page_size 0) a block would span pages
@@ -203,6 +206,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     cfg = dataclasses.replace(cfg, tile_m=tile_m, tile_n=tile_n, num_warps=warps,
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
+                               fold_combine=split_kv and fold_combine and not varlen_q,
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
                                kv_fp8=kv_fp8)
 

@@ -35,6 +35,7 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import LOG2E, OnlineSoftmax
 from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
 from . import mma
+from .combine import merge_row
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class Sm80FwdConfig:
     paged_kv: bool = False
     gather_pages: bool = False
     split_kv: bool = False
+    # With split_kv (no sink): the CTA that stores a tile's last split merges the tile's rows
+    # (combine.merge_row) instead of a combine kernel after it; each tile counts its stored
+    # splits in mSplitCounts (int32, zero, left at zero by the last one).
+    fold_combine: bool = False
     # Pack-GQA: the query heads sharing a kv head (this many, a divisor of tile_m) are rows of
     # one tile, so a tile reads its K/V once for all of them (decoding: one query row per head).
     pack_gqa: int = 1
@@ -206,6 +211,7 @@ class FlashFwdSm80:
         mPageTable: Optional[cute.Tensor],    # int32 (b, max_pages); k/v (pages, page_size, h_k, d)
         mOPartial: Optional[cute.Tensor],     # float32 (splits, b, s_q, h, d_v) (split_kv)
         mLSEPartial: Optional[cute.Tensor],   # float32 (splits, b, h, s_q) (split_kv)
+        mSplitCounts: Optional[cute.Tensor],  # int32 (>= tiles,), zero (fold_combine)
         mKDescale: Optional[cute.Tensor],     # float32 (b, h_k): an fp8 cache's (kv_fp8)
         mVDescale: Optional[cute.Tensor],
         mSink: Optional[cute.Tensor],         # float32 (h,): learnable sinks (has_sink)
@@ -220,6 +226,9 @@ class FlashFwdSm80:
         stream: cuda.CUstream,
     ):
         cfg = self.cfg
+        # the merge's views: the tensors as the combine kernel takes them (fold_combine)
+        merge_views = ((mOPartial, mLSEPartial, mO, mLSE) if const_expr(cfg.fold_combine)
+                       else (None, None, None, None))
         mQ, mO = seq_major(mQ, cfg.varlen_q), seq_major(mO, cfg.varlen_q)
         # paged k/v (pages, page_size, h_k, d) are seen as batched with a page as the batch
         mK, mV = seq_major(mK, cfg.varlen_k), seq_major(mV, cfg.varlen_k)
@@ -261,9 +270,9 @@ class FlashFwdSm80:
         self.kernel(
             mQ, mK, mV, mO, mLSE, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mKvBatchIdx, mLeftpadK, mPageTable, mOPartial, mLSEPartial, mKDescale, mVDescale,
-            mSink, qhead_per_kvhead, num_m_blocks, num_heads, batch, l2_group, l2_small_groups,
-            score_scale, softmax_scale_log2, window_left, window_right, num_splits,
-            sQ_layout, sK_layout, sV_layout, SharedStorage,
+            mSink, mSplitCounts, *merge_views, qhead_per_kvhead, num_m_blocks, num_heads, batch,
+            l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
+            num_splits, sQ_layout, sK_layout, sV_layout, SharedStorage,
         ).launch(
             grid=[num_tiles, 1, 1],
             block=[self.num_threads, 1, 1],
@@ -312,6 +321,9 @@ class FlashFwdSm80:
         mPageTable: Optional[cute.Tensor], mOPartial: Optional[cute.Tensor],
         mLSEPartial: Optional[cute.Tensor], mKDescale: Optional[cute.Tensor],
         mVDescale: Optional[cute.Tensor], mSink: Optional[cute.Tensor],
+        mSplitCounts: Optional[cute.Tensor], mOPartialRows: Optional[cute.Tensor],
+        mLSEPartialRows: Optional[cute.Tensor], mORows: Optional[cute.Tensor],
+        mLSERows: Optional[cute.Tensor],
         qhead_per_kvhead: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
         l2_group: Int32, l2_small_groups: Int32, score_scale: Float32, softmax_scale_log2: Float32,
         window_left: Int32, window_right: Int32, num_splits: Int32,
@@ -379,6 +391,43 @@ class FlashFwdSm80:
                         kv_batch, split, num_splits, score_scale, softmax_scale_log2,
                         window_left, window_right, tidx, staging, v_descale,
                         mSink[head_idx] * Float32(LOG2E) if const_expr(cfg.has_sink) else None)
+            if const_expr(cfg.fold_combine):
+                self.merge_if_last(mSplitCounts, (mOPartialRows, mLSEPartialRows, mORows, mLSERows),
+                                   sQ, tile, num_splits, seqlen, m_block, head_idx, batch_idx, tidx)
+
+    @cute.jit
+    def merge_if_last(self, mSplitCounts, merge_views, sQ, tile, num_splits, seqlen: SeqlenInfo,
+                      m_block, head_idx, batch_idx, tidx):
+        """fold_combine, after this split's partials are stored: the tile's split count goes up
+        by one; the CTA that brings it to num_splits (every other split's partials are stored
+        by then) resets it and merges the tile's rows, a warp a row (combine.merge_row)."""
+        # each thread's partial stores ordered before the count (the release half; the count
+        # itself is acq_rel, and the merging CTA fences again before it reads)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier()
+        # Q's buffer is past its last read (the barrier above): it carries the verdict
+        verdict = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=Int32), cute.make_layout(1))
+        if tidx == 0:
+            stored = cute.arch.atomic_add(mSplitCounts.iterator + tile, Int32(1), sem="acq_rel",
+                                          scope="gpu")
+            last = Int32(0)
+            if stored == num_splits - 1:
+                last = Int32(1)
+                mSplitCounts[tile] = Int32(0)  # every split has counted: zero for the next call
+            verdict[0] = last
+        cute.arch.barrier()
+        if verdict[0] != 0:
+            cute.arch.fence_acq_rel_gpu()
+            mOPartial, mLSEPartial, mO, mLSE = merge_views
+            warp, lane = tidx // 32, tidx % 32
+            for r in cutlass.range(warp, self.tile_m, self.cfg.num_warps, unroll=1):
+                row = m_block * self.tile_m + r  # (packed: query head in group fastest)
+                q, h = row, head_idx
+                if const_expr(self.group > 1):
+                    q, h = row // self.group, head_idx * self.group + row % self.group
+                if q < seqlen.seqlen_q:
+                    merge_row(mOPartial, mLSEPartial, None, mO, mLSE, num_splits, batch_idx, q,
+                              h, lane, self.dv // 32, self.dtype, False)
 
     @cute.jit
     def attend(self, mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,

@@ -158,10 +158,25 @@ class Launch:
         q, k, v = aligned16(q), aligned16(k), aligned16(v)
         out_k = aligned16(out)
         args = self.bind(q, k, v, out_k, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                         None, None, page_table, None, None, None, None, learnable_sink)
+                         None, None, page_table, None, None, None, None, None, learnable_sink)
         call_kernel(self.fn, self.tvm_ffi, args, q.device)
         if out_k is not out:
             out.copy_(out_k)
+
+
+# The split counters of fold_combine's decode kernels: zeros, left at zero by each launch, one
+# buffer per (device, stream) (two launches at once must not share one), grown when a call
+# has more tiles.
+_split_counts: dict = {}
+
+
+def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counts = _split_counts.get(key)
+    if counts is None or counts.numel() < tiles:
+        counts = _split_counts[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
+                                                  device=device)
+    return counts
 
 
 class DecodeLaunch:
@@ -199,8 +214,8 @@ class DecodeLaunch:
             self.combine = (_compiled_combine(cfg, self.tvm_ffi), bind, has_sink)
         return self.combine[:2]
 
-    def _fn(self, split_kv: bool):
-        fn = self.fns.get(split_kv)
+    def _fn(self, split_kv: bool, fold: bool = False):
+        fn = self.fns.get((split_kv, fold))
         if fn is None:
             spec = self.spec
             _, self.ctas_per_sm = config.decode_grid(spec, sm_count(spec.device_index),
@@ -210,8 +225,8 @@ class DecodeLaunch:
                 spec.local, spec.has_softcap, spec.has_kv_batch_idx, spec.has_leftpad_k,
                 spec.page_size if spec.paged_kv else 0, split_kv, spec.qhead_per_kvhead,
                 smem_limit=smem_limit(spec.device_index), kv_fp8=FP8_FORMATS.get(spec.kv_dtype),
-                split_keys=self.split_keys, ctas_per_sm=self.ctas_per_sm)
-            fn = self.fns[split_kv] = _compiled(cfg, self.tvm_ffi)
+                split_keys=self.split_keys, ctas_per_sm=self.ctas_per_sm, fold_combine=fold)
+            fn = self.fns[split_kv, fold] = _compiled(cfg, self.tvm_ffi)
         return fn
 
     def __call__(self, q, k_cache, v_cache, out, lse, seqused_k, kv_batch_idx=None,
@@ -225,18 +240,23 @@ class DecodeLaunch:
                                     for x in (k_descale, v_descale))
         q, k_cache, v_cache = aligned16(q), aligned16(k_cache), aligned16(v_cache)
         out_k = aligned16(out)
-        o_part = lse_part = None
+        o_part = lse_part = counts = None
         partials = num_splits > 1 or learnable_sink is not None
+        # the merge in the decode kernel's last split of each tile (no combine launch), where
+        # the switch is on and there is no sink to merge
+        fold = partials and config.FOLD_COMBINE and learnable_sink is None
         if partials:
             b, sq, h = q.shape[:3]
             o_part = torch.empty(num_splits, b, sq, h, self.spec.head_dim_v, dtype=torch.float32,
                                  device=q.device)
             lse_part = torch.empty(num_splits, b, h, sq, dtype=torch.float32, device=q.device)
+            if fold:  # (a tile per query row at most: enough counters for any tile shape)
+                counts = split_counts(q.device, b * sq * h)
         args = self.bind(q, k_cache, v_cache, out_k, lse, None, None, None, seqused_k,
-                         kv_batch_idx, leftpad_k, page_table, o_part, lse_part, k_descale,
-                         v_descale, None, num_splits)
-        call_kernel(self._fn(partials), self.tvm_ffi, args, q.device)
-        if partials:  # the combine: the exact merge of the splits (and the sink) by their LSE
+                         kv_batch_idx, leftpad_k, page_table, o_part, lse_part, counts,
+                         k_descale, v_descale, None, num_splits)
+        call_kernel(self._fn(partials, fold), self.tvm_ffi, args, q.device)
+        if partials and not fold:  # the combine: the exact merge of the splits (and the sink) by their LSE
             fn, bind = self._combine(learnable_sink is not None)
             call_kernel(fn, self.tvm_ffi, bind(o_part, lse_part, learnable_sink, out_k, lse, num_splits),
                   q.device)
