@@ -38,3 +38,10 @@ def red_release(ptr: cute.Pointer, value: Int32, *, loc=None, ip=None) -> None:
     """*ptr += value with release semantics at GPU scope (a semaphore's signal)."""
     _asm(None, [ptr.toint(loc=loc, ip=ip).ir_value(), Int32(value).ir_value(loc=loc, ip=ip)],
          "red.release.gpu.global.add.s32 [$0], $1;", "l,r")
+
+
+@dsl_user_op
+def block_idx_x_again(*, loc=None, ip=None) -> Int32:
+    """blockIdx.x read anew (an asm with side effects: the compiler neither merges it with an
+    earlier read nor keeps values derived from one alive until here)."""
+    return Int32(_asm(T.i32(), [], "mov.u32 $0, %ctaid.x;", "=r"))

@@ -21,6 +21,9 @@ from cutlass import Float32, Int32, const_expr
 
 WARPS = 4  # rows per CTA
 AT_ONCE = 16  # splits whose partial rows a warp loads at once (latency, not bandwidth, bounds it)
+# ... in the decode kernel's folded merge (Sm80FwdConfig.fold_combine): fewer, so that the merge,
+# compiled into the decode kernel, fits its register bound (16 spilled at 168 on sm_90a)
+AT_ONCE_FOLDED = 4
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
 
@@ -67,13 +70,13 @@ class CombineSplits:
             q = (row // heads) % seqlen_q
             b = row // (heads * seqlen_q)
             merge_row(mOPartial, mLSEPartial, mSink, mO, mLSE, num_splits, b, q, h, lane,
-                      self.cols, self.cfg.dtype, self.cfg.has_sink)
+                      self.cols, self.cfg.dtype, self.cfg.has_sink, AT_ONCE)
 
 
 @cute.jit
 def merge_row(mOPartial: cute.Tensor, mLSEPartial: cute.Tensor, mSink, mO: cute.Tensor,
               mLSE: cute.Tensor, num_splits: Int32, b, q, h, lane, cols: cutlass.Constexpr,
-              dtype: cutlass.Constexpr, has_sink: cutlass.Constexpr):
+              dtype: cutlass.Constexpr, has_sink: cutlass.Constexpr, at_once: cutlass.Constexpr):
     """One output row (b, q, h) merged by one warp (`lane`: its lane): the row's split LSEs, a
     split a lane, and `cols` = d_v / 32 columns a lane of the weighted partial rows; O in
     `dtype`, the merged LSE in mLSE. Tensors in CombineSplits' layouts. The combine kernel
@@ -108,13 +111,13 @@ def merge_row(mOPartial: cute.Tensor, mLSEPartial: cute.Tensor, mSink, mO: cute.
     if lse == -Float32.inf:
         safe_lse = Float32(0.0)
     # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key). Lane l
-    # computes split base + l's weight, the warp takes them in turn (a shuffle), AT_ONCE
+    # computes split base + l's weight, the warp takes them in turn (a shuffle), `at_once`
     # splits' rows at a time: all their loads first, then the sums, so the loads are in
     # flight together (a group past the last split reloads the last split's row, whose
     # weight there is 0: no branch between the loads)
     acc = cute.make_rmem_tensor(cols, Float32)
     acc.fill(0.0)
-    parts = cute.make_rmem_tensor((cols, AT_ONCE), Float32)
+    parts = cute.make_rmem_tensor((cols, at_once), Float32)
     for base in cutlass.range(0, num_splits, 32, unroll=1):
         mine = Float32(0.0)
         if base + lane < num_splits and lse != -Float32.inf:
@@ -123,12 +126,12 @@ def merge_row(mOPartial: cute.Tensor, mLSEPartial: cute.Tensor, mSink, mO: cute.
                 lse_s = mLSEPartial[base + lane, b, h, q]
             mine = cute.math.exp2((lse_s - safe_lse) * LOG2E, fastmath=True)
         count = cutlass.min(num_splits - base, 32)
-        for group in cutlass.range(0, count, AT_ONCE, unroll=1):
-            for j in cutlass.range_constexpr(AT_ONCE):
+        for group in cutlass.range(0, count, at_once, unroll=1):
+            for j in cutlass.range_constexpr(at_once):
                 split = base + cutlass.min(group + j, count - 1)
                 cute.autovec_copy(cute.local_tile(mOPartial[split, b, q, h, None],
                                                   (cols,), (lane,)), parts[None, j])
-            for j in cutlass.range_constexpr(AT_ONCE):
+            for j in cutlass.range_constexpr(at_once):
                 weight = cute.arch.shuffle_sync(mine, group + j)  # (0 past count)
                 for c in cutlass.range_constexpr(cols):
                     acc[c] = acc[c] + weight * parts[c, j]

@@ -35,7 +35,8 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import LOG2E, OnlineSoftmax
 from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
 from . import mma
-from .combine import merge_row
+from .combine import AT_ONCE_FOLDED, merge_row
+from ..common.global_atomics import block_idx_x_again
 
 
 @dataclass(frozen=True)
@@ -393,10 +394,10 @@ class FlashFwdSm80:
                         mSink[head_idx] * Float32(LOG2E) if const_expr(cfg.has_sink) else None)
             if const_expr(cfg.fold_combine):
                 self.merge_if_last(mSplitCounts, (mOPartialRows, mLSEPartialRows, mORows, mLSERows),
-                                   sQ, tile, num_splits, seqlen, m_block, head_idx, batch_idx, tidx)
+                                   sQ, num_splits, seqlen, m_block, head_idx, batch_idx, tidx)
 
     @cute.jit
-    def merge_if_last(self, mSplitCounts, merge_views, sQ, tile, num_splits, seqlen: SeqlenInfo,
+    def merge_if_last(self, mSplitCounts, merge_views, sQ, num_splits, seqlen: SeqlenInfo,
                       m_block, head_idx, batch_idx, tidx):
         """fold_combine, after this split's partials are stored: the tile's split count goes up
         by one; the CTA that brings it to num_splits (every other split's partials are stored
@@ -405,6 +406,9 @@ class FlashFwdSm80:
         # itself is acq_rel, and the merging CTA fences again before it reads)
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier()
+        # the tile's counter: the tile index from the CTA index read anew (the one from the
+        # kernel's start, kept alive through the key loop, cost the 16-row tile a register)
+        tile = block_idx_x_again() // num_splits
         # Q's buffer is past its last read (the barrier above): it carries the verdict
         verdict = cute.make_tensor(cute.recast_ptr(sQ.iterator, dtype=Int32), cute.make_layout(1))
         if tidx == 0:
@@ -427,7 +431,7 @@ class FlashFwdSm80:
                     q, h = row // self.group, head_idx * self.group + row % self.group
                 if q < seqlen.seqlen_q:
                     merge_row(mOPartial, mLSEPartial, None, mO, mLSE, num_splits, batch_idx, q,
-                              h, lane, self.dv // 32, self.dtype, False)
+                              h, lane, self.dv // 32, self.dtype, False, AT_ONCE_FOLDED)
 
     @cute.jit
     def attend(self, mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
