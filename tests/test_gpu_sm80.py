@@ -220,6 +220,7 @@ def test_kvcache_folded_combine(seed, case, monkeypatch):
     from cuteattn import kvcache
     from cuteattn.kernels.sm80 import config, launch
     monkeypatch.setattr(config, "FOLD_COMBINE", True)
+    monkeypatch.setattr(config, "FOLD_MAX_STEPS", 1 << 30)  # every split step folds
     monkeypatch.setattr(kvcache, "_decode_launches", {})
     monkeypatch.setattr(kvcache, "_steps", {})
     monkeypatch.setattr(launch, "_split_counts", {})

@@ -655,3 +655,21 @@ def test_decode_warp_local_config():
     off = config.decode_config(cutlass.BFloat16, 96, 96, *args, 4, smem_limit=227 * 1024,
                                kv_fp8=cutlass.Float8E4M3FN, split_keys=True)
     assert not off.split_keys and not off.warp_local
+
+
+@pytest.mark.parametrize("nheads_k,num_splits,folds", [
+    (8, 33, True),    # 4 packed rows, one a warp, 9 steps of 4 splits: the merge folds
+    (4, 66, False),  # 8 rows, two a warp, 17 steps each: the combine kernel merges
+    (8, 128, False),  # 32 steps
+    (8, 2, True),
+])
+def test_decode_folds_only_short_merges(monkeypatch, nheads_k, num_splits, folds):
+    """FOLD_COMBINE's rule (config.decode_folds): the merge goes into the decode kernel's last
+    split where its warps' chains of partial-row loads are FOLD_MAX_STEPS at most; off when
+    the switch is."""
+    spec = decode_spec(nheads=32, nheads_k=nheads_k)
+    split_keys = config.decode_split_keys(spec)
+    monkeypatch.setattr(config, "FOLD_COMBINE", True)
+    assert config.decode_folds(spec, split_keys, 1, num_splits) == folds
+    monkeypatch.setattr(config, "FOLD_COMBINE", False)
+    assert not config.decode_folds(spec, split_keys, 1, num_splits)

@@ -14,6 +14,9 @@ from cutlass import Float32
 
 LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)  # (a natural-log logit, such as a sink, in exp2 units)
+# The lag a forward with lazy_rescale gives OnlineSoftmax.max_lag_log2: a row's max lags by up
+# to 8 (exp2 units), so 16-bit P stays below 2^8
+MAX_LAG_LOG2 = 8.0
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import cutlass
 
 from ..launch_common import compiled_width
 from . import mma
+from .combine import AT_ONCE_FOLDED
 from .fwd import KEYS_PER_WARP, Sm80FwdConfig
 
 TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages]), ...], preferred first
@@ -38,7 +39,13 @@ LOCAL_TILES = {  # with a sliding window
     192: [(64, 64, 4)],
 }
 SUPPORTED_HEAD_DIMS = tuple(TILES)
+LAZY_RESCALE = False  # A/B: the forward's row max lags (Sm80FwdConfig.lazy_rescale)
 FOLD_COMBINE = False  # A/B: split decode steps merge in their last split's CTA (fold_combine)
+# ... where that merge is short: its warps take the tile's rows in turn, each row over the splits
+# AT_ONCE_FOLDED at a time, a chain of dependent L2 round trips after the tile's last key block
+# (the combine kernel has a warp a row and 16 splits at a time). One A/B (H200, graph replays):
+# 9 such steps a warp (4 rows over 33 splits) gained 2.7-3.6%, 34 (8 rows over 66) lost 2-8%.
+FOLD_MAX_STEPS = 16
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
 # the device). sm_90 is here for the H100/H200, where the path is tested.
@@ -64,7 +71,8 @@ def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool
         tile_n=tile_n,
         num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
-        has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1, has_sink=has_sink)
+        has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1, has_sink=has_sink,
+        lazy_rescale=LAZY_RESCALE)
         for tile_m, tile_n, warps, *stages in tiles]
     configs = [cfg for cfg in configs if cfg.smem_bytes() <= smem_limit]
     if not configs:
@@ -164,6 +172,15 @@ def pack_gqa_group(qhead_per_kvhead: int, tile_m: int) -> int:
     packing: each query head its own tiles, the kv head's K/V read once per query head)."""
     g = qhead_per_kvhead
     return g if g > 1 and tile_m % g == 0 else 1
+
+
+def decode_folds(spec, split_keys: bool, seqlen_q: int, num_splits: int) -> bool:
+    """Whether a split decode step merges in its last split's CTA (FOLD_COMBINE,
+    FOLD_MAX_STEPS): the tile's rows (query positions x packed heads) over its 4 warps."""
+    tile_m = 16 if split_keys else DECODE_TILES.get(spec.head_dim, (64,))[0]
+    rows = min(tile_m, seqlen_q * decode_pack_group(spec, split_keys))
+    steps = -(-rows // 4) * -(-num_splits // AT_ONCE_FOLDED)
+    return FOLD_COMBINE and steps <= FOLD_MAX_STEPS
 
 
 def decode_pack_group(spec, split_keys: bool) -> int:

@@ -32,7 +32,7 @@ from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major
 from ..common.mask import apply_mask
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.softmax import LOG2E, OnlineSoftmax
+from ..common.softmax import LOG2E, MAX_LAG_LOG2, OnlineSoftmax
 from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
 from . import mma
 from .combine import AT_ONCE_FOLDED, merge_row
@@ -111,6 +111,7 @@ class Sm80FwdConfig:
     # scaled back), P is rounded to fp16 times 2^F16_P_LOG2 (the output's scale takes it out)
     # so that fp16 keeps small probabilities normal: both operands hold at least bf16's bits.
     f16_operands: bool = False
+    lazy_rescale: bool = False  # A/B: OnlineSoftmax.max_lag_log2 = MAX_LAG_LOG2 (16-bit P)
     # A launch bound: ptxas fits the registers to this many CTAs an SM (0: unbounded). The
     # warp-local tile at d=128 takes 194 registers unbounded, 168 without spills at 3.
     min_ctas_per_sm: int = 0
@@ -549,7 +550,9 @@ class FlashFwdSm80:
             coord_S = cute.local_tile(coord_S, (self.tile_m, keys), (0, warp))
         coord_S_mn = acc_mn_view(thr_mma.partition_C(coord_S))
         tOrP = cute.make_rmem_tensor(acc_to_a_operand_layout(acc_S.layout), self.mma_dtype)
-        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]))
+        softmax = OnlineSoftmax.create(
+            softmax_scale_log2, cute.size(acc_S_mn, mode=[0]),
+            max_lag_log2=MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale and not cfg.f16_operands) else 0.0)
         q_unscale = None  # (f16_operands: Q's scale undone)
         if const_expr(cfg.f16_operands):
             q_unscale = cute.make_rmem_tensor((1,), Float32)

@@ -243,8 +243,9 @@ class DecodeLaunch:
         o_part = lse_part = counts = None
         partials = num_splits > 1 or learnable_sink is not None
         # the merge in the decode kernel's last split of each tile (no combine launch), where
-        # the switch is on and there is no sink to merge
-        fold = partials and config.FOLD_COMBINE and learnable_sink is None
+        # the switch is on, the merge is short, and there is no sink to merge
+        fold = (partials and learnable_sink is None
+                and config.decode_folds(self.spec, self.split_keys, q.shape[1], num_splits))
         if partials:
             b, sq, h = q.shape[:3]
             o_part = torch.empty(num_splits, b, sq, h, self.spec.head_dim_v, dtype=torch.float32,

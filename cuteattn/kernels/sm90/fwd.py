@@ -41,7 +41,7 @@ from ..common.mask import apply_mask
 from ..common.mods import KernelMod, apply_mask_mod, apply_score_mod, traced
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
-from ..common.softmax import LOG2E, OnlineSoftmax
+from ..common.softmax import LOG2E, MAX_LAG_LOG2, OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from .gemm import PingPong, gemm_async
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
@@ -52,8 +52,6 @@ from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 # fp8 P is exp2(s - row max) scaled by 2^8 (at most 256 of e4m3's 448), so that small
 # probabilities keep e4m3's normal precision (FA3's max offset); the row sums carry the same factor
 FP8_P_MAX_LOG2 = 8.0
-# lazy_rescale: a row's max lags by up to 8 (exp2 units), so 16-bit P stays below 2^8
-MAX_LAG_LOG2 = 8.0
 
 
 class FwdBarrier(enum.IntEnum):
