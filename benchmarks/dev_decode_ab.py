@@ -3,6 +3,7 @@ cell of the bench's grid (bf16 and the fp8 cache) timed by CUDA-graph replay wit
 combination of config flags, interleaved per cell and repeated, so clocks and placement are
 shared. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_decode_ab.py FLAG[,FLAG] ... [--rounds 2] [--quick] [--bf16 | --fp8]
+        [--batch 1,8]
 FLAG names a constant of cuteattn/kernels/sm80/config.py set True for that variant, or
 NAME=INT sets it to that value, ctas=N runs every step at N CTAs an SM ('base': the defaults). Prints GB/s (cache bytes read / time) per cell and variant, and each variant's
 ratio to the first."""
@@ -17,7 +18,8 @@ from cuteattn.kernels.sm80 import config
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 2
-args = [a for a in args if a != str(rounds)]
+batches = (sys.argv[sys.argv.index("--batch") + 1] if "--batch" in sys.argv else "")
+args = [a for a in args if a not in (str(rounds), batches)]
 variants = [tuple(f for f in a.split(",") if f != "base") for a in args] or [()]
 setting = lambda f: (f.split("=")[0], int(f.split("=")[1])) if "=" in f else (f, True)
 # ("ctas=N": every step at N CTAs an SM, config.decode_ctas_per_sm's rule replaced)
@@ -29,6 +31,8 @@ quick = "--quick" in sys.argv
 dev = torch.device("cuda")
 cells = ([] if "--bf16" in sys.argv else shapes.decode_grid(quick, fp8_kv=True)) + [
     c for c in shapes.decode_grid(quick) if c.kind == "decode" and "--fp8" not in sys.argv]
+if batches:  # only these batch sizes
+    cells = [c for c in cells if str(c.batch) in batches.split(",")]
 
 
 def set_variant(v):
