@@ -39,12 +39,16 @@ LOCAL_TILES = {  # with a sliding window
     192: [(64, 64, 4)],
 }
 SUPPORTED_HEAD_DIMS = tuple(TILES)
-LAZY_RESCALE = False  # A/B: the forward's row max lags (Sm80FwdConfig.lazy_rescale)
-FOLD_COMBINE = False  # A/B: split decode steps merge in their last split's CTA (fold_combine)
-# ... where that merge is short: its warps take the tile's rows in turn, each row over the splits
+# The forward's row max lags (Sm80FwdConfig.lazy_rescale) at this head dim: two A/Bs on the H200
+# (bf16, 1k-16k) gave +0.4-4.1% in all twelve d=128 cells; d=64 0.98-1.02, d=256 0.99-1.00
+LAZY_RESCALE_HEAD_DIMS = (128,)
+# Split decode steps merge in their last split's CTA (fold_combine; no combine launch) where that
+# merge is short: its warps take the tile's rows in turn, each row over the splits
 # AT_ONCE_FOLDED at a time, a chain of dependent L2 round trips after the tile's last key block
-# (the combine kernel has a warp a row and 16 splits at a time). One A/B (H200, graph replays):
-# 9 such steps a warp (4 rows over 33 splits) gained 2.7-3.6%, 34 (8 rows over 66) lost 2-8%.
+# (the combine kernel has a warp a row and 16 splits at a time). A/Bs (H200, graph replays): 9
+# such steps a warp (4 rows over 33 splits) gained 2.6-3.6%, 34 (8 rows over 66) lost 2-8%
+# before this bound; with it, batch 1 +0.7-2.9%, batch 8 0.99-1.01x.
+FOLD_COMBINE = True
 FOLD_MAX_STEPS = 16
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
@@ -72,7 +76,7 @@ def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool
         num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
         has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1, has_sink=has_sink,
-        lazy_rescale=LAZY_RESCALE)
+        lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS)
         for tile_m, tile_n, warps, *stages in tiles]
     configs = [cfg for cfg in configs if cfg.smem_bytes() <= smem_limit]
     if not configs:
@@ -224,6 +228,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                fold_combine=split_kv and fold_combine and not varlen_q,
+                               lazy_rescale=False,  # (measured on the forward's tiles only)
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
                                kv_fp8=kv_fp8)
 
