@@ -147,6 +147,7 @@ def write_json(path: str, meta: dict, results: list[dict]) -> None:
                   first_call_s=r["first_call_s"], compiles=r.get("compiles"),
                   disk_loads=r.get("disk_loads"), kernels=r.get("kernels"),
                   **({"path": r["path"]} if "path" in r else {}),
+                  **({"round_ms": r["round_ms"]} if "round_ms" in r else {}),
                   **({"builder_ms": r["builder_ms"]} if "builder_ms" in r else {})) for r in results]
     with open(path, "w") as f:
         json.dump(dict(meta, summary=summary(results), cells=cells), f, indent=1)
