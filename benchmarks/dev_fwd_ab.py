@@ -5,7 +5,9 @@ loses. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_fwd_ab.py FLAG [--rounds N] [--grid default,surface,varlen]
         [--fp16] [--path sm80]
 FLAG names a boolean constant of cuteattn/kernels/sm90/config.py (sm80/config.py with --path
-sm80, which runs the portable kernels); off is False, on is True."""
+sm80, which runs the portable kernels); off is False, on is True. NAME=A,B compares two values
+of a numeric constant of that config or of cuteattn/kernels/launch_common.py (host-side
+choices such as L2_SHARE: no recompile), "off" being A."""
 import math
 import os
 import sys
@@ -23,9 +25,15 @@ from cuteattn.bench import peers, shapes
 from cuteattn.bench.timing import median_ms
 from cuteattn.kernels.sm90 import config as sm90_config  # noqa: E402
 from cuteattn.kernels.sm80 import config as sm80_config  # noqa: E402
+from cuteattn.kernels import launch_common  # noqa: E402
 
 config = sm80_config if path == "sm80" else sm90_config
-flag = argv[0]
+flag, values = argv[0], (False, True)
+if "=" in flag:
+    flag, pair = flag.split("=")
+    values = tuple(float(v) if "." in v else int(v) for v in pair.split(","))
+    if not hasattr(config, flag):
+        config = launch_common
 rounds = int(opt("--rounds", 2))
 grids = opt("--grid", "default,surface,varlen").split(",")
 dev = torch.device("cuda")
@@ -39,7 +47,7 @@ if "--fp16" in argv:
 
 
 def use(on: bool):
-    setattr(config, flag, on)
+    setattr(config, flag, values[on])
     api._launches.clear()
 
 

@@ -57,13 +57,18 @@ def l2_bytes(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).L2_cache_size
 
 
+# The share of L2 a group of the causal tile order may fill with its K/V (the rest for the next
+# group's first tiles, Q and O). FlashAttention-4's sm90 order fills all of it, rounded down to
+# a power of two of heads (4 heads of d=192/128 at 16k where this gives 2).
+L2_SHARE = 0.5
+
+
 def l2_group(spec: AttentionSpec) -> int:
     """(batch, head) pairs per group of the causal/windowed tile order (common/tile_scheduler.py):
-    as many as have K/V in half the L2 (the other half for the next group's first tiles, Q and O),
-    in whole GQA groups, at least one."""
+    as many as have K/V in L2_SHARE of the L2, in whole GQA groups, at least one."""
     elem = spec.dtype.itemsize
     kv_head_bytes = max(spec.seqlen_k, 1) * (spec.head_dim + spec.head_dim_v) * elem
-    kv_heads = max(1, (l2_bytes(spec.device_index) // 2) // kv_head_bytes)
+    kv_heads = max(1, int(l2_bytes(spec.device_index) * L2_SHARE) // kv_head_bytes)
     return kv_heads * spec.qhead_per_kvhead
 
 
