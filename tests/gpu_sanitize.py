@@ -214,11 +214,11 @@ def cases() -> dict:
         out[f"portable_decode_fp8_f16_{i}"] = _on_sm80(
             lambda case=ts.FP8_DECODE_CASES[i]: ts.run_kvcache(*case[:8], **case[8], q_scale=1e5,
                                                               k_scale=1e-5))
-    for i in (0, 2, 4, 8):  # the merge folded into each tile's last split (config.FOLD_COMBINE):
+    for i in (0, 2, 4, 8):  # the merge folded into each tile's last split (config.decode_folds):
         # paged 128, rotary + page 16, d=192 causal, an fp8 cache with a split count chosen
-        out[f"portable_decode_folded{i}"] = _on_sm80(_with_config(_with_config(
-            lambda case=ts.SPLIT_CASES[i]: ts.run_kvcache(*case[:8], **case[8]), "FOLD_COMBINE", True),
-            "FOLD_MAX_STEPS", 1 << 30))
+        out[f"portable_decode_folded{i}"] = _on_sm80(_with_config(
+            lambda case=ts.SPLIT_CASES[i]: ts.run_kvcache(*case[:8], **case[8]), "FOLD_MAX_STEPS",
+            1 << 30))
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
         out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])

@@ -70,7 +70,7 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # cache's 2-stage ring for 3, a bf16 cache's 4-stage ring for 1
                ["bf16", 128, "none", "decode,page=16,gqa=4,fp8=e4m3,splitkeys,ctas=3"],
                ["bf16", 128, "causal", "decode,page=128,split,gqa=4,splitkeys,ctas=1"],
-               # ... the merge folded into the last split's CTA (config.FOLD_COMBINE)
+               # ... the merge folded into the last split's CTA (config.decode_folds)
                ["bf16", 128, "none", "decode,split,fold,gqa=4,splitkeys"],
                ["fp16", 256, "causal", "decode,page=128,split,fold,gqa=2"],
                ["bf16", 128, "none", "decode,page=16,split,fold,gqa=8,fp8=e4m3,splitkeys,ctas=3"],

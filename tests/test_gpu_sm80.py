@@ -214,12 +214,11 @@ SPLIT_CASES = [c for c in DECODE_CASES + FP8_DECODE_CASES if c[-1].get("splits",
 
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=[f"split{i}" for i in range(len(SPLIT_CASES))])
 def test_kvcache_folded_combine(seed, case, monkeypatch):
-    """The split decode cases with the merge in each tile's last split (config.FOLD_COMBINE; a
+    """The split decode cases with the merge in each tile's last split (config.decode_folds; a
     sink keeps the combine kernel), twice (the second call finds the counters the first left),
     and every split counter back at zero after them."""
     from cuteattn import kvcache
     from cuteattn.kernels.sm80 import config, launch
-    monkeypatch.setattr(config, "FOLD_COMBINE", True)
     monkeypatch.setattr(config, "FOLD_MAX_STEPS", 1 << 30)  # every split step folds
     monkeypatch.setattr(kvcache, "_decode_launches", {})
     monkeypatch.setattr(kvcache, "_steps", {})

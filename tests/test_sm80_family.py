@@ -664,12 +664,11 @@ def test_decode_warp_local_config():
     (8, 2, True),
 ])
 def test_decode_folds_only_short_merges(monkeypatch, nheads_k, num_splits, folds):
-    """FOLD_COMBINE's rule (config.decode_folds): the merge goes into the decode kernel's last
-    split where its warps' chains of partial-row loads are FOLD_MAX_STEPS at most; off when
-    the switch is."""
+    """The folded merge's rule (config.decode_folds): the merge goes into the decode kernel's
+    last split where its warps' chains of partial-row loads are FOLD_MAX_STEPS at most; never
+    at 0 (an A/B's "off")."""
     spec = decode_spec(nheads=32, nheads_k=nheads_k)
     split_keys = config.decode_split_keys(spec)
-    monkeypatch.setattr(config, "FOLD_COMBINE", True)
     assert config.decode_folds(spec, split_keys, 1, num_splits) == folds
-    monkeypatch.setattr(config, "FOLD_COMBINE", False)
+    monkeypatch.setattr(config, "FOLD_MAX_STEPS", 0)
     assert not config.decode_folds(spec, split_keys, 1, num_splits)

@@ -47,8 +47,8 @@ LAZY_RESCALE_HEAD_DIMS = (128,)
 # AT_ONCE_FOLDED at a time, a chain of dependent L2 round trips after the tile's last key block
 # (the combine kernel has a warp a row and 16 splits at a time). A/Bs (H200, graph replays): 9
 # such steps a warp (4 rows over 33 splits) gained 2.6-3.6%, 34 (8 rows over 66) lost 2-8%
-# before this bound; with it, batch 1 +0.7-2.9%, batch 8 0.99-1.01x.
-FOLD_COMBINE = True
+# before this bound; with it, batch 1 +0.7-2.9%, batch 8 0.99-1.01x (0: never folds, the A/B's
+# "off")
 FOLD_MAX_STEPS = 16
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
@@ -179,12 +179,13 @@ def pack_gqa_group(qhead_per_kvhead: int, tile_m: int) -> int:
 
 
 def decode_folds(spec, split_keys: bool, seqlen_q: int, num_splits: int) -> bool:
-    """Whether a split decode step merges in its last split's CTA (FOLD_COMBINE,
-    FOLD_MAX_STEPS): the tile's rows (query positions x packed heads) over its 4 warps."""
+    """Whether a split decode step merges in its last split's CTA (Sm80FwdConfig.fold_combine):
+    where its warps' chains of loads are FOLD_MAX_STEPS at most, the tile's rows (query
+    positions x packed heads) over its 4 warps."""
     tile_m = 16 if split_keys else DECODE_TILES.get(spec.head_dim, (64,))[0]
     rows = min(tile_m, seqlen_q * decode_pack_group(spec, split_keys))
     steps = -(-rows // 4) * -(-num_splits // AT_ONCE_FOLDED)
-    return FOLD_COMBINE and steps <= FOLD_MAX_STEPS
+    return steps <= FOLD_MAX_STEPS
 
 
 def decode_pack_group(spec, split_keys: bool) -> int:
