@@ -1,0 +1,61 @@
+"""V's transpose inside the fp8 forward, in shared memory (issue: fp8 V without the separate
+pass over HBM that fp8_value.py makes today).
+
+An fp8 wgmma takes both operands K-major, so the P V GEMM wants V with its keys contiguous,
+while V arrives (and TMA copies it) with its head dim contiguous. `transpose_v` turns one
+stage of V, as TMA wrote it into sK's kind of layout (a key's row contiguous), into the P V
+GEMM's B operand layout (a head-dim column's keys contiguous), with each 16-key group's keys in
+common/convert.FP8_KEY_ORDER, the order P's registers already hold them in (fp8_p_fragment).
+
+The work unit is fp8_value.py's: a 16-key group x 4 head-dim columns. A thread reads the
+group's 16 key rows at those 4 columns as 16 words (in FP8_KEY_ORDER), makes four 4x4 byte
+transposes with `prmt`, and writes the 4 columns' 16 keys as 4 words each. Both layouts swizzle
+16-byte chunks, so a word at a column (or key) multiple of 4 never straddles a chunk: its
+address is its first byte's, read from the layout. Threads with consecutive column words read
+consecutive words of a key row.
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+from ..common.convert import FP8_KEY_ORDER
+from .fp8_value import byte_perm
+
+GROUP = 16  # keys of one FP8_KEY_ORDER group
+
+
+@cute.jit
+def transpose_v(sV: cute.Tensor, sVt: cute.Tensor, thread: Int32, threads: cutlass.Constexpr):
+    """sV: one stage of V, (tile_n keys, d_v) bytes in sK's layout; sVt: one stage of the P V
+    GEMM's B operand, (d_v, tile_n) bytes, keys contiguous. `thread` in [0, threads): the
+    threads that share the work (a multiple of 32)."""
+    tile_n: cutlass.Constexpr = cute.size(sV, mode=[0])
+    words: cutlass.Constexpr = cute.size(sV, mode=[1]) // 4  # column words a key row has
+    src = cute.recast_ptr(sV.iterator, dtype=Int32)
+    dst = cute.recast_ptr(sVt.iterator, dtype=Int32)
+    for unit in cutlass.range(thread, (tile_n // GROUP) * words, threads, unroll=1):
+        group, col = unit // words, unit % words
+        rows16 = [word_at(src, cute.crd2idx((GROUP * group + FP8_KEY_ORDER[s], 4 * col), sV.layout))
+                  for s in range(GROUP)]
+        for j in cutlass.range_constexpr(4):
+            # slots 4j..4j+3: a 4x4 byte transpose of their four words (one per key, the 4
+            # columns' bytes) into one word per column (4 keys' bytes)
+            a, b, c, d = (rows16[4 * j + i] for i in range(4))
+            ab_lo, ab_hi = byte_perm(a, b, 0x5140), byte_perm(a, b, 0x7362)
+            cd_lo, cd_hi = byte_perm(c, d, 0x5140), byte_perm(c, d, 0x7362)
+            out = (byte_perm(ab_lo, cd_lo, 0x5410), byte_perm(ab_lo, cd_lo, 0x7632),
+                   byte_perm(ab_hi, cd_hi, 0x5410), byte_perm(ab_hi, cd_hi, 0x7632))
+            for byte in cutlass.range_constexpr(4):
+                set_word(dst, cute.crd2idx((4 * col + byte, GROUP * group + 4 * j), sVt.layout),
+                         out[byte])
+
+
+@cute.jit
+def word_at(base: cute.Pointer, byte_offset: Int32) -> Int32:
+    """The 32-bit word at byte_offset (a multiple of 4) from base (a word pointer)."""
+    return cute.make_tensor(base + byte_offset // 4, cute.make_layout(1))[0]
+
+
+@cute.jit
+def set_word(base: cute.Pointer, byte_offset: Int32, value: Int32):
+    cute.make_tensor(base + byte_offset // 4, cute.make_layout(1))[0] = value

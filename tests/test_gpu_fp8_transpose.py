@@ -1,0 +1,91 @@
+"""sm90/fp8_transpose.transpose_v on its own: a (tile_n, d_v) tile of fp8 bytes placed in shared
+memory in sK's layout (as TMA would leave V there), transposed by 128 threads into the P V
+GEMM's B operand layout, read back through that layout: column 16g + s of row r must hold key
+16g + FP8_KEY_ORDER[s]'s byte r, for every fp8 forward tile's (tile_n, d_v).
+The kernel also compiles without a GPU (test_transpose_compiles_for_sm90a, CPU)."""
+import os
+
+import pytest
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32
+from cutlass.tensor_utils import LayoutEnum
+
+from cuteattn.kernels.common.convert import FP8_KEY_ORDER
+
+THREADS = 128
+SHAPES = [(128, 64), (128, 96), (192, 128), (96, 192), (128, 256), (64, 128), (160, 128)]
+
+
+def layouts(tile_n: int, dv: int):
+    """(sV, sVt) one-stage layouts as the fp8 forward builds them (fwd.py: sK's and sVt's)."""
+    fp8 = cutlass.Float8E4M3FN
+    s_v = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, tile_n, dv), fp8, 1)
+    s_vt = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (64, dv, tile_n), fp8, 1)
+    return cute.slice_(s_v, (None, None, 0)), cute.slice_(s_vt, (None, None, 0))
+
+
+class TransposeProbe:
+    def __init__(self, tile_n: int, dv: int):
+        self.tile_n, self.dv = tile_n, dv
+
+    @cute.jit
+    def __call__(self, mV: cute.Tensor, mOut: cute.Tensor, stream):
+        s_v, s_vt = layouts(self.tile_n, self.dv)
+        self.kernel(mV, mOut, s_v, s_vt).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mV: cute.Tensor, mOut: cute.Tensor, s_v: cute.ComposedLayout,
+               s_vt: cute.ComposedLayout):
+        from cuteattn.kernels.sm90.fp8_transpose import transpose_v
+        tidx, _, _ = cute.arch.thread_idx()
+
+        @cute.struct
+        class Storage:
+            sV: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(s_v)], 1024]
+            sVt: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, cute.cosize(s_vt)], 1024]
+
+        storage = cutlass.memory.SmemAllocator().allocate(Storage)
+        sV, sVt = storage.sV.get_tensor(s_v), storage.sVt.get_tensor(s_vt)
+        for i in cutlass.range(tidx, self.tile_n * self.dv, THREADS, unroll=1):
+            key, col = i // self.dv, i % self.dv
+            sV[key, col] = mV[key, col]
+        cute.arch.sync_threads()
+        transpose_v(sV, sVt, tidx, THREADS)
+        cute.arch.sync_threads()
+        for i in cutlass.range(tidx, self.tile_n * self.dv, THREADS, unroll=1):
+            row, key = i // self.tile_n, i % self.tile_n
+            mOut[row, key] = sVt[row, key]
+
+
+def compile_probe(tile_n: int, dv: int):
+    from cutlass.cute.runtime import make_fake_compact_tensor
+    fake = lambda shape: make_fake_compact_tensor(cutlass.Uint8, shape, stride_order=(1, 0))
+    import cuda.bindings.driver as cuda
+    return cute.compile(TransposeProbe(tile_n, dv), fake((tile_n, dv)), fake((dv, tile_n)),
+                        cuda.CUstream(0))
+
+
+@pytest.mark.parametrize("tile_n,dv", SHAPES[:3])
+def test_transpose_compiles_for_sm90a(tile_n, dv, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    compile_probe(tile_n, dv)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_n,dv", SHAPES)
+def test_transpose_puts_keys_in_fp8_key_order(tile_n, dv):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs an sm90 GPU")
+    from cutlass.cute.runtime import from_dlpack
+    v = torch.randint(0, 256, (tile_n, dv), dtype=torch.uint8, device="cuda")
+    out = torch.full((dv, tile_n), 0xAB, dtype=torch.uint8, device="cuda")
+    fn = compile_probe(tile_n, dv)
+    fn(from_dlpack(v), from_dlpack(out), torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    order = torch.tensor([16 * (k // 16) + FP8_KEY_ORDER[k % 16] for k in range(tile_n)],
+                         device="cuda")
+    assert torch.equal(out, v[order].t())
