@@ -3,7 +3,7 @@ d=64/128/256, the surface rows d=80/96/192, the varlen cells) timed with the swi
 interleaved and repeated (best of rounds), with the ratio on/off; exits 3 if the geometric mean
 loses. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_fwd_ab.py FLAG [--rounds N] [--grid default,surface,varlen]
-        [--fp16] [--path sm80]
+        [--fp16] [--path sm80]     (--grid fp8: the fp8 forward's cells)
 FLAG names a boolean constant of cuteattn/kernels/sm90/config.py (sm80/config.py with --path
 sm80, which runs the portable kernels); off is False, on is True. NAME=A,B compares two values
 of a numeric constant of that config or of cuteattn/kernels/launch_common.py (host-side
@@ -40,7 +40,7 @@ dev = torch.device("cuda")
 cells = []
 for g in grids:
     cells += {"default": shapes.default_grid, "surface": shapes.surface_grid,
-              "varlen": shapes.varlen_grid}[g]()
+              "varlen": shapes.varlen_grid, "fp8": shapes.fp8_grid}[g]()
 if "--fp16" in argv:
     import dataclasses
     cells = [dataclasses.replace(c, dtype="fp16") for c in cells]
@@ -54,7 +54,8 @@ def use(on: bool):
 logs = []
 for cell in cells:
     x = peers.make_inputs(cell, dev)
-    fn = peers._cuteattn(cell, x, strict=True)
+    fn = (peers._fp8(cell, x, dev)["cuteattn"] if cell.kind == "fp8"
+          else peers._cuteattn(cell, x, strict=True))
     best = {}
     for _ in range(rounds):
         for on in (False, True):

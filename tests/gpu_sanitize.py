@@ -95,6 +95,14 @@ def cases() -> dict:
             *t8.fp8_inputs(1, sq, sk, 8, 2, d), **kw)
     out["fp8_varlen_d128_causal"] = lambda: t8.test_fp8_varlen(0, 128, "causal")  # (packed V^T)
     out["fp8_value_transpose_packed"] = lambda: t8.test_value_transpose_kernel_packed(0, [1000, 1, 0, 257, 64])
+    # V transposed inside the kernel (config.FP8_V_IN_KERNEL, candidate): the staging ring, the
+    # transposing warps' pipelines, the tile hand-off with them; fixed and packed
+    out["fp8_v_in_kernel_d128_causal"] = _with_sm90_config(lambda: t8.check(
+        *t8.fp8_inputs(2, 700, 700, 8, 2, 128), causal=True), "FP8_V_IN_KERNEL", True)
+    out["fp8_v_in_kernel_d64_window"] = _with_sm90_config(lambda: t8.check(
+        *t8.fp8_inputs(1, 257, 300, 8, 2, 64), window_size=(64, 16)), "FP8_V_IN_KERNEL", True)
+    out["fp8_v_in_kernel_varlen_d128"] = _with_sm90_config(
+        lambda: t8.check_varlen(128, "causal"), "FP8_V_IN_KERNEL", True)
     # traced mods (a tensor-reading mask_mod on dense tiles and on lists; ALiBi; gradients)
     import test_gpu_mods as tm
     out["mods_document_dense"] = lambda: tm.test_dense_tiles(0, "document", 128, True, 700)
@@ -281,6 +289,22 @@ def _with_config(fn, name: str, value):
             setattr(config, name, chosen)
             kvcache._decode_launches.clear()
             kvcache._steps.clear()
+    return run
+
+
+def _with_sm90_config(fn, name: str, value):
+    """fn run with sm90 config's `name` set to value (fresh forward launches), then restored."""
+    def run():
+        from cuteattn import api
+        from cuteattn.kernels.sm90 import config
+        chosen = getattr(config, name)
+        setattr(config, name, value)
+        api._launches.clear()
+        try:
+            fn()
+        finally:
+            setattr(config, name, chosen)
+            api._launches.clear()
     return run
 
 

@@ -324,6 +324,26 @@ def test_compile_fp8_fwd(d, mask, varlen, capfd, tmp_path, monkeypatch):
     assert spills and max(spills) == 0, f"{cfg} spills"
 
 
+FP8_IN_KERNEL_CASES = [(64, "causal", False), (96, "local", True), (128, "none", False),
+                       (128, "causal", True), (128, "softcap", False), (192, "none", False)]
+
+
+@pytest.mark.parametrize("d,mask,varlen", FP8_IN_KERNEL_CASES,
+                         ids=[f"d{d}-{m}{'-varlen' if v else ''}" for d, m, v in FP8_IN_KERNEL_CASES])
+def test_compile_fp8_fwd_v_in_kernel(d, mask, varlen, capfd, tmp_path, monkeypatch):
+    """The fp8 forward with V transposed by its producer warpgroup (config.FP8_V_IN_KERNEL,
+    candidate): the staging ring fits, the byte transposes are there, no spills."""
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(config, "FP8_V_IN_KERNEL", True)
+    cfg = sm90_launch.sm90_config(make_spec(torch.float8_e4m3fn, d, mask, varlen))
+    assert cfg.fp8_v_in_kernel and cfg.smem_bytes() <= 227 * 1024
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "e4m3.e4m3" in ptx and "prmt.b32" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
+
+
 def test_fp8_reasons():
     """What the fp8 forward declines (the API then falls back to the reference)."""
     import dataclasses

@@ -126,6 +126,10 @@ VARLEN_MASKS = ["none", "causal", "window"]
 def test_fp8_varlen(seed, d, mask):
     """Packed fp8 sequences (empty ones, odd lengths, q and k lengths differing), against the
     batched check of each sequence on its own."""
+    check_varlen(d, mask)
+
+
+def check_varlen(d, mask):
     from cuteattn import flash_attn_varlen_func
     lens_q, lens_k = [0, 1, 63, 0, 129, 700], [5, 0, 63, 129, 1, 700]
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
@@ -165,3 +169,40 @@ def test_fp8_one_side_packed_and_seqused(seed):
         ref, _ = attention_ref(*(dequantize_fp8(x, s) for x, s in zip(one, sds)))
         emulated, _ = fp8_attention_emulated(*one, sds)
         assert_close_fa(out[b:b + 1].float(), ref, emulated)
+
+
+# ---- V transposed inside the kernel (config.FP8_V_IN_KERNEL, a candidate: off by default) ----
+
+def v_in_kernel(monkeypatch):
+    """The forward's fp8 kernels with V transposed by their producer warpgroup, fresh launches."""
+    from cuteattn import api
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.setattr(config, "FP8_V_IN_KERNEL", True)
+    monkeypatch.setattr(api, "_launches", {})
+
+
+V_IN_KERNEL_CASES = [(d, m) for d in (64, 96, 128, 192) for m in MASKS]
+
+
+@pytest.mark.parametrize("d,mask", V_IN_KERNEL_CASES, ids=[f"d{d}-{m}" for d, m in V_IN_KERNEL_CASES])
+@pytest.mark.parametrize("sq,sk", SEQLENS[:4], ids=[f"{a}x{b}" for a, b in SEQLENS[:4]])
+def test_fp8_forward_v_in_kernel(seed, d, mask, sq, sk, monkeypatch):
+    v_in_kernel(monkeypatch)
+    q, k, v, ds = fp8_inputs(2, sq, sk, 8, 2, d)
+    check(q, k, v, ds, **MASKS[mask])
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("mask", VARLEN_MASKS)
+def test_fp8_varlen_v_in_kernel(seed, d, mask, monkeypatch):
+    """Packed sequences read V's rows from cu_seqlens_k's offsets (no 16-aligned V^T)."""
+    v_in_kernel(monkeypatch)
+    check_varlen(d, mask)
+
+
+def test_fp8_v_in_kernel_repeated_and_mqa(seed, monkeypatch):
+    """Several tiles a CTA (the rings' phases over tiles), causal tiles from the counter, MQA."""
+    v_in_kernel(monkeypatch)
+    q, k, v, ds = fp8_inputs(4, 2048, 2048, 16, 1, 128)
+    for _ in range(2):
+        check(q, k, v, ds, causal=True)

@@ -49,9 +49,12 @@ _bytes_if_fp8 = lambda cfg: Uint8 if cfg.fp8 else cfg.dtype
 
 def _value_side(cfg, sym, align, memspace):
     """v: as k (with d_v), or for fp8 transposed in bytes, (b, h_k, d_v, keys padded to 16) or
-    packed (h_k, d_v, total16) (fp8_value.py)."""
+    packed (h_k, d_v, total16) (fp8_value.py), unless the kernel transposes it
+    (fp8_v_in_kernel: as k, in bytes)."""
     if not cfg.fp8:
         return key_side("head_dim_v")(cfg, sym, align, memspace)
+    if cfg.fp8_v_in_kernel:
+        return key_side("head_dim_v")(dataclasses.replace(cfg, dtype=Uint8), sym, align, memspace)
     shape = ((sym["hk"], cfg.head_dim_v, sym["tk16"]) if cfg.varlen_k
              else (sym["bk"], sym["hk"], cfg.head_dim_v, sym["sk16"]))
     return common.fake_tensor(Uint8, shape, align, memspace)
@@ -68,7 +71,8 @@ FP8 = Group("fp8", Fp8Descales, (
     Arg("mKDescale", OPTIONAL_TENSOR, _descale, align=4),
     Arg("mVDescale", OPTIONAL_TENSOR, _descale, align=4),
     Arg("mCuSeqlensV", OPTIONAL_TENSOR, lambda cfg, sym, align, memspace: common.fake_tensor(
-        Int32, (cute.sym_int(),), align, memspace) if cfg.fp8 and cfg.varlen_k else None, align=4),
+        Int32, (cute.sym_int(),), align, memspace)
+        if cfg.fp8 and cfg.varlen_k and not cfg.fp8_v_in_kernel else None, align=4),
 ))
 
 class ModTensors(NamedTuple):

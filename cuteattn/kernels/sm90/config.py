@@ -94,6 +94,10 @@ FP8_TILES = {
 # fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
 # tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
 FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
+# A/B (candidate, off): V transposed inside the fp8 kernel (Sm90FwdConfig.fp8_v_in_kernel)
+# wherever its staging ring fits beside the tile (d <= 192 at FP8_TILES' blocks; d=256 keeps
+# the pass over HBM)
+FP8_V_IN_KERNEL = False
 
 
 # Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
@@ -206,7 +210,12 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)
     if fp8:  # O (bf16) cannot be staged in the fp8 Q or V buffers
-        return dataclasses.replace(cfg, o_path="own_buffer")
+        cfg = dataclasses.replace(cfg, o_path="own_buffer")
+        if FP8_V_IN_KERNEL and not page_size:
+            in_kernel = dataclasses.replace(cfg, fp8_v_in_kernel=True)
+            if in_kernel.smem_bytes() <= SMEM_LIMIT:
+                cfg = in_kernel
+        return cfg
     return with_o_path(cfg)
 
 

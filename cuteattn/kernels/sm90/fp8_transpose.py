@@ -8,8 +8,9 @@ GEMM's B operand layout (a head-dim column's keys contiguous), with each 16-key 
 common/convert.FP8_KEY_ORDER, the order P's registers already hold them in (fp8_p_fragment).
 
 The work unit is fp8_value.py's: a 16-key group x 4 head-dim columns. A thread reads the
-group's 16 key rows at those 4 columns as 16 words (in FP8_KEY_ORDER), makes four 4x4 byte
-transposes with `prmt`, and writes the 4 columns' 16 keys as 4 words each. Both layouts swizzle
+group's 16 key rows at those 4 columns as 16 words (in FP8_KEY_ORDER), four at a time, makes a
+4x4 byte transpose of each four with `prmt`, and writes the 4 columns' 16 keys as 4 words
+each. Both layouts swizzle
 16-byte chunks, so a word at a column (or key) multiple of 4 never straddles a chunk: its
 address is its first byte's, read from the layout. Threads with consecutive column words read
 consecutive words of a key row.
@@ -35,12 +36,12 @@ def transpose_v(sV: cute.Tensor, sVt: cute.Tensor, thread: Int32, threads: cutla
     dst = cute.recast_ptr(sVt.iterator, dtype=Int32)
     for unit in cutlass.range(thread, (tile_n // GROUP) * words, threads, unroll=1):
         group, col = unit // words, unit % words
-        rows16 = [word_at(src, cute.crd2idx((GROUP * group + FP8_KEY_ORDER[s], 4 * col), sV.layout))
-                  for s in range(GROUP)]
         for j in cutlass.range_constexpr(4):
             # slots 4j..4j+3: a 4x4 byte transpose of their four words (one per key, the 4
-            # columns' bytes) into one word per column (4 keys' bytes)
-            a, b, c, d = (rows16[4 * j + i] for i in range(4))
+            # columns' bytes) into one word per column (4 keys' bytes); four words at a time,
+            # so that the producer warpgroup's few registers hold them
+            a, b, c, d = (word_at(src, cute.crd2idx((GROUP * group + FP8_KEY_ORDER[4 * j + i], 4 * col),
+                                                    sV.layout)) for i in range(4))
             ab_lo, ab_hi = byte_perm(a, b, 0x5140), byte_perm(a, b, 0x7362)
             cd_lo, cd_hi = byte_perm(c, d, 0x5140), byte_perm(c, d, 0x7362)
             out = (byte_perm(ab_lo, cd_lo, 0x5410), byte_perm(ab_lo, cd_lo, 0x7632),

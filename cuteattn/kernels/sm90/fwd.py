@@ -44,10 +44,15 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import LOG2E, MAX_LAG_LOG2, OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from .gemm import PingPong, gemm_async
+from .fp8_transpose import transpose_v
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
 
 
+
+# fp8_v_in_kernel: the producer warpgroup's warps 1-3 transpose V (warp 0 issues the TMA copies)
+TRANSPOSE_WARPS = 3
+TRANSPOSE_THREADS = 32 * TRANSPOSE_WARPS
 
 # fp8 P is exp2(s - row max) scaled by 2^8 (at most 256 of e4m3's 448), so that small
 # probabilities keep e4m3's normal precision (FA3's max offset); the row sums carry the same factor
@@ -111,6 +116,10 @@ class Sm90FwdConfig:
     # a row keeps its max until scores pass it by MAX_LAG_LOG2, and a warp whose rows all kept
     # theirs skips O's rescale (OnlineSoftmax.max_lag_log2; config.py says where)
     lazy_rescale: bool = False
+    # fp8 only: V arrives as it is, (keys, d_v) rows, TMA copies each block into a staging
+    # ring, and the producer warpgroup's other three warps transpose it into the P V GEMM's
+    # operand (fp8_transpose.py), instead of launch.py's pass over HBM before the kernel
+    fp8_v_in_kernel: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -133,6 +142,8 @@ class Sm90FwdConfig:
         q = self.tile_m * self.head_dim * elem
         o = self.tile_m * self.head_dim_v * self.o_dtype.width // 8 if self.o_path == "own_buffer" else 0
         kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elem
+        if self.fp8_v_in_kernel:  # V's staging ring
+            kv += self.num_stages * self.tile_n * self.head_dim_v * elem
         return q + o + kv + 1024  # + barriers and alignment
 
 
@@ -152,6 +163,7 @@ class FlashFwdSm90:
         # has a buffer of its own
         assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.head_dim % 32 == 0
                                and cfg.o_path == "own_buffer" and not cfg.sparse)
+        assert not cfg.fp8_v_in_kernel or (cfg.fp8 and not cfg.page_size)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.o_dtype = cfg.o_dtype
@@ -160,7 +172,7 @@ class FlashFwdSm90:
         self.num_wg = cfg.num_wg
         self.num_threads = WG_THREADS * (1 + cfg.num_wg)
         self.producer_regs, self.consumer_regs = register_split(
-            cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k)
+            cfg.num_wg, busy_producer=cfg.varlen_q or cfg.varlen_k or cfg.fp8_v_in_kernel)
         self.pingpong = PingPong(cfg.pingpong, cfg.num_wg, FwdBarrier.TURN)
 
     # ------------------------------------------------------------------------------------------
@@ -211,9 +223,14 @@ class FlashFwdSm90:
         mQ, mO = seq_major(mQ, cfg.varlen_q), seq_major(mO, cfg.varlen_q)
         mLSE = lse_seq_major(mLSE, cfg.varlen_q)
         mK = seq_major(mK, cfg.varlen_k)
-        # V as the B operand of P V: (d_v, keys, h_k, b); keys contiguous (K-major) for fp8
-        mVt = (keys_last_transposed(mV, cfg.varlen_k) if const_expr(cfg.fp8)
-               else seq_major_transposed(mV, cfg.varlen_k))
+        # V as the B operand of P V: (d_v, keys, h_k, b); keys contiguous (K-major) for fp8;
+        # fp8_v_in_kernel: V's rows as TMA copies them, (keys, d_v, h_k, b) like K
+        if const_expr(cfg.fp8_v_in_kernel):
+            mVt = seq_major(mV, cfg.varlen_k)
+        elif const_expr(cfg.fp8):
+            mVt = keys_last_transposed(mV, cfg.varlen_k)
+        else:
+            mVt = seq_major_transposed(mV, cfg.varlen_k)
         v_major = cute.nvgpu.OperandMajorMode.K if const_expr(cfg.fp8) else cute.nvgpu.OperandMajorMode.MN
 
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
@@ -228,6 +245,12 @@ class FlashFwdSm90:
         sVt_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR if const_expr(cfg.fp8) else LayoutEnum.COL_MAJOR,
             (WG_ROWS, self.dv, self.tile_n), self.dtype, cfg.num_stages)
+        # fp8_v_in_kernel: V's staging ring, laid out as K's (a key's row contiguous); else
+        # unused (sVt's layout stands in for the kernel's argument)
+        sVrows_layout = sVt_layout
+        if const_expr(cfg.fp8_v_in_kernel):
+            sVrows_layout = sm90_utils.make_smem_layout_b(
+                LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.dv), self.dtype, cfg.num_stages)
         # O's staging: one (64, dv) slice per consumer warpgroup (Q's layout when dv == d)
         sO_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.dv), self.o_dtype, self.num_wg)
@@ -237,6 +260,8 @@ class FlashFwdSm90:
             tma_load, mQ, cute.slice_(sQ_layout, (None, None, 0)), (WG_ROWS, self.d))
         k_box, v_box = cute.slice_(sK_layout, (None, None, 0)), cute.slice_(sVt_layout, (None, None, 0))
         k_tile, v_tile = (self.tile_n, self.d), (self.dv, self.tile_n)
+        if const_expr(cfg.fp8_v_in_kernel):
+            v_box, v_tile = cute.slice_(sVrows_layout, (None, None, 0)), (self.tile_n, self.dv)
         if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
             # pages smaller than a key block: one (page, 64-column) slice a copy (load)
             k_tile, v_tile = (cfg.page_size, 64), (64, cfg.page_size)
@@ -249,7 +274,8 @@ class FlashFwdSm90:
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
-        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sVt_layout, sO_layout)
+        self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sVt_layout, sO_layout,
+                                                       sVrows_layout)
 
         num_heads = mQ.shape[2]
         if const_expr(cfg.varlen_q):
@@ -272,7 +298,7 @@ class FlashFwdSm90:
             mQ.shape[0], mPageTable.shape[1] * cfg.page_size if const_expr(cfg.page_size) else mK.shape[0],
             qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
-            tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout,
+            tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout, sVrows_layout,
         ).launch(
             grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -286,8 +312,9 @@ class FlashFwdSm90:
             Float32, (1, 1, 1), (WG_ROWS, self.tile_n),
         )
 
-    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout, sO_layout):
-        """The shared-memory layout (plain Python: the O buffer is a compile-time option)."""
+    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout, sO_layout, sVrows_layout):
+        """The shared-memory layout (plain Python: the O buffer and V's staging ring are
+        compile-time options)."""
         q_elems, k_elems, v_elems = (cute.cosize(x) for x in (sQ_layout, sK_layout, sVt_layout))
         stages = self.cfg.num_stages
         fields = {
@@ -306,6 +333,10 @@ class FlashFwdSm90:
         if self.cfg.o_path == "own_buffer":
             fields["sO"] = cute.struct.Align[
                 cute.struct.MemRange[self.o_dtype, cute.cosize(sO_layout)], 1024]
+        if self.cfg.fp8_v_in_kernel:
+            fields["mbar_vrows"] = cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            fields["sVrows"] = cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sVrows_layout)], 1024]
         return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------------------------------
@@ -332,6 +363,7 @@ class FlashFwdSm90:
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        sVrows_layout: cute.ComposedLayout,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -345,10 +377,24 @@ class FlashFwdSm90:
         consumer_warps = 4 * self.num_wg  # TMA pipelines count one release per consumer warp
         pipeline_q = make_tma_pipeline(storage.mbar_q, 1, self.q_bytes, consumer_warps)
         pipeline_k = make_tma_pipeline(storage.mbar_k, cfg.num_stages, self.k_bytes, consumer_warps)
-        pipeline_v = make_tma_pipeline(storage.mbar_v, cfg.num_stages, self.v_bytes, consumer_warps)
+        # V's rows land in the staging ring (pipeline_vrows: TMA -> the transposing warps), which
+        # publish V^T to the consumers (pipeline_v) (fp8_v_in_kernel); else TMA fills V^T
+        pipeline_vrows = None
+        tile_readers = WG_THREADS * self.num_wg  # the threads that take each next tile
+        if const_expr(cfg.fp8_v_in_kernel):
+            pipeline_vrows = make_tma_pipeline(storage.mbar_vrows, cfg.num_stages, self.v_bytes,
+                                               TRANSPOSE_WARPS)
+            pipeline_v = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_v.data_ptr(), num_stages=cfg.num_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, TRANSPOSE_THREADS),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG_THREADS * self.num_wg),
+                defer_sync=True)
+            tile_readers += TRANSPOSE_THREADS
+        else:
+            pipeline_v = make_tma_pipeline(storage.mbar_v, cfg.num_stages, self.v_bytes, consumer_warps)
         handoff = None
         if const_expr(cfg.dynamic_tiles):
-            handoff = TileWalk.make_handoff(storage.mbar_tile, WG_THREADS * self.num_wg)
+            handoff = TileWalk.make_handoff(storage.mbar_tile, tile_readers)
         # Make the barrier initialisation visible to every warp before anyone waits on it.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -356,6 +402,9 @@ class FlashFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sVt.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        sVrows = None
+        if const_expr(cfg.fp8_v_in_kernel):
+            sVrows = storage.sVrows.get_tensor(sVrows_layout.outer, swizzle=sVrows_layout.inner)
         # O's staging buffer (Sm90FwdConfig.o_path): Q's, its own, or, as a function of the
         # ring stage, the V stage of the tile's last block; (64, dv) slices in sO_layout.
         sO_q = sQ  # O over Q's buffer (also the v_stage path's, for a tile without keys)
@@ -388,14 +437,29 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 load_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.load(
-                    tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
+                    tma_atom_q, mQ, tma_atom_k, mK, tma_atom_v, mVt, sQ, sK,
+                    sVrows if const_expr(cfg.fp8_v_in_kernel) else sVt, pipeline_q, pipeline_k,
+                    pipeline_vrows if const_expr(cfg.fp8_v_in_kernel) else pipeline_v,
+                    q_state, kv_state, seqlen,
                     lambda: visit(seqlen, m_block, head_idx, batch_idx),
                     m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
                     mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.page_size) else None)
                 walk.walk(True, tile_info, load_tile,
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
+            if const_expr(cfg.fp8_v_in_kernel):
+                if warp_idx > 0:
+                    # a stage of each ring as a plain tensor in its swizzled layout (transpose_v
+                    # reads each word's address from the layout; the rings' tensors above carry
+                    # their swizzle in the pointer instead)
+                    stage_bytes = self.v_bytes
+                    stage_of = lambda ring, layout: lambda stage: cute.make_tensor(
+                        ring.data_ptr() + cute.assume(stage * stage_bytes, divby=1024),
+                        cute.slice_(layout, (None, None, 0)))
+                    self.walk_transposes(walk, tile_info, visit,
+                                         stage_of(storage.sVrows, sVrows_layout),
+                                         stage_of(storage.sVt, sVt_layout), pipeline_vrows,
+                                         pipeline_v, tidx - 32)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             wg = (warp_idx // 4) - 1
@@ -411,6 +475,39 @@ class FlashFwdSm90:
             walk.walk(False, tile_info, consume_tile,
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages))
+
+    @cute.jit
+    def walk_transposes(self, walk, tile_info, visit, rows_stage, vt_stage, pipeline_vrows,
+                        pipeline_v, thread):
+        """The producer warpgroup's warps 1-3 (fp8_v_in_kernel): every tile's V blocks from the
+        staging ring into V^T, in the loader's order (`thread`: 0..TRANSPOSE_THREADS-1;
+        rows_stage / vt_stage: stage -> that stage's tensor)."""
+        transpose_tile = lambda m_block, head_idx, batch_idx, seqlen, rows_state, vt_state: (
+            self.transpose_tile(rows_stage, vt_stage, pipeline_vrows, pipeline_v, rows_state, vt_state,
+                                visit(seqlen, m_block, head_idx, batch_idx), thread))
+        walk.walk(False, tile_info, transpose_tile,
+                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages),
+                  pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages))
+
+    @cute.jit
+    def transpose_tile(self, rows_stage, vt_stage, pipeline_vrows, pipeline_v, rows_state,
+                       vt_state, visit, thread):
+        """The transposing warps (fp8_v_in_kernel), one tile: each V block the loader copied
+        into the staging ring, in V^T's stage of the same index (the rings advance together),
+        published to the consumers after a proxy fence (wgmma reads shared memory through the
+        async proxy). Returns the advanced states."""
+        for _ in cutlass.range(visit.count(), unroll=1):
+            pipeline_vrows.consumer_wait(rows_state)
+            pipeline_v.producer_acquire(vt_state)
+            transpose_v(rows_stage(rows_state.index), vt_stage(vt_state.index), thread,
+                        TRANSPOSE_THREADS)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            pipeline_v.producer_commit(vt_state)
+            cute.arch.sync_warp()  # the warp's reads of the staging stage are done: one release
+            pipeline_vrows.consumer_release(rows_state)
+            rows_state.advance()
+            vt_state.advance()
+        return rows_state, vt_state
 
     def visit_order(self, block_info: BlockInfo, seqlen: SeqlenInfo, m_block, head_idx,
                     batch_idx, sparse_lists: tuple):
@@ -473,6 +570,10 @@ class FlashFwdSm90:
         v_blocks = lambda view: cpasync.tma_partition(
             tma_atom_v, 0, one, cute.group_modes(sVt, 0, 2),
             cute.group_modes(cute.local_tile(view, (self.dv, self.tile_n), (0, None)), 0, 2))
+        if const_expr(cfg.fp8_v_in_kernel):  # (sVt: the staging ring; V's rows as K's)
+            v_blocks = lambda view: cpasync.tma_partition(
+                tma_atom_v, 0, one, cute.group_modes(sVt, 0, 2),
+                cute.group_modes(cute.local_tile(view, (self.tile_n, self.dv), (None, 0)), 0, 2))
         tQsQ, tQgQ = cpasync.tma_partition(tma_atom_q, 0, one, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         # copy_k / copy_v(n_block, stage, barrier, where): the TMA copies of a key block into a
         # stage; where = lookup(n_block), read before the producer waits for the stage (pages
@@ -500,7 +601,9 @@ class FlashFwdSm90:
                 cute.copy(tma_atom_v, src, tVsV[None, stage], tma_bar_ptr=barrier)
         else:
             tKsK, tKgK = k_blocks(seqlen.k_view(mK, head_idx_kv, batch_idx))
-            if const_expr(cfg.fp8 and cfg.varlen_k):
+            if const_expr(cfg.fp8_v_in_kernel):
+                vt = seqlen.k_view(mVt, head_idx_kv, batch_idx)
+            elif const_expr(cfg.fp8 and cfg.varlen_k):
                 # fp8 V^T: each sequence's keys from a 16-aligned column (fp8_value.py), not cu_seqlens_k's
                 vt = cute.domain_offset((0, mCuSeqlensV[batch_idx]), mVt[None, None, head_idx_kv])
             else:

@@ -155,6 +155,7 @@ class Launch:
         self.scalars = launch_scalars(spec)
         self.bind = _binder(self.scalars, self.tvm_ffi)
         self.dynamic_tiles = cfg.dynamic_tiles
+        self.v_in_kernel = cfg.fp8_v_in_kernel  # (fp8: V's transpose inside the kernel)
 
     def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                  seqused_k=None, sparse: SparseMetadata = NO_SPARSE,
@@ -170,8 +171,12 @@ class Launch:
         if page_table is not None:
             page_table = page_table.contiguous()  # (the kernel takes its pages' mode contiguous)
         if self.spec.dtype == FP8:
-            # the bytes cross into the kernel (arguments.py); V transposed for the fp8 P V GEMM
-            v, cu_v = fp8_value_operand(v, cu_seqlens_k, self.spec.seqlen_k)
+            # the bytes cross into the kernel (arguments.py); V transposed for the fp8 P V GEMM,
+            # here or inside the kernel (Sm90FwdConfig.fp8_v_in_kernel)
+            if self.v_in_kernel:
+                v, cu_v = v.view(torch.uint8), None
+            else:
+                v, cu_v = fp8_value_operand(v, cu_seqlens_k, self.spec.seqlen_k)
             q, k = q.view(torch.uint8), k.view(torch.uint8)
             batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else
                      cu_seqlens_k.shape[0] - 1 if cu_seqlens_k is not None else q.shape[0])
