@@ -97,12 +97,12 @@ def cases() -> dict:
     out["fp8_value_transpose_packed"] = lambda: t8.test_value_transpose_kernel_packed(0, [1000, 1, 0, 257, 64])
     # V transposed inside the kernel (config.FP8_V_IN_KERNEL, candidate): the staging ring, the
     # transposing warps' pipelines, the tile hand-off with them; fixed and packed
-    out["fp8_v_in_kernel_d128_causal"] = _with_sm90_config(lambda: t8.check(
-        *t8.fp8_inputs(2, 700, 700, 8, 2, 128), causal=True), "FP8_V_IN_KERNEL", True)
-    out["fp8_v_in_kernel_d64_window"] = _with_sm90_config(lambda: t8.check(
-        *t8.fp8_inputs(1, 257, 300, 8, 2, 64), window_size=(64, 16)), "FP8_V_IN_KERNEL", True)
-    out["fp8_v_in_kernel_varlen_d128"] = _with_sm90_config(
-        lambda: t8.check_varlen(128, "causal"), "FP8_V_IN_KERNEL", True)
+    in_kernel = lambda fn: _with_config(fn, "FP8_V_IN_KERNEL", True, family="sm90")
+    out["fp8_v_in_kernel_d128_causal"] = in_kernel(lambda: t8.check(
+        *t8.fp8_inputs(2, 700, 700, 8, 2, 128), causal=True))
+    out["fp8_v_in_kernel_d64_window"] = in_kernel(lambda: t8.check(
+        *t8.fp8_inputs(1, 257, 300, 8, 2, 64), window_size=(64, 16)))
+    out["fp8_v_in_kernel_varlen_d128"] = in_kernel(lambda: t8.check_varlen(128, "causal"))
     # traced mods (a tensor-reading mask_mod on dense tiles and on lists; ALiBi; gradients)
     import test_gpu_mods as tm
     out["mods_document_dense"] = lambda: tm.test_dense_tiles(0, "document", 128, True, 700)
@@ -274,37 +274,27 @@ def _two_ctas_per_sm(fn):
     return _with_config(fn, "decode_ctas_per_sm", lambda *args: 2)
 
 
-def _with_config(fn, name: str, value):
-    """fn run with sm80 config's `name` set to value (fresh decode launches), then restored."""
+def _with_config(fn, name: str, value, family: str = "sm80"):
+    """fn run with the family's config `name` (kernels/sm80 or sm90 config.py) set to value,
+    then restored; the calls' launches are dropped before and after (sm80: the decode steps',
+    sm90: the forward's), so each side compiles and launches its own variant."""
+    def launches():
+        from cuteattn import api, kvcache
+        return (api._launches,) if family == "sm90" else (kvcache._decode_launches, kvcache._steps)
+
     def run():
-        from cuteattn import kvcache
-        from cuteattn.kernels.sm80 import config
+        import importlib
+        config = importlib.import_module(f"cuteattn.kernels.{family}.config")
         chosen = getattr(config, name)
         setattr(config, name, value)
-        kvcache._decode_launches.clear()
-        kvcache._steps.clear()
+        for cache in launches():
+            cache.clear()
         try:
             fn()
         finally:
             setattr(config, name, chosen)
-            kvcache._decode_launches.clear()
-            kvcache._steps.clear()
-    return run
-
-
-def _with_sm90_config(fn, name: str, value):
-    """fn run with sm90 config's `name` set to value (fresh forward launches), then restored."""
-    def run():
-        from cuteattn import api
-        from cuteattn.kernels.sm90 import config
-        chosen = getattr(config, name)
-        setattr(config, name, value)
-        api._launches.clear()
-        try:
-            fn()
-        finally:
-            setattr(config, name, chosen)
-            api._launches.clear()
+            for cache in launches():
+                cache.clear()
     return run
 
 
