@@ -27,6 +27,7 @@ from cutlass import Float32, Int32, Uint8, const_expr
 from ..common import epilogue
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
+from ..common.global_atomics import block_idx_x_again
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major,
                              pack_heads_into_rows, seq_major, transposed_view)
 from ..common.mask import apply_mask
@@ -36,7 +37,6 @@ from ..common.softmax import LOG2E, MAX_LAG_LOG2, OnlineSoftmax
 from ..common.tile_scheduler import fixed_tile_coord, varlen_tile_coord
 from . import mma
 from .combine import AT_ONCE_FOLDED, merge_row
-from ..common.global_atomics import block_idx_x_again
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ common/convert.FP8_KEY_ORDER, the order P's registers already hold them in (fp8_
 The work unit is fp8_value.py's: a 16-key group x 4 head-dim columns. A thread reads the
 group's 16 key rows at those 4 columns as 16 words (in FP8_KEY_ORDER), four at a time, makes a
 4x4 byte transpose of each four with `prmt`, and writes the 4 columns' 16 keys as 4 words
-each. Both layouts swizzle
-16-byte chunks, so a word at a column (or key) multiple of 4 never straddles a chunk: its
-address is its first byte's, read from the layout. Threads with consecutive column words read
-consecutive words of a key row.
+each. Both layouts swizzle 16-byte chunks, so a word at a column (or key) multiple of 4 never
+straddles a chunk: its address is its first byte's, read from the layout (so a stage comes as
+a tensor of a plain pointer and the swizzled layout, not of a swizzled pointer). Threads with
+consecutive column words read consecutive words of a key row.
 """
 import cutlass
 import cutlass.cute as cute
