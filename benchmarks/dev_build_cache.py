@@ -3,7 +3,9 @@ GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried
 (about 90 KB per variant), it turns most of the GPU tests' time, compiling, into loading:
     CUTEATTN_CACHE_DIR=$PWD/.kcache python benchmarks/dev_build_cache.py [processes]
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
-(carry `.kcache`). The cache directory is keyed by a fingerprint of the sm90 forward's sources
+(carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
+candidate's variants for its GPU tests and A/B: FP8_V_IN_KERNEL=1); --fp8 builds only the fp8
+(e4m3) variants. The cache directory is keyed by a fingerprint of the sm90 forward's sources
 (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a mismatch only means
 compiling as before.
 """
@@ -38,6 +40,31 @@ def specs():
                 softcap=30.0 if softcap else 0.0)
 
 
+def surface_specs():
+    """The benchmark's surface rows beyond specs(): d=192 with d_v=128 (MLA prefill)."""
+    from cuteattn.spec import AttentionSpec
+    for dtype, causal, seqlen in itertools.product(
+            (torch.bfloat16, torch.float16), (False, True), (4096, 16384)):
+        yield AttentionSpec(
+            dtype=dtype, head_dim=192, head_dim_v=128, causal=causal, local=False,
+            has_softcap=False, varlen_q=False, varlen_k=False, seqlen_q=seqlen, seqlen_k=seqlen,
+            softmax_scale=192 ** -0.5)
+
+
+FP8_MASKS = ("none", "causal", "local", "softcap")  # the fp8 tests' and benchmark's masks
+
+
+def fp8_specs():
+    from cuteattn.spec import AttentionSpec
+    for d, mask, varlen, seqlen in itertools.product(
+            (64, 96, 128, 192, 256), FP8_MASKS, (False, True), (1024, 4096)):
+        causal, local, softcap = MASKS[mask]
+        yield AttentionSpec(
+            dtype=torch.float8_e4m3fn, head_dim=d, head_dim_v=d, causal=causal, local=local,
+            has_softcap=softcap, varlen_q=varlen, varlen_k=varlen, seqlen_q=seqlen,
+            seqlen_k=seqlen, softmax_scale=d ** -0.5, softcap=30.0 if softcap else 0.0)
+
+
 def build(cfg):
     from cuteattn.kernels.sm90 import launch
     launch._compiled(cfg, tvm_ffi=True)
@@ -47,9 +74,13 @@ def build(cfg):
 def main():
     from cuteattn import compile_cache
     from cuteattn.kernels.sm90 import launch
-    args = sys.argv[1:]
+    from cuteattn.kernels.sm90 import config
+    args = [a for a in sys.argv[1:] if "=" not in a and a != "--fp8"]
+    for name, value in (a.split("=") for a in sys.argv[1:] if "=" in a):
+        assert hasattr(config, name), f"kernels/sm90/config.py has no {name}"
+        setattr(config, name, type(getattr(config, name))(int(value)))
     unique = {}
-    for spec in specs():  # one per compiled variant (the tile class folds lengths together)
+    for spec in (fp8_specs() if "--fp8" in sys.argv else itertools.chain(specs(), surface_specs(), fp8_specs())):  # one per compiled variant (the tile class folds lengths together)
         unique[launch.sm90_config(spec)] = None  # the config is the compile key
     processes = int(args[0]) if args else os.cpu_count()
     print(f"{len(unique)} variants into {compile_cache.cache_dir(launch.sources())}", flush=True)
