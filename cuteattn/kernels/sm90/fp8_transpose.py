@@ -12,8 +12,8 @@ group's 16 key rows at those 4 columns as 16 words (in FP8_KEY_ORDER), four at a
 4x4 byte transpose of each four with `prmt`, and writes the 4 columns' 16 keys as 4 words
 each. Both layouts swizzle 16-byte chunks, so a word at a column (or key) multiple of 4 never
 straddles a chunk: its address is its first byte's, read from the layout (so a stage comes as
-a tensor of a plain pointer and the swizzled layout, not of a swizzled pointer). Threads with
-consecutive column words read consecutive words of a key row.
+a tensor of a plain pointer and the swizzled layout, not of a swizzled pointer). How the units
+sit on a warp's lanes is chosen for shared memory's banks (LANE_COLUMNS below).
 """
 import cutlass
 import cutlass.cute as cute
@@ -23,6 +23,17 @@ from ..common.convert import FP8_KEY_ORDER
 from .fp8_value import byte_perm
 
 GROUP = 16  # keys of one FP8_KEY_ORDER group
+# A warp's 32 units: 8 column words (lanes a = lane % 8) x 4 key groups (b = lane // 8), each
+# lane's group turned by a >> 1 and its slot quads (j) visited from (a + b) % 4 on. Shared memory
+# serves 32 banks of 4 bytes a cycle; a transposed store's row is 4 columns' bytes apart, so
+# lanes on consecutive column words, one key group (the plain order), hit 2 rows modulo the
+# swizzle's 8 and one word of each: 16-way conflicts on every store, which made the transpose
+# slower than the GEMMs it feeds (0.56x at d=128 16k). Spreading groups and slot quads over the
+# lanes brings each layout of the fp8 tiles to 1-2.5 wavefronts an access (a host simulation
+# over their layouts: 3-8.5x fewer wavefronts than the plain order).
+LANE_COLUMNS, LANE_GROUPS = 8, 4
+# slot 4j + i of a group holds key 8 (i // 2) + 2j + i % 2 (the loop's j turns per lane)
+assert FP8_KEY_ORDER == tuple(8 * (i // 2) + 2 * j + i % 2 for j in range(4) for i in range(4))
 
 
 @cute.jit
@@ -32,23 +43,35 @@ def transpose_v(sV: cute.Tensor, sVt: cute.Tensor, thread: Int32, threads: cutla
     threads that share the work (a multiple of 32)."""
     tile_n: cutlass.Constexpr = cute.size(sV, mode=[0])
     words: cutlass.Constexpr = cute.size(sV, mode=[1]) // 4  # column words a key row has
+    groups: cutlass.Constexpr = tile_n // GROUP
+    # the units padded to whole warp blocks (8 column words x 4 groups); lanes past the tile idle
+    column_blocks: cutlass.Constexpr = -(-words // LANE_COLUMNS)
+    group_blocks: cutlass.Constexpr = -(-groups // LANE_GROUPS)
     src = cute.recast_ptr(sV.iterator, dtype=Int32)
     dst = cute.recast_ptr(sVt.iterator, dtype=Int32)
-    for unit in cutlass.range(thread, (tile_n // GROUP) * words, threads, unroll=1):
-        group, col = unit // words, unit % words
-        for j in cutlass.range_constexpr(4):
-            # slots 4j..4j+3: a 4x4 byte transpose of their four words (one per key, the 4
-            # columns' bytes) into one word per column (4 keys' bytes); four words at a time,
-            # so that the producer warpgroup's few registers hold them
-            a, b, c, d = (word_at(src, cute.crd2idx((GROUP * group + FP8_KEY_ORDER[4 * j + i], 4 * col),
-                                                    sV.layout)) for i in range(4))
-            ab_lo, ab_hi = byte_perm(a, b, 0x5140), byte_perm(a, b, 0x7362)
-            cd_lo, cd_hi = byte_perm(c, d, 0x5140), byte_perm(c, d, 0x7362)
-            out = (byte_perm(ab_lo, cd_lo, 0x5410), byte_perm(ab_lo, cd_lo, 0x7632),
-                   byte_perm(ab_hi, cd_hi, 0x5410), byte_perm(ab_hi, cd_hi, 0x7632))
-            for byte in cutlass.range_constexpr(4):
-                set_word(dst, cute.crd2idx((4 * col + byte, GROUP * group + 4 * j), sVt.layout),
-                         out[byte])
+    lane = thread % 32
+    a, b = lane % LANE_COLUMNS, lane // LANE_COLUMNS
+    turn = (a + b) % 4
+    for block in cutlass.range(thread // 32, column_blocks * group_blocks, threads // 32, unroll=1):
+        group = (block // column_blocks) * LANE_GROUPS + (b + a // 2) % LANE_GROUPS
+        col = (block % column_blocks) * LANE_COLUMNS + a
+        if group < groups and col < words:
+            for jj in cutlass.range_constexpr(4):
+                # slots 4j..4j+3 (keys 16 group + 8 (i // 2) + 2j + i % 2, FP8_KEY_ORDER): a
+                # 4x4 byte transpose of their four words (one per key, the 4 columns' bytes)
+                # into one word per column (4 keys' bytes); four words at a time, so that the
+                # producer warpgroup's few registers hold them
+                j = (jj + turn) % 4
+                a0, a1, a2, a3 = (word_at(src, cute.crd2idx(
+                    (GROUP * group + 8 * (i // 2) + 2 * j + i % 2, 4 * col), sV.layout))
+                    for i in range(4))
+                ab_lo, ab_hi = byte_perm(a0, a1, 0x5140), byte_perm(a0, a1, 0x7362)
+                cd_lo, cd_hi = byte_perm(a2, a3, 0x5140), byte_perm(a2, a3, 0x7362)
+                out = (byte_perm(ab_lo, cd_lo, 0x5410), byte_perm(ab_lo, cd_lo, 0x7632),
+                       byte_perm(ab_hi, cd_hi, 0x5410), byte_perm(ab_hi, cd_hi, 0x7632))
+                for byte in cutlass.range_constexpr(4):
+                    set_word(dst, cute.crd2idx((4 * col + byte, GROUP * group + 4 * j), sVt.layout),
+                             out[byte])
 
 
 @cute.jit
