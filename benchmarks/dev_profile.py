@@ -14,7 +14,8 @@ Arguments: head_dim seqlen causal(0/1) [fwd|bwd [fa4|det]]; fa4 runs flash-attn-
 of ours (its backward kernel matches -k regex:BackwardSm90), det our deterministic backward;
 batch x seqlen = 16384 tokens, nheads x d = 2048 (d=80 and 96: 24 heads, as the bench's surface
 rows), bf16. e.g. d=80's forward beside FlashAttention-4's: `80 4096 0 fwd` and `80 4096 0 fwd fa4`.
-Or: prefill page_size.
+Or: prefill page_size. Or the fp8 forward: `128 16384 0 fp8` (e4m3 q, k, v), with
+`... fp8 CONFIG_NAME=1` setting a constant of kernels/sm90/config.py first (a candidate switch).
 """
 import sys
 
@@ -44,6 +45,11 @@ if sys.argv[5:6] == ["fa4"]:
 b, h = 16384 // s, {80: 24, 96: 24}.get(d, 2048 // d)
 q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
            for _ in range(3)]
+if sys.argv[4:5] == ["fp8"]:
+    from cuteattn.kernels.sm90 import config
+    for name, value in (a.split("=") for a in sys.argv[5:]):
+        setattr(config, name, type(getattr(config, name))(int(value)))
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in (q, k, v))
 for _ in range(4):
     out = attend(q, k, v)
     if backward:

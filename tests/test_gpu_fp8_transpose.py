@@ -78,6 +78,65 @@ def test_transpose_compiles_for_sm90a(tile_n, dv, monkeypatch):
     compile_probe(tile_n, dv)
 
 
+def fp8_in_kernel_shapes() -> list:
+    """(tile_n, d_v) of every fp8 forward config that transposes V in the kernel."""
+    import dataclasses
+    from cuteattn.kernels.sm90 import launch
+    from cuteattn.spec import AttentionSpec
+    shapes = set()
+    for d in (64, 96, 128, 192, 256):
+        for causal, local, softcap in ((False, False, False), (True, False, False),
+                                       (False, True, False), (False, False, True)):
+            for varlen in (False, True):
+                for seqlen in (128, 1024, 4096):
+                    spec = AttentionSpec(
+                        dtype=torch.float8_e4m3fn, head_dim=d, head_dim_v=d, causal=causal,
+                        local=local, has_softcap=softcap, varlen_q=varlen, varlen_k=varlen,
+                        seqlen_q=seqlen, seqlen_k=seqlen, softmax_scale=d ** -0.5)
+                    cfg = dataclasses.replace(launch.sm90_config(spec), fp8_v_in_kernel=True)
+                    if cfg.smem_bytes() <= 227 * 1024:
+                        shapes.add((cfg.tile_n, cfg.head_dim_v))
+    return sorted(shapes)
+
+
+XOR_VIOLATIONS = []  # (a jit function's arguments cannot be Python lists)
+
+
+@cute.jit
+def xor_fields_violations(tile_n: cutlass.Constexpr, dv: cutlass.Constexpr):
+    """Appends to XOR_VIOLATIONS each coordinate where transpose_v's address rule fails: a word's
+    offset is the XOR of its coordinates' fields' offsets (fp8_transpose.transpose_v). (Python
+    comprehensions: the DSL leaves them to Python, where it would stage loops and branches.)"""
+    s_v, s_vt = layouts(tile_n, dv)
+    at = lambda layout, crd: int(cute.crd2idx(crd, layout))
+    G, W = tile_n // 16, dv // 4
+    XOR_VIOLATIONS.extend(  # key rows within a group: r_i ^ 2 jj, then ^ 2 turn
+        ("V rows", r, t) for r in range(16) for t in (0, 2, 4, 6)
+        if at(s_v, (r ^ t, 0)) != at(s_v, (r, 0)) ^ at(s_v, (t, 0)))
+    XOR_VIOLATIONS.extend(  # V^T: (byte, 4 (jj ^ turn)) = (byte, 4 jj) ^ (0, 4 turn)
+        ("V^T keys", byte, j, t) for byte in range(4) for j in range(4) for t in range(4)
+        if at(s_vt, (byte, 4 * (j ^ t))) != at(s_vt, (byte, 4 * j)) ^ at(s_vt, (0, 4 * t)))
+    XOR_VIOLATIONS.extend(
+        ("V", g, c, r) for g in range(G) for c in range(W) for r in range(16)
+        if at(s_v, (16 * g + r, 4 * c)) != at(s_v, (16 * g, 4 * c)) ^ at(s_v, (r, 0)))
+    XOR_VIOLATIONS.extend(
+        ("V^T", g, c, byte, j) for g in range(G) for c in range(W) for byte in range(4)
+        for j in range(4) if at(s_vt, (4 * c + byte, 16 * g + 4 * j))
+        != at(s_vt, (4 * c, 16 * g)) ^ at(s_vt, (byte, 4 * j)))
+
+
+@pytest.mark.compile
+def test_addresses_compose_by_xor_for_every_fp8_tile(monkeypatch):
+    """transpose_v's addresses (a unit's base XOR constants) hold on each fp8 tile's layouts."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
+    shapes = fp8_in_kernel_shapes()
+    assert (192, 128) in shapes and len(shapes) >= 8, shapes
+    for tile_n, dv in shapes:
+        XOR_VIOLATIONS.clear()
+        xor_fields_violations(tile_n, dv)
+        assert not XOR_VIOLATIONS, ((tile_n, dv), XOR_VIOLATIONS[:5])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_n,dv", SHAPES)
 def test_transpose_puts_keys_in_fp8_key_order(tile_n, dv):

@@ -24,15 +24,15 @@ from .fp8_value import byte_perm
 
 GROUP = 16  # keys of one FP8_KEY_ORDER group
 # A warp's 32 units: 8 column words (lanes a = lane % 8) x 4 key groups (b = lane // 8), each
-# lane's group turned by a >> 1 and its slot quads (j) visited from (a + b) % 4 on. Shared memory
-# serves 32 banks of 4 bytes a cycle; a transposed store's row is 4 columns' bytes apart, so
-# lanes on consecutive column words, one key group (the plain order), hit 2 rows modulo the
-# swizzle's 8 and one word of each: 16-way conflicts on every store, which made the transpose
-# slower than the GEMMs it feeds (0.56x at d=128 16k). Spreading groups and slot quads over the
-# lanes brings each layout of the fp8 tiles to 1-2.5 wavefronts an access (a host simulation
-# over their layouts: 3-8.5x fewer wavefronts than the plain order).
+# lane's group turned by a >> 1 and its slot quads visited in the order j = jj ^ turn, turn =
+# (a ^ b) % 4. Shared memory serves 32 banks of 4 bytes a cycle; a transposed store's row is 4
+# columns' bytes apart, so lanes on consecutive column words of one key group (the plain order)
+# hit 2 rows modulo the swizzle's 8 and one word of each: 16-way conflicts on every store,
+# which made the transpose slower than the GEMMs it feeds (0.56x at d=128 16k). This order
+# brings each fp8 tile's layouts to 1-2.5 wavefronts an access (a host simulation over their
+# layouts: 3-8.5x fewer than the plain order).
 LANE_COLUMNS, LANE_GROUPS = 8, 4
-# slot 4j + i of a group holds key 8 (i // 2) + 2j + i % 2 (the loop's j turns per lane)
+# slot 4j + i of a group holds key 8 (i // 2) + 2j + i % 2: rows r_i ^ 2j, r_i = 8 (i // 2) + i % 2
 assert FP8_KEY_ORDER == tuple(8 * (i // 2) + 2 * j + i % 2 for j in range(4) for i in range(4))
 
 
@@ -40,46 +40,56 @@ assert FP8_KEY_ORDER == tuple(8 * (i // 2) + 2 * j + i % 2 for j in range(4) for
 def transpose_v(sV: cute.Tensor, sVt: cute.Tensor, thread: Int32, threads: cutlass.Constexpr):
     """sV: one stage of V, (tile_n keys, d_v) bytes in sK's layout; sVt: one stage of the P V
     GEMM's B operand, (d_v, tile_n) bytes, keys contiguous. `thread` in [0, threads): the
-    threads that share the work (a multiple of 32)."""
+    threads that share the work (a multiple of 32).
+
+    Addresses: in both layouts (sK's and V^T's swizzled K-major layouts at the fp8 tiles) a
+    word's offset is the XOR of its coordinates' bit fields' offsets, e.g. sV's (16 g + r, 4 c)
+    = (16 g, 4 c) ^ (r, 0) for r < 16, as the swizzle XORs bits and the fields never carry into
+    each other (tests/test_fp8_transpose.py checks it for every fp8 config). So a unit's 32
+    addresses are its two base offsets XOR constants of the trace: one LOP3 an access, where
+    crd2idx of the whole coordinate took a dozen integer instructions (with signed division),
+    enough to take issue slots from the consumers' softmax."""
     tile_n: cutlass.Constexpr = cute.size(sV, mode=[0])
     words: cutlass.Constexpr = cute.size(sV, mode=[1]) // 4  # column words a key row has
     groups: cutlass.Constexpr = tile_n // GROUP
     # the units padded to whole warp blocks (8 column words x 4 groups); lanes past the tile idle
     column_blocks: cutlass.Constexpr = -(-words // LANE_COLUMNS)
     group_blocks: cutlass.Constexpr = -(-groups // LANE_GROUPS)
-    src = cute.recast_ptr(sV.iterator, dtype=Int32)
-    dst = cute.recast_ptr(sVt.iterator, dtype=Int32)
     lane = thread % 32
     a, b = lane % LANE_COLUMNS, lane // LANE_COLUMNS
-    turn = (a + b) % 4
+    turn = (a ^ b) % 4
+    # the lane's turn, in each layout: rows 2 turn of V, keys 4 turn of V^T
+    load_turn = cute.crd2idx((2 * turn, 0), sV.layout)
+    store_turn = cute.crd2idx((0, 4 * turn), sVt.layout)
     for block in cutlass.range(thread // 32, column_blocks * group_blocks, threads // 32, unroll=1):
         group = (block // column_blocks) * LANE_GROUPS + (b + a // 2) % LANE_GROUPS
         col = (block % column_blocks) * LANE_COLUMNS + a
         if group < groups and col < words:
+            load_base = cute.crd2idx((GROUP * group, 4 * col), sV.layout) ^ load_turn
+            store_base = cute.crd2idx((4 * col, GROUP * group), sVt.layout) ^ store_turn
             for jj in cutlass.range_constexpr(4):
-                # slots 4j..4j+3 (keys 16 group + 8 (i // 2) + 2j + i % 2, FP8_KEY_ORDER): a
-                # 4x4 byte transpose of their four words (one per key, the 4 columns' bytes)
-                # into one word per column (4 keys' bytes); four words at a time, so that the
-                # producer warpgroup's few registers hold them
-                j = (jj + turn) % 4
-                a0, a1, a2, a3 = (word_at(src, cute.crd2idx(
-                    (GROUP * group + 8 * (i // 2) + 2 * j + i % 2, 4 * col), sV.layout))
-                    for i in range(4))
+                # slots 4j..4j+3, j = jj ^ turn: a 4x4 byte transpose of their four words (one
+                # per key, the 4 columns' bytes) into one word per column (4 keys' bytes); four
+                # words at a time, so that the producer warpgroup's few registers hold them
+                a0, a1, a2, a3 = (word_at(sV.iterator, load_base ^ cute.crd2idx(
+                    ((8 * (i // 2) + i % 2) ^ (2 * jj), 0), sV.layout)) for i in range(4))
                 ab_lo, ab_hi = byte_perm(a0, a1, 0x5140), byte_perm(a0, a1, 0x7362)
                 cd_lo, cd_hi = byte_perm(a2, a3, 0x5140), byte_perm(a2, a3, 0x7362)
                 out = (byte_perm(ab_lo, cd_lo, 0x5410), byte_perm(ab_lo, cd_lo, 0x7632),
                        byte_perm(ab_hi, cd_hi, 0x5410), byte_perm(ab_hi, cd_hi, 0x7632))
                 for byte in cutlass.range_constexpr(4):
-                    set_word(dst, cute.crd2idx((4 * col + byte, GROUP * group + 4 * j), sVt.layout),
+                    set_word(sVt.iterator, store_base ^ cute.crd2idx((byte, 4 * jj), sVt.layout),
                              out[byte])
 
 
 @cute.jit
 def word_at(base: cute.Pointer, byte_offset: Int32) -> Int32:
-    """The 32-bit word at byte_offset (a multiple of 4) from base (a word pointer)."""
-    return cute.make_tensor(base + byte_offset // 4, cute.make_layout(1))[0]
+    """The 32-bit word at byte_offset (a multiple of 4) from base (a byte pointer, 4-aligned)."""
+    word = cute.recast_ptr(base + cute.assume(byte_offset, divby=4), dtype=Int32)
+    return cute.make_tensor(word, cute.make_layout(1))[0]
 
 
 @cute.jit
 def set_word(base: cute.Pointer, byte_offset: Int32, value: Int32):
-    cute.make_tensor(base + byte_offset // 4, cute.make_layout(1))[0] = value
+    word = cute.recast_ptr(base + cute.assume(byte_offset, divby=4), dtype=Int32)
+    cute.make_tensor(word, cute.make_layout(1))[0] = value
