@@ -95,14 +95,10 @@ def cases() -> dict:
             *t8.fp8_inputs(1, sq, sk, 8, 2, d), **kw)
     out["fp8_varlen_d128_causal"] = lambda: t8.test_fp8_varlen(0, 128, "causal")  # (packed V^T)
     out["fp8_value_transpose_packed"] = lambda: t8.test_value_transpose_kernel_packed(0, [1000, 1, 0, 257, 64])
-    # V transposed inside the kernel (config.FP8_V_IN_KERNEL, candidate): the staging ring, the
-    # transposing warps' pipelines, the tile hand-off with them; fixed and packed
-    in_kernel = lambda fn: _with_config(fn, "FP8_V_IN_KERNEL", True, family="sm90")
-    out["fp8_v_in_kernel_d128_causal"] = in_kernel(lambda: t8.check(
-        *t8.fp8_inputs(2, 700, 700, 8, 2, 128), causal=True))
-    out["fp8_v_in_kernel_d64_window"] = in_kernel(lambda: t8.check(
-        *t8.fp8_inputs(1, 257, 300, 8, 2, 64), window_size=(64, 16)))
-    out["fp8_v_in_kernel_varlen_d128"] = in_kernel(lambda: t8.check_varlen(128, "causal"))
+    # (up to 4096 queries the kernel transposes V itself: the staging ring, the transposing
+    # warps' pipelines, the tile hand-off with them; several tiles a CTA here)
+    out["fp8_d128_causal_two_sequences"] = lambda: t8.check(
+        *t8.fp8_inputs(2, 700, 700, 8, 2, 128), causal=True)
     # traced mods (a tensor-reading mask_mod on dense tiles and on lists; ALiBi; gradients)
     import test_gpu_mods as tm
     out["mods_document_dense"] = lambda: tm.test_dense_tiles(0, "document", 128, True, 700)

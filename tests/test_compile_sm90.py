@@ -331,12 +331,15 @@ FP8_IN_KERNEL_CASES = [(64, "causal", False), (96, "local", True), (128, "none",
 @pytest.mark.parametrize("d,mask,varlen", FP8_IN_KERNEL_CASES,
                          ids=[f"d{d}-{m}{'-varlen' if v else ''}" for d, m, v in FP8_IN_KERNEL_CASES])
 def test_compile_fp8_fwd_v_in_kernel(d, mask, varlen, capfd, tmp_path, monkeypatch):
-    """The fp8 forward with V transposed by its producer warpgroup (config.FP8_V_IN_KERNEL,
-    candidate): the staging ring fits, the byte transposes are there, no spills."""
+    """The fp8 forward with V transposed by its producer warpgroup (up to
+    config.FP8_V_IN_KERNEL_MAX_SEQLEN_Q queries): the staging ring fits, the byte transposes
+    are there, no spills; longer query sequences take the pass over HBM."""
     from cuteattn.kernels.sm90 import config
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(config, "FP8_V_IN_KERNEL", True)
-    cfg = sm90_launch.sm90_config(make_spec(torch.float8_e4m3fn, d, mask, varlen))
+    bound = config.FP8_V_IN_KERNEL_MAX_SEQLEN_Q
+    assert not sm90_launch.sm90_config(make_spec(torch.float8_e4m3fn, d, mask, varlen,
+                                                 seqlen_q=bound + 1)).fp8_v_in_kernel
+    cfg = sm90_launch.sm90_config(make_spec(torch.float8_e4m3fn, d, mask, varlen, seqlen_q=bound))
     assert cfg.fp8_v_in_kernel and cfg.smem_bytes() <= 227 * 1024
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "e4m3.e4m3" in ptx and "prmt.b32" in ptx

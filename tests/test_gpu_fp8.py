@@ -171,38 +171,25 @@ def test_fp8_one_side_packed_and_seqused(seed):
         assert_close_fa(out[b:b + 1].float(), ref, emulated)
 
 
-# ---- V transposed inside the kernel (config.FP8_V_IN_KERNEL, a candidate: off by default) ----
+# ---- where V is transposed: inside the kernel up to FP8_V_IN_KERNEL_MAX_SEQLEN_Q queries (the
+# cases above), by a pass over HBM before it for longer ones ----
 
-def v_in_kernel(monkeypatch):
-    """The forward's fp8 kernels with V transposed by their producer warpgroup, fresh launches."""
-    from cuteattn import api
-    from cuteattn.kernels.sm90 import config
-    monkeypatch.setattr(config, "FP8_V_IN_KERNEL", True)
-    monkeypatch.setattr(api, "_launches", {})
-
-
-V_IN_KERNEL_CASES = [(d, m) for d in (64, 96, 128, 192) for m in MASKS]
-
-
-@pytest.mark.parametrize("d,mask", V_IN_KERNEL_CASES, ids=[f"d{d}-{m}" for d, m in V_IN_KERNEL_CASES])
-@pytest.mark.parametrize("sq,sk", SEQLENS[:4], ids=[f"{a}x{b}" for a, b in SEQLENS[:4]])
-def test_fp8_forward_v_in_kernel(seed, d, mask, sq, sk, monkeypatch):
-    v_in_kernel(monkeypatch)
-    q, k, v, ds = fp8_inputs(2, sq, sk, 8, 2, d)
-    check(q, k, v, ds, **MASKS[mask])
+def test_fp8_long_queries_take_the_pass_over_hbm(seed):
+    """Past the in-kernel transpose's query bound, V^T comes from fp8_value's pass."""
+    from cuteattn.kernels.sm90 import config, launch
+    from cuteattn.spec import AttentionSpec
+    sq = config.FP8_V_IN_KERNEL_MAX_SEQLEN_Q + 131
+    spec = AttentionSpec(dtype=E4M3, head_dim=128, head_dim_v=128, causal=True, local=False,
+                         has_softcap=False, varlen_q=False, varlen_k=False, seqlen_q=sq,
+                         seqlen_k=sq, softmax_scale=128 ** -0.5)
+    assert not launch.sm90_config(spec).fp8_v_in_kernel
+    q, k, v, ds = fp8_inputs(1, sq, sq, 4, 1, 128)
+    check(q, k, v, ds, causal=True)
 
 
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("mask", VARLEN_MASKS)
-def test_fp8_varlen_v_in_kernel(seed, d, mask, monkeypatch):
-    """Packed sequences read V's rows from cu_seqlens_k's offsets (no 16-aligned V^T)."""
-    v_in_kernel(monkeypatch)
-    check_varlen(d, mask)
-
-
-def test_fp8_v_in_kernel_repeated_and_mqa(seed, monkeypatch):
-    """Several tiles a CTA (the rings' phases over tiles), causal tiles from the counter, MQA."""
-    v_in_kernel(monkeypatch)
+def test_fp8_several_tiles_a_cta_and_mqa(seed):
+    """Several tiles a CTA (the rings' phases over tiles, V's staging ring included), causal
+    tiles from the counter, MQA."""
     q, k, v, ds = fp8_inputs(4, 2048, 2048, 16, 1, 128)
     for _ in range(2):
         check(q, k, v, ds, causal=True)

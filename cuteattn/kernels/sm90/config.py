@@ -94,10 +94,12 @@ FP8_TILES = {
 # fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
 # tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
 FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
-# A/B (candidate, off): V transposed inside the fp8 kernel (Sm90FwdConfig.fp8_v_in_kernel)
-# wherever its staging ring fits beside the tile (d <= 192 at FP8_TILES' blocks; d=256 keeps
-# the pass over HBM)
-FP8_V_IN_KERNEL = False
+# V transposed inside the fp8 kernel (Sm90FwdConfig.fp8_v_in_kernel) for up to this many queries
+# (max_seqlen_q), where its staging ring fits beside the tile (d <= 192 at FP8_TILES' blocks;
+# d=256 and paged caches keep the pass over HBM). The pass costs per key, the transposing warps a
+# share of every block (their issue slots beside the softmax): against the pass, 1.16-1.84x at
+# 1k, 1.01-1.24x at 4k, 0.94-0.96x at 16k (docs/perf-log.md, twenty-ninth session).
+FP8_V_IN_KERNEL_MAX_SEQLEN_Q = 4096
 
 
 # Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
@@ -211,7 +213,8 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         return sparse_config(cfg, *sparse_block)
     if fp8:  # O (bf16) cannot be staged in the fp8 Q or V buffers
         cfg = dataclasses.replace(cfg, o_path="own_buffer")
-        if FP8_V_IN_KERNEL and not page_size:
+        if (not page_size and max_seqlen_q is not None
+                and max_seqlen_q <= FP8_V_IN_KERNEL_MAX_SEQLEN_Q):
             in_kernel = dataclasses.replace(cfg, fp8_v_in_kernel=True)
             if in_kernel.smem_bytes() <= SMEM_LIMIT:
                 cfg = in_kernel
