@@ -4,8 +4,8 @@ GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried
     CUTEATTN_CACHE_DIR=$PWD/.kcache python benchmarks/dev_build_cache.py [processes]
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
-candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0); --fp8 builds only the fp8
-(e4m3) variants. The cache directory is keyed by a fingerprint of the sm90 forward's sources
+candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0); --fp8
+builds only the fp8 (e4m3) variants. The cache directory is keyed by a fingerprint of the sm90 forward's sources
 (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a mismatch only means
 compiling as before.
 """
@@ -80,7 +80,9 @@ def main():
         assert hasattr(config, name), f"kernels/sm90/config.py has no {name}"
         setattr(config, name, type(getattr(config, name))(int(value)))
     unique = {}
-    for spec in (fp8_specs() if "--fp8" in sys.argv else itertools.chain(specs(), surface_specs(), fp8_specs())):  # one per compiled variant (the tile class folds lengths together)
+    every = fp8_specs() if "--fp8" in sys.argv else itertools.chain(specs(), surface_specs(),
+                                                                     fp8_specs())
+    for spec in every:  # one per compiled variant (the tile class folds lengths together)
         unique[launch.sm90_config(spec)] = None  # the config is the compile key
     processes = int(args[0]) if args else os.cpu_count()
     print(f"{len(unique)} variants into {compile_cache.cache_dir(launch.sources())}", flush=True)
