@@ -45,10 +45,10 @@ def transpose_v(sV: cute.Tensor, sVt: cute.Tensor, thread: Int32, threads: cutla
     Addresses: in both layouts (sK's and V^T's swizzled K-major layouts at the fp8 tiles) a
     word's offset is the XOR of its coordinates' bit fields' offsets, e.g. sV's (16 g + r, 4 c)
     = (16 g, 4 c) ^ (r, 0) for r < 16, as the swizzle XORs bits and the fields never carry into
-    each other (tests/test_gpu_fp8_transpose.py checks it, on the CPU, for every fp8 config). So a unit's 32
-    addresses are its two base offsets XOR constants of the trace: one LOP3 an access, where
-    crd2idx of the whole coordinate took a dozen integer instructions (with signed division),
-    enough to take issue slots from the consumers' softmax."""
+    each other (tests/test_gpu_fp8_transpose.py checks it, on the CPU, for every fp8 config).
+    So a unit's 32 addresses are its two base offsets XOR constants of the trace: one LOP3 an
+    access, where crd2idx of the whole coordinate took a dozen integer instructions (with
+    signed division), enough to take issue slots from the consumers' softmax."""
     tile_n: cutlass.Constexpr = cute.size(sV, mode=[0])
     words: cutlass.Constexpr = cute.size(sV, mode=[1]) // 4  # column words a key row has
     groups: cutlass.Constexpr = tile_n // GROUP
