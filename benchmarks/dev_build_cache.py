@@ -5,9 +5,9 @@ GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
 candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0); --fp8
-builds only the fp8 (e4m3) variants. The cache directory is keyed by a fingerprint of the sm90 forward's sources
-(launch.sources()), the DSL and TVM-FFI versions and the architecture, so a mismatch only means
-compiling as before.
+builds only the fp8 (e4m3) variants. The cache directory is keyed by a fingerprint of the sm90
+forward's sources (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a
+mismatch only means compiling as before.
 """
 import itertools
 import os
