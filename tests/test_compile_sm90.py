@@ -347,6 +347,22 @@ def test_compile_fp8_fwd_v_in_kernel(d, mask, varlen, capfd, tmp_path, monkeypat
     assert spills and max(spills) == 0, f"{cfg} spills"
 
 
+@pytest.mark.parametrize("d,mask,varlen", FP8_IN_KERNEL_CASES[:3] + FP8_IN_KERNEL_CASES[5:],
+                         ids=lambda v: str(v))
+def test_compile_fp8_fwd_transpose_ldmatrix(d, mask, varlen, capfd, tmp_path, monkeypatch):
+    """The in-kernel transpose by ldmatrix.trans / stmatrix (config.FP8_TRANSPOSE_LDMATRIX,
+    candidate): both instructions there, no spills."""
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(config, "FP8_TRANSPOSE_LDMATRIX", True)
+    cfg = sm90_launch.sm90_config(make_spec(torch.float8_e4m3fn, d, mask, varlen, seqlen_q=1024))
+    assert cfg.fp8_v_in_kernel and cfg.fp8_transpose_ldmatrix
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "stmatrix.sync" in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
+
+
 def test_fp8_reasons():
     """What the fp8 forward declines (the API then falls back to the reference)."""
     import dataclasses

@@ -18,6 +18,8 @@ sit on a warp's lanes is chosen for shared memory's banks (LANE_COLUMNS below).
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..common.convert import FP8_KEY_ORDER
 from .fp8_value import byte_perm
@@ -93,3 +95,65 @@ def word_at(base: cute.Pointer, byte_offset: Int32) -> Int32:
 def set_word(base: cute.Pointer, byte_offset: Int32, value: Int32):
     word = cute.recast_ptr(base + cute.assume(byte_offset, divby=4), dtype=Int32)
     cute.make_tensor(word, cute.make_layout(1))[0] = value
+
+
+# ---- candidate (Sm90FwdConfig.fp8_transpose_ldmatrix, off): FlashAttention-3's form ----
+# A warp's unit is a 16-key group x 32 columns (512 bytes). ldmatrix.x4.trans reads four 8x8
+# 16-bit matrices, matrix m at keys 8 (m % 2) .. + 7 and the 16-byte column chunk m // 2; with
+# .trans, lane t's register of matrix m holds keys 2i and 2i + 1 (i = t % 4) at columns 2c and
+# 2c + 1 of its chunk (c = t // 4). So R0 / R1 (keys 0-7 / 8-15 of the group) hold the bytes
+# of keys {2i, 2i + 1, 2i + 8, 2i + 9} - slot quad i of FP8_KEY_ORDER - for two columns:
+# prmt 0x6420 picks column 2c's four, 0x7531 column 2c + 1's; R2 / R3 the same 16 columns on.
+# stmatrix.x4 (not .trans) then stores lane t's word at V^T row (that column), bytes 4i: its
+# matrices' rows are V^T rows 2r, 2r + 1, 16 + 2r, 17 + 2r (r = the providing lane % 8).
+LDMATRIX_KEYS, LDMATRIX_COLUMNS = 16, 32
+
+
+@dsl_user_op
+def ldmatrix_x4_trans(smem_addr: Int32, *, loc=None, ip=None) -> tuple:
+    """ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: this lane's four registers; smem_addr:
+    the shared-memory address of the row this lane provides (lane // 8: its matrix)."""
+    regs = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4), [Int32(smem_addr).ir_value(loc=loc, ip=ip)],
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        "=r,=r,=r,=r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+    return tuple(Int32(llvm.extractvalue(T.i32(), regs, [i], loc=loc, ip=ip)) for i in range(4))
+
+
+@dsl_user_op
+def stmatrix_x4(smem_addr: Int32, r0: Int32, r1: Int32, r2: Int32, r3: Int32, *, loc=None,
+                ip=None) -> None:
+    """stmatrix.sync.aligned.m8n8.x4.shared.b16 of this lane's four registers (smem_addr: the
+    row this lane provides)."""
+    llvm.inline_asm(
+        None, [Int32(x).ir_value(loc=loc, ip=ip) for x in (smem_addr, r0, r1, r2, r3)],
+        "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r", has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@cute.jit
+def transpose_v_ldmatrix(sV: cute.Tensor, sVt: cute.Tensor, thread: Int32,
+                         threads: cutlass.Constexpr):
+    """transpose_v's work (same arguments, same result) in FlashAttention-3's form: one
+    ldmatrix.x4.trans, four byte permutes and one stmatrix.x4 a warp per 16 keys x 32 columns.
+    Addresses compose by XOR as in transpose_v (tests/test_gpu_fp8_transpose.py)."""
+    tile_n: cutlass.Constexpr = cute.size(sV, mode=[0])
+    column_blocks: cutlass.Constexpr = cute.size(sV, mode=[1]) // LDMATRIX_COLUMNS
+    units: cutlass.Constexpr = (tile_n // LDMATRIX_KEYS) * column_blocks
+    lane = thread % 32
+    matrix, row = lane // 8, lane % 8
+    # the row this lane provides, within a unit: ldmatrix's (key, column chunk) of V, stmatrix's
+    # V^T row
+    load_lane = cute.crd2idx((8 * (matrix % 2) + row, 16 * (matrix // 2)), sV.layout)
+    store_lane = cute.crd2idx((16 * (matrix // 2) + 2 * row + matrix % 2, 0), sVt.layout)
+    v_base = sV.iterator.toint()
+    vt_base = sVt.iterator.toint()
+    for unit in cutlass.range(thread // 32, units, threads // 32, unroll=1):
+        group, block = unit // column_blocks, unit % column_blocks
+        load = cute.crd2idx((LDMATRIX_KEYS * group, LDMATRIX_COLUMNS * block), sV.layout) ^ load_lane
+        store = cute.crd2idx((LDMATRIX_COLUMNS * block, LDMATRIX_KEYS * group), sVt.layout) ^ store_lane
+        r0, r1, r2, r3 = ldmatrix_x4_trans(v_base + load)
+        stmatrix_x4(vt_base + store, byte_perm(r0, r1, 0x6420), byte_perm(r0, r1, 0x7531),
+                    byte_perm(r2, r3, 0x6420), byte_perm(r2, r3, 0x7531))

@@ -44,7 +44,7 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import LOG2E, MAX_LAG_LOG2, OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from .gemm import PingPong, gemm_async
-from .fp8_transpose import transpose_v
+from .fp8_transpose import transpose_v, transpose_v_ldmatrix
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
 
@@ -120,6 +120,9 @@ class Sm90FwdConfig:
     # ring, and the producer warpgroup's other three warps transpose it into the P V GEMM's
     # operand (fp8_transpose.py), instead of launch.py's pass over HBM before the kernel
     fp8_v_in_kernel: bool = False
+    # with fp8_v_in_kernel: the transpose by ldmatrix.trans / stmatrix (candidate, off:
+    # config.FP8_TRANSPOSE_LDMATRIX; fp8_transpose.transpose_v_ldmatrix)
+    fp8_transpose_ldmatrix: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -164,6 +167,7 @@ class FlashFwdSm90:
         assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.head_dim % 32 == 0
                                and cfg.o_path == "own_buffer" and not cfg.sparse)
         assert not cfg.fp8_v_in_kernel or (cfg.fp8 and not cfg.page_size)
+        assert not cfg.fp8_transpose_ldmatrix or (cfg.fp8_v_in_kernel and cfg.head_dim_v % 32 == 0)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.o_dtype = cfg.o_dtype
@@ -499,8 +503,12 @@ class FlashFwdSm90:
         for _ in cutlass.range(visit.count(), unroll=1):
             pipeline_vrows.consumer_wait(rows_state)
             pipeline_v.producer_acquire(vt_state)
-            transpose_v(rows_stage(rows_state.index), vt_stage(vt_state.index), thread,
-                        TRANSPOSE_THREADS)
+            if const_expr(self.cfg.fp8_transpose_ldmatrix):
+                transpose_v_ldmatrix(rows_stage(rows_state.index), vt_stage(vt_state.index),
+                                     thread, TRANSPOSE_THREADS)
+            else:
+                transpose_v(rows_stage(rows_state.index), vt_stage(vt_state.index), thread,
+                            TRANSPOSE_THREADS)
             cute.arch.fence_proxy("async.shared", space="cta")
             pipeline_v.producer_commit(vt_state)
             cute.arch.sync_warp()  # the warp's reads of the staging stage are done: one release
