@@ -9,6 +9,9 @@ cutlass = pytest.importorskip("cutlass")
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32  # noqa: E402
 
+from cutlass._mlir.dialects import arith, llvm  # noqa: E402
+from cutlass.cutlass_dsl import T, dsl_user_op  # noqa: E402
+
 from cuteattn.kernels.common.layout import (acc_mn_layout, acc_to_a_operand_layout,  # noqa: E402
                                             pack_heads_into_rows, seq_major, transposed_view)
 from cuteattn.kernels.common.mask import apply_mask  # noqa: E402
@@ -144,6 +147,17 @@ def test_transposed_view():
 TILE_N, TILE_M, WARPS = 64, 64, 4  # the portable backward's dS^T tile (keys x queries)
 
 
+@dsl_user_op
+def small_int_as_bf16(x: Int32, *, loc=None, ip=None) -> cutlass.BFloat16:
+    """x (an integer exact in bf16: |x| < 256) as bf16, from the top half of its float32 bits.
+    A plain float32 -> bf16 conversion in the DSL's host JIT calls __truncsfbf2, which some
+    toolchains' runtime libraries lack ("Symbols not found: __truncsfbf2")."""
+    bits = llvm.bitcast(T.i32(), Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+    high = arith.trunci(T.i16(), arith.shrui(bits, arith.constant(T.i32(), 16, loc=loc, ip=ip),
+                                             loc=loc, ip=ip), loc=loc, ip=ip)
+    return cutlass.BFloat16(llvm.bitcast(cutlass.BFloat16.mlir_type, high, loc=loc, ip=ip))
+
+
 @cute.jit
 def ds_written_in_parts(buf: cute.Tensor, part_cols: cutlass.Constexpr, which: cutlass.Constexpr):
     """The backward's dS^T store, thread by thread: each thread's fragment of each column part
@@ -162,7 +176,7 @@ def ds_written_in_parts(buf: cute.Tensor, part_cols: cutlass.Constexpr, which: c
             part = st.partition_D(cute.local_tile(coords, (TILE_N, part_cols), (0, h)))
             frag = cute.make_rmem_tensor(part.shape, cutlass.BFloat16)
             for i in cutlass.range_constexpr(cute.size(part)):
-                frag[i] = cutlass.BFloat16(Float32(part[i][0] if which == 0 else part[i][1]))
+                frag[i] = small_int_as_bf16(Int32(part[i][0] if which == 0 else part[i][1]))
             copy_column_part(st, frag, dst, h)
 
 
