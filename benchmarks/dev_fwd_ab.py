@@ -3,11 +3,12 @@ d=64/128/256, the surface rows d=80/96/192, the varlen cells) timed with the swi
 interleaved and repeated (best of rounds), with the ratio on/off; exits 3 if the geometric mean
 loses. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_fwd_ab.py FLAG [--rounds N] [--grid default,surface,varlen]
-        [--fp16] [--path sm80]     (--grid fp8: the fp8 forward's cells)
+        [--fp16] [--path sm80] [--set NAME=VALUE]    (--grid fp8: the fp8 forward's cells)
 FLAG names a boolean constant of cuteattn/kernels/sm90/config.py (sm80/config.py with --path
 sm80, which runs the portable kernels); off is False, on is True. NAME=A,B compares two values
 of a numeric constant of that config or of cuteattn/kernels/launch_common.py (host-side
-choices such as L2_SHARE: no recompile), "off" being A."""
+choices such as L2_SHARE: no recompile), "off" being A. --set NAME=VALUE fixes another constant
+of that config for both sides (e.g. a candidate on while its bound is compared)."""
 import math
 import os
 import sys
@@ -34,6 +35,13 @@ if "=" in flag:
     values = tuple(float(v) if "." in v else int(v) for v in pair.split(","))
     if not hasattr(config, flag):
         config = launch_common
+if "--set" in argv:
+    name, value = opt("--set", "").split("=")
+    literal = {"True": True, "False": False}
+    owner = next(c for c in (sm80_config if path == "sm80" else sm90_config, launch_common)
+                 if hasattr(c, name))
+    setattr(owner, name, literal[value] if value in literal
+            else float(value) if "." in value else int(value))
 rounds = int(opt("--rounds", 2))
 grids = opt("--grid", "default,surface,varlen").split(",")
 dev = torch.device("cuda")

@@ -324,16 +324,18 @@ def test_compile_fp8_fwd(d, mask, varlen, capfd, tmp_path, monkeypatch):
     assert spills and max(spills) == 0, f"{cfg} spills"
 
 
-FP8_IN_KERNEL_CASES = [(64, "causal", False), (96, "local", True), (128, "none", False),
-                       (128, "causal", True), (128, "softcap", False), (192, "none", False)]
+FP8_IN_KERNEL_CASES = [(64, "causal", False), (64, "local", True), (96, "local", True),
+                       (128, "none", False), (128, "causal", True), (128, "softcap", False),
+                       (192, "none", False)]
 
 
 @pytest.mark.parametrize("d,mask,varlen", FP8_IN_KERNEL_CASES,
                          ids=[f"d{d}-{m}{'-varlen' if v else ''}" for d, m, v in FP8_IN_KERNEL_CASES])
 def test_compile_fp8_fwd_v_in_kernel(d, mask, varlen, capfd, tmp_path, monkeypatch):
     """The fp8 forward with V transposed by its producer warpgroup (up to
-    config.FP8_V_IN_KERNEL_MAX_SEQLEN_Q queries): the staging ring fits, the byte transposes
-    are there, no spills; longer query sequences take the pass over HBM."""
+    config.FP8_V_IN_KERNEL_MAX_SEQLEN_Q queries): the staging ring fits, the transposes
+    (ldmatrix.trans, stmatrix) are there, no spills; longer query sequences take the pass over
+    HBM."""
     from cuteattn.kernels.sm90 import config
     monkeypatch.chdir(tmp_path)
     bound = config.FP8_V_IN_KERNEL_MAX_SEQLEN_Q
@@ -343,21 +345,6 @@ def test_compile_fp8_fwd_v_in_kernel(d, mask, varlen, capfd, tmp_path, monkeypat
     assert cfg.fp8_v_in_kernel and cfg.smem_bytes() <= 227 * 1024
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "e4m3.e4m3" in ptx and "prmt.b32" in ptx
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
-    assert spills and max(spills) == 0, f"{cfg} spills"
-
-
-@pytest.mark.parametrize("d,mask,varlen", FP8_IN_KERNEL_CASES[:3] + FP8_IN_KERNEL_CASES[5:],
-                         ids=lambda v: str(v))
-def test_compile_fp8_fwd_transpose_ldmatrix(d, mask, varlen, capfd, tmp_path, monkeypatch):
-    """The in-kernel transpose by ldmatrix.trans / stmatrix (config.FP8_TRANSPOSE_LDMATRIX,
-    candidate): both instructions there, no spills."""
-    from cuteattn.kernels.sm90 import config
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(config, "FP8_TRANSPOSE_LDMATRIX", True)
-    cfg = sm90_launch.sm90_config(make_spec(torch.float8_e4m3fn, d, mask, varlen, seqlen_q=1024))
-    assert cfg.fp8_v_in_kernel and cfg.fp8_transpose_ldmatrix
-    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx and "stmatrix.sync" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"

@@ -193,31 +193,3 @@ def test_fp8_several_tiles_a_cta_and_mqa(seed):
     q, k, v, ds = fp8_inputs(4, 2048, 2048, 16, 1, 128)
     for _ in range(2):
         check(q, k, v, ds, causal=True)
-
-
-# ---- the in-kernel transpose by ldmatrix.trans / stmatrix (config.FP8_TRANSPOSE_LDMATRIX,
-# candidate: off by default) ----
-
-def transpose_ldmatrix(monkeypatch):
-    from cuteattn import api
-    from cuteattn.kernels.sm90 import config
-    monkeypatch.setattr(config, "FP8_TRANSPOSE_LDMATRIX", True)
-    monkeypatch.setattr(api, "_launches", {})
-
-
-LDMATRIX_CASES = [(d, m) for d in (64, 96, 128, 192) for m in ("none", "causal", "window")]
-
-
-@pytest.mark.parametrize("d,mask", LDMATRIX_CASES, ids=[f"d{d}-{m}" for d, m in LDMATRIX_CASES])
-@pytest.mark.parametrize("sq,sk", [(1000, 1000), (129, 65)], ids=["1000x1000", "129x65"])
-def test_fp8_transpose_ldmatrix(seed, d, mask, sq, sk, monkeypatch):
-    transpose_ldmatrix(monkeypatch)
-    q, k, v, ds = fp8_inputs(2, sq, sk, 8, 2, d)
-    check(q, k, v, ds, **MASKS[mask])
-
-
-def test_fp8_transpose_ldmatrix_packed_and_several_tiles(seed, monkeypatch):
-    transpose_ldmatrix(monkeypatch)
-    check_varlen(128, "causal")
-    q, k, v, ds = fp8_inputs(4, 2048, 2048, 16, 1, 128)
-    check(q, k, v, ds, causal=True)

@@ -29,8 +29,8 @@ def layouts(tile_n: int, dv: int):
 
 
 class TransposeProbe:
-    def __init__(self, tile_n: int, dv: int, ldmatrix: bool = False):
-        self.tile_n, self.dv, self.ldmatrix = tile_n, dv, ldmatrix
+    def __init__(self, tile_n: int, dv: int):
+        self.tile_n, self.dv = tile_n, dv
 
     @cute.jit
     def __call__(self, mV: cute.Tensor, mOut: cute.Tensor, stream):
@@ -40,7 +40,7 @@ class TransposeProbe:
     @cute.kernel
     def kernel(self, mV: cute.Tensor, mOut: cute.Tensor, s_v: cute.ComposedLayout,
                s_vt: cute.ComposedLayout):
-        from cuteattn.kernels.sm90.fp8_transpose import transpose_v, transpose_v_ldmatrix
+        from cuteattn.kernels.sm90.fp8_transpose import transpose_v
         tidx, _, _ = cute.arch.thread_idx()
 
         @cute.struct
@@ -56,30 +56,26 @@ class TransposeProbe:
             key, col = i // self.dv, i % self.dv
             sV[key, col] = mV[key, col]
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.ldmatrix):
-            transpose_v_ldmatrix(sV, sVt, tidx, THREADS)
-        else:
-            transpose_v(sV, sVt, tidx, THREADS)
+        transpose_v(sV, sVt, tidx, THREADS)
         cute.arch.sync_threads()
         for i in cutlass.range(tidx, self.tile_n * self.dv, THREADS, unroll=1):
             row, key = i // self.tile_n, i % self.tile_n
             mOut[row, key] = sVt[row, key]
 
 
-def compile_probe(tile_n: int, dv: int, ldmatrix: bool = False):
+def compile_probe(tile_n: int, dv: int):
     from cutlass.cute.runtime import make_fake_compact_tensor
     fake = lambda shape: make_fake_compact_tensor(cutlass.Uint8, shape, stride_order=(1, 0))
     import cuda.bindings.driver as cuda
-    return cute.compile(TransposeProbe(tile_n, dv, ldmatrix), fake((tile_n, dv)), fake((dv, tile_n)),
+    return cute.compile(TransposeProbe(tile_n, dv), fake((tile_n, dv)), fake((dv, tile_n)),
                         cuda.CUstream(0))
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("ldmatrix", [False, True], ids=["words", "ldmatrix"])
 @pytest.mark.parametrize("tile_n,dv", SHAPES[:3])
-def test_transpose_compiles_for_sm90a(tile_n, dv, ldmatrix, monkeypatch):
+def test_transpose_compiles_for_sm90a(tile_n, dv, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", os.environ.get("CUTE_DSL_ARCH", "sm_90a"))
-    compile_probe(tile_n, dv, ldmatrix)
+    compile_probe(tile_n, dv)
 
 
 def fp8_in_kernel_shapes() -> list:
@@ -108,34 +104,21 @@ XOR_VIOLATIONS = []  # (a jit function's arguments cannot be Python lists)
 
 @cute.jit
 def xor_fields_violations(tile_n: cutlass.Constexpr, dv: cutlass.Constexpr):
-    """Appends to XOR_VIOLATIONS each coordinate where transpose_v's address rule fails: a word's
+    """Appends to XOR_VIOLATIONS each coordinate where transpose_v's address rule fails: a row's
     offset is the XOR of its coordinates' fields' offsets (fp8_transpose.transpose_v). (Python
     comprehensions: the DSL leaves them to Python, where it would stage loops and branches.)"""
     s_v, s_vt = layouts(tile_n, dv)
     at = lambda layout, crd: int(cute.crd2idx(crd, layout))
-    G, W = tile_n // 16, dv // 4
-    XOR_VIOLATIONS.extend(  # key rows within a group: r_i ^ 2 jj, then ^ 2 turn
-        ("V rows", r, t) for r in range(16) for t in (0, 2, 4, 6)
-        if at(s_v, (r ^ t, 0)) != at(s_v, (r, 0)) ^ at(s_v, (t, 0)))
-    XOR_VIOLATIONS.extend(  # V^T: (byte, 4 (jj ^ turn)) = (byte, 4 jj) ^ (0, 4 turn)
-        ("V^T keys", byte, j, t) for byte in range(4) for j in range(4) for t in range(4)
-        if at(s_vt, (byte, 4 * (j ^ t))) != at(s_vt, (byte, 4 * j)) ^ at(s_vt, (0, 4 * t)))
-    XOR_VIOLATIONS.extend(
-        ("V", g, c, r) for g in range(G) for c in range(W) for r in range(16)
-        if at(s_v, (16 * g + r, 4 * c)) != at(s_v, (16 * g, 4 * c)) ^ at(s_v, (r, 0)))
-    XOR_VIOLATIONS.extend(
-        ("V^T", g, c, byte, j) for g in range(G) for c in range(W) for byte in range(4)
-        for j in range(4) if at(s_vt, (4 * c + byte, 16 * g + 4 * j))
-        != at(s_vt, (4 * c, 16 * g)) ^ at(s_vt, (byte, 4 * j)))
-    if dv % 32 == 0:  # transpose_v_ldmatrix's units: 16 keys x 32 columns
-        XOR_VIOLATIONS.extend(
-            ("V ldmatrix", g, u, k, cc) for g in range(G) for u in range(dv // 32)
-            for k in range(16) for cc in (0, 16)
-            if at(s_v, (16 * g + k, 32 * u + cc)) != at(s_v, (16 * g, 32 * u)) ^ at(s_v, (k, cc)))
-        XOR_VIOLATIONS.extend(
-            ("V^T stmatrix", g, u, dd) for g in range(G) for u in range(dv // 32)
-            for dd in range(32)
-            if at(s_vt, (32 * u + dd, 16 * g)) != at(s_vt, (32 * u, 16 * g)) ^ at(s_vt, (dd, 0)))
+    G = tile_n // 16
+    assert dv % 32 == 0
+    XOR_VIOLATIONS.extend(  # ldmatrix's rows: key k of a group, 16-byte column chunk cc
+        ("V", g, u, k, cc) for g in range(G) for u in range(dv // 32)
+        for k in range(16) for cc in (0, 16)
+        if at(s_v, (16 * g + k, 32 * u + cc)) != at(s_v, (16 * g, 32 * u)) ^ at(s_v, (k, cc)))
+    XOR_VIOLATIONS.extend(  # stmatrix's rows: V^T row dd of a 32-column unit
+        ("V^T", g, u, dd) for g in range(G) for u in range(dv // 32)
+        for dd in range(32)
+        if at(s_vt, (32 * u + dd, 16 * g)) != at(s_vt, (32 * u, 16 * g)) ^ at(s_vt, (dd, 0)))
 
 
 @pytest.mark.compile
@@ -151,15 +134,14 @@ def test_addresses_compose_by_xor_for_every_fp8_tile(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ldmatrix", [False, True], ids=["words", "ldmatrix"])
 @pytest.mark.parametrize("tile_n,dv", SHAPES)
-def test_transpose_puts_keys_in_fp8_key_order(tile_n, dv, ldmatrix):
+def test_transpose_puts_keys_in_fp8_key_order(tile_n, dv):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs an sm90 GPU")
     from cutlass.cute.runtime import from_dlpack
     v = torch.randint(0, 256, (tile_n, dv), dtype=torch.uint8, device="cuda")
     out = torch.full((dv, tile_n), 0xAB, dtype=torch.uint8, device="cuda")
-    fn = compile_probe(tile_n, dv, ldmatrix)
+    fn = compile_probe(tile_n, dv)
     fn(from_dlpack(v), from_dlpack(out), torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
     order = torch.tensor([16 * (k // 16) + FP8_KEY_ORDER[k % 16] for k in range(tile_n)],

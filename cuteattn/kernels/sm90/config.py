@@ -100,9 +100,6 @@ FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 # share of every block (their issue slots beside the softmax): against the pass, 1.16-1.84x at
 # 1k, 1.01-1.24x at 4k, 0.94-0.96x at 16k (docs/perf-log.md, twenty-ninth session).
 FP8_V_IN_KERNEL_MAX_SEQLEN_Q = 4096
-# A/B (candidate, off): that transpose by ldmatrix.trans / stmatrix (FlashAttention-3's form,
-# ~1.8x fewer instructions than the word transposes; head_dim_v a multiple of 32)
-FP8_TRANSPOSE_LDMATRIX = False
 
 
 # Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
@@ -216,14 +213,9 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         return sparse_config(cfg, *sparse_block)
     if fp8:  # O (bf16) cannot be staged in the fp8 Q or V buffers
         cfg = dataclasses.replace(cfg, o_path="own_buffer")
-        # (not with packed sequences on three warpgroups: their producer's 24 registers spill 4
-        # bytes in the transposer at d=64)
         if (not page_size and max_seqlen_q is not None
-                and max_seqlen_q <= FP8_V_IN_KERNEL_MAX_SEQLEN_Q
-                and not (cfg.num_wg == 3 and (varlen_q or varlen_k))):
-            in_kernel = dataclasses.replace(
-                cfg, fp8_v_in_kernel=True,
-                fp8_transpose_ldmatrix=FP8_TRANSPOSE_LDMATRIX and cfg.head_dim_v % 32 == 0)
+                and max_seqlen_q <= FP8_V_IN_KERNEL_MAX_SEQLEN_Q):
+            in_kernel = dataclasses.replace(cfg, fp8_v_in_kernel=True)
             if in_kernel.smem_bytes() <= SMEM_LIMIT:
                 cfg = in_kernel
         return cfg

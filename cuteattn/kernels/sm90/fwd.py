@@ -44,7 +44,7 @@ from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import LOG2E, MAX_LAG_LOG2, OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from .gemm import PingPong, gemm_async
-from .fp8_transpose import transpose_v, transpose_v_ldmatrix
+from .fp8_transpose import transpose_v
 from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
 
 
@@ -120,9 +120,6 @@ class Sm90FwdConfig:
     # ring, and the producer warpgroup's other three warps transpose it into the P V GEMM's
     # operand (fp8_transpose.py), instead of launch.py's pass over HBM before the kernel
     fp8_v_in_kernel: bool = False
-    # with fp8_v_in_kernel: the transpose by ldmatrix.trans / stmatrix (candidate, off:
-    # config.FP8_TRANSPOSE_LDMATRIX; fp8_transpose.transpose_v_ldmatrix)
-    fp8_transpose_ldmatrix: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -166,8 +163,8 @@ class FlashFwdSm90:
         # has a buffer of its own
         assert not cfg.fp8 or (cfg.tile_n % 32 == 0 and cfg.head_dim % 32 == 0
                                and cfg.o_path == "own_buffer" and not cfg.sparse)
-        assert not cfg.fp8_v_in_kernel or (cfg.fp8 and not cfg.page_size)
-        assert not cfg.fp8_transpose_ldmatrix or (cfg.fp8_v_in_kernel and cfg.head_dim_v % 32 == 0)
+        assert not cfg.fp8_v_in_kernel or (cfg.fp8 and not cfg.page_size
+                                           and cfg.head_dim_v % 32 == 0)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.o_dtype = cfg.o_dtype
@@ -454,7 +451,7 @@ class FlashFwdSm90:
             if const_expr(cfg.fp8_v_in_kernel):
                 if warp_idx > 0:
                     # a stage of each ring as a plain tensor in its swizzled layout (transpose_v
-                    # reads each word's address from the layout; the rings' tensors above carry
+                    # composes its addresses from the layout; the rings' tensors above carry
                     # their swizzle in the pointer instead)
                     stage_bytes = self.v_bytes
                     stage_of = lambda ring, layout: lambda stage: cute.make_tensor(
@@ -503,12 +500,8 @@ class FlashFwdSm90:
         for _ in cutlass.range(visit.count(), unroll=1):
             pipeline_vrows.consumer_wait(rows_state)
             pipeline_v.producer_acquire(vt_state)
-            if const_expr(self.cfg.fp8_transpose_ldmatrix):
-                transpose_v_ldmatrix(rows_stage(rows_state.index), vt_stage(vt_state.index),
-                                     thread, TRANSPOSE_THREADS)
-            else:
-                transpose_v(rows_stage(rows_state.index), vt_stage(vt_state.index), thread,
-                            TRANSPOSE_THREADS)
+            transpose_v(rows_stage(rows_state.index), vt_stage(vt_state.index), thread,
+                        TRANSPOSE_THREADS)
             cute.arch.fence_proxy("async.shared", space="cta")
             pipeline_v.producer_commit(vt_state)
             cute.arch.sync_warp()  # the warp's reads of the staging stage are done: one release
