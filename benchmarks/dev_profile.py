@@ -13,7 +13,8 @@ size, e.g. pages of 16 against 128:
 Arguments: head_dim seqlen causal(0/1) [fwd|bwd [fa4|det]]; fa4 runs flash-attn-4's kernels instead
 of ours (its backward kernel matches -k regex:BackwardSm90), det our deterministic backward;
 batch x seqlen = 16384 tokens, nheads x d = 2048 (d=80 and 96: 24 heads, as the bench's surface
-rows), bf16. e.g. d=80's forward beside FlashAttention-4's: `80 4096 0 fwd` and `80 4096 0 fwd fa4`.
+rows, d=192: 16), bf16; head_dim/head_dim_v for a narrower v (e.g. `192/128 16384 1`, the bench's
+MLA row). e.g. d=80's forward beside FlashAttention-4's: `80 4096 0 fwd` and `80 4096 0 fwd fa4`.
 Or: prefill page_size. Or the fp8 forward: `128 16384 0 fp8` (e4m3 q, k, v), with
 `... fp8 CONFIG_NAME=1` setting a constant of kernels/sm90/config.py first (a candidate switch).
 """
@@ -33,7 +34,8 @@ if sys.argv[1] == "prefill":
     torch.cuda.synchronize()
     sys.exit(0)
 
-d, s, causal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+d, _, dv = sys.argv[1].partition("/")  # head_dim or head_dim/head_dim_v
+d, dv, s, causal = int(d), int(dv or d), int(sys.argv[2]), sys.argv[3] == "1"
 backward = len(sys.argv) > 4 and sys.argv[4] == "bwd"
 deterministic = sys.argv[5:6] == ["det"]
 attend = lambda q, k, v: flash_attn_func(q, k, v, causal=causal, strict=True,
@@ -42,9 +44,9 @@ if sys.argv[5:6] == ["fa4"]:
     from flash_attn.cute.interface import flash_attn_func as fa4
     first = lambda r: r[0] if isinstance(r, tuple) else r  # (out, lse)
     attend = lambda q, k, v: first(fa4(q, k, v, causal=causal))
-b, h = 16384 // s, {80: 24, 96: 24}.get(d, 2048 // d)
-q, k, v = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
-           for _ in range(3)]
+b, h = 16384 // s, {80: 24, 96: 24, 192: 16}.get(d, 2048 // d)
+q, k, v = [torch.randn(b, s, h, width, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+           for width in (d, d, dv)]
 if sys.argv[4:5] == ["fp8"]:
     from cuteattn.kernels.sm90 import config
     for name, value in (a.split("=") for a in sys.argv[5:]):
