@@ -95,7 +95,7 @@ def cases() -> dict:
             *t8.fp8_inputs(1, sq, sk, 8, 2, d), **kw)
     out["fp8_varlen_d128_causal"] = lambda: t8.test_fp8_varlen(0, 128, "causal")  # (packed V^T)
     out["fp8_value_transpose_packed"] = lambda: t8.test_value_transpose_kernel_packed(0, [1000, 1, 0, 257, 64])
-    # (up to 4096 queries the kernel transposes V itself: the staging ring, the transposing
+    # (up to 1024 queries the kernel transposes V itself: the staging ring, the transposing
     # warps' pipelines, the tile hand-off with them; several tiles a CTA here)
     out["fp8_d128_causal_two_sequences"] = lambda: t8.check(
         *t8.fp8_inputs(2, 700, 700, 8, 2, 128), causal=True)

@@ -97,9 +97,10 @@ FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 # V transposed inside the fp8 kernel (Sm90FwdConfig.fp8_v_in_kernel) for up to this many queries
 # (max_seqlen_q), where its staging ring fits beside the tile (d <= 192 at FP8_TILES' blocks;
 # d=256 and paged caches keep the pass over HBM). The pass costs per key, the transposing warps a
-# share of every block (their issue slots beside the softmax): against the pass, 1.16-1.84x at
-# 1k, 1.01-1.24x at 4k, 0.94-0.96x at 16k (docs/perf-log.md, twenty-ninth session).
-FP8_V_IN_KERNEL_MAX_SEQLEN_Q = 4096
+# share of every block (their issue slots beside the softmax). Against the pass of 16-byte
+# vectors (fp8_value.py, ~3.9 TB/s): 1k 1.04x at d=64, 0.98 / 1.07x at d=128 (full / causal);
+# 4k 0.98-0.99x at d=64, 0.90 / 0.96x at d=128; 16k even (docs/perf-log.md, thirtieth session).
+FP8_V_IN_KERNEL_MAX_SEQLEN_Q = 1024
 
 
 # Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
