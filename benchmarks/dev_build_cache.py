@@ -5,7 +5,8 @@ GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
 candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0); --fp8
-builds only the fp8 (e4m3) variants. The cache directory is keyed by a fingerprint of the sm90
+builds only the fp8 (e4m3) variants, --bench only the forward bench's default and fp8 grids'
+(what dev_fwd_ab.py times). The cache directory is keyed by a fingerprint of the sm90
 forward's sources (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a
 mismatch only means compiling as before.
 """
@@ -65,6 +66,19 @@ def fp8_specs():
             seqlen_k=seqlen, softmax_scale=d ** -0.5, softcap=30.0 if softcap else 0.0)
 
 
+def bench_specs():
+    """The cells of the forward bench's default and fp8 grids (bf16 and e4m3, d 64/128/256,
+    1k/4k/16k, causal and not)."""
+    from cuteattn.spec import AttentionSpec
+    for dtype, d, seqlen, causal in itertools.product(
+            (torch.bfloat16, torch.float8_e4m3fn), (64, 128, 256), (1024, 4096, 16384),
+            (False, True)):
+        yield AttentionSpec(
+            dtype=dtype, head_dim=d, head_dim_v=d, causal=causal, local=False,
+            has_softcap=False, varlen_q=False, varlen_k=False, seqlen_q=seqlen,
+            seqlen_k=seqlen, softmax_scale=d ** -0.5)
+
+
 def build(cfg):
     from cuteattn.kernels.sm90 import launch
     launch._compiled(cfg, tvm_ffi=True)
@@ -75,13 +89,13 @@ def main():
     from cuteattn import compile_cache
     from cuteattn.kernels.sm90 import launch
     from cuteattn.kernels.sm90 import config
-    args = [a for a in sys.argv[1:] if "=" not in a and a != "--fp8"]
+    args = [a for a in sys.argv[1:] if "=" not in a and not a.startswith("--")]
     for name, value in (a.split("=") for a in sys.argv[1:] if "=" in a):
         assert hasattr(config, name), f"kernels/sm90/config.py has no {name}"
         setattr(config, name, type(getattr(config, name))(int(value)))
     unique = {}
-    every = fp8_specs() if "--fp8" in sys.argv else itertools.chain(specs(), surface_specs(),
-                                                                     fp8_specs())
+    every = (fp8_specs() if "--fp8" in sys.argv else bench_specs() if "--bench" in sys.argv
+             else itertools.chain(specs(), surface_specs(), fp8_specs()))
     for spec in every:  # one per compiled variant (the tile class folds lengths together)
         unique[launch.sm90_config(spec)] = None  # the config is the compile key
     processes = int(args[0]) if args else os.cpu_count()

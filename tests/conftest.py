@@ -11,6 +11,14 @@ import torch
 
 from cuteattn import api
 
+# CUTEATTN_TEST_SM90_CONFIG="NAME=VALUE,...": constants of kernels/sm90/config.py set for the
+# whole run (a candidate's GPU tests before it is the default, e.g. FP8_EXP2_POLY_PER16=8)
+for _item in filter(None, os.environ.get("CUTEATTN_TEST_SM90_CONFIG", "").split(",")):
+    from cuteattn.kernels.sm90 import config as _sm90_config
+    _name, _value = _item.split("=")
+    assert hasattr(_sm90_config, _name), f"kernels/sm90/config.py has no {_name}"
+    setattr(_sm90_config, _name, type(getattr(_sm90_config, _name))(_value))
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):
     """Each test sees a fresh warn-once memory and no strict-mode or kernel-path variable from
