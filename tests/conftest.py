@@ -12,7 +12,7 @@ import torch
 from cuteattn import api
 
 # CUTEATTN_TEST_SM90_CONFIG="NAME=VALUE,...": constants of kernels/sm90/config.py set for the
-# whole run (a candidate's GPU tests before it is the default, e.g. FP8_EXP2_POLY_PER16=8)
+# whole run (a candidate's GPU tests before it is the default, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0)
 for _item in filter(None, os.environ.get("CUTEATTN_TEST_SM90_CONFIG", "").split(",")):
     from cuteattn.kernels.sm90 import config as _sm90_config
     _name, _value = _item.split("=")

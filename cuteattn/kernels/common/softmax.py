@@ -11,59 +11,12 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 
 LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)  # (a natural-log logit, such as a sink, in exp2 units)
 # The lag a forward with lazy_rescale gives OnlineSoftmax.max_lag_log2: a row's max lags by up
 # to 8 (exp2 units), so 16-bit P stays below 2^8
 MAX_LAG_LOG2 = 8.0
-
-# 2^f on [-1/2, 1/2] as 1 + f (C1 + f (C2 + f C3)): relative error 1.0e-4 (float32 Horner;
-# fitted for this file, the constant term kept at exactly 1 so that exp2_poly(-127) is 0)
-EXP2_POLY_C1, EXP2_POLY_C2, EXP2_POLY_C3 = 0.6932829022407532, 0.24221037328243256, 0.05500858277082443
-
-
-def _f32_hex(x: float) -> str:
-    import struct
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]
-
-
-@dsl_user_op
-def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x on the FMA and integer pipes instead of the MUFU unit (16 results a clock an SM on
-    Hopper, which a softmax of small head dims or fp8 GEMMs waits on; FlashAttention-4 splits
-    its exponentials the same way on Blackwell). x is clamped to -127 (so -inf gives exactly 0,
-    as ex2 does); j = round(x) by the 1.5 * 2^23 shifter, 2^(x - j) by the polynomial, and j
-    added to its exponent field. Relative error 1e-4: below the 16- and 8-bit P's rounding,
-    and the row sums' share of it moves the LSE by 1e-4 at most."""
-    magic = _f32_hex(12582912.0)
-    return Float32(llvm.inline_asm(
-        T.f32(),
-        [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n.reg .f32 x, t, j, f, p;\n.reg .b32 tb, pb;\n"
-        "max.f32 x, $1, 0fC2FE0000;\n"          # -127
-        f"add.rn.f32 t, x, {magic};\n"          # the low bits of t: round(x)
-        f"sub.rn.f32 j, t, {magic};\n"
-        "sub.rn.f32 f, x, j;\n"
-        f"fma.rn.f32 p, f, {_f32_hex(EXP2_POLY_C3)}, {_f32_hex(EXP2_POLY_C2)};\n"
-        f"fma.rn.f32 p, p, f, {_f32_hex(EXP2_POLY_C1)};\n"
-        "fma.rn.f32 p, p, f, 0f3F800000;\n"
-        "mov.b32 tb, t;\nmov.b32 pb, p;\n"
-        "shl.b32 tb, tb, 23;\n"
-        "add.s32 pb, pb, tb;\n"
-        "mov.b32 $0, pb;\n}",
-        "=f,f",
-        has_side_effects=False,
-        is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
-def use_exp2_poly(column: int, per16: int) -> bool:
-    """Whether a row fragment's column takes exp2_poly: per16 of every 16, spread evenly."""
-    return (column * per16) % 16 < per16
 
 
 @dataclass(frozen=True)
@@ -80,15 +33,13 @@ class OnlineSoftmax:
     # the probabilities reach 2^max_lag_log2 at most (FA4's rescale threshold on sm100); when no
     # row of a warp moved its max, the warp skips rescaling the output (rescale). 0: every rise.
     max_lag_log2: cutlass.Constexpr[float] = 0.0
-    # of every 16 probabilities of a row, this many are exp2_poly's (the rest the MUFU's)
-    exp2_poly_per16: cutlass.Constexpr[int] = 0
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, p_max_log2: float = 0.0,
-               max_lag_log2: float = 0.0, exp2_poly_per16: int = 0) -> "OnlineSoftmax":
+               max_lag_log2: float = 0.0) -> "OnlineSoftmax":
         make = lambda: cute.make_rmem_tensor(num_rows, Float32)
         return OnlineSoftmax(scale_log2, num_rows, make(), make(), make(), p_max_log2,
-                             max_lag_log2, exp2_poly_per16)
+                             max_lag_log2)
 
     @cute.jit
     def reset(self):
@@ -126,12 +77,7 @@ class OnlineSoftmax:
             if cutlass.const_expr(self.p_max_log2 != 0.0):
                 offset = offset - self.p_max_log2
             for c in cutlass.range_constexpr(ncols):
-                x = acc_mn[r, c] * self.scale_log2 - offset
-                p = Float32(0.0)
-                if cutlass.const_expr(use_exp2_poly(c, self.exp2_poly_per16)):
-                    p = exp2_poly(x)
-                else:
-                    p = cute.math.exp2(x, fastmath=True)
+                p = cute.math.exp2(acc_mn[r, c] * self.scale_log2 - offset, fastmath=True)
                 acc_mn[r, c] = p
                 row_sum += p
             self.row_sum[r] = self.row_sum[r] * scale + row_sum

@@ -102,11 +102,6 @@ FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 # 4k 0.98-0.99x at d=64, 0.90 / 0.96x at d=128; 16k even (docs/perf-log.md, thirtieth session).
 FP8_V_IN_KERNEL_MAX_SEQLEN_Q = 1024
 
-# Of every 16 exponentials of the softmax, how many an FMA polynomial computes instead of the
-# MUFU unit (Sm90FwdConfig.exp2_poly_per16), for 16-bit and fp8 q/k/v (candidate, 0: off)
-EXP2_POLY_PER16 = 0
-FP8_EXP2_POLY_PER16 = 0
-
 
 # Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
 # block for the mods tests/test_mods.py compiles (a window with constants, a document mask
@@ -214,7 +209,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # turns to hide it (+1-4% and +2-9% non-causal); two-warpgroup tiles at d=64-192 ran
         # 0.93-1.01x with it (docs/perf-log.md, twenty-seventh session).
         lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256),
-        exp2_poly_per16=FP8_EXP2_POLY_PER16 if fp8 else EXP2_POLY_PER16,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

@@ -120,10 +120,6 @@ class Sm90FwdConfig:
     # ring, and the producer warpgroup's other three warps transpose it into the P V GEMM's
     # operand (fp8_transpose.py), instead of launch.py's pass over HBM before the kernel
     fp8_v_in_kernel: bool = False
-    # of every 16 probabilities of a row, this many come from an FMA polynomial
-    # (softmax.exp2_poly) instead of the MUFU unit, whose 16 exp2 a clock an SM the softmax
-    # waits on when the GEMMs are short (fp8, small head dims)
-    exp2_poly_per16: int = 0
 
     @property
     def tile_m(self) -> int:
@@ -796,8 +792,7 @@ class FlashFwdSm90:
 
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]),
                                        FP8_P_MAX_LOG2 if const_expr(cfg.fp8) else 0.0,
-                                       MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale) else 0.0,
-                                       cfg.exp2_poly_per16)
+                                       MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale) else 0.0)
         softmax.reset()
         row_start = m_block * self.tile_m + wg * WG_ROWS
 
