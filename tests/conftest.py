@@ -17,7 +17,8 @@ for _item in filter(None, os.environ.get("CUTEATTN_TEST_SM90_CONFIG", "").split(
     from cuteattn.kernels.sm90 import config as _sm90_config
     _name, _value = _item.split("=")
     assert hasattr(_sm90_config, _name), f"kernels/sm90/config.py has no {_name}"
-    setattr(_sm90_config, _name, type(getattr(_sm90_config, _name))(_value))
+    _old = getattr(_sm90_config, _name)
+    setattr(_sm90_config, _name, _value == "True" if isinstance(_old, bool) else type(_old)(_value))
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):
