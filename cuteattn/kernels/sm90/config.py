@@ -101,7 +101,7 @@ FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 # vectors (fp8_value.py, ~3.9 TB/s): 1k 1.04x at d=64, 0.98 / 1.07x at d=128 (full / causal);
 # 4k 0.98-0.99x at d=64, 0.90 / 0.96x at d=128; 16k even (docs/perf-log.md, thirtieth session).
 FP8_V_IN_KERNEL_MAX_SEQLEN_Q = 1024
-# fp8's row max may lag (fwd.FP8_MAX_LAG_LOG2 of the P headroom; candidate, off)
+# fp8's row max may lag (fwd.FP8_MAX_LAG_LOG2; candidate, off)
 FP8_LAZY_RESCALE = False
 
 
