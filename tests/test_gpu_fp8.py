@@ -88,15 +88,15 @@ def test_fp8_large_magnitudes(seed):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
 def test_fp8_rising_row_maxima(seed, d, causal):
-    """Scores that climb along the keys in steps around the row max's lag (fwd.FP8_MAX_LAG_LOG2,
-    0.8 in exp2 units, where fp8 rows may keep a stale max), so rows keep it over some blocks
-    and move it over others, each at its own rate, with jumps far past it now and then."""
+    """Scores that climb along the keys, in steps of 0.7-1.3 (exp2 units) and jumps far past
+    them now and then, each row at its own rate: the row max moves in most blocks, so O's
+    rescale and P's offset change block to block (e4m3 P relative to each block's max)."""
     b, s, h = 2, 2111, 4
     scale = d ** -0.5
     keys = torch.arange(s, device="cuda", dtype=torch.float32)
     rows = torch.arange(s, device="cuda", dtype=torch.float32)
     # scores q0 * target / 2 with q0 in [1, 1.86) (natural units): steps of 0.5-0.93 every 97
-    # keys (0.7-1.3 in exp2 units: some within the lag, most past it) and jumps of 6.5-12 every
+    # keys (0.7-1.3 in exp2 units) and jumps of 6.5-12 every
     # 701 keys (9.4-17); k0 clamped to e4m3's range (flat at the end for d=256)
     target = 1.0 * torch.floor(keys / 97) + 13.0 * torch.floor(keys / 701)
     q = 0.1 * torch.randn(b, s, h, d, device="cuda")

@@ -101,8 +101,6 @@ FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 # vectors (fp8_value.py, ~3.9 TB/s): 1k 1.04x at d=64, 0.98 / 1.07x at d=128 (full / causal);
 # 4k 0.98-0.99x at d=64, 0.90 / 0.96x at d=128; 16k even (docs/perf-log.md, thirtieth session).
 FP8_V_IN_KERNEL_MAX_SEQLEN_Q = 1024
-# fp8's row max may lag (fwd.FP8_MAX_LAG_LOG2; candidate, off)
-FP8_LAZY_RESCALE = False
 
 
 # Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
@@ -210,7 +208,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # of a block, and at d=256, whose rescale of the widest O sits between P V GEMMs with no
         # turns to hide it (+1-4% and +2-9% non-causal); two-warpgroup tiles at d=64-192 ran
         # 0.93-1.01x with it (docs/perf-log.md, twenty-seventh session).
-        lazy_rescale=FP8_LAZY_RESCALE if fp8 else (num_wg == 3 or anchor == 256),
+        lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256),
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)
