@@ -140,3 +140,22 @@ def assert_lse_close_fa(lse, lse_ref, lse_lowprec, *, floor: float = 1e-3, name:
     finite = torch.isfinite(lse_ref)
     base = float((lse_lowprec - lse_ref)[finite].abs().max()) if finite.any() else 0.0
     assert_lse_close(lse, lse_ref, atol=2 * base + floor, name=name)
+
+
+def rising_row_maxima_qk(b: int, s: int, h: int, d: int, step: float, k_max: float | None = None,
+                         device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 q, k (b, s, h, d) whose scores climb along the keys, so that the online softmax's
+    row max moves block after block: scores q0 * target / 2 with q0 in [1, 1.86) (each row's own
+    rate, by row % 7), target rising by `step` (natural units) every 97 keys and by 13 every 701
+    (a jump far past any lag); the other columns small noise. k_max clamps k's first column
+    (fp8: e4m3's 448)."""
+    scale = d ** -0.5
+    keys = torch.arange(s, device=device, dtype=torch.float32)
+    rows = torch.arange(s, device=device, dtype=torch.float32)
+    target = step * torch.floor(keys / 97) + 13.0 * torch.floor(keys / 701)
+    q = 0.1 * torch.randn(b, s, h, d, device=device)
+    k = 0.1 * torch.randn(b, s, h, d, device=device)
+    q[..., 0] = 1.0 + (rows % 7)[None, :, None] / 7
+    k0 = target / scale / 2
+    k[..., 0] = (k0 if k_max is None else k0.clamp(max=k_max))[None, :, None]
+    return q, k

@@ -13,7 +13,8 @@ import torch
 
 from cuteattn import flash_attn_func
 from cuteattn.reference import attention_ref, dequantize_fp8
-from cuteattn.testing import assert_close_fa, assert_lse_close_fa, fp8_attention_emulated
+from cuteattn.testing import (assert_close_fa, assert_lse_close_fa, fp8_attention_emulated,
+                              rising_row_maxima_qk)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -91,19 +92,9 @@ def test_fp8_rising_row_maxima(seed, d, causal):
     """Scores that climb along the keys, in steps of 0.7-1.3 (exp2 units) and jumps far past
     them now and then, each row at its own rate: the row max moves in most blocks, so O's
     rescale and P's offset change block to block (e4m3 P relative to each block's max)."""
-    b, s, h = 2, 2111, 4
-    scale = d ** -0.5
-    keys = torch.arange(s, device="cuda", dtype=torch.float32)
-    rows = torch.arange(s, device="cuda", dtype=torch.float32)
-    # scores q0 * target / 2 with q0 in [1, 1.86) (natural units): steps of 0.5-0.93 every 97
-    # keys (0.7-1.3 in exp2 units) and jumps of 6.5-12 every
-    # 701 keys (9.4-17); k0 clamped to e4m3's range (flat at the end for d=256)
-    target = 1.0 * torch.floor(keys / 97) + 13.0 * torch.floor(keys / 701)
-    q = 0.1 * torch.randn(b, s, h, d, device="cuda")
-    k = 0.1 * torch.randn(b, s, h, d, device="cuda")
-    q[..., 0] = 1.0 + (rows % 7)[None, :, None] / 7
-    k[..., 0] = (target / scale / 2).clamp(max=448)[None, :, None]
-    v = torch.randn(b, s, h, d, device="cuda")
+    # steps of 0.5-0.93 every 97 keys (0.7-1.3 in exp2 units), jumps of 9.4-17 every 701
+    q, k = rising_row_maxima_qk(2, 2111, 4, d, step=1.0, k_max=448.0)
+    v = torch.randn_like(k)
     check(*(x.to(E4M3) for x in (q, k, v)), (None, None, None), causal=causal)
 
 

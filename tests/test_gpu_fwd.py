@@ -11,7 +11,7 @@ import torch
 
 from cuteattn import flash_attn_func
 from cuteattn.reference import attention_ref
-from cuteattn.testing import assert_close_fa, assert_lse_close
+from cuteattn.testing import assert_close_fa, assert_lse_close, rising_row_maxima_qk
 
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -159,18 +159,10 @@ def test_rising_row_maxima(seed, dtype, d, causal):
     (OnlineSoftmax.max_lag_log2: 8 in exp2 units, 5.5 natural): rows keep a stale max over
     some blocks (probabilities up to 2^8) and move it over others, in every warp's own
     pattern (a per-row offset), with a large jump now and then."""
+    # steps of 1.2-2.1 every 97 keys (1.7-3.1 in exp2 units: a few stay within the lag, then
+    # the max moves) and jumps of 6.5-12 every 701 keys (9.4-17: past it at once)
     b, s, h = 2, 2111, 4
-    scale = d ** -0.5
-    keys = torch.arange(s, device="cuda", dtype=torch.float32)
-    rows = torch.arange(s, device="cuda", dtype=torch.float32)
-    # scores q0 * target / 2 with q0 in [1, 1.86) (natural units): steps of 1.2-2.1 every 97
-    # keys (1.7-3.1 in exp2 units: a few stay within the lag, then the max moves) and jumps of
-    # 6.5-12 every 701 keys (9.4-17: past it at once)
-    target = 2.3 * torch.floor(keys / 97) + 13.0 * torch.floor(keys / 701)
-    q = 0.1 * torch.randn(b, s, h, d, device="cuda")
-    k = 0.1 * torch.randn(b, s, h, d, device="cuda")
-    q[..., 0] = 1.0 + (rows % 7)[None, :, None] / 7  # rows climb at their own rates
-    k[..., 0] = (target / scale / 2)[None, :, None]
+    q, k = rising_row_maxima_qk(b, s, h, d, step=2.3)
     q, k = q.to(dtype), k.to(dtype)
     v = torch.randn(b, s, h, d, device="cuda", dtype=dtype)
     run_and_check(q, k, v, causal=causal)
