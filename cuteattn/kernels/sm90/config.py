@@ -91,6 +91,10 @@ FP8_TILES = {
     192: (2, 96, 2),
     256: (2, 128, 2),
 }
+# fp8 at up to FP8_SHORT_SEQLEN queries (candidate, 0: off): SHORT_TILES' shapes, for the
+# same reasons (rows wasted past the end, causal blocks masked)
+FP8_SHORT_SEQLEN = 0
+FP8_SHORT_TILES = {64: (2, 128, 4), 128: (2, 128, 3)}
 # fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
 # tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
 FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
@@ -171,6 +175,9 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     if (not fp8 and anchor in SHORT_TILES and max_seqlen_q is not None
             and max_seqlen_q <= SHORT_SEQLEN):
         num_wg, tile_n, stages = SHORT_TILES[anchor]
+    if (fp8 and anchor in FP8_SHORT_TILES and max_seqlen_q is not None
+            and max_seqlen_q <= FP8_SHORT_SEQLEN):
+        num_wg, tile_n, stages = FP8_SHORT_TILES[anchor]
     # (seqused on batched q/k keeps lengths live as packing does: the varlen caps serve it)
     packed = varlen_q or varlen_k or has_seqused_q or has_seqused_k
     caps = TILE_N_CAPS.get((anchor, local, packed))
