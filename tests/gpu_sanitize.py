@@ -99,7 +99,7 @@ def cases() -> dict:
     # warps' pipelines, the tile hand-off with them; several tiles a CTA here)
     out["fp8_d128_causal_two_sequences"] = lambda: t8.check(
         *t8.fp8_inputs(2, 700, 700, 8, 2, 128), causal=True)
-    # packed sequences on three warpgroups (d=64: the producer's fewest registers)
+    # packed sequences at d=64 (config.FP8_SHORT_TILES: two warpgroups, 4 stages)
     out["fp8_varlen_d64_window"] = lambda: t8.check_varlen(64, "window")
     # traced mods (a tensor-reading mask_mod on dense tiles and on lists; ALiBi; gradients)
     import test_gpu_mods as tm

@@ -91,9 +91,11 @@ FP8_TILES = {
     192: (2, 96, 2),
     256: (2, 128, 2),
 }
-# fp8 at up to FP8_SHORT_SEQLEN queries (candidate, 0: off): SHORT_TILES' shapes, for the
-# same reasons (rows wasted past the end, causal blocks masked)
-FP8_SHORT_SEQLEN = 0
+# fp8 at up to FP8_SHORT_SEQLEN queries: SHORT_TILES' 128-row shapes, for the same reasons
+# (rows wasted past the end, causal blocks masked). At 1k, against FP8_TILES' (3 rounds):
+# d=64 1.00 / 1.09x, d=128 1.12 / 1.05x (full / causal); 1025-2048 queries not measured
+# (docs/perf-log.md, thirty-first session)
+FP8_SHORT_SEQLEN = 1024
 FP8_SHORT_TILES = {64: (2, 128, 4), 128: (2, 128, 3)}
 # fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
 # tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
