@@ -93,8 +93,8 @@ FP8_TILES = {
 }
 # fp8 at up to FP8_SHORT_SEQLEN queries: SHORT_TILES' 128-row shapes, for the same reasons
 # (rows wasted past the end, causal blocks masked). At 1k, against FP8_TILES' (3 rounds):
-# d=64 1.00 / 1.09x, d=128 1.12 / 1.05x (full / causal); 1025-2048 queries not measured
-# (docs/perf-log.md, thirty-first session)
+# d=64 1.00 / 1.09x, d=128 1.12 / 1.05x (full / causal); at 2048, d=64 0.92 / 0.96x, d=128
+# 1.01 / 1.05x, so the bound stays at 1k (docs/perf-log.md, thirty-first session)
 FP8_SHORT_SEQLEN = 1024
 FP8_SHORT_TILES = {64: (2, 128, 4), 128: (2, 128, 3)}
 # fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
