@@ -33,17 +33,13 @@ class OnlineSoftmax:
     # the probabilities reach 2^max_lag_log2 at most (FA4's rescale threshold on sm100); when no
     # row of a warp moved its max, the warp skips rescaling the output (rescale). 0: every rise.
     max_lag_log2: cutlass.Constexpr[float] = 0.0
-    # A row's max is taken as this many partial maxima (every ways-th column each), combined
-    # pairwise at the end: the FMNMX chain before the row's first exp2 is ncols / ways long
-    # instead of ncols. 1: one chain.
-    max_ways: cutlass.Constexpr[int] = 1
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, p_max_log2: float = 0.0,
-               max_lag_log2: float = 0.0, max_ways: int = 1) -> "OnlineSoftmax":
+               max_lag_log2: float = 0.0) -> "OnlineSoftmax":
         make = lambda: cute.make_rmem_tensor(num_rows, Float32)
         return OnlineSoftmax(scale_log2, num_rows, make(), make(), make(), p_max_log2,
-                             max_lag_log2, max_ways)
+                             max_lag_log2)
 
     @cute.jit
     def reset(self):
@@ -58,11 +54,8 @@ class OnlineSoftmax:
         for r in cutlass.range_constexpr(self.num_rows):
             prev_max = self.row_max[r]
             cur_max = prev_max
-            if cutlass.const_expr(self.max_ways == 1):
-                for c in cutlass.range_constexpr(ncols):
-                    cur_max = cute.arch.fmax(cur_max, acc_mn[r, c])
-            else:
-                cur_max = cute.arch.fmax(prev_max, self.tree_max(acc_mn, r, ncols))
+            for c in cutlass.range_constexpr(ncols):
+                cur_max = cute.arch.fmax(cur_max, acc_mn[r, c])
             cur_max = cute.arch.warp_reduction_max(cur_max, threads_in_group=4)
             if cutlass.const_expr(self.max_lag_log2 != 0.0):
                 # (both -inf: NaN, not >=, and the max stays -inf)
@@ -88,18 +81,6 @@ class OnlineSoftmax:
                 acc_mn[r, c] = p
                 row_sum += p
             self.row_sum[r] = self.row_sum[r] * scale + row_sum
-
-    def tree_max(self, acc_mn: cute.Tensor, r: int, ncols: int):
-        """The max of row r's ncols values as max_ways interleaved chains, then pairwise.
-        (Plain Python at trace time: every loop here unrolls.)"""
-        ways = min(self.max_ways, ncols)
-        parts = [acc_mn[r, c] for c in range(ways)]
-        for c in range(ways, ncols):
-            parts[c % ways] = cute.arch.fmax(parts[c % ways], acc_mn[r, c])
-        while len(parts) > 1:
-            paired = [cute.arch.fmax(parts[i], parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
-            parts = paired + parts[len(paired) * 2:]
-        return parts[0]
 
     @cute.jit
     def rescale(self, acc_o_mn: cute.Tensor):

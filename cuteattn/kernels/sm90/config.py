@@ -121,10 +121,6 @@ BOTH_MODS_TILE_N = {64: 64}  # (a mask_mod and a score_mod together)
 # and VSA's physical shapes). Wider head dims than SPARSE_MAX_HEAD_DIM do not fit the ring.
 SPARSE_MAX_HEAD_DIM = 128
 
-# The softmax's row max as this many partial FMNMX chains a row (OnlineSoftmax.max_ways;
-# candidate: 1 is one chain, as before)
-ROW_MAX_WAYS = 1
-
 
 # Paged keys. Pages of a multiple of 64 keys hold whole key blocks (one TMA copy a block): tile_n
 # divides the page size, the widest of these within the head dim's tile. Smaller pages (vLLM's
@@ -222,7 +218,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # turns to hide it (+1-4% and +2-9% non-causal); two-warpgroup tiles at d=64-192 ran
         # 0.93-1.01x with it (docs/perf-log.md, twenty-seventh session).
         lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256),
-        max_ways=ROW_MAX_WAYS,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

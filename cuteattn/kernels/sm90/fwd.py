@@ -120,8 +120,6 @@ class Sm90FwdConfig:
     # ring, and the producer warpgroup's other three warps transpose it into the P V GEMM's
     # operand (fp8_transpose.py), instead of launch.py's pass over HBM before the kernel
     fp8_v_in_kernel: bool = False
-    # the row max as this many partial chains (OnlineSoftmax.max_ways)
-    max_ways: int = 1
 
     @property
     def tile_m(self) -> int:
@@ -794,8 +792,7 @@ class FlashFwdSm90:
 
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]),
                                        FP8_P_MAX_LOG2 if const_expr(cfg.fp8) else 0.0,
-                                       MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale) else 0.0,
-                                       cfg.max_ways)
+                                       MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale) else 0.0)
         softmax.reset()
         row_start = m_block * self.tile_m + wg * WG_ROWS
 
