@@ -321,6 +321,7 @@ class DecodeStep:
     splits: int
     capacity: int
     positional: bool
+    append: object = None  # the KV update's launch (append_launch), made once for the signature
 
     def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                  cache_batch_idx, cache_leftpad, block_table, rotary_interleaved, learnable_sink,
@@ -328,7 +329,8 @@ class DecodeStep:
         with torch.no_grad():
             q_rot, seqused_k = append_and_rotate(
                 q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                block_table, self.positional, rotary_interleaved, self.capacity, descales)
+                block_table, self.positional, rotary_interleaved, self.capacity, descales,
+                self.append)
             out = torch.empty(*q.shape[:3], v_cache.shape[-1], dtype=q.dtype, device=q.device)
             lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32,
                               device=q.device)
@@ -380,7 +382,9 @@ def kvcache_forward(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seq
             _check_values(k_cache, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                           s_new, capacity, batch, rotary)
         step = DecodeStep(spec, launch, _splits(num_splits, spec, q.device, capacity), capacity,
-                          causal or local)
+                          causal or local,
+                          append_launch(q, k_cache, v_cache, k, rotary_cos, cache_batch_idx,
+                                        block_table, causal or local, rotary_interleaved))
         if keep_as is not None:
             if len(_steps) >= _STEPS_MAX:
                 _steps.clear()
@@ -426,7 +430,7 @@ def _decode_launch(spec: AttentionSpec, device):
 
 def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                       cache_batch_idx, block_table, positional: bool, interleaved: bool,
-                      capacity: int, descales=(None, None)):
+                      capacity: int, descales=(None, None), launch=None):
     """The KV-cache update before a decode kernel attends, on the device with no sync (on a GPU
     one launch of kernels/common/kv_append.py, elsewhere append_and_rotate_torch): new k
     (rotated) and v written into the caches in place at positions [cache_seqlens[b],
@@ -435,6 +439,7 @@ def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     windowed; at cache_seqlens[b] otherwise), as reference.attention_kvcache_ref does.
     An fp8 cache takes the new tokens quantized, value / descale (descales: (k's, v's), (batch,
     nheads_k) float32 or None = 1.0), as the reference stores them.
+    launch: the KvAppendLaunch for this call's form, when the caller keeps one (DecodeStep).
     Returns (rotated q, the used length per sequence: int32 (batch,) cache_seqlens + seqlen_new)."""
     b, sq = q.shape[:2]
     device = q.device
@@ -450,12 +455,25 @@ def append_and_rotate(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
         else:
             lengths = torch.full((b,), capacity if cache_seqlens is None else int(cache_seqlens),
                                  dtype=torch.int32, device=device)
-        from .kernels.launch_common import kv_append
-        return kv_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths,
-                         cache_batch_idx, block_table, positional, interleaved, descales)
+        if launch is None:
+            launch = append_launch(q, k_cache, v_cache, k, rotary_cos, cache_batch_idx,
+                                   block_table, positional, interleaved)
+        return launch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lengths,
+                      cache_batch_idx, block_table, descales)
     return append_and_rotate_torch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
                                    cache_seqlens, cache_batch_idx, block_table, positional,
                                    interleaved, capacity, descales)
+
+
+def append_launch(q, k_cache, v_cache, k, rotary_cos, cache_batch_idx, block_table,
+                  positional: bool, interleaved: bool):
+    """The GPU's KV update for calls of this form (a KvAppendLaunch), or None where
+    append_and_rotate launches nothing (no new tokens and no rotary) or runs PyTorch steps."""
+    if not q.is_cuda or (k is None and rotary_cos is None):
+        return None
+    from .kernels.launch_common import KvAppendLaunch
+    return KvAppendLaunch(q, k_cache, v_cache, k, rotary_cos, cache_batch_idx, block_table,
+                          positional, interleaved)
 
 
 def append_and_rotate_torch(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,

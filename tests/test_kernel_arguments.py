@@ -434,3 +434,23 @@ def test_deterministic_backward_interleaves_heads(monkeypatch):
     assert interleaved(4096, heads=12) == 6 and interleaved(1024, heads=12) == 12
     assert interleaved(4096, causal=True) == 1 and interleaved(4096, deterministic=False) == 1
     assert interleaved(4096, device="cpu") == 1
+
+
+def test_aligned16_keeps_aligned_tensors_and_copies_the_rest():
+    """launch_common.aligned16: a tensor whose base and leading strides are 16-byte multiples is
+    passed as it is (no copy, same storage); a misaligned stride (a non-contiguous view) or base
+    pointer gets a copy with the same values."""
+    from cuteattn.kernels.launch_common import aligned16
+    x = torch.randn(4, 6, 8, dtype=torch.bfloat16)
+    assert aligned16(x) is x
+    # a view whose rows are 24 elements apart but only 7 used (48 bytes: aligned) stays
+    wide = torch.randn(5, 24, dtype=torch.bfloat16)[:, :7]
+    assert aligned16(wide) is wide
+    # a transposed view (rows 1 element apart, 2 bytes): a contiguous copy, same values
+    odd = torch.randn(8, 5, dtype=torch.bfloat16).t()
+    got = aligned16(odd)
+    assert got.is_contiguous() and got.data_ptr() != odd.data_ptr() and torch.equal(got, odd)
+    # a base pointer off by one element: copied to an aligned one
+    shifted = torch.randn(65, dtype=torch.float32)[1:].view(8, 8)
+    got = aligned16(shifted)
+    assert got.data_ptr() % 16 == 0 and torch.equal(got, shifted)

@@ -105,8 +105,12 @@ def aligned16(t: torch.Tensor) -> torch.Tensor:
     """TMA (and the kernel's compiled promise) needs a 16-byte aligned base and strides that are
     multiples of 16 bytes. Tensors that are not (odd views, storage offsets) are copied."""
     unit = 16 // t.element_size()
-    if t.data_ptr() % 16 == 0 and all(st % unit == 0 for st in t.stride()[:-1]):
-        return t
+    if t.data_ptr() % 16 == 0:
+        for st in t.stride()[:-1]:  # (a plain loop: a decode step makes four of these checks)
+            if st % unit:
+                break
+        else:
+            return t
     return t.contiguous() if not t.is_contiguous() else t.clone()
 
 
@@ -592,40 +596,50 @@ def topk_lists(indices: torch.Tensor, num_kv_blocks: int, rq: int, rk: int,
 _FP8_CACHE_KINDS = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
-def kv_append(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-              block_table, positional: bool, interleaved: bool, descales=(None, None)):
-    """kvcache.append_and_rotate on a GPU in one launch (common/kv_append.py): returns (q
-    rotated, or q itself without rotary; the used lengths, int32 (batch,)). cache_seqlens: an
-    int32 (batch,) tensor; at least one of k (with v) and rotary_cos (with rotary_sin)."""
-    from .common.kv_append import KvAppend, KvAppendConfig
-    from .sm80 import arguments as sm80_arguments
-    fp8 = _FP8_CACHE_KINDS.get(k_cache.dtype)
-    rotary = None if rotary_cos is None else ("interleaved" if interleaved else "neox")
-    cfg = KvAppendConfig(
-        CUTLASS_DTYPES[q.dtype], q.shape[-1], v_cache.shape[-1], append=k is not None,
-        rotary=rotary, rotary_dtype=None if rotary is None else _ROTARY_DTYPES[rotary_cos.dtype],
-        positional=positional, paged=block_table is not None,
-        batch_idx=cache_batch_idx is not None and block_table is None, cache_fp8=fp8)
-    q_rot = torch.empty_like(q) if rotary else None
-    used = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
-    if fp8:
-        ones = None
-        if descales[0] is None or descales[1] is None:
-            ones = torch.ones(q.shape[0], k_cache.shape[2], dtype=torch.float32, device=q.device)
-        descales = tuple(ones if x is None else x for x in descales)
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    else:
-        descales = (None, None)
-    contiguous = lambda t: None if t is None else t.contiguous()
-    values = (q.contiguous(), q_rot, contiguous(k), contiguous(v), k_cache, v_cache,
-              cache_seqlens.contiguous(), contiguous(cache_batch_idx) if cfg.batch_idx else None,
-              contiguous(block_table), contiguous(rotary_cos), contiguous(rotary_sin), *descales,
-              used)
-    tvm_ffi = use_tvm_ffi()
-    entries = sm80_arguments.KV_APPEND_ARGUMENTS
-    compiled = compiled_common("kv_append", lambda: KvAppend(cfg), cfg, entries, tvm_ffi)
-    launch_common(compiled, tvm_ffi, entries, values, q.device)
-    return (q if q_rot is None else q_rot), used
+class KvAppendLaunch:
+    """kvcache.append_and_rotate on a GPU in one launch (common/kv_append.py), for calls of one
+    form: what a decode step's signature fixes (dtypes, head dims, which of k / rotary /
+    batch_idx / pages are given, the rotary layout) is decided here once, so that a step only
+    allocates the outputs and launches (kvcache.DecodeStep keeps one)."""
+
+    def __init__(self, q, k_cache, v_cache, k, rotary_cos, cache_batch_idx, block_table,
+                 positional: bool, interleaved: bool):
+        from .common.kv_append import KvAppend, KvAppendConfig
+        from .sm80 import arguments as sm80_arguments
+        self.fp8 = _FP8_CACHE_KINDS.get(k_cache.dtype)
+        rotary = None if rotary_cos is None else ("interleaved" if interleaved else "neox")
+        self.cfg = cfg = KvAppendConfig(
+            CUTLASS_DTYPES[q.dtype], q.shape[-1], v_cache.shape[-1], append=k is not None,
+            rotary=rotary, rotary_dtype=None if rotary is None else _ROTARY_DTYPES[rotary_cos.dtype],
+            positional=positional, paged=block_table is not None,
+            batch_idx=cache_batch_idx is not None and block_table is None, cache_fp8=self.fp8)
+        self.tvm_ffi = use_tvm_ffi()
+        self.entries = sm80_arguments.KV_APPEND_ARGUMENTS
+        self.compiled = compiled_common("kv_append", lambda: KvAppend(cfg), cfg, self.entries,
+                                        self.tvm_ffi)
+
+    def __call__(self, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                 cache_batch_idx, block_table, descales=(None, None)):
+        """Returns (q rotated, or q itself without rotary; the used lengths, int32 (batch,)).
+        cache_seqlens: an int32 (batch,) tensor."""
+        cfg = self.cfg
+        q_rot = torch.empty_like(q) if cfg.rotary else None
+        used = torch.empty(q.shape[0], dtype=torch.int32, device=q.device)
+        if self.fp8:
+            ones = None
+            if descales[0] is None or descales[1] is None:
+                ones = torch.ones(q.shape[0], k_cache.shape[2], dtype=torch.float32, device=q.device)
+            descales = tuple(ones if x is None else x for x in descales)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        else:
+            descales = (None, None)
+        contiguous = lambda t: None if t is None else t.contiguous()
+        values = (q.contiguous(), q_rot, contiguous(k), contiguous(v), k_cache, v_cache,
+                  cache_seqlens.contiguous(), contiguous(cache_batch_idx) if cfg.batch_idx else None,
+                  contiguous(block_table), contiguous(rotary_cos), contiguous(rotary_sin), *descales,
+                  used)
+        launch_common(self.compiled, self.tvm_ffi, self.entries, values, q.device)
+        return (q if q_rot is None else q_rot), used
 
 
 _ROTARY_DTYPES = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16,

@@ -171,7 +171,9 @@ _split_counts: dict = {}
 
 
 def split_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    # (the raw stream handle: building torch.cuda.current_stream's Stream object costs more
+    # host time than the rest of this lookup, at every decode step)
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     counts = _split_counts.get(key)
     if counts is None or counts.numel() < tiles:
         counts = _split_counts[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32,
