@@ -351,6 +351,31 @@ def test_compile_fp8_fwd_v_in_kernel(d, mask, varlen, capfd, tmp_path, monkeypat
     assert spills and max(spills) == 0, f"{cfg} spills"
 
 
+FP8_SHORT_PASS_CASES = [(d, m, v) for d in (128,) for m in MASKS for v in (False, True)]
+
+
+@pytest.mark.parametrize("d,mask,varlen", FP8_SHORT_PASS_CASES,
+                         ids=[f"d{d}-{m}{'-varlen' if v else ''}" for d, m, v in FP8_SHORT_PASS_CASES])
+def test_compile_fp8_fwd_short_tiles_with_the_pass(d, mask, varlen, capfd, tmp_path, monkeypatch):
+    """fp8 between the in-kernel transpose's bound and config.FP8_SHORT_SEQLEN (d=128: 1025-2048
+    queries): the short tile with V^T from the pass over HBM, spill-free; past that bound the
+    long tile."""
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    bound = config.FP8_SHORT_SEQLEN[d]
+    assert bound > config.FP8_V_IN_KERNEL_MAX_SEQLEN_Q
+    short = config.FP8_SHORT_TILES[d]
+    cfg = sm90_launch.sm90_config(make_spec(torch.float8_e4m3fn, d, mask, varlen, seqlen_q=bound))
+    assert (cfg.num_wg, cfg.num_stages) == (short[0], short[2]) and not cfg.fp8_v_in_kernel
+    longer = sm90_launch.sm90_config(make_spec(torch.float8_e4m3fn, d, mask, varlen,
+                                               seqlen_q=bound + 1))
+    assert (longer.num_wg, longer.tile_n, longer.num_stages) != (cfg.num_wg, cfg.tile_n,
+                                                                 cfg.num_stages)
+    compile_fwd(cfg, options="remarks{ptx}")
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
+
+
 def test_fp8_reasons():
     """What the fp8 forward declines (the API then falls back to the reference)."""
     import dataclasses

@@ -91,11 +91,11 @@ FP8_TILES = {
     192: (2, 96, 2),
     256: (2, 128, 2),
 }
-# fp8 at up to FP8_SHORT_SEQLEN queries: SHORT_TILES' 128-row shapes, for the same reasons
-# (rows wasted past the end, causal blocks masked). At 1k, against FP8_TILES' (3 rounds):
+# fp8 at up to FP8_SHORT_SEQLEN[head dim] queries: SHORT_TILES' 128-row shapes, for the same
+# reasons (rows wasted past the end, causal blocks masked). At 1k, against FP8_TILES' (3 rounds):
 # d=64 1.00 / 1.09x, d=128 1.12 / 1.05x (full / causal); at 2048, d=64 0.92 / 0.96x, d=128
-# 1.01 / 1.05x, so the bound stays at 1k (docs/perf-log.md, thirty-first session)
-FP8_SHORT_SEQLEN = 1024
+# 1.01 / 1.05x, so d=64 stops at 1k and d=128 goes to 2k (docs/perf-log.md, thirty-first session)
+FP8_SHORT_SEQLEN = {64: 1024, 128: 2048}
 FP8_SHORT_TILES = {64: (2, 128, 4), 128: (2, 128, 3)}
 # fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
 # tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
@@ -178,7 +178,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
             and max_seqlen_q <= SHORT_SEQLEN):
         num_wg, tile_n, stages = SHORT_TILES[anchor]
     if (fp8 and anchor in FP8_SHORT_TILES and max_seqlen_q is not None
-            and max_seqlen_q <= FP8_SHORT_SEQLEN):
+            and max_seqlen_q <= FP8_SHORT_SEQLEN[anchor]):
         num_wg, tile_n, stages = FP8_SHORT_TILES[anchor]
     # (seqused on batched q/k keeps lengths live as packing does: the varlen caps serve it)
     packed = varlen_q or varlen_k or has_seqused_q or has_seqused_k
