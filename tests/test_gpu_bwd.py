@@ -236,17 +236,27 @@ def test_bwd_negative_window_edges(seed, window, d):
         check_grads(got, ref, low)
 
 
+@pytest.mark.parametrize("poison", [False, True], ids=["", "nan-past-the-end"])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_bwd_seqused_only(seed, mask, d):
+def test_bwd_seqused_only(seed, mask, d, poison):
     """flash_attn_varlen_func on batched q/k/v whose true lengths are seqused_q/k: gradients of
-    the used rows; the unused rows of q, k and v get 0."""
+    the used rows; the unused rows of q, k and v get 0. poison: the rows past seqused hold NaN
+    and Inf (memory the call does not own); the reference sees them clean."""
     b, sq, sk, h, hk = 4, 300, 257, 8, 2
     used_q = torch.tensor([300, 1, 0, 150], dtype=torch.int32, device="cuda")
     used_k = torch.tensor([257, 64, 10, 0], dtype=torch.int32, device="cuda")
     kw = MASKS[mask]
     leaves = [torch.randn(b * s, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
               for s, n in ((sq, h), (sk, hk), (sk, hk))]
+    clean = leaves
+    if poison:
+        leaves = [t.detach().clone().requires_grad_() for t in clean]
+        with torch.no_grad():
+            for t, s, used in zip(leaves, (sq, sk, sk), (used_q, used_k, used_k)):
+                for i, n in enumerate(used.tolist()):
+                    t[i * s + n:(i + 1) * s:2] = float("nan")
+                    t[i * s + n + 1:(i + 1) * s:2] = float("inf")
     q, k, v = leaves[0].view(b, sq, h, d), leaves[1].view(b, sk, hk, d), leaves[2].view(b, sk, hk, d)
     out = flash_attn_varlen_func(q, k, v, None, None, sq, sk, seqused_q=used_q, seqused_k=used_k,
                                  strict=True, **kw)
@@ -257,7 +267,7 @@ def test_bwd_seqused_only(seed, mask, d):
     cu_k = torch.arange(b + 1, dtype=torch.int32, device="cuda") * sk
     ref_fn = lambda q_, k_, v_, **a: attention_varlen_ref(q_, k_, v_, cu_q, cu_k, used_q, used_k, **a)
     # the reference's rows past seqused_q have out 0: their dout does not matter
-    ref, low = reference_grads(ref_fn, leaves, dout.reshape(b * sq, h, d), **kw)
+    ref, low = reference_grads(ref_fn, clean, dout.reshape(b * sq, h, d), **kw)
     check_grads(got, ref, low)
 
 

@@ -80,14 +80,16 @@ def test_varlen_seqused(seed, mask):
 def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=False,
                 window=(-1, -1), softcap=0.0, rotary=None, batch_idx=False, leftpad=None,
                 dtype=torch.bfloat16, sink=False, cache_dtype=None, descales=True, q_scale=1.0,
-                cache_scale=4.0, k_scale=1.0):
+                cache_scale=4.0, k_scale=1.0, poison=False):
     """flash_attn_with_kvcache (strict: the kernel must serve it) against the reference on a
     copy of the caches: the output by FlashAttention's rule, the LSE, and the caches after the
     append compared exactly. cache_dtype: an fp8 cache (values / descale, random per-(batch, kv
     head) descales, or none with descales=False), the new tokens quantized into it. q_scale,
     cache_scale: q's magnitude (randn times it) and an fp8 cache's stored values'. k_scale:
     K's real magnitude, through the descales of an fp8 cache (its stored bytes unchanged) and
-    the new keys (q_scale 1e5 with k_scale 1e-5: q past fp16's range, scores as at 1)."""
+    the new keys (q_scale 1e5 with k_scale 1e-5: q past fp16's range, scores as at 1).
+    poison: every cache row no sequence owns (past its length after the append, before its
+    leftpad, rows and pages no sequence maps) holds NaN or Inf, as an uninitialised cache may."""
     from cuteattn import flash_attn_with_kvcache
     from cuteattn.reference import attention_kvcache_ref
     from cuteattn.testing import assert_close_fa, assert_lse_close
@@ -124,6 +126,8 @@ def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=F
         cos, sin = ang.cos(), ang.sin()
     lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
     pad = None if leftpad is None else torch.tensor(leftpad, dtype=torch.int32, device=dev)
+    if poison:
+        poison_cache(k_cache, v_cache, block_table, idx, pad, [n + s_new for n in lens], page)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     low_k, low_v = k_cache.clone(), v_cache.clone()
     kw = dict(causal=causal, window_size=window, softcap=softcap,
@@ -138,9 +142,33 @@ def run_kvcache(b, sq, s_new, h, hk, d, cap, lens, page=None, splits=1, causal=F
     lowprec, _ = attention_kvcache_ref(*common[:1], low_k, low_v, *common[3:], upcast=False,
                                        **ref_kw)
     assert not torch.isnan(out).any() and not torch.isinf(out).any()
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v), "the append differs"
+    bits = lambda t: t.view(torch.uint8)  # (bitwise: a poisoned cache's NaN are not equal)
+    assert torch.equal(bits(k_cache), bits(ref_k)) and torch.equal(bits(v_cache), bits(ref_v)), \
+        "the append differs"
     assert_close_fa(out, ref, lowprec)
     assert_lse_close(lse, ref_lse)
+
+
+def poison_cache(k_cache, v_cache, block_table, idx, leftpad, ends, page):
+    """NaN or Inf (alternate rows; an fp8 cache's NaN byte) in every cache row outside the
+    sequences' [leftpad, end) key ranges, in place."""
+    owned = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
+    for b, end in enumerate(ends):
+        start = 0 if leftpad is None else int(leftpad[b])
+        if block_table is not None:  # (row pos of sequence b: page table[b, pos // page])
+            pos = torch.arange(start, end, device=k_cache.device)
+            owned.view(-1)[block_table[b, pos // page].long() * page + pos % page] = True
+        else:
+            owned[b if idx is None else int(idx[b]), start:end] = True
+    for t in (k_cache, v_cache):
+        if t.element_size() == 1:  # fp8: 0x7f is NaN in e4m3, +NaN in e5m2
+            t.view(torch.uint8)[~owned] = 0x7F
+            continue
+        bad = torch.full(t.shape[2:], float("nan"), dtype=t.dtype, device=t.device)
+        flat, mask = t.view(-1, *t.shape[2:]), (~owned).view(-1)
+        rows = mask.nonzero().flatten()
+        flat[rows[0::2]] = bad
+        flat[rows[1::2]] = float("inf")
 
 
 DECODE_CASES = [
@@ -191,6 +219,19 @@ FP8_DECODE_CASES = [  # the decode cases' forms over an fp8 cache (with bf16 or 
     (3, 1, 1, 32, 4, 128, 2048, [0, 900, 2047], dict(cache_dtype=E4M3, sink=True)),
     (2, 1, 1, 32, 8, 128, 333, [1, 332], dict(cache_dtype=E4M3, descales=False)),
 ]
+
+
+POISON_CASES = ([f"case{i}" for i in (0, 1, 2, 4, 5, 7, 8, 9, 12, 14)]
+                + [f"fp8case{i}" for i in (1, 2, 8)])
+
+
+@pytest.mark.parametrize("name", POISON_CASES)
+def test_kvcache_cache_past_lengths_holds_nan(seed, name):
+    """Cache rows no sequence owns (an uninitialised cache's NaN and Inf) never reach out or
+    lse: pages of 16 / 48 / 128, splits, rotary append, leftpad and cache rows, a sink, fp8."""
+    cases = FP8_DECODE_CASES if name.startswith("fp8") else DECODE_CASES
+    b, sq, s_new, h, hk, d, cap, lens, extra = cases[int(name.rpartition("case")[2])]
+    run_kvcache(b, sq, s_new, h, hk, d, cap, lens, poison=True, **extra)
 
 
 @pytest.mark.parametrize("case", DECODE_CASES + FP8_DECODE_CASES,

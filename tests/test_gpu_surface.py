@@ -127,10 +127,12 @@ def cu(lens):
 
 
 def run_varlen(lens_q, lens_k, h, hk, d, dv, dtype, batched_q=False, batched_k=False,
-               seqused_q=None, seqused_k=None, **kw):
+               seqused_q=None, seqused_k=None, poison=False, **kw):
     """Packed (or, with batched_q / batched_k, (batch, max_len, ...) batched) q and k/v through
     flash_attn_varlen_func, against the varlen reference on the packed rows; rows past a
-    sequence's used length are not compared (FlashAttention leaves them undefined)."""
+    sequence's used length are not compared (FlashAttention leaves them undefined). poison:
+    the k / v rows past each sequence's seqused_k hold NaN and Inf (memory the call does not
+    own, as an uninitialised cache's); the reference sees them clean."""
     b = len(lens_q)
     sq, sk = max(lens_q), max(lens_k)
     if batched_q:  # every sequence is max_len rows long: its true length is seqused_q
@@ -141,6 +143,14 @@ def run_varlen(lens_q, lens_k, h, hk, d, dv, dtype, batched_q=False, batched_k=F
     k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype)
     v = torch.randn(sum(lens_k), hk, dv, device="cuda", dtype=dtype)
     cu_q, cu_k = cu(lens_q), cu(lens_k)
+    clean_k, clean_v = k, v
+    if poison:
+        k, v = k.clone(), v.clone()
+        for i, (start, n) in enumerate(zip(cu_k.tolist()[:-1], lens_k)):
+            first = start + int(seqused_k[i])
+            for t in (k, v):
+                t[first:start + n:2] = float("nan")
+                t[first + 1:start + n:2] = float("inf")
     call_q = q.view(b, sq, h, d) if batched_q else q
     call_k, call_v = (k.view(b, sk, hk, d), v.view(b, sk, hk, dv)) if batched_k else (k, v)
     out = torch.full((*call_q.shape[:-1], dv), float("nan"), device="cuda", dtype=dtype)
@@ -150,7 +160,7 @@ def run_varlen(lens_q, lens_k, h, hk, d, dv, dtype, batched_q=False, batched_k=F
         call_q, call_k, call_v, None if batched_q else cu_q, None if batched_k else cu_k, sq, sk,
         seqused_q=seqused_q, seqused_k=seqused_k, return_lse=True, strict=True, validate=True,
         out=out, lse=lse, **kw)
-    ref_args = (q, k, v, cu_q, cu_k, seqused_q, seqused_k)
+    ref_args = (q, clean_k, clean_v, cu_q, cu_k, seqused_q, seqused_k)
     ref, ref_lse = attention_varlen_ref(*ref_args, **kw)
     lowprec, _ = attention_varlen_ref(*ref_args, **kw, upcast=False)
     out = out.reshape(-1, h, dv)
@@ -179,6 +189,16 @@ def test_seqused_only(seed, path, mask, d):
     """Batched (batch, seqlen, ...) q/k/v whose true lengths live on the GPU (seqused_q/k)."""
     run_varlen(LENS_Q, LENS_K, 8, 2, d, d, torch.bfloat16, batched_q=True, batched_k=True,
                seqused_q=used(USED_Q), seqused_k=used(USED_K), **VARLEN_MASKS[mask])
+
+
+@pytest.mark.parametrize("mask", list(VARLEN_MASKS))
+@pytest.mark.parametrize("form", ["batched", "k batched", "packed"])
+def test_seqused_k_past_the_end_holds_nan(seed, path, mask, form):
+    """Keys and values past seqused_k (memory the call does not own: an uninitialised cache
+    holds NaN and Inf bit patterns) never reach out or lse."""
+    run_varlen(LENS_Q, LENS_K, 8, 2, 128, 128, torch.bfloat16, batched_q=form == "batched",
+               batched_k=form != "packed", seqused_q=used(USED_Q) if form == "batched" else None,
+               seqused_k=used(USED_K), poison=True, **VARLEN_MASKS[mask])
 
 
 @pytest.mark.parametrize("mask", list(VARLEN_MASKS))
