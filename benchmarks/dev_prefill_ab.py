@@ -3,8 +3,9 @@
 variant, interleaved per cell and repeated, beside our fixed-length forward on the same keys.
 Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_prefill_ab.py FLAG ... [--rounds 3]
-FLAG names a constant of cuteattn/kernels/sm90/config.py set True for that variant ('base': the
-defaults). Prints each variant's time, its ratio to the first, and the fixed-length forward's
+FLAG names a constant of cuteattn/kernels/sm90/config.py set True for that variant, or
+NAME=VALUE sets it to a number (e.g. PAGED_GATHER_MIN_ROWS=1000000000: no gather); 'base': the
+defaults. Prints each variant's time, its ratio to the first, and the fixed-length forward's
 time over it (the issue's metric: >= 0.9)."""
 import sys
 
@@ -18,7 +19,8 @@ from cuteattn.kernels.sm90 import config
 rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 3
 args = [a for a in sys.argv[1:] if not a.startswith("--") and a != str(rounds)]
 variants = [tuple(f for f in a.split(",") if f != "base") for a in args] or [()]
-defaults = {f: getattr(config, f) for v in variants for f in v}
+name_of = lambda f: f.split("=")[0]
+defaults = {name_of(f): getattr(config, name_of(f)) for v in variants for f in v}
 dev = torch.device("cuda")
 
 
@@ -26,7 +28,8 @@ def set_variant(v):
     for name, value in defaults.items():
         setattr(config, name, value)
     for f in v:
-        setattr(config, f, True)
+        name, _, value = f.partition("=")
+        setattr(config, name, int(value) if value else True)
     api._launches.clear()
 
 

@@ -423,6 +423,28 @@ def test_paged_prefill_routes():
     assert sm90_launch.unserved_paged(with_sink) is None and sm90_launch.sm90_config(with_sink).has_sink
 
 
+def test_paged_prefill_gathers_small_pages_when_the_rows_pay_for_it(monkeypatch):
+    """Pages that slice a key block are gathered into batched K / V first when a kv head has
+    config.PAGED_GATHER_MIN_ROWS query rows (max_seqlen_q x the GQA group) and the copy fits
+    config.PAGED_GATHER_MAX_BYTES; pages of whole key blocks never are."""
+    import dataclasses
+    from cuteattn.kernels.sm90 import config
+    # the bench's prefill cell: 4 x 2048 queries, 32 / 8 heads, over 16k keys in pages of 16
+    cell = dataclasses.replace(make_spec(torch.bfloat16, 128, "causal", True), paged_kv=True,
+                               page_size=16, batch=4, nheads=32, nheads_k=8, seqlen_q=2048,
+                               seqlen_k=16384)
+    assert sm90_launch.gathers_pages(cell)  # (4 x 16384 x 8 x 256 x 2 bytes: 256 MiB)
+    assert not sm90_launch.gathers_pages(dataclasses.replace(cell, page_size=128))
+    assert not sm90_launch.gathers_pages(dataclasses.replace(cell, page_size=64))
+    assert sm90_launch.gathers_pages(dataclasses.replace(cell, page_size=48))
+    rows = config.PAGED_GATHER_MIN_ROWS // 4  # (4 query heads a kv head)
+    assert sm90_launch.gathers_pages(dataclasses.replace(cell, seqlen_q=rows))
+    assert not sm90_launch.gathers_pages(dataclasses.replace(cell, seqlen_q=rows - 1))
+    monkeypatch.setattr(config, "PAGED_GATHER_MAX_BYTES", 256 * 2 ** 20 - 1)
+    assert not sm90_launch.gathers_pages(cell)
+    assert not sm90_launch.gathers_pages(dataclasses.replace(cell, paged_kv=False, page_size=0))
+
+
 PAGED_CASES = [(64, 64, "none"), (64, 128, "causal"), (96, 256, "none"), (128, 128, "causal"),
                (128, 128, "window"), (128, 256, "softcap"), (192, 128, "causal"), (256, 128, "none"),
                (128, 16, "causal"), (128, 16, "window"), (64, 16, "none"), (256, 32, "causal"),

@@ -231,11 +231,13 @@ def test_paged_prefill_default_path(seed, page, causal, monkeypatch):
 
 
 def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63, 200, 0, 130),
-                      lens_k=(130, 63, 700, 5, 1000), h=8, hk=2, sink=None):
+                      lens_k=(130, 63, 700, 5, 1000), h=8, hk=2, sink=None, pad_table=False):
     """flash_attn_varlen_func(block_table=) on the default path, strict: packed q over keys in
     shuffled pages (one page in two sequences' tables), every cache row no sequence uses set
     to NaN (rows past a sequence's end inside its last page must not reach the output: P is 0
-    there, but 0 x NaN is not), against the reference on the keys gathered by hand."""
+    there, but 0 x NaN is not), against the reference on the keys gathered by hand. pad_table:
+    the table's entries past each sequence's pages hold -1 and ids past the cache (tables are
+    padded with anything)."""
     pages_per_seq = -(-max(lens_k) // page)
     n_pages = len(lens_k) * pages_per_seq + 2
     cache_k = torch.full((n_pages, page, hk, d), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -253,6 +255,10 @@ def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63
                 t[rows] = flat.view(-1, page, hk, d)
         keys.append(cache_k[rows].reshape(-1, hk, d)[:n])
         values.append(cache_v[rows].reshape(-1, hk, d)[:n])
+    if pad_table:
+        for b, n in enumerate(lens_k):
+            table[b, -(-n // page):] = torch.tensor([-1, 10 ** 6], dtype=torch.int32).repeat(
+                pages_per_seq)[:pages_per_seq - -(-n // page)]
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     cu_q, cu_k = cu(lens_q), cu(lens_k)
     q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
@@ -280,6 +286,27 @@ def test_paged_prefill_pages_read_by_sm90(seed, page, d, mask, monkeypatch):
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 30))}[mask]
     run_paged_prefill(page, d, **kw)
+
+
+@pytest.mark.parametrize("page", [16, 48])
+@pytest.mark.parametrize("d", [64, 80, 128])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "sink"])
+def test_paged_prefill_small_pages_gathered(seed, page, d, mask, monkeypatch):
+    """Pages smaller than a key block gathered into batched K / V before the batched-keys
+    kernel (launch.GatheredPagesLaunch; config.PAGED_GATHER_MIN_ROWS set to 0 so that these
+    short sequences take it): shuffled and shared pages, NaN in every row no sequence owns,
+    table entries past a sequence's pages holding -1 and ids past the cache."""
+    from cuteattn.kernels.sm90 import config, launch
+    monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
+    monkeypatch.setattr(config, "PAGED_GATHER_MIN_ROWS", 0)
+    calls = []
+    run = launch.GatheredPagesLaunch.__call__
+    monkeypatch.setattr(launch.GatheredPagesLaunch, "__call__",
+                        lambda self, *a, **kw: calls.append(1) or run(self, *a, **kw))
+    kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 30)),
+          "sink": dict(causal=True, sink=torch.randn(8, device="cuda") * 2)}[mask]
+    run_paged_prefill(page, d, pad_table=True, **kw)
+    assert calls, "the gathered path did not run"
 
 
 @pytest.mark.parametrize("page,path", [(16, None), (128, None), (16, "sm80")])

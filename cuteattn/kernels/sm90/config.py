@@ -132,6 +132,16 @@ PAGED_TILE_N = (128, 64)
 SLICED_PAGE_WIDTH = 64
 
 
+# Pages smaller than a key block cost the TMA unit one copy per (page, 64 columns): 44 copies
+# for a 176-key block at d=128, and the paged prefill ran at 0.74x of the fixed-length forward
+# (docs/perf-log.md). A paged prefill with at least PAGED_GATHER_MIN_ROWS query rows a kv head
+# (max_seqlen_q x the GQA group, which the gather's one pass over the keys must pay for) gathers
+# each sequence's pages into contiguous batched K and V, if they take at most
+# PAGED_GATHER_MAX_BYTES, and runs the batched-keys kernel on them (launch.GatheredPagesLaunch).
+PAGED_GATHER_MIN_ROWS = 2048
+PAGED_GATHER_MAX_BYTES = 1 << 30
+
+
 def sliced_pages(page_size: int) -> bool:
     """Whether pages of page_size keys are read as slices of a key block (not whole blocks)."""
     return page_size % min(PAGED_TILE_N) != 0

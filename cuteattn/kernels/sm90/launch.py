@@ -338,7 +338,49 @@ class Sm90Forward:
     def launch(self, spec: AttentionSpec):
         if spec.paged_kv and unserved_paged(spec) is not None:
             return PAGED_PREFILL.launch(spec)
+        if gathers_pages(spec):
+            return GatheredPagesLaunch(spec)
         return Launch(spec)
+
+
+def gathers_pages(spec: AttentionSpec) -> bool:
+    """Whether a paged prefill the sm90 forward serves gathers its pages first
+    (config.PAGED_GATHER_MIN_ROWS says when)."""
+    if not spec.paged_kv or not config.sliced_pages(spec.page_size):
+        return False
+    keys = -(-spec.seqlen_k // spec.page_size) * spec.page_size
+    nbytes = (spec.batch * keys * spec.nheads_k * (spec.head_dim + spec.head_dim_v)
+              * spec.dtype.itemsize)
+    return (spec.seqlen_q * spec.qhead_per_kvhead >= config.PAGED_GATHER_MIN_ROWS
+            and nbytes <= config.PAGED_GATHER_MAX_BYTES)
+
+
+class GatheredPagesLaunch:
+    """A paged prefill over pages smaller than a key block, by gathering (gathers_pages): each
+    sequence's first ceil(max_seqlen_k / page) pages copied into batched (batch, keys, h_k, d)
+    K and V (one index_select each), then the batched-keys kernel (packed q, seqused_k) on
+    them. Rows past a sequence's keys hold whatever its pages held there (or, for table entries
+    past its pages, a page clamped into the cache): the kernel reads no key past seqused_k."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.pages = -(-spec.seqlen_k // spec.page_size)
+        self.inner = Launch(dataclasses.replace(
+            spec, paged_kv=False, page_size=0, varlen_k=False, has_seqused_k=True,
+            seqlen_k=self.pages * spec.page_size))
+
+    def __call__(self, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                 seqused_k=None, page_table=None, learnable_sink=None) -> None:
+        batch, pages = page_table.shape[0], min(self.pages, page_table.shape[1])
+        if pages == 0 or k.shape[0] == 0:  # (no key to gather: the pages' own kernel)
+            Launch(self.spec)(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                              seqused_k, page_table=page_table, learnable_sink=learnable_sink)
+            return
+        # (entries past a sequence's pages may hold anything: FlashAttention pads tables freely)
+        index = page_table[:, :pages].clamp(0, k.shape[0] - 1).reshape(-1)
+        gather = lambda x: x.index_select(0, index).view(batch, pages * x.shape[1], *x.shape[2:])
+        self.inner(q, gather(k), gather(v), out, lse, cu_seqlens_q, None, seqused_q, seqused_k,
+                   learnable_sink=learnable_sink)
 
 
 def unserved_paged(spec: AttentionSpec) -> Optional[str]:
