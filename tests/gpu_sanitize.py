@@ -186,6 +186,14 @@ def cases() -> dict:
     out["surface_seqused_only"] = lambda: su.run_varlen(
         small_q, small_k, 8, 2, 128, 128, bf16, batched_q=True, batched_k=True,
         seqused_q=su.used([1, 0, 20, 129, 250]), seqused_k=su.used([100, 3, 0, 300, 1]))
+    # V's rows past seqused_k zeroed in shared memory (NaN and Inf there), and small pages
+    # gathered into batched K / V first (kernels/sm90/launch.py: GatheredPagesLaunch)
+    out["surface_seqused_nan_past_the_end"] = lambda: su.run_varlen(
+        small_q, small_k, 8, 2, 128, 128, bf16, batched_q=False, batched_k=True, causal=True,
+        seqused_k=su.used([100, 3, 0, 300, 1]), poison=True)
+    out["surface_paged_gathered_page16"] = _with_config(
+        lambda: su.run_paged_prefill(16, 128, causal=True, pad_table=True),
+        "PAGED_GATHER_MIN_ROWS", 0, family="sm90")
     # the portable (mma.sync) path, chosen with CUTEATTN_PATH=sm80: the forward, the decode
     # kernel (flash_attn_with_kvcache), the paged prefill, and the bad-metadata cases
     import test_gpu_sm80 as ts

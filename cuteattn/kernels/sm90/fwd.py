@@ -134,6 +134,15 @@ class Sm90FwdConfig:
         return self.dtype.width == 8
 
     @property
+    def zeroes_v_past_end(self) -> bool:
+        """Whether the rows of the last key block past the sequence's keys are memory the call
+        does not own (the rest of a page; rows past seqused_k, e.g. an uninitialised cache's
+        NaN and Inf): the producer zeroes V's there (load_kv, finish_v_past_end), since P is 0
+        there but 0 x NaN is NaN; K's need nothing (the mask selects -inf over any score).
+        (fp8 takes V^T from a pass or a staging ring: not yet.)"""
+        return bool(self.page_size) or (self.has_seqused_k and not self.fp8)
+
+    @property
     def o_dtype(self) -> type:
         return cutlass.BFloat16 if self.fp8 else self.dtype
 
@@ -326,8 +335,8 @@ class FlashFwdSm90:
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, k_elems], 1024],
             "sVt": cute.struct.Align[cute.struct.MemRange[self.dtype, v_elems], 1024],
             "mbar_tile": cute.struct.MemRange[cutlass.Int64, 2],
-            # paged keys: the V block whose page runs past the sequence lands here first
-            # (load_v_past_end), then is published on the V pipeline's barrier
+            # the V block that runs past the sequence's keys lands here first (load_kv with
+            # v_past_end), then is published on the V pipeline's barrier (zeroes_v_past_end)
             "mbar_v_fix": cute.struct.MemRange[cutlass.Int64, 1],
             "next_tile": cute.struct.MemRange[Int32, 1],  # the tile hand-off slot (TileWalk)
         }
@@ -444,7 +453,7 @@ class FlashFwdSm90:
                     q_state, kv_state, seqlen,
                     lambda: visit(seqlen, m_block, head_idx, batch_idx),
                     m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
-                    mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.page_size) else None)
+                    mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.zeroes_v_past_end) else None)
                 walk.walk(True, tile_info, load_tile,
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
@@ -620,15 +629,15 @@ class FlashFwdSm90:
 
         visit = visit()  # (built here: where it is computed sets the code's order)
         n_blocks = visit.count()
-        # Paged keys: rows past the sequence's end inside its last page are whatever the cache
-        # held (maybe NaN), and their P of 0 times NaN is NaN in the P V GEMM; that block (only
-        # ever the first visited: blocks are visited from the last down) has V's rows zeroed
-        # before the consumers see it (finish_v_past_end)
+        # Rows past the sequence's keys (inside its last page, or past seqused_k) are whatever
+        # that memory holds (maybe NaN), and their P of 0 times NaN is NaN in the P V GEMM; that
+        # block (only ever the first visited: blocks are visited from the last down) has V's
+        # rows zeroed before the consumers see it (finish_v_past_end; cfg.zeroes_v_past_end)
         past_end = cutlass.Boolean(False)
         first_stage = kv_state.index
         if n_blocks > 0:
             first = visit.first()
-            if const_expr(cfg.page_size):
+            if const_expr(cfg.zeroes_v_past_end):
                 past_end = (first + 1) * self.tile_n > seqlen.seqlen_k
             kv_state = load_kv(kv_state, first, past_end)
         pipeline_q.producer_acquire(q_state)
@@ -636,7 +645,7 @@ class FlashFwdSm90:
             cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         q_state.advance()
-        if const_expr(cfg.page_size):
+        if const_expr(cfg.zeroes_v_past_end):
             if past_end:
                 self.finish_v_past_end(sVt, pipeline_v, first_stage, v_fix_barrier,
                                        seqlen.seqlen_k - visit.first() * self.tile_n)
@@ -648,12 +657,12 @@ class FlashFwdSm90:
     def load_kv(self, copy_k, copy_v, pipeline_k, pipeline_v, kv_state, n_block,
                 v_past_end=False, v_fix_barrier=None, where=None):
         """K and V of block n_block (copy_k, copy_v: its TMA copies) into the ring's next stage.
-        With v_past_end (paged keys only), V lands on v_fix_barrier instead of the V
+        With v_past_end (cfg.zeroes_v_past_end), V lands on v_fix_barrier instead of the V
         pipeline's barrier: finish_v_past_end then zeroes the rows past the sequence's end and
         publishes the stage."""
         pipeline_k.producer_acquire(kv_state)
         copy_k(n_block, kv_state.index, pipeline_k.producer_get_barrier(kv_state), where)
-        if const_expr(self.cfg.page_size):
+        if const_expr(self.cfg.zeroes_v_past_end):
             if v_past_end:
                 pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
                 with cute.arch.elect_one():
