@@ -512,17 +512,3 @@ def test_compile_forward_with_learnable_sink(d, mask, varlen, capfd, tmp_path, m
     assert "wgmma.mma_async" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
-
-
-def test_gather_pages_copies_bits_as_index_select():
-    """launch.gather_pages (the gathered paged prefill's copy): pages[index] bit for bit (NaN
-    payloads too), as 16-byte elements where the head dim's rows allow and element by element
-    where they do not (a 20-column view)."""
-    x = torch.randn(10, 16, 2, 24, dtype=torch.bfloat16)
-    x[3, 5, 1, 7] = float("nan")
-    index = torch.tensor([3, 0, 9, 3], dtype=torch.int32)
-    bits = lambda t: t.contiguous().view(torch.int16)
-    for pages in (x, x[..., :20], x.half()):
-        got = sm90_launch.gather_pages(pages, index)
-        assert got.dtype == pages.dtype and got.shape == (4, *pages.shape[1:])
-        assert torch.equal(bits(got), bits(pages.index_select(0, index)))

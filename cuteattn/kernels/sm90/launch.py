@@ -343,17 +343,6 @@ class Sm90Forward:
         return Launch(spec)
 
 
-def gather_pages(pages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """pages[index] (pages along dim 0), copied as 16-byte elements where the layout allows
-    (PyTorch's index_select moves one element a thread: bf16 elements ran at ~1.2 TB/s)."""
-    wide = (pages.stride(-1) == 1 and pages.shape[-1] * pages.element_size() % 16 == 0
-            and pages.data_ptr() % 16 == 0
-            and all(s * pages.element_size() % 16 == 0 for s in pages.stride()[:-1]))
-    if not wide:
-        return pages.index_select(0, index)
-    return pages.view(torch.complex128).index_select(0, index).view(pages.dtype)
-
-
 def gathers_pages(spec: AttentionSpec) -> bool:
     """Whether a paged prefill the sm90 forward serves gathers its pages first
     (config.PAGED_GATHER_MIN_ROWS says when)."""
@@ -389,7 +378,7 @@ class GatheredPagesLaunch:
             return
         # (entries past a sequence's pages may hold anything: FlashAttention pads tables freely)
         index = page_table[:, :pages].clamp(0, k.shape[0] - 1).reshape(-1)
-        gather = lambda x: gather_pages(x, index).view(batch, pages * x.shape[1], *x.shape[2:])
+        gather = lambda x: x.index_select(0, index).view(batch, pages * x.shape[1], *x.shape[2:])
         self.inner(q, gather(k), gather(v), out, lse, cu_seqlens_q, None, seqused_q, seqused_k,
                    learnable_sink=learnable_sink)
 
