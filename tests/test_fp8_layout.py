@@ -77,3 +77,34 @@ def test_value_operand_packed_sequences():
             want = raw[cu[b] + key] if key < n else torch.zeros(hk, dv, dtype=torch.uint8)
             assert torch.equal(vt[:, :, cu_v[b] + col], want), (b, col)
     assert not vt[:, :, 80:].any()
+
+
+def test_value_keys_past_seqused_zeroed():
+    """launch.zero_value_keys_past: V^T of batched and of packed V with each sequence's keys
+    from its seqused_k on zeroed equals V^T of V whose rows past seqused_k were zero (NaN bytes
+    there before: memory the call does not own), the other keys untouched."""
+    from cuteattn.kernels.sm90.launch import zero_value_keys_past
+    hk, dv = 2, 16
+    nan_byte = 0x7F  # (e4m3's NaN)
+    # batched: (b, s, h_k, d_v), seqused 0, 5, 16, 37 (all) of 37
+    v = (torch.randn(4, 37, hk, dv) * 4).to(torch.float8_e4m3fn)
+    used = torch.tensor([0, 5, 16, 37], dtype=torch.int32)
+    clean = v.clone()
+    for b, n in enumerate(used.tolist()):
+        v.view(torch.uint8)[b, n:] = nan_byte
+        clean.view(torch.uint8)[b, n:] = 0
+    vt, cu_v = fp8_value_operand(v)
+    zero_value_keys_past(vt, cu_v, used)
+    assert torch.equal(vt, fp8_value_operand(clean)[0])
+    # packed: lengths 5, 0, 16, 33 with seqused 3, 0, 16, 20
+    lens, used = [5, 0, 16, 33], torch.tensor([3, 0, 16, 20], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    v = (torch.randn(sum(lens), hk, dv) * 4).to(torch.float8_e4m3fn)
+    clean = v.clone()
+    for b, n in enumerate(used.tolist()):
+        v.view(torch.uint8)[cu[b] + n:cu[b + 1]] = nan_byte
+        clean.view(torch.uint8)[cu[b] + n:cu[b + 1]] = 0
+    vt, cu_v = fp8_value_operand(v, cu)
+    zero_value_keys_past(vt, cu_v, used)
+    want, want_cu = fp8_value_operand(clean, cu)
+    assert torch.equal(cu_v, want_cu) and torch.equal(vt, want)

@@ -185,6 +185,34 @@ def test_fp8_one_side_packed_and_seqused(seed):
         assert_close_fa(out[b:b + 1].float(), ref, emulated)
 
 
+@pytest.mark.parametrize("sq", [200, 1500])  # (both take the pass over V with seqused_k)
+@pytest.mark.parametrize("form", ["batched", "packed"])
+def test_fp8_seqused_k_past_the_end_holds_nan(seed, form, sq):
+    """k / v past seqused_k hold NaN bytes (memory the call does not own): they never reach out
+    (the pass's V^T has those keys zeroed, launch.zero_value_keys_past)."""
+    from cuteattn import flash_attn_varlen_func
+    q, k, v, ds = fp8_inputs(2, sq, 300, 8, 2, 128)
+    used = torch.tensor([300, 17], dtype=torch.int32, device="cuda")
+    clean_k, clean_v = k.clone(), v.clone()
+    for t in (k, v):
+        t.view(torch.uint8)[1, 17:] = 0x7F  # (e4m3's NaN)
+    if form == "batched":
+        out = flash_attn_varlen_func(q, k, v, None, None, sq, 300, seqused_k=used, causal=True,
+                                     q_descale=ds[0], k_descale=ds[1], v_descale=ds[2], strict=True)
+    else:
+        cu = lambda s: torch.tensor([0, s, 2 * s], dtype=torch.int32, device="cuda")
+        out = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu(sq),
+                                     cu(300), sq, 300, seqused_k=used, causal=True,
+                                     q_descale=ds[0], k_descale=ds[1], v_descale=ds[2],
+                                     strict=True).view(2, sq, 8, 128)
+    for b, n in enumerate(used.tolist()):
+        one = (q[b:b + 1], clean_k[b:b + 1, :n], clean_v[b:b + 1, :n])
+        sds = tuple(x[b:b + 1] for x in ds)
+        ref, _ = attention_ref(*(dequantize_fp8(x, s) for x, s in zip(one, sds)), causal=True)
+        emulated, _ = fp8_attention_emulated(*one, sds, causal=True)
+        assert_close_fa(out[b:b + 1].float(), ref, emulated)
+
+
 # ---- where V is transposed: inside the kernel up to FP8_V_IN_KERNEL_MAX_SEQLEN_Q queries (the
 # cases above), by a pass over HBM before it for longer ones ----
 

@@ -233,7 +233,9 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         return sparse_config(cfg, *sparse_block)
     if fp8:  # O (bf16) cannot be staged in the fp8 Q or V buffers
         cfg = dataclasses.replace(cfg, o_path="own_buffer")
-        if (not page_size and max_seqlen_q is not None
+        # (not with seqused_k: the pass's V^T gets the keys past it zeroed, launch.py's
+        # zero_value_keys_past, where the staging ring would hold whatever memory is there)
+        if (not page_size and not has_seqused_k and max_seqlen_q is not None
                 and max_seqlen_q <= FP8_V_IN_KERNEL_MAX_SEQLEN_Q):
             in_kernel = dataclasses.replace(cfg, fp8_v_in_kernel=True)
             if in_kernel.smem_bytes() <= SMEM_LIMIT:

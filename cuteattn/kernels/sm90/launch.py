@@ -177,6 +177,8 @@ class Launch:
                 v, cu_v = v.view(torch.uint8), None
             else:
                 v, cu_v = fp8_value_operand(v, cu_seqlens_k, self.spec.seqlen_k)
+                if seqused_k is not None:
+                    zero_value_keys_past(v, cu_v, seqused_k)
             q, k = q.view(torch.uint8), k.view(torch.uint8)
             batch = (cu_seqlens_q.shape[0] - 1 if cu_seqlens_q is not None else
                      cu_seqlens_k.shape[0] - 1 if cu_seqlens_k is not None else q.shape[0])
@@ -284,6 +286,26 @@ def fp8_value_operand_torch(v: torch.Tensor, cu_seqlens_k: Optional[torch.Tensor
     order = _key_order(v.device)
     groups = x.view(b, s16 // 16, 16, hk, dv).permute(0, 3, 4, 1, 2)  # (b, hk, dv, G, 16)
     return groups[..., order].reshape(b, hk, dv, s16), None
+
+
+def zero_value_keys_past(vt: torch.Tensor, cu_v: Optional[torch.Tensor],
+                         seqused_k: torch.Tensor) -> None:
+    """fp8 V^T (fp8_value_operand's) with each sequence's keys from its seqused_k on set to
+    0, in place: they are memory the call does not own (NaN and Inf possible), and a P of 0
+    times NaN is NaN in the P V GEMM (the bf16 kernels zero those rows themselves,
+    fwd.Sm90FwdConfig.zeroes_v_past_end). A column's key: its 16-key group's start plus
+    FP8_KEY_ORDER[its slot]; packed, each sequence's columns start at cu_v[b] (a multiple of
+    16). A few small kernels, no sync."""
+    col = torch.arange(vt.shape[-1], device=vt.device)
+    order = _key_order(vt.device)
+    if cu_v is None:  # (b, h_k, d_v, s16)
+        key = col - col % 16 + order[col % 16]
+        vt.masked_fill_((key[None, :] >= seqused_k[:, None].long())[:, None, None, :], 0)
+        return
+    seq = (torch.searchsorted(cu_v.long(), col, right=True) - 1).clamp(0, seqused_k.shape[0] - 1)
+    within = col - cu_v.long()[seq]
+    key = within - within % 16 + order[within % 16]
+    vt.masked_fill_((key >= seqused_k.long()[seq])[None, None, :], 0)
 
 
 @functools.lru_cache(maxsize=None)
