@@ -131,6 +131,8 @@ def cases() -> dict:
     out["bwd_d192_window"] = lambda: _bwd_fixed(tb, bf16, 192, 4, 4, 129, 300, window_size=(64, 32))
     out["bwd_varlen_d176_padded_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=176, causal=True)
     out["bwd_varlen_d224_padded_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=224, causal=True)
+    # rows past seqused zeroed by the producer before the GEMMs (NaN and Inf there)
+    out["bwd_seqused_only_nan_past_the_end"] = lambda: tb.test_bwd_seqused_only(0, "causal", 128, True)
     out["bwd_varlen_d64_window_seqused_deterministic"] = lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=64, deterministic=True, window_size=(64, 0),
         seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),

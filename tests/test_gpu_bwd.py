@@ -236,16 +236,7 @@ def test_bwd_negative_window_edges(seed, window, d):
         check_grads(got, ref, low)
 
 
-# The sm90 backward still multiplies the rows past seqused (K / V past seqused_k, Q / dO past
-# seqused_q) by P or dS of 0 in its GEMMs, so NaN or Inf there reaches dq (found 2026-12-04;
-# the forward zeroes V's, fwd.Sm90FwdConfig.zeroes_v_past_end). Known, not yet fixed: strict,
-# so the test fails once the backward is fixed and the mark is due to go.
-NAN_PAST_THE_END_BWD = pytest.mark.xfail(
-    strict=True, reason="the sm90 backward reads rows past seqused into its GEMMs (0 x NaN)")
-
-
-@pytest.mark.parametrize("poison", [False, pytest.param(True, marks=NAN_PAST_THE_END_BWD)],
-                         ids=["", "nan-past-the-end"])
+@pytest.mark.parametrize("poison", [False, True], ids=["", "nan-past-the-end"])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_bwd_seqused_only(seed, mask, d, poison):

@@ -404,6 +404,9 @@ class FlashBwdSm90:
             "mbar_q": cute.struct.MemRange[cutlass.Int64, 2 * stages],
             "mbar_do": cute.struct.MemRange[cutlass.Int64, 2 * stages],
             "mbar_kv": cute.struct.MemRange[cutlass.Int64, 2],
+            # (seqused) a block with rows past the sequence's lands here first, is zeroed past
+            # them, then published on its pipeline's barrier (load_zeroing_rows_past)
+            "mbar_fix": cute.struct.MemRange[cutlass.Int64, 1],
             "sQ": cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024],
             "sdO": cute.struct.Align[cute.struct.MemRange[self.dtype, q_elems], 1024],
             "sK": cute.struct.Align[cute.struct.MemRange[self.dtype, k_elems], 1024],
@@ -511,7 +514,8 @@ class FlashBwdSm90:
                     self.load(tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
                               tma_atom_lse, mLSE2, tma_atom_dsum, mD,
                               sQ, sdO, sK, sV, sLSE2, sD, pipeline_q, pipeline_do, pipeline_kv, seqlen,
-                              n_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, rows)
+                              n_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, rows,
+                              storage.mbar_fix.data_ptr())
                 if const_expr(cfg.dq_writer):
                     if warp_idx == 1:
                         self.write_dq(dq_store[0], dq_store[1], sdQ, seqlen, head_idx, batch_idx,
@@ -530,8 +534,11 @@ class FlashBwdSm90:
     @cute.jit
     def load(self, tma_atom_q, mQ, tma_atom_do, mdO, tma_atom_k, mK, tma_atom_v, mV,
              tma_atom_lse, mLSE2, tma_atom_dsum, mD, sQ, sdO, sK, sV, sLSE2, sD, pipeline_q, pipeline_do, pipeline_kv, seqlen: SeqlenInfo,
-             n_block, head_idx, head_idx_kv, batch_idx, rows):
-        """Producer warp: K and V of this CTA's key block, then Q and dO of each query block."""
+             n_block, head_idx, head_idx_kv, batch_idx, rows, fix_barrier):
+        """Producer warp: K and V of this CTA's key block, then Q and dO of each query block.
+        With seqused, a block that runs past the sequence's rows has them zeroed before the
+        consumers see it (load_zeroing_rows_past)."""
+        cfg = self.cfg
         one = cute.make_layout(1)
         gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
         gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
@@ -547,23 +554,76 @@ class FlashBwdSm90:
         tDsD, tDgD = cpasync.tma_partition(tma_atom_dsum, 0, one, sD, gD)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipeline_kv.producer_acquire(kv_state)
-        cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
-        cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=pipeline_kv.producer_get_barrier(kv_state))
+        copy_kv = lambda bar: (cute.copy(tma_atom_k, tKgK, tKsK, tma_bar_ptr=bar),
+                               cute.copy(tma_atom_v, tVgV, tVsV, tma_bar_ptr=bar))
+        if const_expr(cfg.has_seqused_k):
+            if (n_block + 1) * self.tile_n > seqlen.seqlen_k:
+                self.load_zeroing_rows_past((pipeline_kv,), kv_state, fix_barrier, self.kv_bytes,
+                                            copy_kv, (sK, sV), seqlen.seqlen_k - n_block * self.tile_n)
+            else:
+                pipeline_kv.producer_acquire(kv_state)
+                copy_kv(pipeline_kv.producer_get_barrier(kv_state))
+        else:
+            pipeline_kv.producer_acquire(kv_state)
+            copy_kv(pipeline_kv.producer_get_barrier(kv_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
         for it in cutlass.range(rows.start(), rows.stop(), unroll=1):
             m_block = rows.block(it)
-            pipeline_q.producer_acquire(state)
-            cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
-            cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index],
-                      tma_bar_ptr=pipeline_q.producer_get_barrier(state))
-            pipeline_do.producer_acquire(state)
-            cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, state.index],
-                      tma_bar_ptr=pipeline_do.producer_get_barrier(state))
-            cute.copy(tma_atom_dsum, tDgD[None, m_block], tDsD[None, state.index],
-                      tma_bar_ptr=pipeline_do.producer_get_barrier(state))
+            copy_q = lambda bar: (
+                cute.copy(tma_atom_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar),
+                cute.copy(tma_atom_lse, tLgL[None, m_block], tLsL[None, state.index], tma_bar_ptr=bar))
+            copy_do = lambda bar: (
+                cute.copy(tma_atom_do, tOgO[None, m_block], tOsO[None, state.index], tma_bar_ptr=bar),
+                cute.copy(tma_atom_dsum, tDgD[None, m_block], tDsD[None, state.index], tma_bar_ptr=bar))
+            if const_expr(cfg.has_seqused_q):
+                if (m_block + 1) * self.tile_m > seqlen.seqlen_q:
+                    valid = seqlen.seqlen_q - m_block * self.tile_m
+                    self.load_zeroing_rows_past(
+                        (pipeline_q, pipeline_do), state, fix_barrier, 2 * self.q_bytes,
+                        lambda bar: (copy_q(bar), copy_do(bar)),
+                        (sQ[None, None, state.index], sdO[None, None, state.index]), valid)
+                else:
+                    pipeline_q.producer_acquire(state)
+                    copy_q(pipeline_q.producer_get_barrier(state))
+                    pipeline_do.producer_acquire(state)
+                    copy_do(pipeline_do.producer_get_barrier(state))
+            else:
+                pipeline_q.producer_acquire(state)
+                copy_q(pipeline_q.producer_get_barrier(state))
+                pipeline_do.producer_acquire(state)
+                copy_do(pipeline_do.producer_get_barrier(state))
             state.advance()
+
+    @cute.jit
+    def load_zeroing_rows_past(self, pipes, state, fix_barrier, nbytes, copies, tensors, valid):
+        """The producer warp, for a block with rows past the sequence's (seqused: memory the call
+        does not own, maybe NaN or Inf, which a P or dS of 0 does not cancel in the GEMMs): the
+        stage's TMA copies (copies(barrier), `nbytes` in all) land on fix_barrier instead of the
+        full barriers of `pipes`, then the rows of `tensors` (the stage's (rows, cols) buffers)
+        from `valid` on are set to 0, fenced for the wgmmas, and the stage is published in each
+        pipe (an arrival, no bytes expected)."""
+        for pipe in pipes:
+            pipe.sync_object_empty.wait(state.index, state.phase)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_init(fix_barrier, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(fix_barrier, nbytes)
+        copies(fix_barrier)
+        cute.arch.mbarrier_wait(fix_barrier, 0)
+        lane = cute.arch.lane_idx()
+        for t in tensors:  # (a row at a time, the lanes across its columns: few live registers)
+            rows, cols = cute.size(t, mode=[0]), cute.size(t, mode=[1])
+            for r in cutlass.range(cutlass.max(valid, 0), rows, unroll=1):
+                for c in cutlass.range_constexpr(0, cols, 32):
+                    if c + lane < cols:
+                        t[r, c + lane] = self.dtype(0)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            for pipe in pipes:
+                cute.arch.mbarrier_arrive(pipe.sync_object_full.get_barrier(state.index))
 
     def row_view(self, mX: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx) -> cute.Tensor:
         """The (rows,) LSE or D of one head. Packed sequences are laid out padded
