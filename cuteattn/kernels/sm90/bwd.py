@@ -65,7 +65,7 @@ from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import backward_block_coord, varlen_tile_coord
 from .gemm import gemm_async
-from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
+from .pipelines import WG_ROWS, WG_THREADS, arm_fix_barrier, make_tma_pipeline, register_split
 
 NUM_CONSUMER_WG = 2
 # A deterministic wait gives up after this many polls (seconds of spinning): metadata that lies
@@ -602,14 +602,7 @@ class FlashBwdSm90:
         full barriers of `pipes`, then the rows of `tensors` (the stage's (rows, cols) buffers)
         from `valid` on are set to 0, fenced for the wgmmas, and the stage is published in each
         pipe (an arrival, no bytes expected)."""
-        for pipe in pipes:
-            pipe.sync_object_empty.wait(state.index, state.phase)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_init(fix_barrier, 1)
-        cute.arch.mbarrier_init_fence()
-        cute.arch.sync_warp()
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(fix_barrier, nbytes)
+        arm_fix_barrier(pipes, state, fix_barrier, nbytes)
         copies(fix_barrier)
         cute.arch.mbarrier_wait(fix_barrier, 0)
         lane = cute.arch.lane_idx()

@@ -45,7 +45,7 @@ from ..common.softmax import LOG2E, MAX_LAG_LOG2, OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
 from .gemm import PingPong, gemm_async
 from .fp8_transpose import transpose_v
-from .pipelines import WG_ROWS, WG_THREADS, make_tma_pipeline, register_split
+from .pipelines import WG_ROWS, WG_THREADS, arm_fix_barrier, make_tma_pipeline, register_split
 
 
 
@@ -664,13 +664,7 @@ class FlashFwdSm90:
         copy_k(n_block, kv_state.index, pipeline_k.producer_get_barrier(kv_state), where)
         if const_expr(self.cfg.zeroes_v_past_end):
             if v_past_end:
-                pipeline_v.sync_object_empty.wait(kv_state.index, kv_state.phase)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_init(v_fix_barrier, 1)
-                cute.arch.mbarrier_init_fence()
-                cute.arch.sync_warp()
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(v_fix_barrier, self.v_bytes)
+                arm_fix_barrier((pipeline_v,), kv_state, v_fix_barrier, self.v_bytes)
                 copy_v(n_block, kv_state.index, v_fix_barrier, where)
             else:
                 pipeline_v.producer_acquire(kv_state)

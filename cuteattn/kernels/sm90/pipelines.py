@@ -1,5 +1,6 @@
 """Warp-specialised Hopper kernels: TMA pipelines between one producer warp and the consumer
 warpgroups, and the register split between them."""
+import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
 WG_THREADS = 128  # threads of a warpgroup
@@ -15,6 +16,23 @@ def make_tma_pipeline(barrier_storage, num_stages: int, tx_bytes: int, consumer_
         producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
         consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warps),
         tx_count=tx_bytes, defer_sync=True)
+
+
+@cute.jit
+def arm_fix_barrier(pipes, state, fix_barrier, nbytes: int) -> None:
+    """The producer warp, before a stage's TMA copies that it must fix up before the consumers
+    read them (rows past a sequence's end zeroed): waits until the stage is free in each of
+    `pipes`, then (re)initialises fix_barrier (one arrival) to expect the copies' `nbytes`.
+    The copies then land on fix_barrier; the warp waits on it (phase 0), fixes the stage and
+    arrives on each pipe's full barrier itself (no bytes expected there)."""
+    for pipe in pipes:
+        pipe.sync_object_empty.wait(state.index, state.phase)
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_init(fix_barrier, 1)
+    cute.arch.mbarrier_init_fence()
+    cute.arch.sync_warp()
+    with cute.arch.elect_one():
+        cute.arch.mbarrier_arrive_and_expect_tx(fix_barrier, nbytes)
 
 
 def register_split(num_consumer_wg: int, busy_producer: bool) -> tuple:
