@@ -139,7 +139,8 @@ class Sm90FwdConfig:
         does not own (the rest of a page; rows past seqused_k, e.g. an uninitialised cache's
         NaN and Inf): the producer zeroes V's there (load_kv, finish_v_past_end), since P is 0
         there but 0 x NaN is NaN; K's need nothing (the mask selects -inf over any score).
-        (fp8 takes V^T from a pass or a staging ring: not yet.)"""
+        (fp8 with seqused_k takes V^T from the pass, whose keys past it
+        launch.zero_value_keys_past zeroes.)"""
         return bool(self.page_size) or (self.has_seqused_k and not self.fp8)
 
     @property
