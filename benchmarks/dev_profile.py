@@ -10,8 +10,10 @@ or the bench's paged prefill cell (2048 queries over a 16k-key paged cache, caus
 size, e.g. pages of 16 against 128:
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats -k regex:FlashFwdSm90 \
         --launch-skip 2 --launch-count 1 python3 benchmarks/dev_profile.py prefill 16
-Arguments: head_dim seqlen causal(0/1) [fwd|bwd [fa4|det]]; fa4 runs flash-attn-4's kernels instead
-of ours (its backward kernel matches -k regex:BackwardSm90), det our deterministic backward;
+Arguments: head_dim seqlen causal(0/1) [fwd|bwd [fa4|det|sdpa]]; fa4 runs flash-attn-4's kernels
+instead of ours (its backward kernel matches -k regex:BackwardSm90), det our deterministic
+backward, sdpa PyTorch's flash backend (FlashAttention-2, mma.sync; its backward kernel matches
+-k regex:flash_bwd_dq_dk_dv: the portable path's peer, ours with CUTEATTN_PATH=sm80);
 batch x seqlen = 16384 tokens, nheads x d = 2048 (d=80 and 96: 24 heads, as the bench's surface
 rows, d=192: 16), bf16; head_dim/head_dim_v for a narrower v (e.g. `192/128 16384 1`, the bench's
 MLA row). e.g. d=80's forward beside FlashAttention-4's: `80 4096 0 fwd` and `80 4096 0 fwd fa4`.
@@ -44,6 +46,14 @@ if sys.argv[5:6] == ["fa4"]:
     from flash_attn.cute.interface import flash_attn_func as fa4
     first = lambda r: r[0] if isinstance(r, tuple) else r  # (out, lse)
     attend = lambda q, k, v: first(fa4(q, k, v, causal=causal))
+if sys.argv[5:6] == ["sdpa"]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def attend(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        is_causal=causal).transpose(1, 2)
 b, h = 16384 // s, {80: 24, 96: 24, 192: 16}.get(d, 2048 // d)
 q, k, v = [torch.randn(b, s, h, width, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
            for width in (d, d, dv)]
