@@ -163,18 +163,6 @@ def test_backward_buffers_at_the_kernel_width_and_cut_back():
     dq, dk2, dv2 = bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio=2)
     assert dk2.shape == k.shape and dv2.shape == v.shape and dv2.is_contiguous()
     assert torch.equal(dv2, dv.view(2, 7, 2, 2, 96).sum(-2)[..., :48])
-    # a kernel that adds dS K unscaled (the sm80 family) leaves softmax_scale to this step
-    expected = dq_acc[..., :80] * 0.125
-    dq, _, _ = bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio=2, dq_scale=0.125)
-    assert torch.equal(dq, expected)
-
-
-def test_sm80_backward_scales_dq_after_the_kernel():
-    """The portable backward's kernel adds dS K unscaled (bwd.FlashBwdSm80.dq_share), so its
-    launch must ask the postprocess for the scale; sm90's kernel scales its own."""
-    from cuteattn.kernels.sm80.launch_bwd import BwdLaunch as Sm80BwdLaunch
-    from cuteattn.kernels.sm90.launch_bwd import BwdLaunch as Sm90BwdLaunch
-    assert Sm80BwdLaunch.dq_scale_after and not Sm90BwdLaunch.dq_scale_after
 
 
 def test_registered_family_serves_its_kind(gpu, registry):

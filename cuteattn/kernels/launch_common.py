@@ -304,13 +304,10 @@ def bwd_buffers(spec: AttentionSpec, q, k, width: int):
             alloc(dkv_shape, dtype=q.dtype, device=q.device))
 
 
-def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int, dq_scale: Optional[float] = None):
+def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int):
     """(dq in q's dtype, dk and dv summed over the query heads of each kv head), each at its
-    tensor's head dim (contiguous) when the buffers are wider (bwd_buffers). dq_scale: the
-    factor a kernel that adds dS K unscaled leaves to this step (softmax_scale)."""
+    tensor's head dim (contiguous) when the buffers are wider (bwd_buffers)."""
     d, d_v = q.shape[-1], v.shape[-1]
-    if dq_scale is not None:
-        dq_acc.mul_(dq_scale)
     dq = dq_acc[..., :d].to(q.dtype).contiguous()
     if ratio > 1:
         group = (*k.shape[:-2], k.shape[-2], ratio, dk.shape[-1])
@@ -334,10 +331,6 @@ class BackwardLaunch:
     arguments, common/arguments.backward_arguments, and their tiling facts tile_m, tile_n and
     deterministic). A call runs the three steps on the current stream, no host sync:
     bwd_preprocess, the kernel (one CTA per key block), bwd_postprocess."""
-
-    # True where the family's kernel adds dS K to the dQ accumulator unscaled, leaving the
-    # multiplication by softmax_scale to the postprocess
-    dq_scale_after = False
 
     def __init__(self, spec: AttentionSpec, cfg, fn, tvm_ffi: bool, entries):
         self.spec, self.cfg, self.fn, self.tvm_ffi = spec, cfg, fn, tvm_ffi
@@ -385,8 +378,7 @@ class BackwardLaunch:
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks,
                              self.heads_interleaved(q, cu_seqlens_q))
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
-        grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead,
-                                spec.softmax_scale if self.dq_scale_after else None)
+        grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
         return grads if sink is None else (*grads, sink_gradient(sink, lse2, dsum))
 
     def heads_interleaved(self, q, cu_seqlens_q) -> int:

@@ -10,14 +10,13 @@ in registers already shaped as the A operand of dV += P^T dO and dK += dS^T Q:
     dS^T = P^T * (dP^T - D),  dV += P^T dO,  dK += dS^T Q,  dQ = dS K.
 dQ needs dS with the queries as rows: dS^T goes through shared memory and is read back
 transposed (ldmatrix .trans) as the A operand of dQ = dS K, whose float32 share is added with
-red.global.add.f32 (rows inside the sequence only; unscaled: the launch scales the accumulator
-once); in deterministic mode in key-block order (common/dq_order).
+red.global.add.f32 (rows inside the sequence only); in deterministic mode in key-block order
+(common/dq_order).
 
 Per query block: Q, dO (cp.async, rows past the sequence zeroed: a masked P of 0 times a NaN of
 garbage would still be NaN) and the block's LSE and D rows (+inf and 0 past the sequence) are
 loaded, then the GEMMs run; two barriers per block. softmax_scale is applied once at the end
-(dK) and by the launch's postprocess (dQ); softcap multiplies dS by its derivative (score_mod's
-rule).
+(dK) and to each dQ share; softcap multiplies dS by its derivative (score_mod's rule).
 """
 from dataclasses import dataclass
 from typing import Optional
@@ -374,7 +373,7 @@ class FlashBwdSm80:
                 if const_expr(kv_pass == 0):  # dQ's share: in the first pass only
                     add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt,
                                                 ld_dq_a, ld_dq_b, coord_dq, gdQ, q_start,
-                                                seqlen.seqlen_q)
+                                                seqlen.seqlen_q, softmax_scale)
                     if const_expr(cfg.deterministic):
                         # this key block's turn to add into query block m_block
                         ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
@@ -472,14 +471,10 @@ class FlashBwdSm80:
 
     @cute.jit
     def dq_share(self, tiled_mma, thr, tQrdS, tQrKt, tQsdS, tQsKt, ld_at, ld_bt, coord_dq, gdQ,
-                 q_start, seqlen_q):
-        """dQ's share of this key block for the query block at q_start: dS K, added to the
-        float32 accumulator, rows inside the sequence only; in chunks of dq_cols columns
-        (tQsKt: K^T's chunks, one GEMM each). Unscaled: the launch's postprocess multiplies the
-        accumulator by softmax_scale once (BwdLaunch.dq_scale_after). Scaled here, each
-        red.global read its product from one register that ptxas reused for the next product,
-        so every addition waited for the previous one to leave the memory pipe (10-13% of the
-        kernel's stall samples, long scoreboard); the accumulator's own registers are distinct."""
+                 q_start, seqlen_q, softmax_scale):
+        """dQ's share of this key block for the query block at q_start: dS K (scaled), added to
+        the float32 accumulator, rows inside the sequence only; in chunks of dq_cols columns
+        (tQsKt: K^T's chunks, one GEMM each)."""
         for chunk in cutlass.range_constexpr(len(tQsKt)):
             acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.dq_cols)), Float32)
             acc_dQ.fill(0.0)
@@ -491,7 +486,7 @@ class FlashBwdSm80:
                     for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                         col = chunk * self.dq_cols + coord_dq[r, c][1]
                         red_add_f32(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout),
-                                    acc_mn[r, c])
+                                    acc_mn[r, c] * softmax_scale)
 
     def stage_views(self, sQs, sdOs, ld_b, ld_bt, rows_of, part, col0):
         """A stage's ldmatrix partitions, per sub-block: Q and dO as S^T's and dP^T's B operands,

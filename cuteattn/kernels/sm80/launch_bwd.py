@@ -134,7 +134,6 @@ def _compiled(cfg: Sm80BwdConfig, tvm_ffi: bool):
 
 class BwdLaunch(BackwardLaunch):
     """The compiled backward for one spec; calling it runs the three steps."""
-    dq_scale_after = True  # (bwd.FlashBwdSm80.dq_share adds dS K unscaled)
 
     def __init__(self, spec: AttentionSpec):
         cfg = bwd_config(spec, _major(spec), smem_limit(spec.device_index))
