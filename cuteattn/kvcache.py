@@ -598,7 +598,9 @@ def paged_varlen(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                          has_seqused_q=seqused_q is not None, has_seqused_k=seqused_k is not None,
                          batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k, paged_kv=True)
     spec = dataclasses.replace(_checks.with_sink(spec, learnable_sink, q), page_size=page)
-    launch, reason = api._select_kernel(spec, q.device)
+    # (kept per spec, as the other calls' launches: choosing the kernel and building its launch
+    # cost host time on every call)
+    launch, reason = api._cached_launch(spec, q.device)
     if launch is not None:
         if validate:
             _check_paged_lengths(cu_seqlens_k, seqused_k, block_table, page, capacity,
