@@ -74,6 +74,9 @@ class Sm80BwdConfig:
     # q, k, v and dO's head dim may be narrower than head_dim (padded to this compiled width):
     # their loads zero-fill the columns past it (the gradient buffers have the compiled width)
     padded: bool = False
+    # dQ = dS K's warp grid: dq_warps_m warps along the queries, the rest along the columns
+    # (0: tile_m / 16 along the queries, 16-row warp tiles)
+    dq_warps_m: int = 0
 
     @property
     def num_threads(self) -> int:
@@ -90,8 +93,10 @@ class Sm80BwdConfig:
 class FlashBwdSm80:
     def __init__(self, cfg: Sm80BwdConfig):
         assert cfg.tile_n % (mma.MMA_ROWS * cfg.num_warps) == 0, cfg  # warps split the keys
-        # dQ's warps: tile_m / 16 along the queries, the rest along the columns
-        assert cfg.tile_m % mma.MMA_ROWS == 0 and cfg.num_warps % (cfg.tile_m // mma.MMA_ROWS) == 0, cfg
+        # dQ's warps: dq_warps_m (or tile_m / 16) along the queries, the rest along the columns
+        self.dq_warps_m = cfg.dq_warps_m or cfg.tile_m // mma.MMA_ROWS
+        assert cfg.tile_m % (mma.MMA_ROWS * self.dq_warps_m) == 0, cfg
+        assert cfg.num_warps % self.dq_warps_m == 0, cfg
         assert cfg.tile_m <= cfg.num_threads, cfg  # one thread per LSE/D row
         for rows, cols in ((cfg.tile_m, cfg.head_dim), (cfg.tile_n, cfg.head_dim)):
             assert rows % mma.rows_per_copy_pass(cfg.dtype, cfg.num_threads, cols) == 0, cfg
@@ -105,6 +110,7 @@ class FlashBwdSm80:
         # spill-free that way) with column passes and with 128 keys a CTA at d = 128
         self.dq_cols = 64 if cfg.kv_passes > 1 or (self.d >= 128 and cfg.tile_n >= 128) else self.d
         assert self.d % cfg.kv_passes == 0 and self.pass_cols % cfg.kv_parts == 0, cfg
+        assert self.dq_cols % (8 * (cfg.num_warps // self.dq_warps_m)) == 0, cfg
         if cfg.kv_passes > 1 or cfg.kv_parts > 1:
             # a column part's views start at multiples of kv_cols: whole swizzle atoms only
             # (mma.smem_layout), else they would address other elements
@@ -284,8 +290,7 @@ class FlashBwdSm80:
         # dQ = dS K (its own MMA layout: warps split the queries, and the columns when the
         # query block has fewer rows than 16 per warp): A from dS (dS^T read transposed), B from
         # K^T (d x keys, transposed reads)
-        dq_mma = mma.tiled_mma_2d(self.dtype, self.tile_m // mma.MMA_ROWS,
-                                  cfg.num_warps // (self.tile_m // mma.MMA_ROWS))
+        dq_mma = mma.tiled_mma_2d(self.dtype, self.dq_warps_m, cfg.num_warps // self.dq_warps_m)
         thr_dq = dq_mma.get_slice(tidx)
         ld_dq_a = cute.make_tiled_copy_A(mma.ldmatrix_atom(self.dtype, True), dq_mma).get_slice(tidx)
         ld_dq_b = cute.make_tiled_copy_B(mma.ldmatrix_atom(self.dtype, True), dq_mma).get_slice(tidx)

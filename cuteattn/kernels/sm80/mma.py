@@ -59,10 +59,11 @@ def rows_per_copy_pass(dtype, num_threads: int, cols: int) -> int:
 
 
 def tiled_mma_2d(dtype, warps_m: int, warps_n: int) -> cute.TiledMma:
-    """warps_m x warps_n warps, each an m16n8k16 MMA: warps_m along M, warps_n along N."""
+    """warps_m x warps_n warps, each an m16n8k16 MMA: warps_m along M, warps_n along N (a warp's
+    atoms 16 columns wide at least: with one warp along N, two n8 atoms side by side)."""
     return cute.make_tiled_mma(
         warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (warps_m, warps_n, 1),
-        permutation_mnk=(warps_m * MMA_ROWS, 16, 16))
+        permutation_mnk=(warps_m * MMA_ROWS, max(16, warps_n * 8), 16))
 
 
 def gmem_to_smem_copy(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
