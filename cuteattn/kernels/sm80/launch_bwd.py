@@ -40,10 +40,10 @@ PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
 # of dK's and dV's columns and 16-query sub-blocks; packed sequences keep 64-column passes
 # (128 spilled 28 bytes on sm_80 there), as do 128-key tiles.
 D256_PASS_COLS = 128
-# dQ = dS K on 8-warp tiles: 2 warps along the queries, 4 along the columns (32-row warp
-# tiles: 7% fewer ldmatrix a block than 4 x 2 at d = 64 and 128); 4-warp tiles keep tile_m / 16
-# along the queries (2 x 2 spilled 16 bytes at d = 256 and read more); 0: tile_m / 16
-DQ_WARPS_M = 2
+# dQ = dS K's warps along the queries on 8-warp tiles: 2 (4 along the columns; 32-row warp
+# tiles read 7% fewer ldmatrix a block than 4 x 2 at d = 64 and 128, and ran 1.03-1.05x on the
+# H200, docs/perf-log.md); 4-warp tiles keep tile_m / 16 (2 x 2 spilled 16 bytes at d = 256)
+DQ_WARPS_M_8_WARPS = 2
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -119,7 +119,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts,
         deterministic=spec.deterministic, padded=head_dim != spec.head_dim,
         kv_passes=kv_passes,
-        dq_warps_m=DQ_WARPS_M if warps == 8 else 0)
+        dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0)
     ringed = dataclasses.replace(cfg, q_stages=Q_STAGES)
     return ringed if ringed.smem_bytes() <= smem else cfg
 
