@@ -77,20 +77,25 @@ class Sm80BwdConfig:
     # dQ = dS K's warp grid: dq_warps_m warps along the queries, the rest along the columns
     # (0: tile_m / 16 along the queries, 16-row warp tiles)
     dq_warps_m: int = 0
+    # the two-dimensional warp grids of bwd_grid.FlashBwdSm80Grid (P through shared memory)
+    grid: bool = False
 
     @property
     def num_threads(self) -> int:
         return 32 * self.num_warps
 
     def smem_bytes(self) -> int:
-        """K and V, q_stages of Q and dO, dS^T (16-bit), q_stages of the LSE and D (float32)."""
+        """K and V, q_stages of Q and dO, dS^T (and P with `grid`; 16-bit), q_stages of the LSE
+        and D (float32)."""
         elem = self.dtype.width // 8
         q_rows = self.q_stages * self.tile_m
-        return ((2 * self.tile_n + 2 * q_rows) * self.head_dim + self.tile_n * self.tile_m) * elem \
-            + 2 * q_rows * 4
+        scores = (2 if self.grid else 1) * self.tile_n * self.tile_m
+        return ((2 * self.tile_n + 2 * q_rows) * self.head_dim + scores) * elem + 2 * q_rows * 4
 
 
 class FlashBwdSm80:
+    p_in_smem = False  # (bwd_grid.FlashBwdSm80Grid: P through shared memory too)
+
     def __init__(self, cfg: Sm80BwdConfig):
         assert cfg.tile_n % (mma.MMA_ROWS * cfg.num_warps) == 0, cfg  # warps split the keys
         # dQ's warps: dq_warps_m (or tile_m / 16) along the queries, the rest along the columns
@@ -153,18 +158,8 @@ class FlashBwdSm80:
         sQ_layout = mma.smem_layout(self.dtype, self.tile_m, self.d,
                                     stages=cfg.q_stages if const_expr(self.ring) else 0)
         sK_layout = mma.smem_layout(self.dtype, self.tile_n, self.d)
-        sdS_layout = mma.smem_layout(self.dtype, self.tile_n, self.tile_m)
-
-        @cute.struct
-        class SharedStorage:
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
-
+        sdS_layout = self.score_layout()
+        SharedStorage = self.shared_storage(sQ_layout, sK_layout, sdS_layout)
         heads = mQ.shape[2]
         batch = mCuSeqlensQ.shape[0] - 1 if const_expr(cfg.varlen_q) else mQ.shape[3]
         self.kernel(
@@ -178,6 +173,24 @@ class FlashBwdSm80:
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
+
+    def score_layout(self):
+        """dS^T's shared-memory tile: (tile_n keys, tile_m queries)."""
+        return mma.smem_layout(self.dtype, self.tile_n, self.tile_m)
+
+    def shared_storage(self, sQ_layout, sK_layout, sdS_layout):
+        cfg = self.cfg
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
+        return SharedStorage
 
     # ------------------------------------------------------------------------------------------
     # Device side
@@ -210,6 +223,7 @@ class FlashBwdSm80:
         sQ, sdO = storage.sQ.get_tensor(sQ_layout), storage.sdO.get_tensor(sQ_layout)
         sK, sV = storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout)
         sdSt = storage.sdS.get_tensor(sdS_layout)
+        sP = storage.sP.get_tensor(sdS_layout) if const_expr(self.p_in_smem) else None
         rows_layout = cute.make_layout((self.tile_m, cfg.q_stages) if const_expr(self.ring)
                                        else self.tile_m)
         sLSE2 = storage.sLSE2.get_tensor(rows_layout)
@@ -218,13 +232,13 @@ class FlashBwdSm80:
             self.key_block(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore,
                            sQ, sdO, sK, sV, sdSt, sLSE2, sD, seqlen, n_block,
                            head_idx, head_idx // qhead_per_kvhead, batch_idx, softmax_scale,
-                           score_scale, softmax_scale_log2, window_left, window_right, tidx)
+                           score_scale, softmax_scale_log2, window_left, window_right, tidx, sP)
 
     @cute.jit
     def key_block(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, sQ, sdO, sK, sV, sdSt,
                   sLSE2, sD, seqlen: SeqlenInfo, n_block, head_idx, head_idx_kv, batch_idx,
                   softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
-                  tidx):
+                  tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,

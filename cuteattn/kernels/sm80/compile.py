@@ -29,7 +29,9 @@ def compile_bwd(cfg, options: str = "", tvm_ffi: bool = False):
     """The compiled backward kernel (bwd.Sm80BwdConfig); called with arguments.BWD_ARGUMENTS'
     values, like compile_fwd's result."""
     from .bwd import FlashBwdSm80
-    return compile_kernel(FlashBwdSm80(cfg), arguments.bwd_fakes(cfg), options, tvm_ffi)
+    from .bwd_grid import FlashBwdSm80Grid
+    kernel = FlashBwdSm80Grid(cfg) if cfg.grid else FlashBwdSm80(cfg)
+    return compile_kernel(kernel, arguments.bwd_fakes(cfg), options, tvm_ffi)
 
 
 def compile_bwd_with_report(cfg, tvm_ffi: bool = False, keep_ptx: bool = False):

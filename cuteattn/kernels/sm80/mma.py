@@ -66,6 +66,16 @@ def tiled_mma_2d(dtype, warps_m: int, warps_n: int) -> cute.TiledMma:
         permutation_mnk=(warps_m * MMA_ROWS, max(16, warps_n * 8), 16))
 
 
+def tiled_mma_grid(dtype, warps_m: int, warps_n: int) -> cute.TiledMma:
+    """warps_m x warps_n warps, each owning two n8 atoms side by side (16 adjacent columns) of
+    every (warps_m * 16, warps_n * 16) tile, so that one ldmatrix.x4 reads a warp's B fragments
+    of a k block (with one n8 atom a warp per tile the x4's second half would be discarded)."""
+    cols = cute.make_layout((8, warps_n, 2), stride=(1, 16, 8))
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)), (warps_m, warps_n, 1),
+        permutation_mnk=(warps_m * MMA_ROWS, cols, 16))
+
+
 def gmem_to_smem_copy(dtype, num_threads: int, cols: int) -> cute.TiledCopy:
     """cp.async of 16 bytes per thread over a (rows, cols) tile: a row's chunks are read by
     consecutive threads (coalesced), `num_threads` threads cover num_threads / (chunks per atom

@@ -1,0 +1,244 @@
+"""The portable backward on two-dimensional warp grids (a candidate beside bwd.py's layout).
+
+bwd.py's warps split the keys, 16 rows a warp, so every B fragment an ldmatrix reads feeds one
+16-row MMA: the kernel issues 0.7-0.75 ldmatrix a MMA and is bound by the shared-memory pipe
+(docs/perf-log.md, beside FlashAttention-2 under ncu). Here each GEMM gets its own warp grid
+with 32-row warp tiles, so a fragment feeds two MMAs, at the price of P going through shared
+memory beside dS (the GEMMs that read them are not on the warps that computed them):
+
+    S = Q K^T, dP = dO V^T       2 x 4 warps (queries x keys), 32 x 32 a warp
+    P = exp2(S * scale_log2 - lse2), dS = P (dP - D)    -> sP, sdS (queries x keys)
+    dV += P^T dO, dK += dS^T Q   4 x 2 warps (keys x columns), 32 keys x d/2 a warp
+    dQ  = dS K                   2 x 4 warps (queries x columns), added with red.global
+
+Per query block: Q, dO (and LSE, D) land; S and dP; P and dS to shared memory; one barrier;
+dV, dK and dQ read them. The rest (loads, ring of Q/dO stages, masks, softcap, varlen,
+seqused, deterministic dQ order, padded head dims, dK/dV epilogue) is bwd.py's. Head dims up
+to 128 (dK and dV of 32 keys x d/2 columns a warp: d/2 registers each a thread).
+"""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+from ..common import epilogue
+from ..common.block_info import BlockInfo
+from ..common.convert import convert_fragment
+from ..common.dq_order import in_turn, semaphore_slot
+from ..common.layout import acc_mn_view, transposed_view
+from ..common.mask import apply_mask
+from ..common.score_mod import softcap_scores
+from ..common.seqlen_info import SeqlenInfo
+from . import mma
+from .bwd import FlashBwdSm80, Sm80BwdConfig
+
+
+class FlashBwdSm80Grid(FlashBwdSm80):
+    p_in_smem = True
+
+    def __init__(self, cfg: Sm80BwdConfig):
+        assert cfg.num_warps == 8 and cfg.kv_passes == 1 and cfg.head_dim <= 128, cfg
+        assert cfg.tile_m % 32 == 0 and cfg.tile_n % 32 == 0, cfg
+        super().__init__(cfg)
+
+    def score_layout(self):
+        """P's and dS's shared-memory tiles: (tile_m queries, tile_n keys)."""
+        return mma.smem_layout(self.dtype, self.tile_m, self.tile_n)
+
+    def shared_storage(self, sQ_layout, sK_layout, sdS_layout):
+        cfg = self.cfg
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
+            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
+        return SharedStorage
+
+    @cute.jit
+    def key_block(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, sQ, sdO, sK, sV,
+                  sdS, sLSE2, sD, seqlen: SeqlenInfo, n_block, head_idx, head_idx_kv, batch_idx,
+                  softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
+                  tidx, sP=None):
+        """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
+        cfg = self.cfg
+        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
+                               window_left, window_right)
+        m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
+        key_start = n_block * self.tile_n
+
+        # global -> shared: K and V once (rows past the keys zeroed), Q and dO per block
+        copy = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
+        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
+        gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
+        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
+        gdO = cute.local_tile(seqlen.q_view(mdO, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
+        tKcK = copy.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
+        tQcQ = copy.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
+        keys_left = seqlen.seqlen_k - key_start
+        cols = mQ.shape[1] if const_expr(cfg.padded) else None  # the tensors' head dim
+        mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left, cols=cols)
+        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left, cols=cols)
+        cute.arch.cp_async_commit_group()
+        tQgQ, tQsQ = copy.partition_S(gQ), copy.partition_D(sQ)
+        tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
+        gLSE2 = self.row_view(mLSE2, seqlen, head_idx, batch_idx)
+        gD = self.row_view(mD, seqlen, head_idx, batch_idx)
+        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        ring = self.ring
+        stage_of = lambda t, st: t[None, None, st] if const_expr(ring) else t
+        rows_stage = lambda t, st: t[None, st] if const_expr(ring) else t
+        load_q_block = lambda m_block, st: self.load_q_block(
+            copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols)
+
+        ldm = lambda transpose: mma.ldmatrix_atom(self.dtype, transpose)
+        # S = Q K^T and dP = dO V^T: A from Q / dO, B from K / V (all K-major: plain ldmatrix)
+        sdp_mma = mma.tiled_mma_grid(self.dtype, 2, 4)
+        thr_sdp = sdp_mma.get_slice(tidx)
+        ld_sdp_a = cute.make_tiled_copy_A(ldm(False), sdp_mma).get_slice(tidx)
+        ld_sdp_b = cute.make_tiled_copy_B(ldm(False), sdp_mma).get_slice(tidx)
+        sQ0, sdO0 = stage_of(sQ, 0), stage_of(sdO, 0)  # (the fragments' shapes: any stage's)
+        tSrQ = thr_sdp.make_fragment_A(thr_sdp.partition_A(sQ0))
+        tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
+        tSsK, tSsV = ld_sdp_b.partition_S(sK), ld_sdp_b.partition_S(sV)
+        # dV += P^T dO and dK += dS^T Q: A from P^T / dS^T, B from dO^T / Q^T (transposed reads)
+        kv_mma = mma.tiled_mma_grid(self.dtype, 4, 2)
+        thr_kv = kv_mma.get_slice(tidx)
+        ld_kv_a = cute.make_tiled_copy_A(ldm(True), kv_mma).get_slice(tidx)
+        ld_kv_b = cute.make_tiled_copy_B(ldm(True), kv_mma).get_slice(tidx)
+        sPt, sdSt = transposed_view(sP), transposed_view(sdS)
+        tVrPt = thr_kv.make_fragment_A(thr_kv.partition_A(sPt))
+        tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(transposed_view(sdO0)))
+        tVsPt, tKsdSt = ld_kv_a.partition_S(sPt), ld_kv_a.partition_S(sdSt)
+        # dQ = dS K: A from dS (plain), B from K^T (transposed), in chunks of dq_cols columns
+        dq_mma = mma.tiled_mma_grid(self.dtype, 2, 4)
+        thr_dq = dq_mma.get_slice(tidx)
+        ld_dq_a = cute.make_tiled_copy_A(ldm(False), dq_mma).get_slice(tidx)
+        ld_dq_b = cute.make_tiled_copy_B(ldm(True), dq_mma).get_slice(tidx)
+        tQrdS = thr_dq.make_fragment_A(thr_dq.partition_A(sdS))
+        tQsdS = ld_dq_a.partition_S(sdS)
+        sKt = transposed_view(sK)
+        chunk = lambda c: cute.local_tile(sKt, (self.dq_cols, self.tile_n), (c, 0))
+        tQrKt = thr_dq.make_fragment_B(thr_dq.partition_B(chunk(0)))
+        tQsKt = [ld_dq_b.partition_S(chunk(c)) for c in range(self.d // self.dq_cols)]
+        coord_dq = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.dq_cols))))
+
+        acc_S = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_dP = cute.make_rmem_tensor(thr_sdp.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_dK = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.d)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_kv.partition_shape_C((self.tile_n, self.d)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        acc_S_mn, acc_dP_mn = acc_mn_view(acc_S), acc_mn_view(acc_dP)
+        coord_s = acc_mn_view(thr_sdp.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        # P and dS into shared memory: the accumulator's own layout, pairs of 16-bit values
+        st_s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                num_bits_per_copy=2 * self.dtype.width), sdp_mma).get_slice(tidx)
+        tPsP, tSsdS = st_s.partition_D(sP), st_s.partition_D(sdS)
+
+        if const_expr(ring):
+            # the first query block into stage 0 (its LSE and D rows too; the loop's first
+            # barrier makes them visible)
+            if m_min < m_max:
+                load_q_block(m_min, 0)
+                self.load_lse_rows(gLSE2, gD, sLSE2[None, 0], sD[None, 0],
+                                   m_min * self.tile_m, seqlen.seqlen_q, tidx)
+        for m_block in cutlass.range(m_min, m_max, unroll=1):
+            q_start = m_block * self.tile_m
+            st = (m_block - m_min) % cfg.q_stages if const_expr(ring) else 0
+            if const_expr(ring):
+                # this block landed; every warp is past the previous block's reads (of the
+                # other stage, and of P and dS), so the next block's loads go there now
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                lse_next, d_next = Float32(Float32.inf), Float32(0.0)
+                if m_block + 1 < m_max:
+                    load_q_block(m_block + 1, 1 - st)
+                    row = q_start + self.tile_m + tidx
+                    if (tidx < self.tile_m) & (row < seqlen.seqlen_q):
+                        lse_next, d_next = gLSE2[row], gD[row]
+            else:
+                load_q_block(m_block, 0)
+                self.load_lse_rows(gLSE2, gD, sLSE2, sD, q_start, seqlen.seqlen_q, tidx)
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+            sQs, sdOs = stage_of(sQ, st), stage_of(sdO, st)
+            # S and dP
+            acc_S.fill(0.0)
+            mma.gemm(sdp_mma, acc_S, tSrQ, tSrK, ld_sdp_a.partition_S(sQs), tSsK, ld_sdp_a, ld_sdp_b)
+            if const_expr(cfg.has_softcap):
+                softcap_scores(acc_S, score_scale)
+            if block_info.needs_mask_transposed(seqlen.seqlen_q, seqlen.seqlen_k, key_start,
+                                                self.tile_n, q_start):
+                apply_mask(acc_S_mn, coord_s, q_start, key_start, seqlen.seqlen_q,
+                           seqlen.seqlen_k, window_left, window_right, cfg.causal, cfg.local)
+            acc_dP.fill(0.0)
+            mma.gemm(sdp_mma, acc_dP, tSrQ, tSrK, ld_sdp_a.partition_S(sdOs), tSsV, ld_sdp_a, ld_sdp_b)
+            # P and dS (masked entries: P = 0, so dS = 0; rows past the sequence: lse2 = +inf)
+            lse_rows, d_rows = rows_stage(sLSE2, st), rows_stage(sD, st)
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                q = coord_s[r, 0][0]
+                lse2, dsum = lse_rows[q], d_rows[q]
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    t = acc_S_mn[r, c]
+                    p = cute.math.exp2(t * softmax_scale_log2 - lse2, fastmath=True)
+                    ds = p * (acc_dP_mn[r, c] - dsum)
+                    if const_expr(cfg.has_softcap):
+                        # clamped at 0: exact for real tanh values, and 0 for masked ones
+                        ds = ds * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
+                    acc_S_mn[r, c] = p
+                    acc_dP_mn[r, c] = ds
+            convert_fragment(acc_S, rP)
+            convert_fragment(acc_dP, rdS)
+            cute.copy(st_s, st_s.retile(rP), tPsP)
+            cute.copy(st_s, st_s.retile(rdS), tSsdS)
+            cute.arch.barrier()  # P and dS are in shared memory
+            # dV += P^T dO, dK += dS^T Q
+            mma.gemm(kv_mma, acc_dV, tVrPt, tVrdOt, tVsPt,
+                     ld_kv_b.partition_S(transposed_view(sdOs)), ld_kv_a, ld_kv_b)
+            mma.gemm(kv_mma, acc_dK, tVrPt, tVrdOt, tKsdSt,
+                     ld_kv_b.partition_S(transposed_view(sQs)), ld_kv_a, ld_kv_b)
+            # dQ's share
+            add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt, ld_dq_a,
+                                        ld_dq_b, coord_dq, gdQ, q_start, seqlen.seqlen_q,
+                                        softmax_scale)
+            if const_expr(cfg.deterministic):
+                # this key block's turn to add into query block m_block
+                ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
+                    mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m,
+                    cfg.varlen_q)
+                turn = n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k,
+                                                            m_block)
+                in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
+            else:
+                add()
+            if const_expr(ring):
+                # the next block's LSE and D rows (their stage was last read a block ago); the
+                # next iteration's barrier orders this block's reads of P and dS before the next
+                # block writes them
+                if tidx < self.tile_m:
+                    sLSE2[tidx, 1 - st] = lse_next
+                    sD[tidx, 1 - st] = d_next
+            else:
+                cute.arch.barrier()  # every warp is past its reads of Q, dO, P and dS
+
+        # dK (scaled) and dV out, staged through K's and V's buffers (K and V landed and every
+        # warp is past its reads, also when no query block saw this key block)
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        for i in cutlass.range_constexpr(cute.size(acc_dK)):
+            acc_dK[i] = acc_dK[i] * softmax_scale
+        for acc, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
+            epilogue.stage_o(acc, s_buf, kv_mma, tidx, self.dtype, stmatrix=False)
+            cute.arch.barrier()
+            g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (self.tile_n, self.d),
+                                    (n_block, 0))
+            epilogue.store_o(s_buf, g_out, key_start, seqlen.seqlen_k, tidx, self.dtype, self.d,
+                             self.tile_n, self.num_threads)
