@@ -36,7 +36,8 @@ class FlashBwdSm80Grid(FlashBwdSm80):
     p_in_smem = True
 
     def __init__(self, cfg: Sm80BwdConfig):
-        assert cfg.num_warps == 8 and cfg.kv_passes == 1 and cfg.head_dim <= 128, cfg
+        # (dQ's 2 x 4 warps of 16 columns tile 64-column chunks: d = 96 does not)
+        assert cfg.num_warps == 8 and cfg.kv_passes == 1 and cfg.head_dim in (64, 128), cfg
         assert cfg.tile_m % 32 == 0 and cfg.tile_n % 32 == 0, cfg
         super().__init__(cfg)
 

@@ -123,7 +123,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         deterministic=spec.deterministic, padded=head_dim != spec.head_dim,
         kv_passes=kv_passes,
         dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0,
-        grid=GRID and warps == 8 and kv_passes == 1 and head_dim <= 128)
+        grid=GRID and warps == 8 and head_dim in (64, 128))
     ringed = dataclasses.replace(cfg, q_stages=Q_STAGES)
     return ringed if ringed.smem_bytes() <= smem else cfg
 
