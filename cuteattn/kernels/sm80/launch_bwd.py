@@ -44,9 +44,11 @@ D256_PASS_COLS = 128
 # tiles read 7% fewer ldmatrix a block than 4 x 2 at d = 64 and 128, and ran 1.03-1.05x on the
 # H200, docs/perf-log.md); 4-warp tiles keep tile_m / 16 (2 x 2 spilled 16 bytes at d = 256)
 DQ_WARPS_M_8_WARPS = 2
-# A candidate: head dims up to 128 on the two-dimensional warp grids of bwd_grid.py (P and dS
-# through shared memory; about 0.64x the ldmatrix a block of bwd.py's layout at d=128)
-GRID = False
+# Head dims 64 and 128 on 8-warp tiles run on the two-dimensional warp grids of bwd_grid.py
+# (P and dS through shared memory; 0.85x / 0.71x the ldmatrix a block of bwd.py's layout at
+# d = 64 / 128): 1.06-1.09x / 1.18-1.19x on the H200 (docs/perf-log.md). At d = 128 only
+# without a sliding window, softcap or padded head dim: those spilled 8-24 bytes (sm_80/90).
+GRID = True
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -123,7 +125,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         deterministic=spec.deterministic, padded=head_dim != spec.head_dim,
         kv_passes=kv_passes,
         dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0,
-        grid=GRID and warps == 8 and head_dim in (64, 128))
+        grid=GRID and warps == 8 and head_dim in (64, 128)
+        and not (head_dim == 128 and (spec.local or spec.has_softcap or head_dim != spec.head_dim)))
     ringed = dataclasses.replace(cfg, q_stages=Q_STAGES)
     return ringed if ringed.smem_bytes() <= smem else cfg
 
