@@ -179,7 +179,7 @@ class FlashBwdSm80:
         return mma.smem_layout(self.dtype, self.tile_n, self.tile_m)
 
     def shared_storage(self, sQ_layout, sK_layout, sdS_layout):
-        cfg = self.cfg
+        cfg, p_in_smem = self.cfg, self.p_in_smem
 
         @cute.struct
         class SharedStorage:
@@ -188,6 +188,8 @@ class FlashBwdSm80:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            if p_in_smem:  # (P beside dS: bwd_grid.py)
+                sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
             sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
         return SharedStorage
@@ -241,36 +243,12 @@ class FlashBwdSm80:
                   tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
-        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
-                               window_left, window_right)
-        m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
-        key_start = n_block * self.tile_n
-
-        # global -> shared: K and V once (rows past the keys zeroed), Q and dO per block
-        copy = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
-        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
-        gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
-        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
-        gdO = cute.local_tile(seqlen.q_view(mdO, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
-        tKcK = copy.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
-        tQcQ = copy.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
-        keys_left = seqlen.seqlen_k - key_start
-        cols = mQ.shape[1] if const_expr(cfg.padded) else None  # the tensors' head dim
-        mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left, cols=cols)
-        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left, cols=cols)
-        cute.arch.cp_async_commit_group()
-        # (with a ring: (CPY, M, K, stage), a stage sliced per block)
-        tQgQ, tQsQ = copy.partition_S(gQ), copy.partition_D(sQ)
-        tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
-        gLSE2 = self.row_view(mLSE2, seqlen, head_idx, batch_idx)
-        gD = self.row_view(mD, seqlen, head_idx, batch_idx)
-        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        block_info, m_min, m_max, key_start, gLSE2, gD, gdQ, load_q_block = self.start_walk(
+            mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen, n_block, head_idx,
+            head_idx_kv, batch_idx, window_left, window_right, tidx)
         ring = self.ring
         stage_of = lambda t, st: t[None, None, st] if const_expr(ring) else t
         rows_stage = lambda t, st: t[None, st] if const_expr(ring) else t
-
-        load_q_block = lambda m_block, st: self.load_q_block(
-            copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols)
 
         # S^T, dP^T, dV, dK: warps split the keys. dQ: warps split the queries.
         tiled_mma = mma.tiled_mma(self.dtype, cfg.num_warps)
@@ -358,24 +336,8 @@ class FlashBwdSm80:
             for m_block in cutlass.range(m_min, m_max, unroll=1):
                 q_start = m_block * self.tile_m
                 st = (m_block - m_min) % cfg.q_stages if const_expr(ring) else 0
-                if const_expr(ring):
-                    # this block landed; every warp is past the previous block's reads (of the
-                    # other stage, and of dS^T), so the next block's loads go there now and land
-                    # while this one computes (its LSE and D rows: into registers first)
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.barrier()
-                    lse_next, d_next = Float32(Float32.inf), Float32(0.0)
-                    if m_block + 1 < m_max:
-                        load_q_block(m_block + 1, 1 - st)
-                        row = q_start + self.tile_m + tidx
-                        if (tidx < self.tile_m) & (row < seqlen.seqlen_q):
-                            lse_next, d_next = gLSE2[row], gD[row]
-                else:
-                    # this block's Q, dO, LSE and D (every warp is past the previous block's reads)
-                    load_q_block(m_block, 0)
-                    self.load_lse_rows(gLSE2, gD, sLSE2, sD, q_start, seqlen.seqlen_q, tidx)
-                    cute.arch.cp_async_wait_group(0)
-                    cute.arch.barrier()
+                lse_next, d_next = self.block_start(load_q_block, gLSE2, gD, sLSE2, sD, m_block,
+                                                    m_max, q_start, st, seqlen.seqlen_q, tidx)
                 # (names of the loop's own: the views before it exist without a ring only)
                 bQ, bdO, bdOt, bQt = (self.stage_views(stage_of(sQ, st), stage_of(sdO, st), ld_b,
                                                        ld_bt, rows_of, part, col0)
@@ -393,25 +355,9 @@ class FlashBwdSm80:
                     add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt,
                                                 ld_dq_a, ld_dq_b, coord_dq, gdQ, q_start,
                                                 seqlen.seqlen_q, softmax_scale)
-                    if const_expr(cfg.deterministic):
-                        # this key block's turn to add into query block m_block
-                        ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
-                            mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m,
-                            cfg.varlen_q)
-                        turn = n_block - block_info.first_key_block(seqlen.seqlen_q,
-                                                                    seqlen.seqlen_k, m_block)
-                        in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
-                    else:
-                        add()
-                if const_expr(ring):
-                    # the next block's LSE and D rows (their stage was last read a block ago);
-                    # the next iteration's barrier orders this block's dS^T reads before the
-                    # next block writes it
-                    if tidx < self.tile_m:
-                        sLSE2[tidx, 1 - st] = lse_next
-                        sD[tidx, 1 - st] = d_next
-                else:
-                    cute.arch.barrier()  # every warp is past its reads of Q, dO and dS^T
+                    self.add_dq_share(add, mSemaphore, mQ, seqlen, block_info, m_block, n_block,
+                                      head_idx, batch_idx, tidx)
+                self.block_end(sLSE2, sD, st, lse_next, d_next, tidx)
             if const_expr(cfg.kv_passes > 1):
                 # this pass's columns of dK (scaled) and dV, straight from the registers
                 for i in cutlass.range_constexpr(len(parts)):
@@ -424,22 +370,115 @@ class FlashBwdSm80:
                                            self.tile_n, self.kv_cols, self.dtype)
 
         if const_expr(cfg.kv_passes == 1):
-            # dK (scaled) and dV out, staged through K's and V's buffers (K and V landed and every
-            # warp is past its reads, also when no query block saw this key block)
+            self.store_dk_dv(acc_dK, acc_dV, tiled_mma, sK, sV, mdK, mdV, seqlen, n_block,
+                             head_idx, batch_idx, softmax_scale, tidx)
+
+    @cute.jit
+    def block_start(self, load_q_block, gLSE2, gD, sLSE2, sD, m_block, m_max, q_start, st,
+                    seqlen_q, tidx):
+        """The top of query block m_block (rows from q_start): its Q, dO, LSE and D rows in
+        shared memory and every warp past the previous block's reads. With a ring this block's
+        loads were issued a block ago, so the next block's go out now, into the other stage,
+        and land while this one computes; its LSE and D rows come into registers (returned:
+        block_end stores them)."""
+        if const_expr(self.ring):
             cute.arch.cp_async_wait_group(0)
             cute.arch.barrier()
-            for acc in acc_dK:
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    acc[i] = acc[i] * softmax_scale
-            for accs, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
-                for i in cutlass.range_constexpr(len(parts)):
-                    epilogue.stage_o(accs[i], cute.local_tile(s_buf, (self.tile_n, self.kv_cols), (0, i)),
-                                     tiled_mma, tidx, self.dtype, stmatrix=False)
-                cute.arch.barrier()
-                g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (self.tile_n, self.d),
-                                        (n_block, 0))
-                epilogue.store_o(s_buf, g_out, key_start, seqlen.seqlen_k, tidx, self.dtype, self.d,
-                                 self.tile_n, self.num_threads)
+            lse_next, d_next = Float32(Float32.inf), Float32(0.0)
+            if m_block + 1 < m_max:
+                load_q_block(m_block + 1, 1 - st)
+                row = q_start + self.tile_m + tidx
+                if (tidx < self.tile_m) & (row < seqlen_q):
+                    lse_next, d_next = gLSE2[row], gD[row]
+        else:
+            load_q_block(m_block, 0)
+            self.load_lse_rows(gLSE2, gD, sLSE2, sD, q_start, seqlen_q, tidx)
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
+            lse_next, d_next = None, None
+        return lse_next, d_next
+
+    @cute.jit
+    def block_end(self, sLSE2, sD, st, lse_next, d_next, tidx):
+        """The end of a query block: with a ring, the next block's LSE and D rows into their
+        stage (last read a block ago; the next block_start's barrier orders this block's reads
+        of the score tiles before the next block writes them); without one, a barrier: every
+        warp is past its reads of Q, dO and the score tiles."""
+        if const_expr(self.ring):
+            if tidx < self.tile_m:
+                sLSE2[tidx, 1 - st] = lse_next
+                sD[tidx, 1 - st] = d_next
+        else:
+            cute.arch.barrier()
+
+    @cute.jit
+    def store_dk_dv(self, acc_dK: list, acc_dV: list, tiled_mma, sK, sV, mdK, mdV,
+                    seqlen: SeqlenInfo, n_block, head_idx, batch_idx, softmax_scale, tidx):
+        """dK (scaled) and dV out (each a list of column parts' accumulators of tiled_mma),
+        staged through K's and V's buffers (K and V landed and every warp is past its reads,
+        also when no query block saw this key block)."""
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        for acc in acc_dK:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] * softmax_scale
+        cols = self.d // len(acc_dK)
+        for accs, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
+            for i in cutlass.range_constexpr(len(accs)):
+                epilogue.stage_o(accs[i], cute.local_tile(s_buf, (self.tile_n, cols), (0, i)),
+                                 tiled_mma, tidx, self.dtype, stmatrix=False)
+            cute.arch.barrier()
+            g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (self.tile_n, self.d),
+                                    (n_block, 0))
+            epilogue.store_o(s_buf, g_out, n_block * self.tile_n, seqlen.seqlen_k, tidx,
+                             self.dtype, self.d, self.tile_n, self.num_threads)
+
+    def start_walk(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen: SeqlenInfo,
+                   n_block, head_idx, head_idx_kv, batch_idx, window_left, window_right, tidx):
+        """The walk's setup (traced inline): its query blocks [m_min, m_max), K and V's loads
+        issued (rows past the keys zeroed), this head's LSE, D and dQ views, and load_q_block(m,
+        stage) for Q and dO."""
+        cfg = self.cfg
+        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
+                               window_left, window_right)
+        m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
+        key_start = n_block * self.tile_n
+
+        # global -> shared: K and V once (rows past the keys zeroed), Q and dO per block
+        copy = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
+        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
+        gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
+        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
+        gdO = cute.local_tile(seqlen.q_view(mdO, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
+        tKcK = copy.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
+        tQcQ = copy.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
+        keys_left = seqlen.seqlen_k - key_start
+        cols = mQ.shape[1] if const_expr(cfg.padded) else None  # the tensors' head dim
+        mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left, cols=cols)
+        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left, cols=cols)
+        cute.arch.cp_async_commit_group()
+        # (with a ring: (CPY, M, K, stage), a stage sliced per block)
+        tQgQ, tQsQ = copy.partition_S(gQ), copy.partition_D(sQ)
+        tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
+        gLSE2 = self.row_view(mLSE2, seqlen, head_idx, batch_idx)
+        gD = self.row_view(mD, seqlen, head_idx, batch_idx)
+        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        load_q_block = lambda m_block, st: self.load_q_block(
+            copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols)
+        return block_info, m_min, m_max, key_start, gLSE2, gD, gdQ, load_q_block
+
+    def add_dq_share(self, add, mSemaphore, mQ, seqlen: SeqlenInfo, block_info: BlockInfo,
+                     m_block, n_block, head_idx, batch_idx, tidx):
+        """add() (this key block's dQ share into query block m_block), in deterministic mode
+        when it is this key block's turn (common/dq_order)."""
+        cfg = self.cfg
+        if const_expr(cfg.deterministic):
+            ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
+                mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m, cfg.varlen_q)
+            turn = n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+            in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
+        else:
+            add()
 
     @cute.jit
     def sub_block(self, tiled_mma, acc_S, acc_dP, acc_S_mn, acc_dP_mn, acc_dK, acc_dV, tSrK,
@@ -464,18 +503,8 @@ class FlashBwdSm80:
             apply_mask_transposed(acc_S_mn, coord_st, key_start, q_start, seqlen.seqlen_q,
                                   seqlen.seqlen_k, window_left, window_right, cfg.causal,
                                   cfg.local)
-        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            q = row0 + coord_st[0, c][1]
-            lse2, dsum = sLSE2[q], sD[q]
-            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                t = acc_S_mn[r, c]
-                p = cute.math.exp2(t * softmax_scale_log2 - lse2, fastmath=True)
-                ds = p * (acc_dP_mn[r, c] - dsum)
-                if const_expr(cfg.has_softcap):
-                    # clamped at 0: exact for real tanh values, and 0 for masked ones
-                    ds = ds * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
-                acc_S_mn[r, c] = p
-                acc_dP_mn[r, c] = ds
+        probabilities_and_ds(acc_S_mn, acc_dP_mn, lambda c: row0 + coord_st[0, c][1], sLSE2, sD,
+                             softmax_scale_log2, cfg.has_softcap, 1)
         convert_fragment(acc_S, tVrP)
         convert_fragment(acc_dP, tKrdS)
         # dS^T to shared memory for dQ: this sub-block's columns of the tile
@@ -547,6 +576,30 @@ class FlashBwdSm80:
             start = (seqlen.offset_q // self.tile_m + batch_idx) * self.tile_m
             return cute.domain_offset((start,), mX[None, head_idx])
         return mX[None, head_idx, batch_idx]
+
+
+@cute.jit
+def probabilities_and_ds(acc_S_mn: cute.Tensor, acc_dP_mn: cute.Tensor, query_of, lse_rows,
+                         d_rows, softmax_scale_log2, has_softcap: cutlass.Constexpr,
+                         queries_mode: cutlass.Constexpr):
+    """S -> P = exp2(S * scale_log2 - lse2) and dP -> dS = P (dP - D), in place, on (rows, cols)
+    views of the score accumulators whose queries run along mode `queries_mode` (1: S^T, keys
+    as rows; 0: queries as rows); query_of(i) is the i-th query's row in lse_rows / d_rows
+    (masked entries: P = 0, so dS = 0; rows past the sequence: lse2 = +inf). With softcap, dS
+    is multiplied by the cap's derivative 1 - t^2, clamped at 0: exact for real tanh values,
+    and 0 for masked ones."""
+    for a in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[queries_mode])):
+        q = query_of(a)
+        lse2, dsum = lse_rows[q], d_rows[q]
+        for b in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1 - queries_mode])):
+            rc = (b, a) if const_expr(queries_mode == 1) else (a, b)
+            t = acc_S_mn[rc]
+            p = cute.math.exp2(t * softmax_scale_log2 - lse2, fastmath=True)
+            ds = p * (acc_dP_mn[rc] - dsum)
+            if const_expr(has_softcap):
+                ds = ds * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
+            acc_S_mn[rc] = p
+            acc_dP_mn[rc] = ds
 
 
 @cute.jit

@@ -21,15 +21,13 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 from ..common import epilogue
-from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
-from ..common.dq_order import in_turn, semaphore_slot
 from ..common.layout import acc_mn_view, transposed_view
 from ..common.mask import apply_mask
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from . import mma
-from .bwd import FlashBwdSm80, Sm80BwdConfig
+from .bwd import FlashBwdSm80, Sm80BwdConfig, probabilities_and_ds
 
 
 class FlashBwdSm80Grid(FlashBwdSm80):
@@ -45,21 +43,6 @@ class FlashBwdSm80Grid(FlashBwdSm80):
         """P's and dS's shared-memory tiles: (tile_m queries, tile_n keys)."""
         return mma.smem_layout(self.dtype, self.tile_m, self.tile_n)
 
-    def shared_storage(self, sQ_layout, sK_layout, sdS_layout):
-        cfg = self.cfg
-
-        @cute.struct
-        class SharedStorage:
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
-            sD: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * cfg.q_stages], 16]
-        return SharedStorage
-
     @cute.jit
     def key_block(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, sQ, sdO, sK, sV,
                   sdS, sLSE2, sD, seqlen: SeqlenInfo, n_block, head_idx, head_idx_kv, batch_idx,
@@ -67,34 +50,12 @@ class FlashBwdSm80Grid(FlashBwdSm80):
                   tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
-        block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
-                               window_left, window_right)
-        m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
-        key_start = n_block * self.tile_n
-
-        # global -> shared: K and V once (rows past the keys zeroed), Q and dO per block
-        copy = mma.gmem_to_smem_copy(self.dtype, self.num_threads, self.d).get_slice(tidx)
-        gK = cute.local_tile(seqlen.k_view(mK, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
-        gV = cute.local_tile(seqlen.k_view(mV, head_idx_kv, batch_idx), (self.tile_n, self.d), (n_block, 0))
-        gQ = cute.local_tile(seqlen.q_view(mQ, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
-        gdO = cute.local_tile(seqlen.q_view(mdO, head_idx, batch_idx), (self.tile_m, self.d), (None, 0))
-        tKcK = copy.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
-        tQcQ = copy.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
-        keys_left = seqlen.seqlen_k - key_start
-        cols = mQ.shape[1] if const_expr(cfg.padded) else None  # the tensors' head dim
-        mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left, cols=cols)
-        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left, cols=cols)
-        cute.arch.cp_async_commit_group()
-        tQgQ, tQsQ = copy.partition_S(gQ), copy.partition_D(sQ)
-        tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
-        gLSE2 = self.row_view(mLSE2, seqlen, head_idx, batch_idx)
-        gD = self.row_view(mD, seqlen, head_idx, batch_idx)
-        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        block_info, m_min, m_max, key_start, gLSE2, gD, gdQ, load_q_block = self.start_walk(
+            mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen, n_block, head_idx,
+            head_idx_kv, batch_idx, window_left, window_right, tidx)
         ring = self.ring
         stage_of = lambda t, st: t[None, None, st] if const_expr(ring) else t
         rows_stage = lambda t, st: t[None, st] if const_expr(ring) else t
-        load_q_block = lambda m_block, st: self.load_q_block(
-            copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols)
 
         ldm = lambda transpose: mma.ldmatrix_atom(self.dtype, transpose)
         # S = Q K^T and dP = dO V^T: A from Q / dO, B from K / V (all K-major: plain ldmatrix)
@@ -154,22 +115,8 @@ class FlashBwdSm80Grid(FlashBwdSm80):
         for m_block in cutlass.range(m_min, m_max, unroll=1):
             q_start = m_block * self.tile_m
             st = (m_block - m_min) % cfg.q_stages if const_expr(ring) else 0
-            if const_expr(ring):
-                # this block landed; every warp is past the previous block's reads (of the
-                # other stage, and of P and dS), so the next block's loads go there now
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
-                lse_next, d_next = Float32(Float32.inf), Float32(0.0)
-                if m_block + 1 < m_max:
-                    load_q_block(m_block + 1, 1 - st)
-                    row = q_start + self.tile_m + tidx
-                    if (tidx < self.tile_m) & (row < seqlen.seqlen_q):
-                        lse_next, d_next = gLSE2[row], gD[row]
-            else:
-                load_q_block(m_block, 0)
-                self.load_lse_rows(gLSE2, gD, sLSE2, sD, q_start, seqlen.seqlen_q, tidx)
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
+            lse_next, d_next = self.block_start(load_q_block, gLSE2, gD, sLSE2, sD, m_block, m_max,
+                                                q_start, st, seqlen.seqlen_q, tidx)
             sQs, sdOs = stage_of(sQ, st), stage_of(sdO, st)
             # S and dP
             acc_S.fill(0.0)
@@ -182,20 +129,9 @@ class FlashBwdSm80Grid(FlashBwdSm80):
                            seqlen.seqlen_k, window_left, window_right, cfg.causal, cfg.local)
             acc_dP.fill(0.0)
             mma.gemm(sdp_mma, acc_dP, tSrQ, tSrK, ld_sdp_a.partition_S(sdOs), tSsV, ld_sdp_a, ld_sdp_b)
-            # P and dS (masked entries: P = 0, so dS = 0; rows past the sequence: lse2 = +inf)
-            lse_rows, d_rows = rows_stage(sLSE2, st), rows_stage(sD, st)
-            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                q = coord_s[r, 0][0]
-                lse2, dsum = lse_rows[q], d_rows[q]
-                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    t = acc_S_mn[r, c]
-                    p = cute.math.exp2(t * softmax_scale_log2 - lse2, fastmath=True)
-                    ds = p * (acc_dP_mn[r, c] - dsum)
-                    if const_expr(cfg.has_softcap):
-                        # clamped at 0: exact for real tanh values, and 0 for masked ones
-                        ds = ds * cutlass.max(Float32(1.0) - t * t, Float32(0.0))
-                    acc_S_mn[r, c] = p
-                    acc_dP_mn[r, c] = ds
+            probabilities_and_ds(acc_S_mn, acc_dP_mn, lambda r: coord_s[r, 0][0],
+                                 rows_stage(sLSE2, st), rows_stage(sD, st), softmax_scale_log2,
+                                 cfg.has_softcap, 0)
             convert_fragment(acc_S, rP)
             convert_fragment(acc_dP, rdS)
             cute.copy(st_s, st_s.retile(rP), tPsP)
@@ -210,36 +146,9 @@ class FlashBwdSm80Grid(FlashBwdSm80):
             add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt, ld_dq_a,
                                         ld_dq_b, coord_dq, gdQ, q_start, seqlen.seqlen_q,
                                         softmax_scale)
-            if const_expr(cfg.deterministic):
-                # this key block's turn to add into query block m_block
-                ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
-                    mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m,
-                    cfg.varlen_q)
-                turn = n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k,
-                                                            m_block)
-                in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
-            else:
-                add()
-            if const_expr(ring):
-                # the next block's LSE and D rows (their stage was last read a block ago); the
-                # next iteration's barrier orders this block's reads of P and dS before the next
-                # block writes them
-                if tidx < self.tile_m:
-                    sLSE2[tidx, 1 - st] = lse_next
-                    sD[tidx, 1 - st] = d_next
-            else:
-                cute.arch.barrier()  # every warp is past its reads of Q, dO, P and dS
+            self.add_dq_share(add, mSemaphore, mQ, seqlen, block_info, m_block, n_block,
+                              head_idx, batch_idx, tidx)
+            self.block_end(sLSE2, sD, st, lse_next, d_next, tidx)
 
-        # dK (scaled) and dV out, staged through K's and V's buffers (K and V landed and every
-        # warp is past its reads, also when no query block saw this key block)
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.barrier()
-        for i in cutlass.range_constexpr(cute.size(acc_dK)):
-            acc_dK[i] = acc_dK[i] * softmax_scale
-        for acc, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
-            epilogue.stage_o(acc, s_buf, kv_mma, tidx, self.dtype, stmatrix=False)
-            cute.arch.barrier()
-            g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx), (self.tile_n, self.d),
-                                    (n_block, 0))
-            epilogue.store_o(s_buf, g_out, key_start, seqlen.seqlen_k, tidx, self.dtype, self.d,
-                             self.tile_n, self.num_threads)
+        self.store_dk_dv([acc_dK], [acc_dV], kv_mma, sK, sV, mdK, mdV, seqlen, n_block, head_idx,
+                         batch_idx, softmax_scale, tidx)
