@@ -672,3 +672,27 @@ def test_decode_folds_only_short_merges(monkeypatch, nheads_k, num_splits, folds
     assert config.decode_folds(spec, split_keys, 1, num_splits) == folds
     monkeypatch.setattr(config, "FOLD_MAX_STEPS", 0)
     assert not config.decode_folds(spec, split_keys, 1, num_splits)
+
+
+@pytest.mark.parametrize("capability", sorted(config.SMEM_BY_CAPABILITY))
+def test_backward_layout_per_head_dim(capability):
+    """The backward's layout: the two-dimensional warp grids (bwd_grid.py) at d=64 and d=128 on
+    8-warp tiles, except d=128 with a window, softcap or a padded head dim (they spill there);
+    bwd.py's keys-as-rows layout elsewhere, with dQ on 2 x 4 warps on its 8-warp tiles. Every
+    chosen config fits the target's shared memory."""
+    from cuteattn.kernels.sm80 import launch_bwd
+    smem = config.SMEM_BY_CAPABILITY[capability]
+    major = capability[0]
+    for d, kw, grid in [(64, {}, True), (64, dict(local=True), True),
+                        (64, dict(has_softcap=True, softcap=30.0), True), (128, {}, True),
+                        (128, dict(causal=True, deterministic=True), True),
+                        (128, dict(local=True), False), (128, dict(has_softcap=True, softcap=30.0), False),
+                        (112, {}, False), (96, {}, False), (192, {}, False), (256, {}, False)]:
+        spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **kw)
+        cfg = launch_bwd.bwd_config(spec, major, smem)
+        assert cfg.smem_bytes() <= smem, (capability, d, kw, cfg)
+        assert cfg.grid == (grid and cfg.num_warps == 8), (capability, d, kw, cfg)
+        assert cfg.dq_warps_m == (2 if cfg.num_warps == 8 else 0), (capability, d, kw, cfg)
+        if cfg.grid:
+            from cuteattn.kernels.sm80.bwd_grid import FlashBwdSm80Grid
+            FlashBwdSm80Grid(cfg)  # (its tile asserts hold)
