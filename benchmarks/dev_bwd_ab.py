@@ -3,7 +3,7 @@ values compiled, timed alternately on the same inputs, TFLOP/s of the backward p
 whether their gradients agree. Exits 3 when the second value loses on the geometric mean.
 Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_bwd_ab.py NAME A B [--deterministic] [--d 64,128]
-        [--rounds 3] [--path sm80]
+        [--rounds 3] [--path sm80] [--softcap 30] [--window 256,0]
 A value is an int or a comma-separated tuple of ints. e.g. `NATIVE_WIDTH_MAX 64 96 --d 80`
 (d=80 padded to 96 against its own width); --path sm80 for the portable path's constants.
 NAME1+NAME2 sets several constants to the same values together."""
@@ -27,6 +27,12 @@ def value(text: str):
     return parts if len(parts) > 1 else parts[0]
 
 
+def short(cfg) -> str:
+    """The fields of a backward config that tell its kernels apart, the switches left out."""
+    keys = ("head_dim", "tile_m", "tile_n", "num_warps", "kv_passes", "q_stages", "grid")
+    return " ".join(f"{k}={getattr(cfg, k)}" for k in keys if hasattr(cfg, k))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("name")
@@ -39,6 +45,8 @@ def main() -> None:
     ap.add_argument("--causal-only", action="store_true")
     ap.add_argument("--noncausal-only", action="store_true")
     ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--softcap", type=float, default=0.0)
+    ap.add_argument("--window", type=value, default=None, help="window_size: LEFT,RIGHT")
     ap.add_argument("--varlen", action="store_true",
                     help="the packed-sequence cells (bench --varlen --bwd's) instead of the grid")
     args = ap.parse_args()
@@ -49,7 +57,9 @@ def main() -> None:
         from cuteattn.kernels.sm90 import launch_bwd
     arms = {f"{args.name}={args.a}".replace(" ", ""): args.a,
             f"{args.name}={args.b}".replace(" ", ""): args.b}
-    kw = dict(deterministic=args.deterministic, strict=True)
+    kw = dict(deterministic=args.deterministic, strict=True, softcap=args.softcap)
+    if args.window is not None:
+        kw["window_size"] = args.window
     cells = [Cell("bwd", d, 16384 // s, 2048 // d, 2048 // d, s, s, c)
              for d in map(int, args.d.split(",")) for s in map(int, args.seqlens.split(","))
              for c in (False, True)]
@@ -78,7 +88,7 @@ def main() -> None:
                 run = lambda: torch.autograd.grad(attend(), (q, k, v), dout)
                 grads[arm] = run()  # compiles this arm's kernel on first use
                 if len(rates[arm]) == 0:  # which backward kernel this arm ran
-                    cfgs = [launch.cfg for sig, (spec, launch) in api._launches.items()
+                    cfgs = [short(launch.cfg) for sig, (spec, launch) in api._launches.items()
                             if spec.kind == "bwd" and hasattr(launch, "cfg")]
                     print(f"  {arm}: {cfgs}", flush=True)
                 fwd = median_ms(attend, torch.device("cuda"))

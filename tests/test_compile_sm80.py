@@ -96,9 +96,9 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # head dims between the widths, padded (80 on 96, 112 on 128, 40 on 64)
                ["bf16", 96, "causal", "bwd,padded"], ["fp16", 128, "none", "bwd,varlen,padded"],
                ["bf16", 64, "local", "bwd,padded,deterministic"],
-               # over 128: dK and dV in column passes (launch_bwd.WIDE_HEAD_DIMS), the tile by
-               # the target's shared memory: 128 keys at d=192 where they fit, d=256 in two
-               # 128-column passes (packed sequences: four of 64)
+               # over 128: one pass of 64 keys on the warp grids where 163 KB holds them
+               # (bwd_grid.py; dQ in two halves at d=256), else dK and dV in 64-column passes
+               # (launch_bwd.WIDE_HEAD_DIMS) on the 99 KB targets' tiles
                ["bf16", 192, "causal", "bwd,varlen"], ["fp16", 192, "softcap", "bwd"],
                ["fp16", 256, "softcap", "bwd"], ["bf16", 256, "causal", "bwd"],
                ["bf16", 256, "local", "bwd,deterministic"], ["fp16", 192, "none", "bwd,padded"],

@@ -406,64 +406,27 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
     assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd")) is None
 
 
-@pytest.mark.parametrize("smem", [163 * 1024, 99 * 1024], ids=["sm_80", "99KB"])
-def test_backward_over_128_in_column_passes(smem):
-    """Head dims over 128 (launch_bwd.WIDE_HEAD_DIMS): dK and dV in column passes (64 columns,
-    128 at d=256 on 64-key tiles without packed sequences), the tile the first that fits the target's shared
-    memory, its copies and MMA layouts valid; padded widths between 128 and 256 too; the
-    family serves them."""
+def test_backward_over_128_in_column_passes():
+    """Head dims over 128 where the grids' 64 x 64 tile does not fit (the 99 KB targets): dK
+    and dV in 64-column passes, the tile the first that fits, its copies and MMA layouts valid;
+    padded widths between 128 and 256 too; the family serves them."""
     from cuteattn.kernels.sm80 import launch_bwd
     from cuteattn.kernels.sm80.bwd import FlashBwdSm80
+    smem = 99 * 1024
     for d, width in ((192, 192), (256, 256), (160, 192), (200, 256)):
         for form in (dict(), dict(causal=True), dict(varlen_q=True, varlen_k=True),
                      dict(deterministic=True)):
             spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **form)
             cfg = launch_bwd.bwd_config(spec, 8, smem)
-            cols = 128 if width == 256 and "varlen_q" not in form and cfg.tile_n == 64 else 64
-            assert (cfg.head_dim, cfg.kv_passes, cfg.padded) == (width, width // cols, d != width)
+            assert (cfg.head_dim, cfg.kv_passes, cfg.padded) == (width, width // 64, d != width)
+            assert (cfg.kv_parts, cfg.q_parts, cfg.grid) == (1, 1, False)
             assert cfg.smem_bytes() <= smem
-            assert (cfg.kv_parts, cfg.q_parts) == ((1, 1) if cols == 64 else (2, cfg.tile_m // 16))
             FlashBwdSm80(cfg)
     big = launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=256, head_dim_v=256), 8, smem)
-    assert (big.tile_m, big.tile_n) == ((64, 64) if smem > 150 * 1024 else (32, 32))
+    assert (big.tile_m, big.tile_n) == (32, 32)
     wide = make_spec(kind="bwd", head_dim=192, head_dim_v=192)
     assert launch_bwd.BACKWARD.can_implement(wide) is None
     assert launch_bwd.bwd_config(wide, 8, smem).kv_passes == 3
-
-
-@pytest.mark.parametrize("smem", [163 * 1024, 227 * 1024], ids=["sm_80", "sm_90"])
-def test_backward_at_256_in_two_passes_of_128_columns(smem):
-    """d=256 in two passes of 128 columns (dK and dV in 64-column halves, 16-query sub-blocks)
-    on 64 x 64 tiles; packed sequences and the 99 KB targets' 32 x 32 tile keep four 64-column
-    passes; a column part that would start inside a swizzle atom is refused."""
-    import dataclasses
-    from cuteattn.kernels.sm80 import launch_bwd
-    from cuteattn.kernels.sm80.bwd import FlashBwdSm80
-    spec = make_spec(kind="bwd", head_dim=256, head_dim_v=256, causal=True)
-    cfg = launch_bwd.bwd_config(spec, 8, smem)
-    assert (cfg.kv_passes, cfg.kv_parts, cfg.q_parts) == (2, 2, cfg.tile_m // 16)
-    assert cfg.tile_n <= 64
-    FlashBwdSm80(cfg)
-    packed = make_spec(kind="bwd", head_dim=256, head_dim_v=256, varlen_q=True, varlen_k=True)
-    assert launch_bwd.bwd_config(packed, 8, smem).kv_passes == 4
-    assert launch_bwd.bwd_config(spec, 8, 99 * 1024).kv_passes == 4
-    with pytest.raises(AssertionError):  # 32-column parts: inside the 64-column atom
-        FlashBwdSm80(dataclasses.replace(cfg, kv_parts=4, q_parts=2))
-
-
-def test_backward_over_128_with_128_keys_where_they_fit():
-    """128 keys a CTA at d=192 where K, V, Q and dO fit (160 KB), in 64-column passes; else the
-    64-key tiles; d=256 keeps 64 keys even where 128 would fit (the H200's 227 KB)."""
-    from cuteattn.kernels.sm80 import launch_bwd
-    from cuteattn.kernels.sm80.bwd import FlashBwdSm80
-    for d, smem, want, passes in ((192, 163 * 1024, (64, 128, 8), 3),
-                                  (192, 99 * 1024, (32, 64, 4), 3),
-                                  (256, 227 * 1024, (64, 64, 4), 2)):
-        cfg = launch_bwd.bwd_config(
-            make_spec(kind="bwd", head_dim=d, head_dim_v=d, causal=True), 8, smem)
-        assert (cfg.tile_m, cfg.tile_n, cfg.num_warps) == want and cfg.kv_passes == passes
-        assert cfg.smem_bytes() <= smem
-        FlashBwdSm80(cfg)
 
 
 def test_backward_rings_q_and_do_where_they_fit():
@@ -471,11 +434,11 @@ def test_backward_rings_q_and_do_where_they_fit():
     where the target's shared memory holds both; one buffer where it does not."""
     from cuteattn.kernels.sm80 import launch_bwd
     from cuteattn.kernels.sm80.bwd import FlashBwdSm80
+    from cuteattn.kernels.sm80.bwd_grid import FlashBwdSm80Grid
     stages = lambda d, smem: launch_bwd.bwd_config(
         make_spec(kind="bwd", head_dim=d, head_dim_v=d), 8, smem).q_stages
-    # sm_80's 163 KB: every width but 192 (128 keys there) and 256 (K, V and two Q/dO stages:
-    # 209 / 201 KB)
-    assert [stages(d, 163 * 1024) for d in (64, 96, 128, 192, 256)] == [2, 2, 2, 1, 1]
+    # sm_80's 163 KB: every width but 256 (K, V, P, dS and two Q/dO stages: 209 KB)
+    assert [stages(d, 163 * 1024) for d in (64, 96, 128, 192, 256)] == [2, 2, 2, 2, 1]
     # 99 KB: d=64 (81 KB) and d=256's 32 x 32 tile (98.5 KB); not d=96/128/192 (113 / 105 /
     # 100.5 KB)
     assert [stages(d, 99 * 1024) for d in (64, 96, 128, 192, 256)] == [2, 1, 1, 1, 2]
@@ -484,7 +447,7 @@ def test_backward_rings_q_and_do_where_they_fit():
             cfg = launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=d, head_dim_v=d,
                                                   causal=True), 8, smem)
             assert cfg.smem_bytes() <= smem
-            FlashBwdSm80(cfg)
+            (FlashBwdSm80Grid if cfg.grid else FlashBwdSm80)(cfg)
 
 
 def test_backward_pads_head_dims_between_widths(monkeypatch):
@@ -530,7 +493,9 @@ def test_backward_declines_what_sm120_cannot_build_spill_free(monkeypatch):
     packed = make_spec(kind="bwd", varlen_q=True, varlen_k=True)
     assert "spills registers on sm_12x" in launch_bwd.BACKWARD.can_implement(packed)
     assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd")) is None
-    assert launch_bwd.bwd_config(make_spec(kind="bwd"), 12).q_parts == 4
+    # (bwd.py's layout there: 16-query sub-blocks from d=96 on)
+    assert launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=96, head_dim_v=96), 12,
+                                 99 * 1024).q_parts == 4
     monkeypatch.setattr(launch_bwd, "_major", lambda spec: 8)
     assert launch_bwd.BACKWARD.can_implement(packed) is None
 
@@ -676,23 +641,37 @@ def test_decode_folds_only_short_merges(monkeypatch, nheads_k, num_splits, folds
 
 @pytest.mark.parametrize("capability", sorted(config.SMEM_BY_CAPABILITY))
 def test_backward_layout_per_head_dim(capability):
-    """The backward's layout: the two-dimensional warp grids (bwd_grid.py) at d=64 and d=128 on
-    8-warp tiles, except d=128 with a window, softcap or a padded head dim (they spill there);
-    bwd.py's keys-as-rows layout elsewhere, with dQ on 2 x 4 warps on its 8-warp tiles. Every
+    """The backward's layout: the two-dimensional warp grids (bwd_grid.py, 8 warps) where their
+    tile fits the target's shared memory: 163 KB and more: 128 keys up to d=128, except d=128
+    with a window, softcap, a padded head dim or packed sequences (they spill there: 64 keys),
+    64 keys over 128 (one pass); 99 KB: d=64 on 128 keys, d=128 on 64. bwd.py's keys-as-rows
+    layout elsewhere (d=96 and over 128 in 99 KB), with dQ on 2 x 4 warps on its 8-warp tiles.
+    Q and dO in a ring where it fits, except the grid's d=256 with packed sequences. Every
     chosen config fits the target's shared memory."""
     from cuteattn.kernels.sm80 import launch_bwd
+    from cuteattn.kernels.sm80.bwd_grid import FlashBwdSm80Grid
     smem = config.SMEM_BY_CAPABILITY[capability]
     major = capability[0]
-    for d, kw, grid in [(64, {}, True), (64, dict(local=True), True),
-                        (64, dict(has_softcap=True, softcap=30.0), True), (128, {}, True),
-                        (128, dict(causal=True, deterministic=True), True),
-                        (128, dict(local=True), False), (128, dict(has_softcap=True, softcap=30.0), False),
-                        (112, {}, False), (96, {}, False), (192, {}, False), (256, {}, False)]:
+    big = smem >= 163 * 1024
+    packed = dict(varlen_q=True, varlen_k=True)
+    softcap = dict(has_softcap=True, softcap=30.0)
+    # (head dim, switches, the grid's keys a CTA with 163 KB and more, with 99 KB; 0: bwd.py)
+    for d, kw, keys_big, keys_small in [
+            (64, {}, 128, 128), (64, dict(local=True), 128, 128), (64, softcap, 128, 128),
+            (64, packed, 128, 128), (128, {}, 128, 64), (128, dict(causal=True, deterministic=True), 128, 64),
+            (128, dict(local=True), 64, 64), (128, softcap, 64, 64), (128, packed, 64, 64),
+            (112, {}, 64, 64), (96, {}, 128, 0), (80, {}, 128, 0), (192, {}, 64, 0),
+            (192, dict(local=True), 64, 0), (160, packed, 64, 0), (256, {}, 64, 0),
+            (256, softcap, 64, 0), (224, {}, 64, 0), (256, packed, 64, 0)]:
         spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **kw)
         cfg = launch_bwd.bwd_config(spec, major, smem)
-        assert cfg.smem_bytes() <= smem, (capability, d, kw, cfg)
-        assert cfg.grid == (grid and cfg.num_warps == 8), (capability, d, kw, cfg)
-        assert cfg.dq_warps_m == (2 if cfg.num_warps == 8 else 0), (capability, d, kw, cfg)
+        where = (capability, d, kw, cfg)
+        keys = keys_big if big else keys_small
+        assert cfg.smem_bytes() <= smem, where
+        assert cfg.grid == (keys > 0), where
+        assert cfg.dq_warps_m == (2 if cfg.num_warps == 8 else 0), where
         if cfg.grid:
-            from cuteattn.kernels.sm80.bwd_grid import FlashBwdSm80Grid
+            assert (cfg.num_warps, cfg.kv_passes, cfg.tile_m, cfg.tile_n) == (8, 1, 64, keys), where
             FlashBwdSm80Grid(cfg)  # (its tile asserts hold)
+        if cfg.grid and cfg.head_dim == 256:  # (208 KB with a ring: the H200's 227 KB only)
+            assert cfg.q_stages == (2 if smem >= 208 * 1024 and "varlen_q" not in kw else 1), where

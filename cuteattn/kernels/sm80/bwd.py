@@ -97,7 +97,8 @@ class FlashBwdSm80:
     p_in_smem = False  # (bwd_grid.FlashBwdSm80Grid: P through shared memory too)
 
     def __init__(self, cfg: Sm80BwdConfig):
-        assert cfg.tile_n % (mma.MMA_ROWS * cfg.num_warps) == 0, cfg  # warps split the keys
+        # warps split the keys (bwd_grid.py's grids check their own tiles)
+        assert cfg.grid or cfg.tile_n % (mma.MMA_ROWS * cfg.num_warps) == 0, cfg
         # dQ's warps: dq_warps_m (or tile_m / 16) along the queries, the rest along the columns
         self.dq_warps_m = cfg.dq_warps_m or cfg.tile_m // mma.MMA_ROWS
         assert cfg.tile_m % (mma.MMA_ROWS * self.dq_warps_m) == 0, cfg

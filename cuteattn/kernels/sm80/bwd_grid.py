@@ -6,15 +6,19 @@ bwd.py's warps split the keys, 16 rows a warp, so every B fragment an ldmatrix r
 with 32-row warp tiles, so a fragment feeds two MMAs, at the price of P going through shared
 memory beside dS (the GEMMs that read them are not on the warps that computed them):
 
-    S = Q K^T, dP = dO V^T       2 x 4 warps (queries x keys), 32 x 32 a warp
+    S = Q K^T, dP = dO V^T       2 x 4 warps (queries x keys), 32 x tile_n/4 a warp
     P = exp2(S * scale_log2 - lse2), dS = P (dP - D)    -> sP, sdS (queries x keys)
-    dV += P^T dO, dK += dS^T Q   4 x 2 warps (keys x columns), 32 keys x d/2 a warp
-    dQ  = dS K                   2 x 4 warps (queries x columns), added with red.global
+    dV += P^T dO, dK += dS^T Q   tile_n/32 x 8/(tile_n/32) warps (keys x columns), 32 keys a
+                                 warp: d/2 columns with 128 keys, d/4 with 64 (over d = 128)
+    dQ  = dS K                   2 x 4 warps (queries x columns; 4 x 2 where the columns do not
+                                 come in 64s: d = 96), added with red.global
 
 Per query block: Q, dO (and LSE, D) land; S and dP; P and dS to shared memory; one barrier;
 dV, dK and dQ read them. The rest (loads, ring of Q/dO stages, masks, softcap, varlen,
-seqused, deterministic dQ order, padded head dims, dK/dV epilogue) is bwd.py's. Head dims up
-to 128 (dK and dV of 32 keys x d/2 columns a warp: d/2 registers each a thread).
+seqused, deterministic dQ order, padded head dims, dK/dV epilogue) is bwd.py's. Every head dim
+in one pass over dK's and dV's columns: 64 x 128 tiles up to d = 128 (dK and dV of 32 keys x
+d/2 columns a warp: d/2 registers each a thread), 64 x 64 over it (d/4 each: 64 at d = 256,
+as FlashAttention-2 runs it).
 """
 import cutlass
 import cutlass.cute as cute
@@ -34,10 +38,20 @@ class FlashBwdSm80Grid(FlashBwdSm80):
     p_in_smem = True
 
     def __init__(self, cfg: Sm80BwdConfig):
-        # (dQ's 2 x 4 warps of 16 columns tile 64-column chunks: d = 96 does not)
-        assert cfg.num_warps == 8 and cfg.kv_passes == 1 and cfg.head_dim in (64, 128), cfg
-        assert cfg.tile_m % 32 == 0 and cfg.tile_n % 32 == 0, cfg
+        assert cfg.num_warps == 8 and cfg.kv_passes == 1 and cfg.tile_m == 64, cfg
+        assert cfg.tile_n in (64, 128), cfg
         super().__init__(cfg)
+        if self.d > 192:  # (dQ's whole 64 x 256 accumulator spilled 12-48 bytes: two halves)
+            self.dq_cols = 128
+        # warps_m x warps_n of each GEMM: 32 rows a warp where the tile has them (each A
+        # fragment feeds two MMAs); a warp's columns come in 16-wide steps (tiled_mma_grid)
+        self.sdp_grid = (2, 4)
+        self.kv_grid = (self.tile_n // 32, 8 // (self.tile_n // 32))
+        self.dq_grid = (2, 4) if self.dq_cols % 64 == 0 else (4, 2)
+        for (warps_m, warps_n), rows, cols in ((self.sdp_grid, self.tile_m, self.tile_n),
+                                               (self.kv_grid, self.tile_n, self.d),
+                                               (self.dq_grid, self.tile_m, self.dq_cols)):
+            assert rows % (16 * warps_m) == 0 and cols % (16 * warps_n) == 0, (cfg, rows, cols)
 
     def score_layout(self):
         """P's and dS's shared-memory tiles: (tile_m queries, tile_n keys)."""
@@ -59,7 +73,7 @@ class FlashBwdSm80Grid(FlashBwdSm80):
 
         ldm = lambda transpose: mma.ldmatrix_atom(self.dtype, transpose)
         # S = Q K^T and dP = dO V^T: A from Q / dO, B from K / V (all K-major: plain ldmatrix)
-        sdp_mma = mma.tiled_mma_grid(self.dtype, 2, 4)
+        sdp_mma = mma.tiled_mma_grid(self.dtype, *self.sdp_grid)
         thr_sdp = sdp_mma.get_slice(tidx)
         ld_sdp_a = cute.make_tiled_copy_A(ldm(False), sdp_mma).get_slice(tidx)
         ld_sdp_b = cute.make_tiled_copy_B(ldm(False), sdp_mma).get_slice(tidx)
@@ -68,7 +82,7 @@ class FlashBwdSm80Grid(FlashBwdSm80):
         tSrK = thr_sdp.make_fragment_B(thr_sdp.partition_B(sK))
         tSsK, tSsV = ld_sdp_b.partition_S(sK), ld_sdp_b.partition_S(sV)
         # dV += P^T dO and dK += dS^T Q: A from P^T / dS^T, B from dO^T / Q^T (transposed reads)
-        kv_mma = mma.tiled_mma_grid(self.dtype, 4, 2)
+        kv_mma = mma.tiled_mma_grid(self.dtype, *self.kv_grid)
         thr_kv = kv_mma.get_slice(tidx)
         ld_kv_a = cute.make_tiled_copy_A(ldm(True), kv_mma).get_slice(tidx)
         ld_kv_b = cute.make_tiled_copy_B(ldm(True), kv_mma).get_slice(tidx)
@@ -77,7 +91,7 @@ class FlashBwdSm80Grid(FlashBwdSm80):
         tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(transposed_view(sdO0)))
         tVsPt, tKsdSt = ld_kv_a.partition_S(sPt), ld_kv_a.partition_S(sdSt)
         # dQ = dS K: A from dS (plain), B from K^T (transposed), in chunks of dq_cols columns
-        dq_mma = mma.tiled_mma_grid(self.dtype, 2, 4)
+        dq_mma = mma.tiled_mma_grid(self.dtype, *self.dq_grid)
         thr_dq = dq_mma.get_slice(tidx)
         ld_dq_a = cute.make_tiled_copy_A(ldm(False), dq_mma).get_slice(tidx)
         ld_dq_b = cute.make_tiled_copy_B(ldm(True), dq_mma).get_slice(tidx)

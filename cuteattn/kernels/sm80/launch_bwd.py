@@ -20,35 +20,31 @@ from .bwd import Sm80BwdConfig
 from .launch import ARCH, COMPILE_MODULE, smem_limit, target_capability
 
 KIND = "bwd"
-# Head dims over 128 run in column passes (bwd.Sm80BwdConfig.kv_passes, 64 columns each: one
-# CTA holding dK and dV of every column would need 2d float32 registers a thread).
+# Head dims over 128 where the grids' tile does not fit (99 KB targets) run in column passes
+# (bwd.Sm80BwdConfig.kv_passes, 64 columns each: one CTA of bwd.py's layout holding dK and dV of
+# every column would need 2d float32 registers a thread).
 WIDE_HEAD_DIMS = (192, 256)
 SUPPORTED_HEAD_DIMS = (64, 96, 128) + WIDE_HEAD_DIMS
-# (tile_m, tile_n, warps) over 128, the first that fits the target's shared memory and has at
-# most WIDE_MAX_KEYS' keys (K, V, Q and dO whole, at d=256: 137 KB at 64 x 64 on sm_80's 163
-# KB; 32 x 64 at d=192 and 32 x 32 at d=256 in the 99 KB of sm_86/89/120); 16-row query blocks
-# do not tile (the copy passes).
-WIDE_TILES = ((64, 128, 8), (64, 64, 4), (32, 64, 4), (32, 32, 2))
-# The keys a CTA at most over 128: 128 at d=192 (64 x 128 x 8 in 160 KB on sm_80 and the H200;
-# 1.12-1.32x over 64 keys there: half the dQ additions and Q/dO loads a key), 64 at d=256
-# (there 128 keys ran 0.91-1.01x of two 128-column passes of 64 keys, which 128 keys cannot
-# have: they spilled 4-32 bytes), docs/perf-log.md.
-WIDE_MAX_KEYS = {192: 128, 256: 64}
+# (tile_m, tile_n, warps) of those passes, the first that fits the target's shared memory:
+# 32 x 64 at d=192 and 32 x 32 at d=256 in the 99 KB of sm_86/89/120; 16-row query blocks do
+# not tile (the copy passes).
+WIDE_TILES = ((32, 64, 4), (32, 32, 2))
 PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
-# d = 256 in two passes of 128 columns (1.15-1.20x over four of 64 on the H200: S^T and dP^T
-# computed twice, not four times; GEMM work 28 against 44 units of 64^3 a block), in halves
-# of dK's and dV's columns and 16-query sub-blocks; packed sequences keep 64-column passes
-# (128 spilled 28 bytes on sm_80 there), as do 128-key tiles.
-D256_PASS_COLS = 128
 # dQ = dS K's warps along the queries on 8-warp tiles: 2 (4 along the columns; 32-row warp
 # tiles read 7% fewer ldmatrix a block than 4 x 2 at d = 64 and 128, and ran 1.03-1.05x on the
 # H200, docs/perf-log.md); 4-warp tiles keep tile_m / 16 (2 x 2 spilled 16 bytes at d = 256)
 DQ_WARPS_M_8_WARPS = 2
-# Head dims 64 and 128 on 8-warp tiles run on the two-dimensional warp grids of bwd_grid.py
-# (P and dS through shared memory; 0.85x / 0.71x the ldmatrix a block of bwd.py's layout at
-# d = 64 / 128): 1.06-1.09x / 1.18-1.19x on the H200 (docs/perf-log.md). At d = 128 only
-# without a sliding window, softcap or padded head dim: those spilled 8-24 bytes (sm_80/90).
+# Head dims on the two-dimensional warp grids of bwd_grid.py (8 warps; P and dS through shared
+# memory; 0.85x / 0.71x the ldmatrix a block of bwd.py's layout at d = 64 / 128: 1.06-1.09x /
+# 1.18-1.19x on the H200, docs/perf-log.md), with their (tile_m, tile_n), where that tile fits
+# the target's shared memory: over 128 in one pass of 64 keys (dK and dV of 32 keys x d/4
+# columns a warp), not bwd.py's column passes that recompute S and dP. d = 128 with a sliding
+# window, softcap, padded head dim or packed sequences spilled 8-32 bytes on 128 keys (sm_80/90)
+# and takes 64 (GRID_NARROW), as do the 99 KB targets.
 GRID = True
+GRID_TILES = {64: ((64, 128),), 96: ((64, 128),), 128: ((64, 128), (64, 64)),
+              192: ((64, 64),), 256: ((64, 64),)}
+GRID_NARROW = True
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -88,9 +84,8 @@ def _major(spec: AttentionSpec) -> int:
 
 
 def wide_tile(dtype, head_dim: int, smem: int) -> tuple:
-    """WIDE_TILES' first (tile_m, tile_n, warps) of at most WIDE_MAX_KEYS' keys whose storage
-    fits `smem` bytes."""
-    for tile_m, tile_n, warps in (t for t in WIDE_TILES if t[1] <= WIDE_MAX_KEYS[head_dim]):
+    """WIDE_TILES' first (tile_m, tile_n, warps) whose storage fits `smem` bytes."""
+    for tile_m, tile_n, warps in WIDE_TILES:
         cfg = Sm80BwdConfig(dtype, head_dim, tile_m, tile_n, warps)
         if cfg.smem_bytes() <= smem:
             return tile_m, tile_n, warps
@@ -104,31 +99,44 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
     head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
     dtype = CUTLASS_DTYPES[spec.dtype]
     packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
+    padded = head_dim != spec.head_dim
+    switches = dict(
+        dtype=dtype, head_dim=head_dim, causal=spec.causal, local=spec.local,
+        has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
+        has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
+        deterministic=spec.deterministic, padded=padded)
+    grid_tiles = GRID_TILES[head_dim] if GRID else ()
+    if head_dim == 128 and (spec.local or spec.has_softcap or padded or packed):
+        grid_tiles = grid_tiles[1:]  # (128 keys spill)
+    if not GRID_NARROW:
+        grid_tiles = [t for t in grid_tiles if head_dim > 128 or t[1] == 128]
+    for tile_m, tile_n in grid_tiles:
+        cfg = Sm80BwdConfig(tile_m=tile_m, tile_n=tile_n, num_warps=8, grid=True,
+                            dq_warps_m=DQ_WARPS_M_8_WARPS, **switches)
+        if cfg.smem_bytes() <= smem:
+            return with_ring(cfg, smem, packed)
     kv_passes = 1
     if head_dim in WIDE_HEAD_DIMS:
         tile_m, tile_n, warps = wide_tile(dtype, head_dim, smem)
-        pass_cols = (D256_PASS_COLS if head_dim == 256 and not packed and tile_n == 64
-                     else PASS_COLS)
-        kv_passes = head_dim // pass_cols
-        # (over 64 columns a pass: dK and dV in 64-column halves, 16-query sub-blocks)
-        kv_parts, q_parts = (1, 1) if pass_cols == PASS_COLS else (2, tile_m // 16)
+        kv_passes, kv_parts, q_parts = head_dim // PASS_COLS, 1, 1
     else:
         tiles = PACKED_TILES.get(head_dim, TILES[head_dim]) if packed else TILES[head_dim]
         tile_m, tile_n, warps = next(
             (t for t in tiles if Sm80BwdConfig(dtype, head_dim, *t).smem_bytes() <= smem), tiles[-1])
         kv_parts, q_parts = register_parts(head_dim, major)
     cfg = Sm80BwdConfig(
-        dtype=dtype, head_dim=head_dim, tile_m=tile_m, tile_n=tile_n,
-        num_warps=warps, causal=spec.causal, local=spec.local, has_softcap=spec.has_softcap,
-        varlen_q=spec.varlen_q, varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
-        has_seqused_k=spec.has_seqused_k, kv_parts=kv_parts, q_parts=q_parts,
-        deterministic=spec.deterministic, padded=head_dim != spec.head_dim,
-        kv_passes=kv_passes,
-        dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0,
-        grid=GRID and warps == 8 and head_dim in (64, 128)
-        and not (head_dim == 128 and (spec.local or spec.has_softcap or head_dim != spec.head_dim)))
+        tile_m=tile_m, tile_n=tile_n, num_warps=warps, kv_parts=kv_parts, q_parts=q_parts,
+        kv_passes=kv_passes, dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0, **switches)
+    return with_ring(cfg, smem, packed)
+
+
+def with_ring(cfg: Sm80BwdConfig, smem: int, packed: bool) -> Sm80BwdConfig:
+    """cfg with Q_STAGES stages of Q and dO where they fit `smem` (not the grid's d = 256 with
+    packed sequences: 4 bytes of spill in fp16 on sm_90a)."""
     ringed = dataclasses.replace(cfg, q_stages=Q_STAGES)
-    return ringed if ringed.smem_bytes() <= smem else cfg
+    if ringed.smem_bytes() > smem or (cfg.grid and cfg.head_dim == 256 and packed):
+        return cfg
+    return ringed
 
 
 @functools.lru_cache(maxsize=None)
