@@ -493,9 +493,7 @@ def test_backward_declines_what_sm120_cannot_build_spill_free(monkeypatch):
     packed = make_spec(kind="bwd", varlen_q=True, varlen_k=True)
     assert "spills registers on sm_12x" in launch_bwd.BACKWARD.can_implement(packed)
     assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd")) is None
-    # (bwd.py's layout there: 16-query sub-blocks from d=96 on)
-    assert launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=96, head_dim_v=96), 12,
-                                 99 * 1024).q_parts == 4
+    assert launch_bwd.bwd_config(make_spec(kind="bwd"), 12, 99 * 1024).q_parts == 4
     monkeypatch.setattr(launch_bwd, "_major", lambda spec: 8)
     assert launch_bwd.BACKWARD.can_implement(packed) is None
 
@@ -643,9 +641,9 @@ def test_decode_folds_only_short_merges(monkeypatch, nheads_k, num_splits, folds
 def test_backward_layout_per_head_dim(capability):
     """The backward's layout: the two-dimensional warp grids (bwd_grid.py, 8 warps) where their
     tile fits the target's shared memory: 163 KB and more: 128 keys up to d=128, except d=128
-    with a window, softcap, a padded head dim or packed sequences (they spill there: 64 keys),
-    64 keys over 128 (one pass); 99 KB: d=64 on 128 keys, d=128 on 64. bwd.py's keys-as-rows
-    layout elsewhere (d=96 and over 128 in 99 KB), with dQ on 2 x 4 warps on its 8-warp tiles.
+    with a window, softcap, a padded head dim or packed sequences (they spill there), 64 keys
+    over 128 (one pass); 99 KB: d=64 only. bwd.py's keys-as-rows layout elsewhere, with dQ on
+    2 x 4 warps on its 8-warp tiles.
     Q and dO in a ring where it fits, except the grid's d=256 with packed sequences. Every
     chosen config fits the target's shared memory."""
     from cuteattn.kernels.sm80 import launch_bwd
@@ -658,9 +656,9 @@ def test_backward_layout_per_head_dim(capability):
     # (head dim, switches, the grid's keys a CTA with 163 KB and more, with 99 KB; 0: bwd.py)
     for d, kw, keys_big, keys_small in [
             (64, {}, 128, 128), (64, dict(local=True), 128, 128), (64, softcap, 128, 128),
-            (64, packed, 128, 128), (128, {}, 128, 64), (128, dict(causal=True, deterministic=True), 128, 64),
-            (128, dict(local=True), 64, 64), (128, softcap, 64, 64), (128, packed, 64, 64),
-            (112, {}, 64, 64), (96, {}, 128, 0), (80, {}, 128, 0), (192, {}, 64, 0),
+            (64, packed, 128, 128), (128, {}, 128, 0), (128, dict(causal=True, deterministic=True), 128, 0),
+            (128, dict(local=True), 0, 0), (128, softcap, 0, 0), (128, packed, 0, 0),
+            (112, {}, 0, 0), (96, {}, 128, 0), (80, {}, 128, 0), (192, {}, 64, 0),
             (192, dict(local=True), 64, 0), (160, packed, 64, 0), (256, {}, 64, 0),
             (256, softcap, 64, 0), (224, {}, 64, 0), (256, packed, 64, 0)]:
         spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **kw)

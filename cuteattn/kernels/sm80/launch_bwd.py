@@ -35,16 +35,16 @@ PASS_COLS = 64  # dK's and dV's columns a pass (a whole 128-byte swizzle atom)
 # H200, docs/perf-log.md); 4-warp tiles keep tile_m / 16 (2 x 2 spilled 16 bytes at d = 256)
 DQ_WARPS_M_8_WARPS = 2
 # Head dims on the two-dimensional warp grids of bwd_grid.py (8 warps; P and dS through shared
-# memory; 0.85x / 0.71x the ldmatrix a block of bwd.py's layout at d = 64 / 128: 1.06-1.09x /
-# 1.18-1.19x on the H200, docs/perf-log.md), with their (tile_m, tile_n), where that tile fits
-# the target's shared memory: over 128 in one pass of 64 keys (dK and dV of 32 keys x d/4
-# columns a warp), not bwd.py's column passes that recompute S and dP. d = 128 with a sliding
-# window, softcap, padded head dim or packed sequences spilled 8-32 bytes on 128 keys (sm_80/90)
-# and takes 64 (GRID_NARROW), as do the 99 KB targets.
+# memory; 0.85x / 0.71x the ldmatrix a block of bwd.py's layout at d = 64 / 128), with their
+# (tile_m, tile_n), where that tile fits the target's shared memory: 1.06-1.09x / 1.11-1.12x /
+# 1.18-1.19x over bwd.py at d = 64 / 96 / 128 on the H200; over 128 in one pass of 64 keys (dK
+# and dV of 32 keys x d/4 columns a warp, as FlashAttention-2 runs d = 256), not bwd.py's
+# column passes that recompute S and dP: 1.14-1.25x at d = 192, 1.40-1.48x at d = 256
+# (docs/perf-log.md). Not at d = 128 with a sliding window, softcap, padded head dim or packed
+# sequences: 128 keys spilled 8-32 bytes there (sm_80/90), and 64 keys on the grids ran
+# 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile).
 GRID = True
-GRID_TILES = {64: ((64, 128),), 96: ((64, 128),), 128: ((64, 128), (64, 64)),
-              192: ((64, 64),), 256: ((64, 64),)}
-GRID_NARROW = True
+GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -105,12 +105,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
         deterministic=spec.deterministic, padded=padded)
-    grid_tiles = GRID_TILES[head_dim] if GRID else ()
-    if head_dim == 128 and (spec.local or spec.has_softcap or padded or packed):
-        grid_tiles = grid_tiles[1:]  # (128 keys spill)
-    if not GRID_NARROW:
-        grid_tiles = [t for t in grid_tiles if head_dim > 128 or t[1] == 128]
-    for tile_m, tile_n in grid_tiles:
+    if GRID and not (head_dim == 128 and (spec.local or spec.has_softcap or padded or packed)):
+        tile_m, tile_n = GRID_TILES[head_dim]
         cfg = Sm80BwdConfig(tile_m=tile_m, tile_n=tile_n, num_warps=8, grid=True,
                             dq_warps_m=DQ_WARPS_M_8_WARPS, **switches)
         if cfg.smem_bytes() <= smem:
