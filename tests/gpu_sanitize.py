@@ -248,10 +248,10 @@ def cases() -> dict:
         tb, bf16, 80, 8, 2, 257, 257, causal=True))
     out["portable_bwd_d128_causal_deterministic"] = _on_sm80(lambda: _bwd_fixed(
         tb, bf16, 128, 8, 2, 257, 257, deterministic=True, causal=True))
-    # head dims over 128: dK and dV in column passes
+    # head dims over 128: one pass of 64 x 64 tiles on the warp grids (bwd_grid.py) where
+    # shared memory holds them, as on the GPU this runs on (the 99 KB targets: column passes)
     out["portable_bwd_d256_causal"] = _on_sm80(lambda: _bwd_fixed(
         tb, bf16, 256, 8, 2, 257, 257, causal=True))
-    # (d=192: 128 keys a CTA where shared memory holds them)
     out["portable_bwd_d192_window"] = _on_sm80(lambda: _bwd_fixed(
         tb, bf16, 192, 8, 2, 200, 300, window_size=(64, 32)))
     out["portable_bwd_varlen_d176_deterministic"] = _on_sm80(lambda: _bwd_varlen(
