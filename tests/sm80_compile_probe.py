@@ -56,10 +56,12 @@ def main():
             continue
         if isinstance(form, str) and form.startswith("bwd"):  # "bwd[,varlen][,deterministic]"
             varlen = "varlen" in form
-            cfg = bwd_config_of(DTYPES[dtype], d, *masks, varlen, "deterministic" in form, smem)
-            if "padded" in form:  # (a narrower head dim run on this width: zero-filled loads)
-                import dataclasses
-                cfg = dataclasses.replace(cfg, padded=True)
+            # "padded": a head dim 16 narrower, run on this width with zero-filled loads (the
+            # config the launch picks for it, which may differ from this width's own)
+            narrower = 16 if "padded" in form else 0
+            cfg = bwd_config_of(DTYPES[dtype], d - narrower, *masks, varlen,
+                                "deterministic" in form, smem)
+            assert (cfg.head_dim, cfg.padded) == (d, narrower > 0), (d, form, cfg)
             compiled, info = compile_bwd_with_report(cfg, keep_ptx=True)
             ptx = compiled.__ptx__
             out.append(dict(variant=[dtype, d, mask, form], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],

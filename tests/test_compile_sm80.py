@@ -95,6 +95,7 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 64, "local", "bwd,varlen,deterministic"],
                # head dims between the widths, padded (80 on 96, 112 on 128, 40 on 64)
                ["bf16", 96, "causal", "bwd,padded"], ["fp16", 128, "none", "bwd,varlen,padded"],
+               ["bf16", 128, "causal", "bwd,padded"],
                ["bf16", 64, "local", "bwd,padded,deterministic"],
                # over 128: one pass of 64 keys on the warp grids where 163 KB holds them
                # (bwd_grid.py; dQ in two halves at d=256), else dK and dV in 64-column passes
@@ -106,6 +107,10 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])
+# Known spills, per target: each must still spill (so a fix shows here and the entry goes).
+# sm_120a at d=112 (padded to 128, 64 x 64 x 4 in 99 KB): 32 bytes; spill-free there with a
+# ring (which 99 KB cannot hold) or 32-query tiles (not measured yet), docs/perf-log.md.
+KNOWN_SPILLS = {"sm_120a": [["bf16", 128, "causal", "bwd,padded"]]}
 
 
 @pytest.mark.parametrize("target", list(TARGETS))
@@ -133,7 +138,8 @@ def test_compile_sm80_fwd(target, tmp_path):
         where = f"{target} {r['variant']} tile {r['tile']}"
         assert r["targets"] == [target], where
         assert r["smem"] <= smem, where
-        assert "registers" in r and r["spill_store_bytes"] == 0, f"{where} spills: {r}"
+        known_spill = r["variant"] in KNOWN_SPILLS.get(target, [])
+        assert "registers" in r and (known_spill or r["spill_store_bytes"] == 0), f"{where} spills: {r}"
         marks = r["marks"]
         combine = r["variant"][3] == "combine"  # plain loads and stores, no MMA
         for needed in ("mma.sync.aligned.m16n8k16", "cp.async.cg.shared.global"):
@@ -151,4 +157,7 @@ def test_compile_sm80_fwd(target, tmp_path):
         if combine:
             continue
         assert "registers" in r and r["registers"] <= 255, where
+        if known_spill:
+            assert r["spill_store_bytes"] > 0, f"{where}: no longer spills; drop it from KNOWN_SPILLS"
+            continue
         assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, f"{where} spills: {r}"
