@@ -141,26 +141,30 @@ def test_sm90_backward_pads_head_dims_between_widths(gpu, registry):
 
 
 def test_backward_buffers_at_the_kernel_width_and_cut_back():
-    """bwd_buffers sizes dQ's accumulator and dK/dV by the kernel's width; bwd_postprocess
-    returns contiguous gradients at the tensors' head dim (GQA sums taken first)."""
-    from cuteattn.kernels.launch_common import bwd_buffers, bwd_postprocess
+    """BackwardLaunch's dQ accumulator and bwd_buffers' dK/dV have the kernel's width;
+    dq_from_accumulator and bwd_postprocess return contiguous gradients at the tensors' head
+    dim (GQA sums taken first)."""
+    from cuteattn.kernels.launch_common import BackwardLaunch, bwd_buffers, bwd_postprocess
     q = torch.randn(2, 5, 4, 80)
     k = torch.randn(2, 7, 2, 80)
     spec = make_spec(kind="bwd", head_dim=80, head_dim_v=80, nheads=4, nheads_k=2)
-    dq_acc, dk, dv = bwd_buffers(spec, q, k, 96)
-    assert dq_acc.shape == (2, 5, 4, 96) and dk.shape == dv.shape == (2, 7, 4, 96)
+    launch = BackwardLaunch.__new__(BackwardLaunch)  # (its dQ methods need no kernel)
+    dq_acc, dq_arg = launch.dq_accumulator(q, 96)
+    dk, dv = bwd_buffers(spec, q, k, 96)
+    assert dq_acc.shape == dq_arg.shape == (2, 5, 4, 96) and dk.shape == dv.shape == (2, 7, 4, 96)
     dq_acc.copy_(torch.randn_like(dq_acc))
     dk.copy_(torch.randn_like(dk))
     dv.copy_(torch.randn_like(dv))
-    dq, dk2, dv2 = bwd_postprocess(dq_acc, dk, dv, q, k, k, ratio=2)
+    dq = launch.dq_from_accumulator(dq_acc, q)
+    assert dq.dtype == q.dtype and dq.is_contiguous() and torch.equal(dq, dq_acc[..., :80])
+    dq, dk2, dv2 = bwd_postprocess(dq, dk, dv, q, k, k, ratio=2)
     assert dq.shape == q.shape and dk2.shape == dv2.shape == k.shape
     assert all(t.is_contiguous() for t in (dq, dk2, dv2))
-    assert torch.equal(dq, dq_acc[..., :80])
     assert torch.equal(dk2, dk.view(2, 7, 2, 2, 96).sum(-2)[..., :80])
     assert torch.equal(dv2, dv.view(2, 7, 2, 2, 96).sum(-2)[..., :80])
     # v narrower than q (head_dim_v 48): dV cut to v's head dim, dK to q's
     v = torch.randn(2, 7, 2, 48)
-    dq, dk2, dv2 = bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio=2)
+    dq, dk2, dv2 = bwd_postprocess(dq, dk, dv, q, k, v, ratio=2)
     assert dk2.shape == k.shape and dv2.shape == v.shape and dv2.is_contiguous()
     assert torch.equal(dv2, dv.view(2, 7, 2, 2, 96).sum(-2)[..., :48])
 

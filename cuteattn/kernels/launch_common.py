@@ -292,23 +292,21 @@ def bwd_preprocess_torch(dout, out, lse, cu_seqlens_q=None, seqused_q=None, tile
 
 
 def bwd_buffers(spec: AttentionSpec, q, k, width: int):
-    """(dQ accumulator float32 like q, zeroed; dK and dV per query head in q's dtype: zeroed
-    where some rows are written by no key block (packed sequences, seqused)), all with the
-    kernel's head-dim width: a head dim between compiled widths gets buffers at the next width,
-    whose extra columns the kernel fills (with zeros: q, k, v and dO are read zero-filled past
-    their head dim) and bwd_postprocess drops."""
-    dq_acc = torch.zeros((*q.shape[:-1], width), dtype=torch.float32, device=q.device)
+    """(dK and dV per query head in q's dtype: zeroed where some rows are written by no key
+    block (packed sequences, seqused)), with the kernel's head-dim width: a head dim between
+    compiled widths gets buffers at the next width, whose extra columns the kernel fills (with
+    zeros: q, k, v and dO are read zero-filled past their head dim) and bwd_postprocess drops.
+    (dQ's accumulator: BackwardLaunch.dq_accumulator.)"""
     dkv_shape = (*k.shape[:-2], spec.nheads, width)
     alloc = torch.zeros if (spec.varlen_k or spec.has_seqused_k) else torch.empty
-    return (dq_acc, alloc(dkv_shape, dtype=q.dtype, device=q.device),
+    return (alloc(dkv_shape, dtype=q.dtype, device=q.device),
             alloc(dkv_shape, dtype=q.dtype, device=q.device))
 
 
-def bwd_postprocess(dq_acc, dk, dv, q, k, v, ratio: int):
-    """(dq in q's dtype, dk and dv summed over the query heads of each kv head), each at its
-    tensor's head dim (contiguous) when the buffers are wider (bwd_buffers)."""
+def bwd_postprocess(dq, dk, dv, q, k, v, ratio: int):
+    """(dq, dk and dv summed over the query heads of each kv head), each at its tensor's head
+    dim (contiguous) when the buffers are wider (bwd_buffers)."""
     d, d_v = q.shape[-1], v.shape[-1]
-    dq = dq_acc[..., :d].to(q.dtype).contiguous()
     if ratio > 1:
         group = (*k.shape[:-2], k.shape[-2], ratio, dk.shape[-1])
         dk = dk.view(group).sum(-2)
@@ -359,7 +357,8 @@ class BackwardLaunch:
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
-        dq_acc, dk, dv = bwd_buffers(spec, q, k, cfg.head_dim)
+        dq_acc, dq_arg = self.dq_accumulator(q, cfg.head_dim)
+        dk, dv = bwd_buffers(spec, q, k, cfg.head_dim)
         # the grid's key blocks from k's layout, the semaphores from q's (one side may be packed)
         if cu_seqlens_k is not None:
             n_blocks = k.shape[0] // cfg.tile_n + cu_seqlens_k.shape[0] - 1  # >= sum ceil(len / tile_n)
@@ -374,12 +373,23 @@ class BackwardLaunch:
         if n_blocks > 0:
             lists = tuple(sparse) + (None,) * (len(self.sparse_names) - len(sparse))
             lists += tuple(mod_tensors) + (None,) * (len(self.mod_names) - len(mod_tensors))
-            args = self.bind(q, k, v, dout, lse2, dsum, dq_acc, dk, dv, cu_seqlens_q,
+            args = self.bind(q, k, v, dout, lse2, dsum, dq_arg, dk, dv, cu_seqlens_q,
                              cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks,
                              self.heads_interleaved(q, cu_seqlens_q))
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
-        grads = bwd_postprocess(dq_acc, dk, dv, q, k, v, spec.qhead_per_kvhead)
+        grads = bwd_postprocess(self.dq_from_accumulator(dq_acc, q), dk, dv, q, k, v,
+                                spec.qhead_per_kvhead)
         return grads if sink is None else (*grads, sink_gradient(sink, lse2, dsum))
+
+    def dq_accumulator(self, q, width: int) -> tuple:
+        """(buffer, the kernel's mdQacc): dQ's float32 accumulator, zeroed, shaped like q at the
+        kernel's head-dim width (here both the same tensor)."""
+        dq_acc = torch.zeros((*q.shape[:-1], width), dtype=torch.float32, device=q.device)
+        return dq_acc, dq_acc
+
+    def dq_from_accumulator(self, dq_acc, q):
+        """dq in q's dtype and head dim (contiguous) from dq_accumulator's buffer."""
+        return dq_acc[..., :q.shape[-1]].to(q.dtype).contiguous()
 
     def heads_interleaved(self, q, cu_seqlens_q) -> int:
         """How many heads' key blocks the grid interleaves (a divisor of nheads): the key blocks

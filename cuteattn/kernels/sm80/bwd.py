@@ -79,6 +79,9 @@ class Sm80BwdConfig:
     dq_warps_m: int = 0
     # the two-dimensional warp grids of bwd_grid.FlashBwdSm80Grid (P through shared memory)
     grid: bool = False
+    # (candidate) the dQ accumulator in 8 x 8 blocks ordered so that each red.global of a warp
+    # covers 32 adjacent floats (dq_view; launch_bwd.dq_from_blocks undoes the order)
+    dq_blocked: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -244,7 +247,7 @@ class FlashBwdSm80:
                   tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
-        block_info, m_min, m_max, key_start, gLSE2, gD, gdQ, load_q_block = self.start_walk(
+        block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block = self.start_walk(
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen, n_block, head_idx,
             head_idx_kv, batch_idx, window_left, window_right, tidx)
         ring = self.ring
@@ -359,7 +362,7 @@ class FlashBwdSm80:
                 cute.arch.barrier()  # dS^T is in shared memory
                 if const_expr(kv_pass == 0):  # dQ's share: in the first pass only
                     add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt,
-                                                ld_dq_a, ld_dq_b, coord_dq, gdQ, q_start,
+                                                ld_dq_a, ld_dq_b, coord_dq, dq_out, q_start,
                                                 seqlen.seqlen_q, softmax_scale)
                     self.add_dq_share(add, mSemaphore, mQ, seqlen, block_info, m_block, n_block,
                                       head_idx, batch_idx, tidx)
@@ -468,10 +471,29 @@ class FlashBwdSm80:
         tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
         gLSE2 = self.row_view(mLSE2, seqlen, head_idx, batch_idx)
         gD = self.row_view(mD, seqlen, head_idx, batch_idx)
-        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        gdQ, dq_row0 = self.dq_view(mdQacc, seqlen, head_idx, batch_idx)
         load_q_block = lambda m_block, st: self.load_q_block(
             copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols)
-        return block_info, m_min, m_max, key_start, gLSE2, gD, gdQ, load_q_block
+        return block_info, m_min, m_max, key_start, gLSE2, gD, (gdQ, dq_row0), load_q_block
+
+    def dq_view(self, mdQacc: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx):
+        """(view, row0): dQ's accumulator of one head, its element (row0 + i, j) query i's
+        column j. Blocked (cfg.dq_blocked): the buffer's rows (every sequence's, one after
+        another) in groups of 8, each group's 8 x d floats of a head together, in 8-column
+        blocks of 64 floats ordered (column parity, row, column pair): the 32 values one
+        red.global of a warp adds (an m16n8 accumulator's 8 rows x 4 column pairs, one element
+        of each pair) are 32 adjacent floats, one 128-byte line, where the plain layout spreads
+        them over 8 rows (8 sectors, half of each used). The rows' group and place in it come
+        from the buffer's row, so row0 is this sequence's first (packed: its offset; fixed
+        length: batch x seqlen), not folded into the view."""
+        if const_expr(not self.cfg.dq_blocked):
+            return seqlen.q_view(mdQacc, head_idx, batch_idx), 0
+        row_stride = mdQacc.stride[0]  # (rows, d, h[, b]): h x d
+        blocks = cute.make_layout(((8, mdQacc.shape[0]), ((2, 4), self.d // 8)),
+                                  stride=((4, 8 * row_stride), ((32, 1), 64)))
+        view = cute.make_tensor(mdQacc.iterator + head_idx * 8 * self.d, blocks)
+        row0 = seqlen.offset_q if const_expr(self.cfg.varlen_q) else batch_idx * mdQacc.shape[0]
+        return view, row0
 
     def add_dq_share(self, add, mSemaphore, mQ, seqlen: SeqlenInfo, block_info: BlockInfo,
                      m_block, n_block, head_idx, batch_idx, tidx):
@@ -524,11 +546,12 @@ class FlashBwdSm80:
                      a_in_registers=True)
 
     @cute.jit
-    def dq_share(self, tiled_mma, thr, tQrdS, tQrKt, tQsdS, tQsKt, ld_at, ld_bt, coord_dq, gdQ,
+    def dq_share(self, tiled_mma, thr, tQrdS, tQrKt, tQsdS, tQsKt, ld_at, ld_bt, coord_dq, dq_out,
                  q_start, seqlen_q, softmax_scale):
         """dQ's share of this key block for the query block at q_start: dS K (scaled), added to
         the float32 accumulator, rows inside the sequence only; in chunks of dq_cols columns
-        (tQsKt: K^T's chunks, one GEMM each)."""
+        (tQsKt: K^T's chunks, one GEMM each). dq_out: dq_view's (view, row0)."""
+        gdQ, row0 = dq_out
         for chunk in cutlass.range_constexpr(len(tQsKt)):
             acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.dq_cols)), Float32)
             acc_dQ.fill(0.0)
@@ -539,7 +562,7 @@ class FlashBwdSm80:
                 if row < seqlen_q:
                     for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
                         col = chunk * self.dq_cols + coord_dq[r, c][1]
-                        red_add_f32(gdQ.iterator + cute.crd2idx((row, col), gdQ.layout),
+                        red_add_f32(gdQ.iterator + cute.crd2idx((row0 + row, col), gdQ.layout),
                                     acc_mn[r, c] * softmax_scale)
 
     def stage_views(self, sQs, sdOs, ld_b, ld_bt, rows_of, part, col0):

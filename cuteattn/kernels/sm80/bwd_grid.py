@@ -64,7 +64,7 @@ class FlashBwdSm80Grid(FlashBwdSm80):
                   tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
-        block_info, m_min, m_max, key_start, gLSE2, gD, gdQ, load_q_block = self.start_walk(
+        block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block = self.start_walk(
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen, n_block, head_idx,
             head_idx_kv, batch_idx, window_left, window_right, tidx)
         ring = self.ring
@@ -158,7 +158,7 @@ class FlashBwdSm80Grid(FlashBwdSm80):
                      ld_kv_b.partition_S(transposed_view(sQs)), ld_kv_a, ld_kv_b)
             # dQ's share
             add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt, ld_dq_a,
-                                        ld_dq_b, coord_dq, gdQ, q_start, seqlen.seqlen_q,
+                                        ld_dq_b, coord_dq, dq_out, q_start, seqlen.seqlen_q,
                                         softmax_scale)
             self.add_dq_share(add, mSemaphore, mQ, seqlen, block_info, m_block, n_block,
                               head_idx, batch_idx, tidx)

@@ -11,6 +11,8 @@ import dataclasses
 import functools
 from typing import Optional
 
+import torch
+
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
@@ -45,6 +47,9 @@ DQ_WARPS_M_8_WARPS = 2
 # 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile).
 GRID = True
 GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
+# (candidate, not run: A/B DQ_BLOCKED 0 1 --path sm80) dQ's accumulator in 8 x 8 blocks, each
+# red.global of a warp 32 adjacent floats (bwd.FlashBwdSm80.dq_view; dq_from_blocks)
+DQ_BLOCKED = True
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -104,7 +109,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         dtype=dtype, head_dim=head_dim, causal=spec.causal, local=spec.local,
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
-        deterministic=spec.deterministic, padded=padded)
+        deterministic=spec.deterministic, padded=padded, dq_blocked=DQ_BLOCKED)
     if GRID and not (head_dim == 128 and (spec.local or spec.has_softcap or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
         cfg = Sm80BwdConfig(tile_m=tile_m, tile_n=tile_n, num_warps=8, grid=True,
@@ -148,6 +153,29 @@ def _compiled(cfg: Sm80BwdConfig, tvm_ffi: bool):
                                         sources=sources())
 
 
+def blocked_dq_accumulator(q, width: int) -> tuple:
+    """(buffer, the kernel's mdQacc) of the blocked dQ accumulator (bwd.FlashBwdSm80.dq_view):
+    float32, zeroed, q's rows (every sequence's, one after another) rounded up to a multiple
+    of 8 for the 8-row groups, each head at the kernel's width; the kernel takes a q-shaped
+    view of its first rows."""
+    rows = q.shape[:-2].numel()
+    buffer = torch.zeros(((rows + 7) // 8 * 8, q.shape[-2], width), dtype=torch.float32,
+                         device=q.device)
+    return buffer, buffer[:rows].view(*q.shape[:-1], width)
+
+
+def dq_from_blocks(buffer, q):
+    """dq in q's dtype, shape and head dim (contiguous) from blocked_dq_accumulator's buffer:
+    the blocks' (row group, head, column block, column parity, row, column pair) order back
+    to (row, head, column), converted in one copy."""
+    rows8, heads, width = buffer.shape
+    blocks = buffer.view(rows8 // 8, heads, width // 8, 2, 8, 4).permute(0, 4, 1, 2, 5, 3)
+    dq = torch.empty((rows8, heads, width), dtype=q.dtype, device=q.device)
+    dq.view(rows8 // 8, 8, heads, width // 8, 4, 2).copy_(blocks)
+    dq = dq[:q.shape[:-2].numel()].view(*q.shape[:-1], width)
+    return dq if width == q.shape[-1] else dq[..., :q.shape[-1]].contiguous()
+
+
 class BwdLaunch(BackwardLaunch):
     """The compiled backward for one spec; calling it runs the three steps."""
 
@@ -155,6 +183,16 @@ class BwdLaunch(BackwardLaunch):
         cfg = bwd_config(spec, _major(spec), smem_limit(spec.device_index))
         tvm_ffi = use_tvm_ffi()
         super().__init__(spec, cfg, _compiled(cfg, tvm_ffi), tvm_ffi, arguments.BWD_ARGUMENTS)
+
+    def dq_accumulator(self, q, width: int) -> tuple:
+        if self.cfg.dq_blocked:
+            return blocked_dq_accumulator(q, width)
+        return super().dq_accumulator(q, width)
+
+    def dq_from_accumulator(self, dq_acc, q):
+        if self.cfg.dq_blocked:
+            return dq_from_blocks(dq_acc, q)
+        return super().dq_from_accumulator(dq_acc, q)
 
 
 class Sm80Backward:
