@@ -79,9 +79,6 @@ class Sm80BwdConfig:
     dq_warps_m: int = 0
     # the two-dimensional warp grids of bwd_grid.FlashBwdSm80Grid (P through shared memory)
     grid: bool = False
-    # (candidate) the dQ accumulator in 8 x 8 blocks ordered so that each red.global of a warp
-    # covers 32 adjacent floats (dq_view; launch_bwd.dq_from_blocks undoes the order)
-    dq_blocked: bool = False
 
     @property
     def num_threads(self) -> int:
@@ -138,7 +135,7 @@ class FlashBwdSm80:
         mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
         mLSE2: cute.Tensor,   # float32 (b, h, rows_pad) or (h, rows_pad): LSE in log2 units
         mD: cute.Tensor,      # like mLSE2: rowsum(dO * O)
-        mdQacc: cute.Tensor,  # float32, shaped like q (zeroed by the launch)
+        mdQacc: cute.Tensor,  # float32, shaped like q, in dq_view's blocks (zeroed)
         mdK: cute.Tensor, mdV: cute.Tensor,  # like k, with the query heads
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
@@ -471,29 +468,26 @@ class FlashBwdSm80:
         tOgO, tOsO = copy.partition_S(gdO), copy.partition_D(sdO)
         gLSE2 = self.row_view(mLSE2, seqlen, head_idx, batch_idx)
         gD = self.row_view(mD, seqlen, head_idx, batch_idx)
-        gdQ, dq_row0 = self.dq_view(mdQacc, seqlen, head_idx, batch_idx)
+        dq_out = self.dq_view(mdQacc, seqlen, head_idx, batch_idx)
         load_q_block = lambda m_block, st: self.load_q_block(
             copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols)
-        return block_info, m_min, m_max, key_start, gLSE2, gD, (gdQ, dq_row0), load_q_block
+        return block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block
 
     def dq_view(self, mdQacc: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx):
-        """(view, row0): dQ's accumulator of one head, its element (row0 + i, j) query i's
-        column j. Blocked (cfg.dq_blocked): the buffer's rows (every sequence's, one after
-        another) in groups of 8, each group's 8 x d floats of a head together, in 8-column
-        blocks of 64 floats ordered (column parity, row, column pair): the 32 values one
-        red.global of a warp adds (an m16n8 accumulator's 8 rows x 4 column pairs, one element
-        of each pair) are 32 adjacent floats, one 128-byte line, where the plain layout spreads
-        them over 8 rows (8 sectors, half of each used). The rows' group and place in it come
-        from the buffer's row, so row0 is this sequence's first (packed: its offset; fixed
-        length: batch x seqlen), not folded into the view."""
-        if const_expr(not self.cfg.dq_blocked):
-            return seqlen.q_view(mdQacc, head_idx, batch_idx), 0
+        """(head, row_stride, row0): where dQ's accumulator of one head starts, the buffer's
+        row stride, and this sequence's first row; query i's column j is at head +
+        dq_offset(row0 + i, j, row_stride). The buffer's rows (every sequence's, one after another) in groups of 8, each
+        group's 8 x d floats of a head together, in 8-column blocks of 64 floats ordered
+        (column parity, row, column pair): the 32 values one red.global of a warp adds (an
+        m16n8 accumulator's 8 rows x 4 column pairs, one element of each pair) are 32 adjacent
+        floats, one 128-byte line, where a row-major layout spreads them over 8 rows (8
+        sectors, half of each used): 1.23-1.68x at d = 64 to 256 on the H200 (FlashAttention-2
+        permutes its accumulator for the same reason). launch_bwd.dq_from_blocks undoes it.
+        A row's group and place in it come from the buffer's row, so row0 is this sequence's
+        first (packed: its offset; fixed length: batch x seqlen), not folded into the view."""
         row_stride = mdQacc.stride[0]  # (rows, d, h[, b]): h x d
-        blocks = cute.make_layout(((8, mdQacc.shape[0]), ((2, 4), self.d // 8)),
-                                  stride=((4, 8 * row_stride), ((32, 1), 64)))
-        view = cute.make_tensor(mdQacc.iterator + head_idx * 8 * self.d, blocks)
         row0 = seqlen.offset_q if const_expr(self.cfg.varlen_q) else batch_idx * mdQacc.shape[0]
-        return view, row0
+        return mdQacc.iterator + head_idx * 8 * self.d, row_stride, row0
 
     def add_dq_share(self, add, mSemaphore, mQ, seqlen: SeqlenInfo, block_info: BlockInfo,
                      m_block, n_block, head_idx, batch_idx, tidx):
@@ -550,19 +544,32 @@ class FlashBwdSm80:
                  q_start, seqlen_q, softmax_scale):
         """dQ's share of this key block for the query block at q_start: dS K (scaled), added to
         the float32 accumulator, rows inside the sequence only; in chunks of dq_cols columns
-        (tQsKt: K^T's chunks, one GEMM each). dq_out: dq_view's (view, row0)."""
-        gdQ, row0 = dq_out
+        (tQsKt: K^T's chunks, one GEMM each). dq_out: dq_view's (head, row_stride, row0).
+
+        An element's place is its thread's first (coord_dq[0, 0]) plus its offset within the
+        thread's fragment (thread 0's coordinates, static): the accumulator's rows step in 8s
+        and its columns in pairs of 8-column steps, so dq_offset of the sum is the sum of the
+        two and each red.global takes the thread's row address plus a constant."""
+        head, row_stride, row0 = dq_out
+        steps = acc_mn_view(tiled_mma.get_slice(0).partition_C(
+            cute.make_identity_tensor((self.tile_m, self.dq_cols))))
+        first_row, first_col = coord_dq[0, 0]
         for chunk in cutlass.range_constexpr(len(tQsKt)):
             acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.dq_cols)), Float32)
             acc_dQ.fill(0.0)
             mma.gemm(tiled_mma, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt[chunk], ld_at, ld_bt)
             acc_mn = acc_mn_view(acc_dQ)
+            thread = head + dq_offset(row0 + q_start + first_row, chunk * self.dq_cols + first_col,
+                                      row_stride)
             for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                row = q_start + coord_dq[r, 0][0]
-                if row < seqlen_q:
+                step_row = steps[r, 0][0]
+                assert step_row % 8 == 0, step_row
+                if q_start + first_row + step_row < seqlen_q:
+                    at_row = thread + dq_offset(step_row, 0, row_stride)
                     for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                        col = chunk * self.dq_cols + coord_dq[r, c][1]
-                        red_add_f32(gdQ.iterator + cute.crd2idx((row0 + row, col), gdQ.layout),
+                        step_col = steps[r, c][1]
+                        assert step_col % 8 in (0, 1), step_col
+                        red_add_f32(at_row + dq_offset(0, step_col, row_stride),
                                     acc_mn[r, c] * softmax_scale)
 
     def stage_views(self, sQs, sdOs, ld_b, ld_bt, rows_of, part, col0):
@@ -605,6 +612,13 @@ class FlashBwdSm80:
             start = (seqlen.offset_q // self.tile_m + batch_idx) * self.tile_m
             return cute.domain_offset((start,), mX[None, head_idx])
         return mX[None, head_idx, batch_idx]
+
+
+def dq_offset(row, col, row_stride):
+    """Where (row, col) of one head is in the blocked dQ accumulator (FlashBwdSm80.dq_view),
+    in floats from the head's start: 8-row groups row_stride x 8 apart, 8-column blocks of 64
+    floats ordered (column parity, row, column pair)."""
+    return (row // 8) * (8 * row_stride) + (row % 8) * 4 + (col // 8) * 64 + (col % 2) * 32 + (col // 2) % 4
 
 
 @cute.jit

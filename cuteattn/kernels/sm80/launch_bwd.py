@@ -47,9 +47,6 @@ DQ_WARPS_M_8_WARPS = 2
 # 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile).
 GRID = True
 GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
-# (candidate, not run: A/B DQ_BLOCKED 0 1 --path sm80) dQ's accumulator in 8 x 8 blocks, each
-# red.global of a warp 32 adjacent floats (bwd.FlashBwdSm80.dq_view; dq_from_blocks)
-DQ_BLOCKED = True
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -109,7 +106,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         dtype=dtype, head_dim=head_dim, causal=spec.causal, local=spec.local,
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
-        deterministic=spec.deterministic, padded=padded, dq_blocked=DQ_BLOCKED)
+        deterministic=spec.deterministic, padded=padded)
     if GRID and not (head_dim == 128 and (spec.local or spec.has_softcap or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
         cfg = Sm80BwdConfig(tile_m=tile_m, tile_n=tile_n, num_warps=8, grid=True,
@@ -185,14 +182,10 @@ class BwdLaunch(BackwardLaunch):
         super().__init__(spec, cfg, _compiled(cfg, tvm_ffi), tvm_ffi, arguments.BWD_ARGUMENTS)
 
     def dq_accumulator(self, q, width: int) -> tuple:
-        if self.cfg.dq_blocked:
-            return blocked_dq_accumulator(q, width)
-        return super().dq_accumulator(q, width)
+        return blocked_dq_accumulator(q, width)
 
     def dq_from_accumulator(self, dq_acc, q):
-        if self.cfg.dq_blocked:
-            return dq_from_blocks(dq_acc, q)
-        return super().dq_from_accumulator(dq_acc, q)
+        return dq_from_blocks(dq_acc, q)
 
 
 class Sm80Backward:
