@@ -476,15 +476,16 @@ class FlashBwdSm80:
     def dq_view(self, mdQacc: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx):
         """(head, row_stride, row0): where dQ's accumulator of one head starts, the buffer's
         row stride, and this sequence's first row; query i's column j is at head +
-        dq_offset(row0 + i, j, row_stride). The buffer's rows (every sequence's, one after another) in groups of 8, each
-        group's 8 x d floats of a head together, in 8-column blocks of 64 floats ordered
-        (column parity, row, column pair): the 32 values one red.global of a warp adds (an
-        m16n8 accumulator's 8 rows x 4 column pairs, one element of each pair) are 32 adjacent
-        floats, one 128-byte line, where a row-major layout spreads them over 8 rows (8
-        sectors, half of each used): 1.23-1.68x at d = 64 to 256 on the H200 (FlashAttention-2
-        permutes its accumulator for the same reason). launch_bwd.dq_from_blocks undoes it.
-        A row's group and place in it come from the buffer's row, so row0 is this sequence's
-        first (packed: its offset; fixed length: batch x seqlen), not folded into the view."""
+        dq_offset(row0 + i, j, row_stride). The buffer's rows (every sequence's, one after
+        another) in groups of 8, each group's 8 x d floats of a head together, in 8-column
+        blocks of 64 floats ordered (column parity, row, column pair): the 32 values one
+        red.global of a warp adds (an m16n8 accumulator's 8 rows x 4 column pairs, one element
+        of each pair) are 32 adjacent floats, one 128-byte line, where a row-major layout
+        spreads them over 8 rows (8 sectors, half of each used): 1.23-1.68x at d = 64 to 256 on
+        the H200 (FlashAttention-2 permutes its accumulator for the same reason).
+        launch_bwd.dq_from_blocks undoes the order. A row's group and place in it come from
+        the buffer's row, so row0 is this sequence's first (packed: its offset; fixed length:
+        batch x seqlen), not folded into the view."""
         row_stride = mdQacc.stride[0]  # (rows, d, h[, b]): h x d
         row0 = seqlen.offset_q if const_expr(self.cfg.varlen_q) else batch_idx * mdQacc.shape[0]
         return mdQacc.iterator + head_idx * 8 * self.d, row_stride, row0
@@ -553,6 +554,7 @@ class FlashBwdSm80:
         head, row_stride, row0 = dq_out
         steps = acc_mn_view(tiled_mma.get_slice(0).partition_C(
             cute.make_identity_tensor((self.tile_m, self.dq_cols))))
+        assert steps[0, 0] == (0, 0), steps[0, 0]
         first_row, first_col = coord_dq[0, 0]
         for chunk in cutlass.range_constexpr(len(tQsKt)):
             acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.dq_cols)), Float32)
