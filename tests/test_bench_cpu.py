@@ -101,3 +101,25 @@ def test_mods_cells_count_their_pairs_and_run_on_cpu():
         result = bench.run_cell(cell, torch.device("cpu"), iters=1)
         assert result["rates"]["cuteattn (reference)"] > 0
         assert result["check"] and all(c["ok"] for c in result["check"].values())
+
+
+def test_dirty_means_changed_content_not_a_lost_executable_bit(tmp_path):
+    """git_commit's dirty flag: a copied tree whose scripts lost their executable bit is the
+    commit's tree; an edited tracked file is not."""
+    import shutil
+    import subprocess
+    import pytest
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    git = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+    git("init", "-q")
+    script = tmp_path / "run.sh"
+    script.write_text("echo hi\n")
+    script.chmod(0o755)
+    git("add", "run.sh")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    assert report.git_commit(str(tmp_path))[1] is False
+    script.chmod(0o644)
+    assert report.git_commit(str(tmp_path))[1] is False
+    script.write_text("echo changed\n")
+    assert report.git_commit(str(tmp_path))[1] is True

@@ -113,11 +113,14 @@ def summary(results: list[dict]) -> dict:
 
 
 def git_commit(root: str) -> tuple[str, bool]:
-    """(short commit, dirty) of the tree at root, or ('unknown', False) outside a git checkout."""
+    """(short commit, dirty) of the tree at root, or ('unknown', False) outside a git checkout.
+    Dirty: a tracked file's content differs from the commit's; a file's executable bit alone
+    does not count (copies of a tree, as to a benchmark machine, often lose it)."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        status = subprocess.run(["git", "-c", "core.fileMode=false", "status", "--porcelain",
+                                 "--untracked-files=no"], cwd=root,
                                 capture_output=True, text=True, check=True).stdout
         return commit, bool(status.strip())
     except (OSError, subprocess.CalledProcessError):
