@@ -52,7 +52,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import epilogue, named_barriers
+from ..common import dq_blocks, epilogue, named_barriers
 from ..common.block_info import BlockInfo, DenseRows
 from ..common.block_sparse import SparseBlocks, SparseRows
 from ..common.convert import convert_fragment
@@ -725,7 +725,10 @@ class FlashBwdSm90:
             tSsdSt = store_t.partition_D(sdSt)
             tSsPt = store_t.partition_D(sPt) if const_expr(cfg.split_d) else None
 
-        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        # (red.global pairs into the blocked accumulator: its head, row stride and this
+        # sequence's first row, common/dq_blocks.py)
+        gdQ = (dq_blocks.head_start(mdQacc, head_idx, self.d), mdQacc.stride[0],
+               dq_blocks.first_row(mdQacc, seqlen, batch_idx, cfg.varlen_q))
         if const_expr(cfg.dq_tma):
             # (TMA atom, this warpgroup's staged share, its boxes in global memory by query block)
             tma_atom_dq, tma_dq, sdQ = dq_store
@@ -947,10 +950,12 @@ class FlashBwdSm90:
         if const_expr(self.cfg.dq_tma):
             self.reduce_dq(acc_dQ, gdQ, m_block, tidx, softmax_scale)
         else:
-            coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+            tile = cute.make_identity_tensor((self.tile_m, self.d))
+            coord = acc_mn_view(thr_dq.partition_C(tile))
+            steps = acc_mn_view(dq.get_slice(0).partition_C(tile))
             acc_mn = acc_mn_view(acc_dQ)
-            self.dq_order(order, m_block, tidx,
-                          lambda: self.add_dq(acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale))
+            self.dq_order(order, m_block, tidx, lambda: self.add_dq(
+                acc_mn, coord, steps, gdQ, m_block, seqlen_q, softmax_scale))
 
     @cute.jit
     def reduce_dq(self, acc_dQ, dq_box, m_block, tidx, softmax_scale):
@@ -1026,15 +1031,22 @@ class FlashBwdSm90:
                 add()
 
     @cute.jit
-    def add_dq(self, acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale):
+    def add_dq(self, acc_mn, coord, steps, dq_out, m_block, seqlen_q, softmax_scale):
+        """This thread's dQ share into the blocked accumulator (dq_out: its head, row stride
+        and the sequence's first row; common/dq_blocks.py), rows inside the sequence only: a
+        pair a red.global, at the thread's row address plus a constant (coord: the thread's
+        coordinates, steps: thread 0's)."""
+        head, row_stride, row0 = dq_out
         q_start = m_block * self.tile_m
+        assert steps[0, 0] == (0, 0), steps[0, 0]
+        first_row, first_col = coord[0, 0]
+        thread = head + dq_blocks.offset("pairs", row0 + q_start + first_row, first_col, row_stride)
         for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            row = q_start + coord[r, 0][0]
-            if row < seqlen_q:
+            if q_start + first_row + steps[r, 0][0] < seqlen_q:
+                at_row = thread + dq_blocks.step_offset("pairs", (steps[r, 0][0], 0), row_stride)
                 for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-                    col = coord[r, c][1]
-                    ptr = gdQ.iterator + cute.crd2idx((row, col), gdQ.layout)
-                    red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
+                    at = at_row + dq_blocks.step_offset("pairs", (0, steps[r, c][1]), row_stride)
+                    red_add_f32x2(at, acc_mn[r, c] * softmax_scale,
                                   acc_mn[r, c + 1] * softmax_scale)
 
     @cute.jit

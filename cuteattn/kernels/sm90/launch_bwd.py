@@ -130,6 +130,11 @@ class BwdLaunch(BackwardLaunch):
         super().__init__(spec, cfg, _compiled(cfg, tvm_ffi, *fns), tvm_ffi,
                          arguments.BWD_ARGUMENTS)
 
+    def dq_blocks(self):
+        """(candidate, not run) the reductions' pairs into blocks of 8 rows (two lines a warp's
+        addition, not 8); the TMA reduce-adds (dq_tma) keep q's row layout."""
+        return None if self.cfg.dq_tma else "pairs"
+
     def heads_interleaved(self, q, cu_seqlens_q) -> int:
         """Deterministic mode with turns in key-block order (no causal or window mask, no
         lists): key block n of a head adds into each query block one turn-chain link (a few
