@@ -675,37 +675,47 @@ def test_backward_layout_per_head_dim(capability):
             assert cfg.q_stages == (2 if smem >= 208 * 1024 and "varlen_q" not in kw else 1), where
 
 
-def blocked_offset(row, head, col, heads, width):
-    """Where the backward kernel adds dQ's (row, head, col) in the blocked accumulator
-    (bwd.FlashBwdSm80.dq_view's layout, written out): 8-row groups, a head's 8 x width floats
-    together, 8-column blocks of 64 floats ordered (column parity, row, column pair)."""
-    return ((row // 8) * 8 * heads * width + head * 8 * width + (col // 8) * 64 + (col % 2) * 32
-            + (row % 8) * 4 + (col // 2) % 4)
+def blocked_offset(order, row, head, col, heads, width):
+    """Where the backward kernels add dQ's (row, head, col) in the blocked accumulator
+    (common/dq_blocks.py, written out): 8-row groups, a head's 8 x width floats together,
+    8-column blocks of 64 floats ordered (column parity, row, column pair) for one float a
+    lane ("single") or (row, column) for pairs."""
+    group = (row // 8) * 8 * heads * width + head * 8 * width + (col // 8) * 64
+    if order == "single":
+        return group + (col % 2) * 32 + (row % 8) * 4 + (col // 2) % 4
+    return group + (row % 8) * 8 + col % 8
 
 
+@pytest.mark.parametrize("order", ["single", "pairs"])
 @pytest.mark.parametrize("shape, width", [((2, 13, 3, 80), 96), ((24, 2, 64), 64)])
-def test_blocked_dq_accumulator_reads_back_in_place(shape, width):
-    """dq_from_blocks undoes the kernel's blocked order: values put where the kernel adds
+def test_blocked_dq_accumulator_reads_back_in_place(order, shape, width):
+    """dq_from_accumulator undoes the kernels' blocked order: values put where a kernel adds
     (row, head, col) come back at (row, head, col), in q's dtype and head dim; rows not a
     multiple of 8 (fixed length 2 x 13) and packed rows (24) alike."""
-    from cuteattn.kernels.sm80.launch_bwd import blocked_dq_accumulator, dq_from_blocks
+    from cuteattn.kernels.launch_common import BackwardLaunch
+    launch = BackwardLaunch.__new__(BackwardLaunch)  # (its dQ methods need no kernel)
+    launch.dq_blocks = lambda: order
     q = torch.zeros(shape, dtype=torch.bfloat16)
-    buffer, kernel_view = blocked_dq_accumulator(q, width)
+    buffer, kernel_view = launch.dq_accumulator(q, width)
     assert kernel_view.shape == (*shape[:-1], width) and kernel_view.data_ptr() == buffer.data_ptr()
     rows, heads = q.shape[:-2].numel(), shape[-2]
     want = torch.randn(rows, heads, width)
     r, h, c = torch.meshgrid(torch.arange(rows), torch.arange(heads), torch.arange(width), indexing="ij")
-    buffer.view(-1)[blocked_offset(r, h, c, heads, width).flatten()] = want.flatten()
-    got = dq_from_blocks(buffer, q)
+    buffer.view(-1)[blocked_offset(order, r, h, c, heads, width).flatten()] = want.flatten()
+    got = launch.dq_from_accumulator(buffer, q)
     assert got.shape == shape and got.dtype == q.dtype and got.is_contiguous()
     assert torch.equal(got, want.view(*shape[:-1], width)[..., :shape[-1]].to(q.dtype))
 
 
-def test_blocked_dq_order_gives_each_warp_reduction_one_line():
-    """The 32 values one red.global of a warp adds (lane l of an m16n8 accumulator: row
-    l // 4 of an 8-row group, column 2 (l % 4) + j of an 8-column block, one j per
-    instruction) land on 32 adjacent floats, 128-byte aligned."""
+@pytest.mark.parametrize("order, lines", [("single", 1), ("pairs", 2)])
+def test_blocked_dq_order_gives_each_warp_reduction_whole_lines(order, lines):
+    """The values one red.global of a warp adds (lane l of an m16n8 accumulator: row l // 4 of
+    an 8-row group, columns 2 (l % 4) + j of an 8-column block; one j an instruction with
+    "single", both with "pairs") land on adjacent floats filling `lines` 128-byte lines."""
     lanes = torch.arange(32)
     for row0, col0, j in ((0, 0, 0), (8, 0, 1), (40, 24, 0), (16, 120, 1)):
-        offsets = blocked_offset(row0 + lanes // 4, 1, col0 + 2 * (lanes % 4) + j, 4, 128)
-        assert offsets.min() % 32 == 0 and torch.equal(offsets.sort().values, offsets.min() + lanes)
+        cols = [col0 + 2 * (lanes % 4) + j] if order == "single" else [
+            col0 + 2 * (lanes % 4), col0 + 2 * (lanes % 4) + 1]
+        offsets = torch.cat([blocked_offset(order, row0 + lanes // 4, 1, c, 4, 128) for c in cols])
+        assert offsets.min() % 32 == 0
+        assert torch.equal(offsets.sort().values, offsets.min() + torch.arange(32 * lines))

@@ -381,15 +381,41 @@ class BackwardLaunch:
                                 spec.qhead_per_kvhead)
         return grads if sink is None else (*grads, sink_gradient(sink, lse2, dsum))
 
+    def dq_blocks(self):
+        """The order of dQ's accumulator: None (rows of q's layout), or the kernel's blocks of 8
+        rows (common/dq_blocks.py) for additions of one float a lane ("single") or of pairs
+        ("pairs")."""
+        return None
+
     def dq_accumulator(self, q, width: int) -> tuple:
         """(buffer, the kernel's mdQacc): dQ's float32 accumulator, zeroed, shaped like q at the
-        kernel's head-dim width (here both the same tensor)."""
-        dq_acc = torch.zeros((*q.shape[:-1], width), dtype=torch.float32, device=q.device)
-        return dq_acc, dq_acc
+        kernel's head-dim width; in blocks, the buffer's rows (q's, every sequence's one after
+        another) rounded up to a multiple of 8 and the kernel given a q-shaped view of its
+        first rows."""
+        if self.dq_blocks() is None:
+            dq_acc = torch.zeros((*q.shape[:-1], width), dtype=torch.float32, device=q.device)
+            return dq_acc, dq_acc
+        rows = q.shape[:-2].numel()
+        buffer = torch.zeros(((rows + 7) // 8 * 8, q.shape[-2], width), dtype=torch.float32,
+                             device=q.device)
+        return buffer, buffer[:rows].view(*q.shape[:-1], width)
 
     def dq_from_accumulator(self, dq_acc, q):
-        """dq in q's dtype and head dim (contiguous) from dq_accumulator's buffer."""
-        return dq_acc[..., :q.shape[-1]].to(q.dtype).contiguous()
+        """dq in q's dtype, shape and head dim (contiguous) from dq_accumulator's buffer; from
+        blocks, put back in row order by the same single copy that converts it."""
+        blocks = self.dq_blocks()
+        if blocks is None:
+            return dq_acc[..., :q.shape[-1]].to(q.dtype).contiguous()
+        rows8, heads, width = dq_acc.shape
+        dq = torch.empty((rows8, heads, width), dtype=q.dtype, device=q.device)
+        if blocks == "single":  # (row group, head, column block, parity, row, pair)
+            src = dq_acc.view(rows8 // 8, heads, width // 8, 2, 8, 4).permute(0, 4, 1, 2, 5, 3)
+            dq.view(rows8 // 8, 8, heads, width // 8, 4, 2).copy_(src)
+        else:  # "pairs": (row group, head, column block, row, column)
+            src = dq_acc.view(rows8 // 8, heads, width // 8, 8, 8).permute(0, 3, 1, 2, 4)
+            dq.view(rows8 // 8, 8, heads, width // 8, 8).copy_(src)
+        dq = dq[:q.shape[:-2].numel()].view(*q.shape[:-1], width)
+        return dq if width == q.shape[-1] else dq[..., :q.shape[-1]].contiguous()
 
     def heads_interleaved(self, q, cu_seqlens_q) -> int:
         """How many heads' key blocks the grid interleaves (a divisor of nheads): the key blocks

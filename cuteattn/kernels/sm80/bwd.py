@@ -27,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..common import epilogue
+from ..common import dq_blocks, epilogue
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
 from ..common.dq_order import in_turn, semaphore_slot
@@ -474,21 +474,11 @@ class FlashBwdSm80:
         return block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block
 
     def dq_view(self, mdQacc: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx):
-        """(head, row_stride, row0): where dQ's accumulator of one head starts, the buffer's
-        row stride, and this sequence's first row; query i's column j is at head +
-        dq_offset(row0 + i, j, row_stride). The buffer's rows (every sequence's, one after
-        another) in groups of 8, each group's 8 x d floats of a head together, in 8-column
-        blocks of 64 floats ordered (column parity, row, column pair): the 32 values one
-        red.global of a warp adds (an m16n8 accumulator's 8 rows x 4 column pairs, one element
-        of each pair) are 32 adjacent floats, one 128-byte line, where a row-major layout
-        spreads them over 8 rows (8 sectors, half of each used): 1.23-1.68x at d = 64 to 256 on
-        the H200 (FlashAttention-2 permutes its accumulator for the same reason).
-        launch_bwd.dq_from_blocks undoes the order. A row's group and place in it come from
-        the buffer's row, so row0 is this sequence's first (packed: its offset; fixed length:
-        batch x seqlen), not folded into the view."""
-        row_stride = mdQacc.stride[0]  # (rows, d, h[, b]): h x d
-        row0 = seqlen.offset_q if const_expr(self.cfg.varlen_q) else batch_idx * mdQacc.shape[0]
-        return mdQacc.iterator + head_idx * 8 * self.d, row_stride, row0
+        """(head, row_stride, row0) of dQ's blocked accumulator (common/dq_blocks.py, one float
+        a lane): 1.23-1.68x at d = 64 to 256 on the H200 over a row-major one
+        (FlashAttention-2 permutes its accumulator for the same reason)."""
+        return (dq_blocks.head_start(mdQacc, head_idx, self.d), mdQacc.stride[0],
+                dq_blocks.first_row(mdQacc, seqlen, batch_idx, self.cfg.varlen_q))
 
     def add_dq_share(self, add, mSemaphore, mQ, seqlen: SeqlenInfo, block_info: BlockInfo,
                      m_block, n_block, head_idx, batch_idx, tidx):
@@ -545,12 +535,8 @@ class FlashBwdSm80:
                  q_start, seqlen_q, softmax_scale):
         """dQ's share of this key block for the query block at q_start: dS K (scaled), added to
         the float32 accumulator, rows inside the sequence only; in chunks of dq_cols columns
-        (tQsKt: K^T's chunks, one GEMM each). dq_out: dq_view's (head, row_stride, row0).
-
-        An element's place is its thread's first (coord_dq[0, 0]) plus its offset within the
-        thread's fragment (thread 0's coordinates, static): the accumulator's rows step in 8s
-        and its columns in pairs of 8-column steps, so dq_offset of the sum is the sum of the
-        two and each red.global takes the thread's row address plus a constant."""
+        (tQsKt: K^T's chunks, one GEMM each). dq_out: dq_view's (head, row_stride, row0); each
+        red.global takes the thread's row address plus a constant (dq_blocks.step_offset)."""
         head, row_stride, row0 = dq_out
         steps = acc_mn_view(tiled_mma.get_slice(0).partition_C(
             cute.make_identity_tensor((self.tile_m, self.dq_cols))))
@@ -561,17 +547,15 @@ class FlashBwdSm80:
             acc_dQ.fill(0.0)
             mma.gemm(tiled_mma, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt[chunk], ld_at, ld_bt)
             acc_mn = acc_mn_view(acc_dQ)
-            thread = head + dq_offset(row0 + q_start + first_row, chunk * self.dq_cols + first_col,
-                                      row_stride)
+            thread = head + dq_blocks.offset("single", row0 + q_start + first_row,
+                                             chunk * self.dq_cols + first_col, row_stride)
             for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                step_row = steps[r, 0][0]
-                assert step_row % 8 == 0, step_row
-                if q_start + first_row + step_row < seqlen_q:
-                    at_row = thread + dq_offset(step_row, 0, row_stride)
+                if q_start + first_row + steps[r, 0][0] < seqlen_q:
+                    at_row = thread + dq_blocks.step_offset("single", (steps[r, 0][0], 0),
+                                                            row_stride)
                     for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                        step_col = steps[r, c][1]
-                        assert step_col % 8 in (0, 1), step_col
-                        red_add_f32(at_row + dq_offset(0, step_col, row_stride),
+                        step_col = (0, steps[r, c][1])
+                        red_add_f32(at_row + dq_blocks.step_offset("single", step_col, row_stride),
                                     acc_mn[r, c] * softmax_scale)
 
     def stage_views(self, sQs, sdOs, ld_b, ld_bt, rows_of, part, col0):
@@ -614,13 +598,6 @@ class FlashBwdSm80:
             start = (seqlen.offset_q // self.tile_m + batch_idx) * self.tile_m
             return cute.domain_offset((start,), mX[None, head_idx])
         return mX[None, head_idx, batch_idx]
-
-
-def dq_offset(row, col, row_stride):
-    """Where (row, col) of one head is in the blocked dQ accumulator (FlashBwdSm80.dq_view),
-    in floats from the head's start: 8-row groups row_stride x 8 apart, 8-column blocks of 64
-    floats ordered (column parity, row, column pair)."""
-    return (row // 8) * (8 * row_stride) + (row % 8) * 4 + (col // 8) * 64 + (col % 2) * 32 + (col // 2) % 4
 
 
 @cute.jit

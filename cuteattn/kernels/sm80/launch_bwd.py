@@ -11,8 +11,6 @@ import dataclasses
 import functools
 from typing import Optional
 
-import torch
-
 from ... import compile_cache
 from ...spec import AttentionSpec
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
@@ -150,29 +148,6 @@ def _compiled(cfg: Sm80BwdConfig, tvm_ffi: bool):
                                         sources=sources())
 
 
-def blocked_dq_accumulator(q, width: int) -> tuple:
-    """(buffer, the kernel's mdQacc) of the blocked dQ accumulator (bwd.FlashBwdSm80.dq_view):
-    float32, zeroed, q's rows (every sequence's, one after another) rounded up to a multiple
-    of 8 for the 8-row groups, each head at the kernel's width; the kernel takes a q-shaped
-    view of its first rows."""
-    rows = q.shape[:-2].numel()
-    buffer = torch.zeros(((rows + 7) // 8 * 8, q.shape[-2], width), dtype=torch.float32,
-                         device=q.device)
-    return buffer, buffer[:rows].view(*q.shape[:-1], width)
-
-
-def dq_from_blocks(buffer, q):
-    """dq in q's dtype, shape and head dim (contiguous) from blocked_dq_accumulator's buffer:
-    the blocks' (row group, head, column block, column parity, row, column pair) order back
-    to (row, head, column), converted in one copy."""
-    rows8, heads, width = buffer.shape
-    blocks = buffer.view(rows8 // 8, heads, width // 8, 2, 8, 4).permute(0, 4, 1, 2, 5, 3)
-    dq = torch.empty((rows8, heads, width), dtype=q.dtype, device=q.device)
-    dq.view(rows8 // 8, 8, heads, width // 8, 4, 2).copy_(blocks)
-    dq = dq[:q.shape[:-2].numel()].view(*q.shape[:-1], width)
-    return dq if width == q.shape[-1] else dq[..., :q.shape[-1]].contiguous()
-
-
 class BwdLaunch(BackwardLaunch):
     """The compiled backward for one spec; calling it runs the three steps."""
 
@@ -181,11 +156,8 @@ class BwdLaunch(BackwardLaunch):
         tvm_ffi = use_tvm_ffi()
         super().__init__(spec, cfg, _compiled(cfg, tvm_ffi), tvm_ffi, arguments.BWD_ARGUMENTS)
 
-    def dq_accumulator(self, q, width: int) -> tuple:
-        return blocked_dq_accumulator(q, width)
-
-    def dq_from_accumulator(self, dq_acc, q):
-        return dq_from_blocks(dq_acc, q)
+    def dq_blocks(self):
+        return "single"  # (red.global.add.f32: one float a lane)
 
 
 class Sm80Backward:

@@ -52,7 +52,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from ..common import epilogue, named_barriers
+from ..common import dq_blocks, epilogue, named_barriers
 from ..common.block_info import BlockInfo, DenseRows
 from ..common.block_sparse import SparseBlocks, SparseRows
 from ..common.convert import convert_fragment
@@ -135,6 +135,9 @@ class Sm90BwdConfig:
     # block (0.49-0.77x of the plain backward that way); the writer overlaps them with the next
     # block.
     dq_writer: bool = False
+    # (candidate, not dq_tma) the red.global pairs into the blocked accumulator
+    # (common/dq_blocks.py: two lines a warp's addition), not q's row layout
+    dq_blocks: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -725,7 +728,12 @@ class FlashBwdSm90:
             tSsdSt = store_t.partition_D(sdSt)
             tSsPt = store_t.partition_D(sPt) if const_expr(cfg.split_d) else None
 
+        # (red.global pairs into the blocked accumulator: its head, row stride and this
+        # sequence's first row, common/dq_blocks.py)
         gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
+        if const_expr(cfg.dq_blocks):
+            gdQ = (dq_blocks.head_start(mdQacc, head_idx, self.d), mdQacc.stride[0],
+                   dq_blocks.first_row(mdQacc, seqlen, batch_idx, cfg.varlen_q))
         if const_expr(cfg.dq_tma):
             # (TMA atom, this warpgroup's staged share, its boxes in global memory by query block)
             tma_atom_dq, tma_dq, sdQ = dq_store
@@ -947,10 +955,12 @@ class FlashBwdSm90:
         if const_expr(self.cfg.dq_tma):
             self.reduce_dq(acc_dQ, gdQ, m_block, tidx, softmax_scale)
         else:
-            coord = acc_mn_view(thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.d))))
+            tile = cute.make_identity_tensor((self.tile_m, self.d))
+            coord = acc_mn_view(thr_dq.partition_C(tile))
+            steps = acc_mn_view(dq.get_slice(0).partition_C(tile))
             acc_mn = acc_mn_view(acc_dQ)
-            self.dq_order(order, m_block, tidx,
-                          lambda: self.add_dq(acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale))
+            self.dq_order(order, m_block, tidx, lambda: self.add_dq(
+                acc_mn, coord, steps, gdQ, m_block, seqlen_q, softmax_scale))
 
     @cute.jit
     def reduce_dq(self, acc_dQ, dq_box, m_block, tidx, softmax_scale):
@@ -1026,16 +1036,33 @@ class FlashBwdSm90:
                 add()
 
     @cute.jit
-    def add_dq(self, acc_mn, coord, gdQ, m_block, seqlen_q, softmax_scale):
+    def add_dq(self, acc_mn, coord, steps, dq_out, m_block, seqlen_q, softmax_scale):
+        """This thread's dQ share, rows inside the sequence only, a pair a red.global (coord:
+        the thread's coordinates, steps: thread 0's). dq_out: q's row-major view, or with
+        cfg.dq_blocks the blocked accumulator's head, row stride and the sequence's first row
+        (common/dq_blocks.py: each addition at the thread's row address plus a constant)."""
         q_start = m_block * self.tile_m
-        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-            row = q_start + coord[r, 0][0]
-            if row < seqlen_q:
-                for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-                    col = coord[r, c][1]
-                    ptr = gdQ.iterator + cute.crd2idx((row, col), gdQ.layout)
-                    red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
-                                  acc_mn[r, c + 1] * softmax_scale)
+        if const_expr(self.cfg.dq_blocks):
+            head, row_stride, row0 = dq_out
+            assert steps[0, 0] == (0, 0), steps[0, 0]
+            first_row, first_col = coord[0, 0]
+            thread = head + dq_blocks.offset("pairs", row0 + q_start + first_row, first_col,
+                                             row_stride)
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                if q_start + first_row + steps[r, 0][0] < seqlen_q:
+                    at_row = thread + dq_blocks.step_offset("pairs", (steps[r, 0][0], 0), row_stride)
+                    for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+                        at = at_row + dq_blocks.step_offset("pairs", (0, steps[r, c][1]), row_stride)
+                        red_add_f32x2(at, acc_mn[r, c] * softmax_scale,
+                                      acc_mn[r, c + 1] * softmax_scale)
+        else:
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                row = q_start + coord[r, 0][0]
+                if row < seqlen_q:
+                    for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+                        ptr = dq_out.iterator + cute.crd2idx((row, coord[r, c][1]), dq_out.layout)
+                        red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
+                                      acc_mn[r, c + 1] * softmax_scale)
 
     @cute.jit
     def dq_order(self, order, m_block, tidx, add):
