@@ -38,7 +38,7 @@ class FlashBwdSm80Grid(FlashBwdSm80):
     p_in_smem = True
 
     def __init__(self, cfg: Sm80BwdConfig):
-        assert cfg.num_warps == 8 and cfg.kv_passes == 1 and cfg.tile_m == 64, cfg
+        assert cfg.num_warps == 8 and cfg.kv_passes == 1 and cfg.tile_m in (64, 128), cfg
         assert cfg.tile_n in (64, 128), cfg
         super().__init__(cfg)
         if self.d > 192:  # (dQ's whole 64 x 256 accumulator spilled 12-48 bytes: two halves)

@@ -45,6 +45,12 @@ DQ_WARPS_M_8_WARPS = 2
 # 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile).
 GRID = True
 GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
+# (candidate, not run: A/B GRID_D64_TILE_M 64 128 --path sm80 --d 64) 128 queries a block at
+# d = 64 (FlashAttention-2's d=64 tile on sm_80) where it fits with the Q/dO ring (166 KB:
+# sm_80 and Hopper): spill-free on sm_90a at 242-252 registers; without the ring the causal
+# variant spilled 56 bytes, softcap 24 and packed causal 64 with it, so the 64-query tile
+# stays for those and where the ring does not fit
+GRID_D64_TILE_M = 128
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -107,6 +113,11 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         deterministic=spec.deterministic, padded=padded)
     if GRID and not (head_dim == 128 and (spec.local or spec.has_softcap or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
+        if head_dim == 64 and GRID_D64_TILE_M != tile_m and not (spec.has_softcap or packed):
+            tall = Sm80BwdConfig(tile_m=GRID_D64_TILE_M, tile_n=tile_n, num_warps=8, grid=True,
+                                 dq_warps_m=DQ_WARPS_M_8_WARPS, q_stages=Q_STAGES, **switches)
+            if tall.smem_bytes() <= smem:
+                return tall
         cfg = Sm80BwdConfig(tile_m=tile_m, tile_n=tile_n, num_warps=8, grid=True,
                             dq_warps_m=DQ_WARPS_M_8_WARPS, **switches)
         if cfg.smem_bytes() <= smem:
