@@ -108,12 +108,7 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])
 # Known spills, per target: each must still spill (so a fix shows here and the entry goes).
-# sm_120a's backward at d=128 (64 x 64 x 4 in 99 KB, 16-query sub-blocks): d=112 padded to
-# it 32 bytes; since dQ's accumulator went to 8-row blocks (dq_blocks), no mask and softcap 8
-# bytes (255 registers; causal and local 254, no spill). 32-query tiles compiled spill-free
-# (not yet GPU-checked on sm_120a's configs), docs/perf-log.md.
-KNOWN_SPILLS = {"sm_120a": [["bf16", 128, "causal", "bwd,padded"], ["bf16", 128, "none", "bwd"],
-                            ["bf16", 128, "softcap", "bwd"], ["fp16", 128, "softcap", "bwd"]]}
+KNOWN_SPILLS = {}
 
 
 @pytest.mark.parametrize("target", list(TARGETS))

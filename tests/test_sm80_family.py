@@ -493,7 +493,11 @@ def test_backward_declines_what_sm120_cannot_build_spill_free(monkeypatch):
     packed = make_spec(kind="bwd", varlen_q=True, varlen_k=True)
     assert "spills registers on sm_12x" in launch_bwd.BACKWARD.can_implement(packed)
     assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd")) is None
-    assert launch_bwd.bwd_config(make_spec(kind="bwd"), 12, 99 * 1024).q_parts == 4
+    # (d=128 without packed sequences: 32 x 64 x 4 tiles in two 16-query sub-blocks)
+    cfg = launch_bwd.bwd_config(make_spec(kind="bwd"), 12, 99 * 1024)
+    assert (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.q_parts) == (32, 64, 4, 2)
+    assert launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=96, head_dim_v=96), 12,
+                                 99 * 1024).q_parts == 4
     monkeypatch.setattr(launch_bwd, "_major", lambda spec: 8)
     assert launch_bwd.BACKWARD.can_implement(packed) is None
 

@@ -63,6 +63,11 @@ Q_STAGES = 2
 # packed sequences (PACKED_TILES: 4-16 bytes of spills at 128 keys on sm_80/90).
 TILES = {64: ((64, 128, 8),), 96: ((64, 128, 8),), 128: ((64, 128, 8), (64, 64, 4))}
 PACKED_TILES = {128: ((64, 64, 4),)}
+# (candidate, not run: GPU tests under CUTEATTN_SM80_CONFIGS=sm_120a) sm_12x's compiler spilled
+# 8-32 bytes at d=128 on 64 x 64 x 4 (q_parts 4; head dims padded to 128 16-32, no mask and
+# softcap 8 since the blocked dQ); 32 queries a block in two 16-query sub-blocks, with the
+# Q/dO ring (70 KB), compiled spill-free (225-247 registers)
+SM12_PADDED_TILE = (32, 64, 4)
 
 
 def register_parts(head_dim: int, major: int) -> tuple:
@@ -131,6 +136,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         tile_m, tile_n, warps = next(
             (t for t in tiles if Sm80BwdConfig(dtype, head_dim, *t).smem_bytes() <= smem), tiles[-1])
         kv_parts, q_parts = register_parts(head_dim, major)
+        if major >= 12 and head_dim == 128 and not packed:
+            (tile_m, tile_n, warps), q_parts = SM12_PADDED_TILE, 2
     cfg = Sm80BwdConfig(
         tile_m=tile_m, tile_n=tile_n, num_warps=warps, kv_parts=kv_parts, q_parts=q_parts,
         kv_passes=kv_passes, dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0, **switches)
