@@ -61,7 +61,8 @@ CASES = (
 # stay live across the loop), with their spill-store bytes: a ratchet, so that any new spill or a
 # growing one fails, and a variant that stops spilling must be taken off this list.
 KNOWN_SPILLS = {
-    (torch.bfloat16, 128, "local", True, True, True): 12,
+    # 16 since dQ's reductions go to 8-row blocks (common/dq_blocks.py; 12 before)
+    (torch.bfloat16, 128, "local", True, True, True): 16,
 }
 
 
@@ -158,8 +159,8 @@ SPARSE_CASES = [(128, 128, "none"), (64, 128, "causal"), (96, 128, "softcap"), (
 
 
 # packed variants' spill stores (bytes), a ratchet as KNOWN_SPILLS: the sequence offsets and the
-# lists' rows stay live across the walk
-SPARSE_KNOWN_SPILLS = {(128, 128, "causal", 128, False, True): 20, (128, 128, "local", 64, False, True): 104}
+# lists' rows stay live across the walk (with dQ's 8-row blocks: 20 -> 24 and 104 -> 96)
+SPARSE_KNOWN_SPILLS = {(128, 128, "causal", 128, False, True): 24, (128, 128, "local", 64, False, True): 96}
 
 
 @pytest.mark.parametrize("case", SPARSE_CASES,
