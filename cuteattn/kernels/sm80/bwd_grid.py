@@ -1,4 +1,4 @@
-"""The portable backward on two-dimensional warp grids (a candidate beside bwd.py's layout).
+"""The portable backward on two-dimensional warp grids (where its tiles fit; bwd.py serves the rest).
 
 bwd.py's warps split the keys, 16 rows a warp, so every B fragment an ldmatrix reads feeds one
 16-row MMA: the kernel issues 0.7-0.75 ldmatrix a MMA and is bound by the shared-memory pipe

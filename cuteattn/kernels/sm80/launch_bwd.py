@@ -45,11 +45,11 @@ DQ_WARPS_M_8_WARPS = 2
 # 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile).
 GRID = True
 GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
-# (candidate, not run: A/B GRID_D64_TILE_M 64 128 --path sm80 --d 64) 128 queries a block at
-# d = 64 (FlashAttention-2's d=64 tile on sm_80) where it fits with the Q/dO ring (166 KB:
-# sm_80 and Hopper): spill-free on sm_90a at 242-252 registers; without the ring the causal
-# variant spilled 56 bytes, softcap 24 and packed causal 64 with it, so the 64-query tile
-# stays for those and where the ring does not fit
+# 128 queries a block at d = 64 (FlashAttention-2's d=64 tile on sm_80) where it fits with the
+# Q/dO ring (166 KB: sm_80 and Hopper): 1.03-1.06x of 64 on the H200 (docs/perf-log.md);
+# spill-free on sm_90a at 242-252 registers; without the ring the causal variant spilled 56
+# bytes, softcap 24 and packed causal 64 with it, so the 64-query tile stays for those and
+# where the ring does not fit
 GRID_D64_TILE_M = 128
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
@@ -63,11 +63,11 @@ Q_STAGES = 2
 # packed sequences (PACKED_TILES: 4-16 bytes of spills at 128 keys on sm_80/90).
 TILES = {64: ((64, 128, 8),), 96: ((64, 128, 8),), 128: ((64, 128, 8), (64, 64, 4))}
 PACKED_TILES = {128: ((64, 64, 4),)}
-# (candidate, not run: GPU tests under CUTEATTN_SM80_CONFIGS=sm_120a) sm_12x's compiler spilled
-# 8-32 bytes at d=128 on 64 x 64 x 4 (q_parts 4; head dims padded to 128 16-32, no mask and
-# softcap 8 since the blocked dQ); 32 queries a block in two 16-query sub-blocks, with the
-# Q/dO ring (70 KB), compiled spill-free (225-247 registers)
-SM12_PADDED_TILE = (32, 64, 4)
+# sm_12x's compiler spilled 8-32 bytes at d=128 on 64 x 64 x 4 (q_parts 4; head dims padded
+# to 128 16-32, no mask and softcap 8 since the blocked dQ); 32 queries a block in two
+# 16-query sub-blocks, with the Q/dO ring (70 KB), compile spill-free (225-247 registers) and
+# pass the GPU suite under CUTEATTN_SM80_CONFIGS=sm_120a (its speed there is not sm_120's)
+SM12_D128_TILE = (32, 64, 4)
 
 
 def register_parts(head_dim: int, major: int) -> tuple:
@@ -137,7 +137,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
             (t for t in tiles if Sm80BwdConfig(dtype, head_dim, *t).smem_bytes() <= smem), tiles[-1])
         kv_parts, q_parts = register_parts(head_dim, major)
         if major >= 12 and head_dim == 128 and not packed:
-            (tile_m, tile_n, warps), q_parts = SM12_PADDED_TILE, 2
+            (tile_m, tile_n, warps), q_parts = SM12_D128_TILE, 2
     cfg = Sm80BwdConfig(
         tile_m=tile_m, tile_n=tile_n, num_warps=warps, kv_parts=kv_parts, q_parts=q_parts,
         kv_passes=kv_passes, dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0, **switches)

@@ -135,9 +135,6 @@ class Sm90BwdConfig:
     # block (0.49-0.77x of the plain backward that way); the writer overlaps them with the next
     # block.
     dq_writer: bool = False
-    # (candidate, not dq_tma) the red.global pairs into the blocked accumulator
-    # (common/dq_blocks.py: two lines a warp's addition), not q's row layout
-    dq_blocks: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -730,11 +727,10 @@ class FlashBwdSm90:
 
         # (red.global pairs into the blocked accumulator: its head, row stride and this
         # sequence's first row, common/dq_blocks.py)
-        gdQ = seqlen.q_view(mdQacc, head_idx, batch_idx)
-        if const_expr(cfg.dq_blocks):
+        if const_expr(not cfg.dq_tma):
             gdQ = (dq_blocks.head_start(mdQacc, head_idx, self.d), mdQacc.stride[0],
                    dq_blocks.first_row(mdQacc, seqlen, batch_idx, cfg.varlen_q))
-        if const_expr(cfg.dq_tma):
+        else:
             # (TMA atom, this warpgroup's staged share, its boxes in global memory by query block)
             tma_atom_dq, tma_dq, sdQ = dq_store
             gdQ_boxes = cute.local_tile(seqlen.q_view(tma_dq, head_idx, batch_idx), cfg.dq_box,
@@ -1038,31 +1034,22 @@ class FlashBwdSm90:
     @cute.jit
     def add_dq(self, acc_mn, coord, steps, dq_out, m_block, seqlen_q, softmax_scale):
         """This thread's dQ share, rows inside the sequence only, a pair a red.global (coord:
-        the thread's coordinates, steps: thread 0's). dq_out: q's row-major view, or with
-        cfg.dq_blocks the blocked accumulator's head, row stride and the sequence's first row
-        (common/dq_blocks.py: each addition at the thread's row address plus a constant)."""
+        the thread's coordinates, steps: thread 0's) into the blocked accumulator (dq_out: its
+        head, row stride and the sequence's first row; common/dq_blocks.py): each addition at
+        the thread's row address plus a constant, a warp's addition two adjacent lines (in q's
+        row layout it touched 8 rows: 1.14-1.29x measured, docs/perf-log.md)."""
         q_start = m_block * self.tile_m
-        if const_expr(self.cfg.dq_blocks):
-            head, row_stride, row0 = dq_out
-            assert steps[0, 0] == (0, 0), steps[0, 0]
-            first_row, first_col = coord[0, 0]
-            thread = head + dq_blocks.offset("pairs", row0 + q_start + first_row, first_col,
-                                             row_stride)
-            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                if q_start + first_row + steps[r, 0][0] < seqlen_q:
-                    at_row = thread + dq_blocks.step_offset("pairs", (steps[r, 0][0], 0), row_stride)
-                    for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-                        at = at_row + dq_blocks.step_offset("pairs", (0, steps[r, c][1]), row_stride)
-                        red_add_f32x2(at, acc_mn[r, c] * softmax_scale,
-                                      acc_mn[r, c + 1] * softmax_scale)
-        else:
-            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                row = q_start + coord[r, 0][0]
-                if row < seqlen_q:
-                    for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
-                        ptr = dq_out.iterator + cute.crd2idx((row, coord[r, c][1]), dq_out.layout)
-                        red_add_f32x2(ptr, acc_mn[r, c] * softmax_scale,
-                                      acc_mn[r, c + 1] * softmax_scale)
+        head, row_stride, row0 = dq_out
+        assert steps[0, 0] == (0, 0), steps[0, 0]
+        first_row, first_col = coord[0, 0]
+        thread = head + dq_blocks.offset("pairs", row0 + q_start + first_row, first_col, row_stride)
+        for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+            if q_start + first_row + steps[r, 0][0] < seqlen_q:
+                at_row = thread + dq_blocks.step_offset("pairs", (steps[r, 0][0], 0), row_stride)
+                for c in cutlass.range_constexpr(0, cute.size(acc_mn, mode=[1]), 2):
+                    at = at_row + dq_blocks.step_offset("pairs", (0, steps[r, c][1]), row_stride)
+                    red_add_f32x2(at, acc_mn[r, c] * softmax_scale,
+                                  acc_mn[r, c + 1] * softmax_scale)
 
     @cute.jit
     def dq_order(self, order, m_block, tidx, add):

@@ -38,9 +38,6 @@ NATIVE_WIDTH_MAX = 96
 # Query rows per step of the d=64 kernels that take them (bwd_config's `tall`): 128 measured
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
-# (candidate, not run: A/B DQ_PAIR_BLOCKS 0 1 --d 128,256 --window 256,0 / --causal-only) the
-# reductions' pairs (where dQ is not added by TMA) into 8-row blocks (Sm90BwdConfig.dq_blocks)
-DQ_PAIR_BLOCKS = True
 
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
@@ -107,7 +104,6 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
         # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
         dq_writer=dq_tma and (ordered or not packed),
-        dq_blocks=DQ_PAIR_BLOCKS and not dq_tma,
     )
 
 
@@ -135,9 +131,10 @@ class BwdLaunch(BackwardLaunch):
                          arguments.BWD_ARGUMENTS)
 
     def dq_blocks(self):
-        """(candidate, not run) the reductions' pairs into blocks of 8 rows (two lines a warp's
-        addition, not 8); the TMA reduce-adds (dq_tma) keep q's row layout."""
-        return "pairs" if self.cfg.dq_blocks else None
+        """The reductions' pairs (where dQ is not added by TMA) into blocks of 8 rows: two lines
+        a warp's addition, not 8 (1.14-1.29x, docs/perf-log.md); the TMA reduce-adds (dq_tma)
+        keep q's row layout."""
+        return None if self.cfg.dq_tma else "pairs"
 
     def heads_interleaved(self, q, cu_seqlens_q) -> int:
         """Deterministic mode with turns in key-block order (no causal or window mask, no
