@@ -118,7 +118,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         deterministic=spec.deterministic, padded=padded)
     if GRID and not (head_dim == 128 and (spec.local or spec.has_softcap or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
-        if head_dim == 64 and GRID_D64_TILE_M != tile_m and not (spec.has_softcap or packed):
+        if head_dim == 64 and not (spec.has_softcap or packed):
             tall = Sm80BwdConfig(tile_m=GRID_D64_TILE_M, tile_n=tile_n, num_warps=8, grid=True,
                                  dq_warps_m=DQ_WARPS_M_8_WARPS, q_stages=Q_STAGES, **switches)
             if tall.smem_bytes() <= smem:
