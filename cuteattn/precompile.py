@@ -6,8 +6,9 @@ before the first step, so that no process stalls compiling (3-7 s a variant) whe
     python -m cuteattn.precompile --head-dim 128 --sparse 128x128 --mask none     (block-sparse)
 
 Works on a machine without a GPU: the kernels are compiled for the target architecture
-(`--arch`, default sm_90a there, sm_86 with `--path sm80`; the GPU's own where there is one;
-`--path sm80` the portable kernels, with the target's tiles), and the cache directory
+(`--arch`, default sm_90a there, sm_86 with `--path sm80`; the GPU's own where there is one),
+the kernels that target's calls run (Hopper's on sm_90a, the portable mma.sync kernels with the
+target's tiles elsewhere, or anywhere with `--path sm80`), and the cache directory
 (CUTEATTN_CACHE_DIR, default ~/.cache/cuteattn) can then be copied to the GPU machines of the same
 architecture and package versions. The variants: every combination of the given head dims,
 dtypes and masks, batched and (with --varlen) packed, each forward tile class (short and long
@@ -46,10 +47,12 @@ def parse_args(argv=None):
     p.add_argument("--deterministic", action="store_true",
                    help="the backward with deterministic=True too")
     p.add_argument("--arch", help="target when there is no GPU (default sm_90a; with --path "
-                                  "sm80: sm_80, sm_86, sm_89 or sm_120a, default sm_86)")
+                                  "sm80 default sm_86): sm_90a takes the Hopper kernels, sm_80, "
+                                  "sm_86, sm_89, sm_100a, sm_103a, sm_110a, sm_120a or sm_121a "
+                                  "the portable ones")
     p.add_argument("--path", choices=("default", "sm80"), default="default",
                    help="sm80: the portable mma.sync kernels (what CUTEATTN_PATH=sm80 and GPUs "
-                        "from sm_80 to sm_120 run)")
+                        "other than Hopper run) on any target")
     return p.parse_args(argv)
 
 
@@ -102,6 +105,14 @@ def _block_shape(text: str) -> tuple:
     return q, k
 
 
+def _capability(target: str) -> tuple:
+    """(major, minor) of a CUTE_DSL_ARCH name such as sm_90a or sm_120a."""
+    digits = target.removeprefix("sm_").rstrip("abf")
+    if not digits.isdigit() or len(digits) < 2:
+        raise SystemExit(f"--arch / CUTE_DSL_ARCH={target!r}: expected an arch like sm_90a or sm_86")
+    return int(digits[:-1]), int(digits[-1])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -119,7 +130,13 @@ def main(argv=None) -> int:
         print("only kernels compiled for TVM-FFI are kept on disk: pip install apache-tvm-ffi "
               "(the tvm-ffi extra)", file=sys.stderr)
         return 2
-    arch = "sm80" if portable else "sm90"
+    # the kernels the target's calls run: dispatch's path for its compute capability
+    capability = (torch.cuda.get_device_capability(0) if torch.cuda.is_available() else
+                  _capability(os.environ["CUTE_DSL_ARCH"]))
+    arch, reason = dispatch.arch_name(*capability)
+    if arch is None:
+        print(f"nothing to compile: {reason}", file=sys.stderr)
+        return 2
     todo = variants(args)
     done = {}
     start = time.perf_counter()

@@ -1,7 +1,9 @@
 """Compiles sm80 forward variants for one target arch and prints what ptxas and the PTX say, as
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
-form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink), "bwd[,varlen][,deterministic][,padded]" for the backward, "combine" for the
+form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink),
+"bwd[,varlen|,varlen_k|,seqused][,deterministic][,padded]" for the backward (the config the
+launch takes: the first spill-free candidate; "fallback" its index), "combine" for the
 split-KV combine kernel (d: d_v; mask:
 "sink" or "none"), or "decode[,page=N][,split[,fold]][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
 for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
@@ -27,18 +29,24 @@ MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "
 FP8 = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 
 
-def bwd_config_of(dtype, d, causal, local, softcap, varlen, deterministic=False, smem=163 * 1024):
-    """The backward family's config for these switches on this target (launch_bwd.bwd_config)."""
+def bwd_configs_of(dtype, d, causal, local, softcap, form, smem=163 * 1024):
+    """The backward family's candidate configs for these switches on this target
+    (launch_bwd.bwd_configs; the launch takes the first that compiles spill-free). form:
+    "varlen" packed q and k with seqused, "varlen_k" packed keys only, "seqused" fixed length
+    with seqused_q/k; "deterministic"."""
     import os
     import torch
     from cuteattn.kernels.sm80 import launch_bwd
     from cuteattn.spec import AttentionSpec
     major = int(re.match(r"sm_(\d+?)\d[a-z]?$", os.environ["CUTE_DSL_ARCH"])[1])
+    flags = form.split(",")
+    varlen, seqused = "varlen" in flags, "varlen" in flags or "seqused" in flags
     spec = AttentionSpec(dtype=torch.bfloat16 if dtype is cutlass.BFloat16 else torch.float16,
                          head_dim=d, head_dim_v=d, causal=causal, local=local, has_softcap=softcap,
-                         varlen_q=varlen, varlen_k=varlen, has_seqused_q=varlen,
-                         has_seqused_k=varlen, kind="bwd", deterministic=deterministic)
-    return launch_bwd.bwd_config(spec, major, smem)
+                         varlen_q=varlen, varlen_k=varlen or "varlen_k" in flags,
+                         has_seqused_q=seqused, has_seqused_k=seqused, kind="bwd",
+                         deterministic="deterministic" in flags)
+    return launch_bwd.bwd_configs(spec, major, smem)
 
 
 def main():
@@ -54,17 +62,17 @@ def main():
                             targets=re.findall(r"\.target (\S+)", ptx),
                             marks={m: m in ptx for m in MARKS}, **info))
             continue
-        if isinstance(form, str) and form.startswith("bwd"):  # "bwd[,varlen][,deterministic]"
-            varlen = "varlen" in form
+        if isinstance(form, str) and form.startswith("bwd"):
             # "padded": a head dim 16 narrower, run on this width with zero-filled loads (the
             # config the launch picks for it, which may differ from this width's own)
             narrower = 16 if "padded" in form else 0
-            cfg = bwd_config_of(DTYPES[dtype], d - narrower, *masks, varlen,
-                                "deterministic" in form, smem)
+            cfgs = bwd_configs_of(DTYPES[dtype], d - narrower, *masks, form, smem)
+            cfg, compiled, info = first_spill_free(
+                cfgs, lambda c: compile_bwd_with_report(c, keep_ptx=True))
             assert (cfg.head_dim, cfg.padded) == (d, narrower > 0), (d, form, cfg)
-            compiled, info = compile_bwd_with_report(cfg, keep_ptx=True)
             ptx = compiled.__ptx__
-            out.append(dict(variant=[dtype, d, mask, form], tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],
+            out.append(dict(variant=[dtype, d, mask, form], fallback=cfgs.index(cfg),
+                            tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],
                             smem=cfg.smem_bytes(), targets=re.findall(r"\.target (\S+)", ptx),
                             marks={m: m in ptx for m in MARKS}, **info))
             continue

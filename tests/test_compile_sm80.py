@@ -1,9 +1,11 @@
 """Compile-only tests of the sm80 (mma.sync) forward for every real target: sm_80, sm_86,
-sm_89 and sm_120a, each with its own shared-memory budget. One subprocess per target (the DSL
+sm_89, sm_100a (datacenter Blackwell runs this path) and sm_120a, each with its own
+shared-memory budget (sm_90a too: how the path runs on Hopper). One subprocess per target (the DSL
 reads CUTE_DSL_ARCH once, at import) compiles the variants and reports, per variant, the PTX
 target, which instructions the PTX holds, and ptxas' registers and spills.
 
-The backward's variants (d 64, 96, 128, every mask kind, varlen) and the decode kernel's
+The backward's variants (every head dim and mask kind, packed forms; the config its launch
+takes, the first candidate that compiles spill-free for the target) and the decode kernel's
 (flash_attn_with_kvcache: paged and contiguous caches, split-KV,
 cache_batch_idx, cache_leftpad) are compiled the same way. Checked: the code is for that target; it uses mma.sync, ldmatrix and cp.async and none of
 Hopper's instructions (wgmma, stmatrix, TMA, setmaxnreg: the path must run on GPUs without them,
@@ -25,7 +27,9 @@ from cuteattn.kernels.sm80 import config  # noqa: E402
 from cuteattn.kernels.sm80 import launch as sm80_launch  # noqa: E402
 
 PROBE = Path(__file__).with_name("sm80_compile_probe.py")
-TARGETS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90a": (9, 0), "sm_120a": (12, 0)}
+# (sm_100a: datacenter Blackwell, B200, which runs this path until it has tcgen05 kernels)
+TARGETS = {"sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90a": (9, 0), "sm_100a": (10, 0),
+           "sm_120a": (12, 0)}
 MASKS = ("none", "causal", "local", "softcap")
 HEAD_DIMS = config.SUPPORTED_HEAD_DIMS
 # every head dim with a rotating mask kind, every mask kind at d=128, fp16, and varlen
@@ -103,7 +107,15 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 192, "causal", "bwd,varlen"], ["fp16", 192, "softcap", "bwd"],
                ["fp16", 256, "softcap", "bwd"], ["bf16", 256, "causal", "bwd"],
                ["bf16", 256, "local", "bwd,deterministic"], ["fp16", 192, "none", "bwd,padded"],
-               ["bf16", 256, "none", "bwd,varlen"], ["bf16", 192, "local", "bwd,deterministic"]]
+               ["bf16", 256, "none", "bwd,varlen"], ["bf16", 192, "local", "bwd,deterministic"],
+               # forms whose first config spilled on some target (a later candidate serves:
+               # launch_bwd.bwd_configs): fp16 d=128 on the grid's ring (sm_80/90a/100a), d=128
+               # softcap deterministic (sm_90a), fp16 d=256 packed (sm_90a/100a), d=96
+               # deterministic (sm_120a), packed keys only or seqused only at d=128 (sm_100a/120a)
+               ["fp16", 128, "none", "bwd"], ["fp16", 128, "causal", "bwd"],
+               ["bf16", 128, "softcap", "bwd,deterministic"], ["fp16", 256, "softcap", "bwd,varlen"],
+               ["fp16", 256, "causal", "bwd,seqused"], ["bf16", 96, "local", "bwd,deterministic"],
+               ["bf16", 128, "none", "bwd,varlen_k"], ["fp16", 128, "causal", "bwd,seqused"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])
@@ -120,9 +132,12 @@ def test_compile_sm80_fwd(target, tmp_path):
     # check the declines)
     from cuteattn.kernels.sm80.launch_bwd import unserved_on
     from cuteattn.spec import AttentionSpec
-    served = [v for v in VARIANTS if not (isinstance(v[3], str) and v[3].startswith("bwd") and unserved_on(
+    flags = lambda v: str(v[3]).split(",")
+    served = [v for v in VARIANTS if not (flags(v)[0] == "bwd" and unserved_on(
         AttentionSpec(dtype=None, head_dim=v[1], head_dim_v=v[1], causal=False, local=False,
-                      has_softcap=False, varlen_q="varlen" in v[3], varlen_k="varlen" in v[3]),
+                      has_softcap=False, varlen_q="varlen" in flags(v),
+                      varlen_k="varlen" in flags(v) or "varlen_k" in flags(v),
+                      has_seqused_q="seqused" in flags(v), has_seqused_k="seqused" in flags(v)),
         TARGETS[target][0]))]
     if TARGETS[target] < sm80_launch.FP8_MIN_CAPABILITY:  # (the decode family declines fp8)
         served = [v for v in served if "fp8" not in str(v[3])]

@@ -55,7 +55,7 @@ def test_spec_kind_defaults_to_forward_and_is_in_the_key():
         make_spec(kind="sideways")
 
 
-@pytest.mark.parametrize("capability", [(7, 5), (10, 0), (11, 0)])
+@pytest.mark.parametrize("capability", [(7, 0), (7, 5), (6, 1)])
 def test_other_architectures_give_a_reason(gpu, capability, monkeypatch):
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     gpu.capability = capability
@@ -65,7 +65,9 @@ def test_other_architectures_give_a_reason(gpu, capability, monkeypatch):
 
 
 @pytest.mark.parametrize("capability,arch", [((8, 0), "sm80"), ((8, 6), "sm80"), ((8, 9), "sm80"),
-                                             ((12, 0), "sm80"), ((9, 0), "sm90")])
+                                             ((12, 0), "sm80"), ((12, 1), "sm80"), ((9, 0), "sm90"),
+                                             # Blackwell B200/B300 and Thor: the mma.sync path
+                                             ((10, 0), "sm80"), ((10, 3), "sm80"), ((11, 0), "sm80")])
 def test_each_architecture_has_its_path(gpu, capability, arch, monkeypatch):
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
     assert dispatch.arch_name(*capability) == (arch, None)

@@ -96,3 +96,32 @@ def test_portable_path_for_another_target(tmp_path):
     assert "long: shared" in run.stdout, run.stdout
     assert "3 compiled, 0 already on disk" in run.stdout, run.stdout
     assert len(list(tmp_path.rglob("*.o"))) == 3
+
+
+def test_blackwell_target_takes_the_portable_kernels(tmp_path):
+    """--arch sm_100a without --path: a B200's calls run the portable kernels (dispatch's path
+    for compute capability 10.0), so those are compiled, with the 227 KB tiles (Hopper's wgmma
+    kernels would not build for sm_100a)."""
+    pytest.importorskip("tvm_ffi")
+    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
+    env.pop("CUTE_DSL_ARCH", None)
+    env.pop("CUTEATTN_PATH", None)
+    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "128", "--mask", "causal",
+           "--backward", "--arch", "sm_100a"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    # one forward config (both tile classes: the portable tiles do not depend on the length):
+    # its first candidate at d=128 causal (128-key blocks) spills for sm_100a, so it is compiled
+    # to learn that and the 64-key tile is the forward; then the backward
+    assert "long: shared" in run.stdout and "bwd d128 bf16 causal: compiled" in run.stdout, run.stdout
+    assert "3 compiled, 0 already on disk" in run.stdout, run.stdout
+
+
+def test_a_target_without_kernels_is_a_clear_error(tmp_path):
+    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
+    env.pop("CUTE_DSL_ARCH", None)
+    env.pop("CUTEATTN_PATH", None)
+    run = subprocess.run([sys.executable, "-m", "cuteattn.precompile", "--head-dim", "128",
+                          "--arch", "sm_75"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2 and "nothing to compile: no kernel for sm_75" in run.stderr, run.stderr
+    assert not list(tmp_path.rglob("*.o"))

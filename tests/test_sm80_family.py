@@ -726,3 +726,35 @@ def test_blocked_dq_order_gives_each_warp_reduction_whole_lines(order, lines):
         offsets = torch.cat([blocked_offset(order, row0 + lanes // 4, 1, c, 4, 128) for c in cols])
         assert offsets.min() % 32 == 0
         assert torch.equal(offsets.sort().values, offsets.min() + torch.arange(32 * lines))
+
+
+@pytest.mark.parametrize("major,smem", [(8, 163 * 1024), (8, 99 * 1024), (9, 227 * 1024),
+                                        (10, 227 * 1024), (12, 99 * 1024)])
+def test_backward_candidates_fall_back_to_smaller_register_needs(major, smem):
+    """launch_bwd.bwd_configs: bwd_config first (what the rules pick), then configs that need
+    fewer registers, the launch taking the first spill-free one (tests/test_compile_sm80.py
+    compiles the forms whose first config spills on some target). Each fits the shared memory,
+    none repeats, each builds its kernel's layouts; up to d=128 the last is 32 queries a
+    block, over it bwd.py's 64-column passes."""
+    from cuteattn.kernels.sm80 import launch_bwd
+    from cuteattn.kernels.sm80.bwd import FlashBwdSm80
+    from cuteattn.kernels.sm80.bwd_grid import FlashBwdSm80Grid
+    packed = dict(varlen_q=True, varlen_k=True, has_seqused_q=True, has_seqused_k=True)
+    for d in (64, 96, 128, 112, 192, 256):
+        for kw in ({}, dict(causal=True), dict(has_softcap=True, softcap=30.0), packed,
+                   dict(varlen_k=True), dict(deterministic=True, local=True, window_left=64)):
+            spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, **kw)
+            if launch_bwd.unserved_on(spec, major):
+                continue
+            cfgs = launch_bwd.bwd_configs(spec, major, smem)
+            where = (major, smem, d, kw)
+            assert cfgs[0] == launch_bwd.bwd_config(spec, major, smem), where
+            assert len(set(cfgs)) == len(cfgs) and all(c.smem_bytes() <= smem for c in cfgs), where
+            for cfg in cfgs:
+                (FlashBwdSm80Grid if cfg.grid else FlashBwdSm80)(cfg)
+            last = cfgs[-1]
+            if d <= 128:
+                assert (last.tile_m, last.tile_n, last.num_warps, last.q_parts, last.grid) == (
+                    *launch_bwd.SMALL_TILE, 2, False), where
+            else:
+                assert last.kv_passes == last.head_dim // launch_bwd.PASS_COLS, where

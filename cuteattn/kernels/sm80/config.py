@@ -52,9 +52,11 @@ LAZY_RESCALE_HEAD_DIMS = (128,)
 FOLD_MAX_STEPS = 16
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
-# the device). sm_90 is here for the H100/H200, where the path is tested.
+# the device). sm_90 is here for the H100/H200, where the path is tested; sm_100/103 (B200,
+# B300) and sm_110 (Thor) have Hopper's 227 KB, so they take the tiles tested there.
 SMEM_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
-                      (8, 9): 99 * 1024, (9, 0): 227 * 1024, (12, 0): 99 * 1024,
+                      (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024,
+                      (10, 3): 227 * 1024, (11, 0): 227 * 1024, (12, 0): 99 * 1024,
                       (12, 1): 99 * 1024}
 
 

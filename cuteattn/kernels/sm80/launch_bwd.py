@@ -13,6 +13,7 @@ from typing import Optional
 
 from ... import compile_cache
 from ...spec import AttentionSpec
+from ..compile_common import first_spill_free
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
                              unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
 from . import arguments
@@ -44,6 +45,11 @@ DQ_WARPS_M_8_WARPS = 2
 # sequences: 128 keys spilled 8-32 bytes there (sm_80/90), and 64 keys on the grids ran
 # 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile).
 GRID = True
+# Candidate, not yet measured (0: bwd.py as before): d = 128 with softcap on the grid's 64 x 128
+# tile, spill-free on sm_80 and sm_90a since dQ's blocked accumulator (250-255 registers;
+# 8-32 bytes before). A/B: benchmarks/dev_bwd_ab.py GRID_D128_SOFTCAP 0 1 --path sm80 --d 128
+# --softcap 30 (prediction 1.10-1.20x: the grid ran 1.18-1.19x bwd.py at plain d = 128).
+GRID_D128_SOFTCAP = 0
 GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
 # 128 queries a block at d = 64 (FlashAttention-2's d=64 tile on sm_80) where it fits with the
 # Q/dO ring (166 KB: sm_80 and Hopper): 1.03-1.06x of 64 on the H200 (docs/perf-log.md);
@@ -63,11 +69,12 @@ Q_STAGES = 2
 # packed sequences (PACKED_TILES: 4-16 bytes of spills at 128 keys on sm_80/90).
 TILES = {64: ((64, 128, 8),), 96: ((64, 128, 8),), 128: ((64, 128, 8), (64, 64, 4))}
 PACKED_TILES = {128: ((64, 64, 4),)}
-# sm_12x's compiler spilled 8-32 bytes at d=128 on 64 x 64 x 4 (q_parts 4; head dims padded
-# to 128 16-32, no mask and softcap 8 since the blocked dQ); 32 queries a block in two
-# 16-query sub-blocks, with the Q/dO ring (70 KB), compile spill-free (225-247 registers) and
-# pass the GPU suite under CUTEATTN_SM80_CONFIGS=sm_120a (its speed there is not sm_120's)
-SM12_D128_TILE = (32, 64, 4)
+# 32 queries a block in two 16-query sub-blocks (q_parts 2), with the Q/dO ring (70 KB at
+# d=128): sm_12x's d=128 tile, where its compiler spilled 8-32 bytes on 64 x 64 x 4 (q_parts 4;
+# head dims padded to 128 16-32, no mask and softcap 8 since the blocked dQ); spill-free there
+# (225-247 registers), and passes the GPU suite under CUTEATTN_SM80_CONFIGS=sm_120a (its speed
+# there is not sm_120's). Also every target's last fallback up to d=128 (bwd_configs).
+SMALL_TILE = (32, 64, 4)
 
 
 def register_parts(head_dim: int, major: int) -> tuple:
@@ -116,7 +123,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
         deterministic=spec.deterministic, padded=padded)
-    if GRID and not (head_dim == 128 and (spec.local or spec.has_softcap or padded or packed)):
+    softcap_off_grid = spec.has_softcap and not GRID_D128_SOFTCAP
+    if GRID and not (head_dim == 128 and (spec.local or softcap_off_grid or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
         if head_dim == 64 and not (spec.has_softcap or packed):
             tall = Sm80BwdConfig(tile_m=GRID_D64_TILE_M, tile_n=tile_n, num_warps=8, grid=True,
@@ -137,11 +145,58 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
             (t for t in tiles if Sm80BwdConfig(dtype, head_dim, *t).smem_bytes() <= smem), tiles[-1])
         kv_parts, q_parts = register_parts(head_dim, major)
         if major >= 12 and head_dim == 128 and not packed:
-            (tile_m, tile_n, warps), q_parts = SM12_D128_TILE, 2
+            (tile_m, tile_n, warps), q_parts = SMALL_TILE, 2
     cfg = Sm80BwdConfig(
         tile_m=tile_m, tile_n=tile_n, num_warps=warps, kv_parts=kv_parts, q_parts=q_parts,
         kv_passes=kv_passes, dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0, **switches)
     return with_ring(cfg, smem, packed)
+
+
+def bwd_configs(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> list:
+    """bwd_config first, then fallbacks, preferred first: the launch takes the first that its
+    target's compiler builds without register spills (compile_common.first_spill_free), as the
+    forward does. The rules above were tuned on sm_80/90a/120a; some forms near 255 registers
+    spill on one target and not another (fp16 d=128 causal on the grid's ring, packed
+    sequences at d=128/256 on sm_100a). In order: the Q/dO ring dropped; bwd.py's layout (over
+    128: its 64-column passes) instead of the grid; 16-query sub-blocks; 32 queries a block."""
+    first = bwd_config(spec, major, smem)
+    head_dim = first.head_dim
+    packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
+    fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)}
+    switches = {k: fields[k] for k in (
+        "dtype", "head_dim", "causal", "local", "has_softcap", "varlen_q", "varlen_k",
+        "has_seqused_q", "has_seqused_k", "deterministic", "padded")}
+    candidates = [first, dataclasses.replace(first, q_stages=1)]
+    if head_dim in WIDE_HEAD_DIMS:
+        tile_m, tile_n, warps = wide_tile(first.dtype, head_dim, smem)
+        candidates.append(Sm80BwdConfig(tile_m=tile_m, tile_n=tile_n, num_warps=warps,
+                                        kv_passes=head_dim // PASS_COLS, **switches))
+    else:
+        if first.grid:
+            tiles = PACKED_TILES.get(head_dim, TILES[head_dim]) if packed else TILES[head_dim]
+            tile_m, tile_n, warps = next(
+                (t for t in tiles if Sm80BwdConfig(first.dtype, head_dim, *t).smem_bytes() <= smem),
+                tiles[-1])
+            kv_parts, q_parts = register_parts(head_dim, major)
+            layout = Sm80BwdConfig(
+                tile_m=tile_m, tile_n=tile_n, num_warps=warps, kv_parts=kv_parts, q_parts=q_parts,
+                dq_warps_m=DQ_WARPS_M_8_WARPS if warps == 8 else 0, **switches)
+            candidates += [with_ring(layout, smem, packed), layout]
+        else:
+            layout = dataclasses.replace(first, q_stages=1)
+        if layout.tile_m % 64 == 0:  # 16-query sub-blocks: a quarter of a 64-query block
+            quartered = dataclasses.replace(layout, q_parts=4)
+            candidates += [with_ring(quartered, smem, packed), quartered]
+        (tile_m, tile_n, warps), q_parts = SMALL_TILE, 2
+        small = Sm80BwdConfig(tile_m=tile_m, tile_n=tile_n, num_warps=warps,
+                              kv_parts=register_parts(head_dim, major)[0], q_parts=q_parts,
+                              **switches)
+        candidates += [with_ring(small, smem, packed), small]
+    unique = []
+    for cfg in candidates:
+        if cfg not in unique and cfg.smem_bytes() <= smem:
+            unique.append(cfg)
+    return unique
 
 
 def with_ring(cfg: Sm80BwdConfig, smem: int, packed: bool) -> Sm80BwdConfig:
@@ -170,9 +225,12 @@ class BwdLaunch(BackwardLaunch):
     """The compiled backward for one spec; calling it runs the three steps."""
 
     def __init__(self, spec: AttentionSpec):
-        cfg = bwd_config(spec, _major(spec), smem_limit(spec.device_index))
         tvm_ffi = use_tvm_ffi()
-        super().__init__(spec, cfg, _compiled(cfg, tvm_ffi), tvm_ffi, arguments.BWD_ARGUMENTS)
+        compile_with_report = lambda cfg: (_compiled(cfg, tvm_ffi),
+                                           compile_cache.kernel_info((ARCH, KIND, tvm_ffi, cfg)))
+        cfg, fn, _ = first_spill_free(
+            bwd_configs(spec, _major(spec), smem_limit(spec.device_index)), compile_with_report)
+        super().__init__(spec, cfg, fn, tvm_ffi, arguments.BWD_ARGUMENTS)
 
     def dq_blocks(self):
         return "single"  # (red.global.add.f32: one float a lane)
