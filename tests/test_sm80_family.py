@@ -758,3 +758,18 @@ def test_backward_candidates_fall_back_to_smaller_register_needs(major, smem):
                     *launch_bwd.SMALL_TILE, 2, False), where
             else:
                 assert last.kv_passes == last.head_dim // launch_bwd.PASS_COLS, where
+
+
+def test_the_fallback_knob_starts_the_launch_later_in_the_candidates(monkeypatch):
+    """CUTEATTN_SM80_BWD_FALLBACK=k: candidate k on (the last where there are fewer), so the
+    H200 can run the configs other targets' compilers fall back to."""
+    from cuteattn.kernels.sm80 import launch_bwd
+    spec = make_spec(kind="bwd", causal=True, dtype=torch.float16)
+    cfgs = launch_bwd.bwd_configs(spec, 9, 227 * 1024)
+    assert len(cfgs) >= 3
+    monkeypatch.delenv(launch_bwd.FALLBACK_ENV, raising=False)
+    assert launch_bwd.launch_candidates(spec, 9, 227 * 1024) == cfgs
+    monkeypatch.setenv(launch_bwd.FALLBACK_ENV, "2")
+    assert launch_bwd.launch_candidates(spec, 9, 227 * 1024) == cfgs[2:]
+    monkeypatch.setenv(launch_bwd.FALLBACK_ENV, "99")
+    assert launch_bwd.launch_candidates(spec, 9, 227 * 1024) == cfgs[-1:]

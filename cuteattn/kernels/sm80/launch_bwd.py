@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Optional
 
 from ... import compile_cache
@@ -199,6 +200,19 @@ def bwd_configs(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> 
     return unique
 
 
+# Testing knob: CUTEATTN_SM80_BWD_FALLBACK=k makes the launch start from candidate k of
+# bwd_configs (the last where a form has fewer), so a GPU whose compiler takes the first runs,
+# and verifies, the fallbacks other targets' compilers take. Unset in normal use.
+FALLBACK_ENV = "CUTEATTN_SM80_BWD_FALLBACK"
+
+
+def launch_candidates(spec: AttentionSpec, major: int, smem: int) -> list:
+    """bwd_configs, from candidate CUTEATTN_SM80_BWD_FALLBACK on when that is set."""
+    cfgs = bwd_configs(spec, major, smem)
+    skip = int(os.environ.get(FALLBACK_ENV, "0") or 0)
+    return cfgs[min(max(skip, 0), len(cfgs) - 1):]
+
+
 def with_ring(cfg: Sm80BwdConfig, smem: int, packed: bool) -> Sm80BwdConfig:
     """cfg with Q_STAGES stages of Q and dO where they fit `smem` (not the grid's d = 256 with
     packed sequences: 4 bytes of spill in fp16 on sm_90a)."""
@@ -229,7 +243,8 @@ class BwdLaunch(BackwardLaunch):
         compile_with_report = lambda cfg: (_compiled(cfg, tvm_ffi),
                                            compile_cache.kernel_info((ARCH, KIND, tvm_ffi, cfg)))
         cfg, fn, _ = first_spill_free(
-            bwd_configs(spec, _major(spec), smem_limit(spec.device_index)), compile_with_report)
+            launch_candidates(spec, _major(spec), smem_limit(spec.device_index)),
+            compile_with_report)
         super().__init__(spec, cfg, fn, tvm_ffi, arguments.BWD_ARGUMENTS)
 
     def dq_blocks(self):
