@@ -74,7 +74,7 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # (geometric mean 1.08) its reductions beside two Q / dO stages; the turns stagger the 64-key
     # blocks of a head, which otherwise add 64 KB of dQ each into the same query block at once
     # (causal measured 0.97-1.04x, not taken)
-    ordered = spec.deterministic or (
+    ordered = spec.deterministic or bool(
         D256_IN_TURNS and head_dim == 256 and not (
             spec.causal or spec.local or packed or spec.has_seqused_q or spec.has_seqused_k
             or spec.sparse_q_block or spec.mods_or_lists))
