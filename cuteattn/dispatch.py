@@ -24,9 +24,10 @@ from .spec import AttentionSpec
 # Compute capability major -> the arch name families register under. The only place a device's
 # capability is looked at: the families themselves are per arch. "sm80" is the mma.sync path
 # (Ampere, Ada, Blackwell, Thor); "sm90" the Hopper kernels. Datacenter Blackwell (sm_100/103)
-# and Thor (sm_110) take the mma.sync path until they have kernels of their own (tcgen05): its
-# PTX for sm_100a is the code verified on Hopper (tests/test_compile_sm80.py checks it is the
-# same, and spill-free), far faster than the reference they fell back to before.
+# and Thor (sm_110) take the mma.sync path until they have kernels of their own (tcgen05): the
+# kernels verified on Hopper, compiled for the target (spill-free for sm_100a:
+# tests/test_compile_sm80.py; not the same machine code, LLVM and ptxas lower them per target),
+# far faster than the reference they fell back to before.
 ARCH_BY_MAJOR = {8: "sm80", 9: "sm90", 10: "sm80", 11: "sm80", 12: "sm80"}
 
 # arch -> the module whose FAMILIES serve that arch, imported on the first spec for a device of
