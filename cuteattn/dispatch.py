@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from typing import Callable, Dict, Optional, Protocol, Tuple
 
 import torch
@@ -61,6 +62,15 @@ _import_errors: Dict[str, str] = {}
 def register(arch: str, kind: str, family: KernelFamily) -> None:
     """Make `family` the one that serves `kind` problems on `arch` (a later call replaces it)."""
     _families[(arch, kind)] = family
+
+
+def target_capability(target: str) -> Tuple[int, int]:
+    """(major, minor) of a compile target's name (CUTE_DSL_ARCH style: sm_86, sm_90a, sm_120a):
+    for callers that choose kernels without a GPU (precompile, compile-only configs)."""
+    match = re.fullmatch(r"sm_(\d+?)(\d)[a-z]?", target)
+    if not match:
+        raise ValueError(f"{target!r}: expected an arch like sm_86, sm_90a or sm_120a")
+    return int(match[1]), int(match[2])
 
 
 def arch_name(major: int, minor: int) -> Tuple[Optional[str], Optional[str]]:

@@ -24,7 +24,9 @@ import os
 import sys
 import time
 
-MASKS = ("none", "causal", "local", "softcap")
+# softcap combines with a causal mask or a window (Gemma 2: softcap with causal and sliding-window
+# layers): each combination is a variant of its own
+MASKS = ("none", "causal", "local", "softcap", "causal_softcap", "local_softcap")
 
 
 def parse_args(argv=None):
@@ -40,7 +42,8 @@ def parse_args(argv=None):
                    help="repeat for several (default: bf16)")
     p.add_argument("--mask", action="append", choices=MASKS,
                    help="repeat for several (default: none and causal); local is any sliding "
-                        "window, softcap any softcap > 0")
+                        "window, softcap any softcap > 0, causal_softcap and local_softcap "
+                        "both together")
     p.add_argument("--varlen", action="store_true", help="also packed (flash_attn_varlen_func)")
     p.add_argument("--seqused", action="store_true", help="packed calls pass seqused_q/seqused_k")
     p.add_argument("--backward", action="store_true", help="also the backward (training)")
@@ -74,13 +77,13 @@ def variants(args) -> list:
             for mask in args.mask or ["none", "causal"]:
                 for varlen, seqused in layouts:
                     base = dict(
-                        dtype=dtypes[dt], head_dim=d, head_dim_v=dv, causal=mask == "causal",
-                        local=mask == "local", has_softcap=mask == "softcap", varlen_q=varlen,
-                        varlen_k=varlen, has_seqused_q=seqused, has_seqused_k=seqused, batch=1,
+                        dtype=dtypes[dt], head_dim=d, head_dim_v=dv, causal=mask.startswith("causal"),
+                        local=mask.startswith("local"), has_softcap=mask.endswith("softcap"),
+                        varlen_q=varlen, varlen_k=varlen, has_seqused_q=seqused, has_seqused_k=seqused, batch=1,
                         nheads=1, nheads_k=1, softmax_scale=d ** -0.5,
-                        window_left=128 if mask == "local" else None,
-                        window_right=0 if mask == "local" else None,
-                        softcap=30.0 if mask == "softcap" else 0.0, device_index=device_index)
+                        window_left=128 if mask.startswith("local") else None,
+                        window_right=0 if mask.startswith("local") else None,
+                        softcap=30.0 if mask.endswith("softcap") else 0.0, device_index=device_index)
                     name = (f"d{d}{f'v{dv}' if dv != d else ''} {dt} {mask}{' varlen' if varlen else ''}"
                             f"{' seqused' if seqused else ''}")
                     for seqlen in (1024, 1 << 20):  # the short and the long tile class
@@ -105,14 +108,6 @@ def _block_shape(text: str) -> tuple:
     return q, k
 
 
-def _capability(target: str) -> tuple:
-    """(major, minor) of a CUTE_DSL_ARCH name such as sm_90a or sm_120a."""
-    digits = target.removeprefix("sm_").rstrip("abf")
-    if not digits.isdigit() or len(digits) < 2:
-        raise SystemExit(f"--arch / CUTE_DSL_ARCH={target!r}: expected an arch like sm_90a or sm_86")
-    return int(digits[:-1]), int(digits[-1])
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -131,8 +126,11 @@ def main(argv=None) -> int:
               "(the tvm-ffi extra)", file=sys.stderr)
         return 2
     # the kernels the target's calls run: dispatch's path for its compute capability
-    capability = (torch.cuda.get_device_capability(0) if torch.cuda.is_available() else
-                  _capability(os.environ["CUTE_DSL_ARCH"]))
+    try:
+        capability = (torch.cuda.get_device_capability(0) if torch.cuda.is_available() else
+                      dispatch.target_capability(os.environ["CUTE_DSL_ARCH"]))
+    except ValueError as e:
+        raise SystemExit(f"--arch / CUTE_DSL_ARCH: {e}")
     arch, reason = dispatch.arch_name(*capability)
     if arch is None:
         print(f"nothing to compile: {reason}", file=sys.stderr)

@@ -86,6 +86,14 @@ def test_the_path_can_be_chosen(monkeypatch):
     assert arch is None and "names no kernel path" in reason and "sm80" in reason
 
 
+def test_target_names_parse_to_capabilities():
+    assert [dispatch.target_capability(t) for t in ("sm_80", "sm_86", "sm_90a", "sm_100a", "sm_120a")] == [
+        (8, 0), (8, 6), (9, 0), (10, 0), (12, 0)]
+    for bad in ("sm90", "hopper", "sm_9", "sm_90ab"):
+        with pytest.raises(ValueError, match="expected an arch like"):
+            dispatch.target_capability(bad)
+
+
 def test_non_cuda_devices_give_a_reason():
     assert "cpu" in dispatch.can_implement(make_spec(), torch.device("cpu"))
 

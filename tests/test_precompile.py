@@ -26,6 +26,23 @@ def test_variants_cover_the_options():
     assert specs["bwd d64 bf16 causal"].kind == "bwd" and specs["fwd d64 bf16 none long"].seqlen_q > 2048
 
 
+def test_softcap_combines_with_a_mask():
+    """Gemma 2's layers: softcap with causal, and with a sliding window (variants of their own)."""
+    specs = dict(precompile.variants(precompile.parse_args(
+        ["--head-dim", "256", "--mask", "causal_softcap", "--mask", "local_softcap", "--backward"])))
+    causal, local = specs["bwd d256 bf16 causal_softcap"], specs["bwd d256 bf16 local_softcap"]
+    assert (causal.causal, causal.local, causal.has_softcap, causal.softcap) == (True, False, True, 30.0)
+    assert (local.causal, local.local, local.has_softcap, local.window_left) == (False, True, True, 128)
+    assert causal.compile_key() != specs["bwd d256 bf16 local_softcap"].compile_key()
+
+
+def test_a_target_name_that_is_no_arch_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "hopper")
+    monkeypatch.setenv("CUTEATTN_DISK_CACHE", "1")
+    with pytest.raises(SystemExit, match="CUTE_DSL_ARCH: 'hopper': expected an arch like sm_86"):
+        precompile.main(["--head-dim", "64"])
+
+
 def test_surface_and_block_sparse_variants():
     """--head-dim-v and --sparse: the MLA-style pair and block-sparse forwards (a coarser block
     shape as the kernel block its lists run on); none for packed layouts, no backward."""

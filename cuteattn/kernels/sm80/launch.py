@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import re
 from typing import Optional
 
 import cutlass
 import torch
 
-from ... import compile_cache
+from ... import compile_cache, dispatch
 from ...spec import AttentionSpec
 from ..common.arguments import Binder, group_names
 from ..launch_common import (CUTLASS_DTYPES, aligned16, call_kernel, kernel_scalars, l2_groups,
@@ -41,10 +40,10 @@ CONFIGS_ENV = "CUTEATTN_SM80_CONFIGS"
 
 
 def _capability_of(target: str) -> tuple:
-    match = re.fullmatch(r"sm_(\d+?)(\d)[a-z]?", target)
-    if not match:
-        raise ValueError(f"{CONFIGS_ENV}/CUTE_DSL_ARCH={target!r}: expected an arch like sm_86 or sm_120a")
-    return int(match[1]), int(match[2])
+    try:
+        return dispatch.target_capability(target)
+    except ValueError as e:
+        raise ValueError(f"{CONFIGS_ENV}/CUTE_DSL_ARCH: {e}") from None
 
 
 def target_capability(device_index: int) -> tuple:
