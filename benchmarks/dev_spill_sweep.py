@@ -63,9 +63,6 @@ def main():
                   f"SPILL {spilled}" if spilled else "", flush=True)
             continue
         spec = AttentionSpec(dtype=DTYPES[dt], head_dim=d, head_dim_v=d, kind="bwd", **masks, **flags)
-        if launch_bwd.unserved_on(spec, major):
-            print(target, dt, d, mask, form, "declined", flush=True)
-            continue
         cfgs = launch_bwd.bwd_configs(spec, major, smem)
         cfg, _, info = first_spill_free(cfgs, report)
         spilled = info.get("spill_store_bytes", 0)

@@ -111,11 +111,13 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # forms whose first config spilled on some target (a later candidate serves:
                # launch_bwd.bwd_configs): fp16 d=128 on the grid's ring (sm_80/90a/100a), d=128
                # softcap deterministic (sm_90a), fp16 d=256 packed (sm_90a/100a), d=96
-               # deterministic (sm_120a), packed keys only or seqused only at d=128 (sm_100a/120a)
+               # deterministic (sm_120a), packed keys only or seqused only at d=128 (sm_100a/120a),
+               # packed sequences at d=128 (sm_100a/120a: 32 queries a block)
                ["fp16", 128, "none", "bwd"], ["fp16", 128, "causal", "bwd"],
                ["bf16", 128, "softcap", "bwd,deterministic"], ["fp16", 256, "softcap", "bwd,varlen"],
                ["fp16", 256, "causal", "bwd,seqused"], ["bf16", 96, "local", "bwd,deterministic"],
-               ["bf16", 128, "none", "bwd,varlen_k"], ["fp16", 128, "causal", "bwd,seqused"]]
+               ["bf16", 128, "none", "bwd,varlen_k"], ["fp16", 128, "causal", "bwd,seqused"],
+               ["bf16", 128, "softcap", "bwd,varlen,deterministic"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])
@@ -128,17 +130,7 @@ def test_compile_sm80_fwd(target, tmp_path):
     smem = config.SMEM_BY_CAPABILITY[TARGETS[target]]
     env = {**os.environ, "CUTE_DSL_ARCH": target,
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    # what the families decline on this target is not compiled for it (the family tests
-    # check the declines)
-    from cuteattn.kernels.sm80.launch_bwd import unserved_on
-    from cuteattn.spec import AttentionSpec
-    flags = lambda v: str(v[3]).split(",")
-    served = [v for v in VARIANTS if not (flags(v)[0] == "bwd" and unserved_on(
-        AttentionSpec(dtype=None, head_dim=v[1], head_dim_v=v[1], causal=False, local=False,
-                      has_softcap=False, varlen_q="varlen" in flags(v),
-                      varlen_k="varlen" in flags(v) or "varlen_k" in flags(v),
-                      has_seqused_q="seqused" in flags(v), has_seqused_k="seqused" in flags(v)),
-        TARGETS[target][0]))]
+    served = VARIANTS
     if TARGETS[target] < sm80_launch.FP8_MIN_CAPABILITY:  # (the decode family declines fp8)
         served = [v for v in served if "fp8" not in str(v[3])]
     run = subprocess.run([sys.executable, str(PROBE), json.dumps(served), str(smem)], env=env,

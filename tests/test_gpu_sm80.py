@@ -448,17 +448,6 @@ BWD_CASES = [c for c in tb.CASES if c[1] in BWD_HEAD_DIMS]
 BWD_DETERMINISTIC = [c for c in tb.DETERMINISTIC if c[0] in BWD_HEAD_DIMS]
 
 
-def skip_if_declined_varlen(d):
-    """Under CUTEATTN_SM80_CONFIGS=sm_120a (sm_12x's configs) the backward declines packed
-    sequences at d >= 128 (launch_bwd.unserved_on: spills there); a strict call would raise."""
-    from types import SimpleNamespace
-    from cuteattn.kernels.sm80 import launch, launch_bwd
-    major = launch.target_capability(torch.cuda.current_device())[0]
-    reason = launch_bwd.unserved_on(SimpleNamespace(head_dim=d, varlen_q=True), major)
-    if reason:
-        pytest.skip(f"declined on these configs: {reason}")
-
-
 @pytest.mark.parametrize("case", BWD_CASES, ids=tb.case_id)
 def test_bwd(seed, case):
     dtype, d, (h, hk), mask, (sq, sk) = case
@@ -476,7 +465,6 @@ def test_bwd_strided_qkv_and_rows_without_keys(seed):
 @pytest.mark.parametrize("d", BWD_HEAD_DIMS)
 @pytest.mark.parametrize("mask", list(tb.VARLEN_MASKS))
 def test_bwd_varlen(seed, d, mask):
-    skip_if_declined_varlen(d)
     got, ref, low = tb.run_varlen(tb.LENS_Q, tb.LENS_K, 8, 2, d, torch.bfloat16,
                                   **tb.VARLEN_MASKS[mask])
     tb.check_grads(got, ref, low)
@@ -484,7 +472,6 @@ def test_bwd_varlen(seed, d, mask):
 
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_bwd_varlen_seqused(seed, mask):
-    skip_if_declined_varlen(128)
     tb.test_bwd_varlen_seqused(seed, mask)
 
 
@@ -494,5 +481,4 @@ def test_bwd_deterministic_is_bitwise_reproducible(seed, d, mask, sq, sk):
 
 
 def test_bwd_varlen_deterministic(seed):
-    skip_if_declined_varlen(128)
     tb.test_bwd_varlen_deterministic(seed)

@@ -89,15 +89,6 @@ def register_parts(head_dim: int, major: int) -> tuple:
     return kv_parts, 2 if head_dim >= 128 else 1
 
 
-def unserved_on(spec: AttentionSpec, major: int) -> Optional[str]:
-    """What this arch's compiler cannot build spill-free (tests/test_compile_sm80.py)."""
-    width = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
-    if major >= 12 and width == 128 and spec.varlen_q:  # (over 128 the passes' tiles do not)
-        return ("the sm80 backward at head_dim 128 with packed sequences spills registers on "
-                f"sm_{major}x (16-32 bytes): not served there yet")
-    return None
-
-
 def _major(spec: AttentionSpec) -> int:
     return target_capability(spec.device_index)[0]
 
@@ -258,9 +249,6 @@ class Sm80Backward:
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         reason = unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS,
                                         padded_dims=True)
-        if reason is not None:
-            return reason
-        reason = unserved_on(spec, _major(spec))
         if reason is not None:
             return reason
         return unserved_form(spec, ARCH, "backward", sinks=True)  # (dsink: api._sink_gradient)
