@@ -129,6 +129,8 @@ def cases() -> dict:
     out["bwd_d256_causal_deterministic"] = lambda: _bwd_fixed(
         tb, bf16, 256, 8, 2, 257, 257, deterministic=True, causal=True)
     out["bwd_d192_window"] = lambda: _bwd_fixed(tb, bf16, 192, 4, 4, 129, 300, window_size=(64, 32))
+    # plain d=256: dQ by the blocked reductions beside two Q/dO stages
+    out["bwd_d256_none"] = lambda: _bwd_fixed(tb, bf16, 256, 8, 2, 257, 300)
     out["bwd_varlen_d176_padded_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=176, causal=True)
     out["bwd_varlen_d224_padded_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=224, causal=True)
     # rows past seqused zeroed by the producer before the GEMMs (NaN and Inf there)
@@ -254,6 +256,10 @@ def cases() -> dict:
         tb, bf16, 256, 8, 2, 257, 257, causal=True))
     out["portable_bwd_d192_window"] = _on_sm80(lambda: _bwd_fixed(
         tb, bf16, 192, 8, 2, 200, 300, window_size=(64, 32)))
+    # the last fallback tiles (launch_bwd.bwd_configs: 32 queries a block, with the Q/dO ring),
+    # which sm_100a and sm_12x take with packed sequences at d=128
+    out["portable_bwd_varlen_d128_causal_small_tile"] = _on_sm80(_with_env(
+        "CUTEATTN_SM80_BWD_FALLBACK", "4", lambda: _bwd_varlen(tb, lens_q, lens_k, d=128, causal=True)))
     out["portable_bwd_varlen_d176_deterministic"] = _on_sm80(lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=176, deterministic=True))
     out["portable_bwd_varlen_d64_window_seqused"] = _on_sm80(lambda: _bwd_varlen(
@@ -274,6 +280,18 @@ def _on_sm80(fn):
             fn()
         finally:
             del os.environ["CUTEATTN_PATH"]
+    return run
+
+
+def _with_env(name: str, value: str, fn):
+    """fn run with the environment variable set (read when a call's launch is built), then
+    unset."""
+    def run():
+        os.environ[name] = value
+        try:
+            fn()
+        finally:
+            del os.environ[name]
     return run
 
 

@@ -99,16 +99,17 @@ def compile_and_check(case, capfd):
     return cfg
 
 
-def test_plain_d256_without_a_mask_adds_dq_in_turn():
-    """Plain d=256 without a mask runs the deterministic kernel (dQ by the writer warp, in
-    turn, beside one Q/dO stage: 1.01-1.16x its reductions); masks, packed sequences and the
-    other head dims keep the plain one. (CASES compiles it: bf16 d=256 "none".)"""
-    cfg = lambda d, mask="none", varlen=False: launch_bwd.bwd_config(
-        make_spec(torch.bfloat16, d, mask, varlen=varlen))
-    assert cfg(256).deterministic and cfg(256).dq_writer and cfg(256).num_stages == 1
-    assert cfg(256, "softcap").deterministic and cfg(256).interleaves_heads
-    assert not any(cfg(256, m).deterministic for m in ("causal", "local"))
-    assert not cfg(256, varlen=True).deterministic and not cfg(128).deterministic
+def test_plain_d256_adds_dq_by_blocked_reductions():
+    """Plain d=256 adds dQ by the blocked reductions beside two Q/dO stages (1.15-1.31x the
+    writer warp's turns beside one); deterministic mode keeps the turns. (CASES compiles it:
+    bf16 d=256 "none".)"""
+    cfg = lambda d, mask="none", det=False: launch_bwd.bwd_config(
+        make_spec(torch.bfloat16, d, mask, deterministic=det))
+    for mask in ("none", "softcap", "causal", "local"):
+        plain = cfg(256, mask)
+        assert not plain.deterministic and not plain.dq_tma and plain.num_stages == 2, mask
+    ordered = cfg(256, det=True)
+    assert ordered.deterministic and ordered.dq_tma and ordered.dq_writer and ordered.num_stages == 1
 
 
 def test_dq_writer_and_lean_stores_without_packed_sequences():

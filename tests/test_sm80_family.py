@@ -648,7 +648,7 @@ def test_decode_folds_only_short_merges(monkeypatch, nheads_k, num_splits, folds
 def test_backward_layout_per_head_dim(capability):
     """The backward's layout: the two-dimensional warp grids (bwd_grid.py, 8 warps) where their
     tile fits the target's shared memory: 163 KB and more: 128 keys up to d=128, except d=128
-    with a window, softcap, a padded head dim or packed sequences (they spill there), 64 keys
+    with a window, a padded head dim or packed sequences (they spill there), 64 keys
     over 128 (one pass); 99 KB: d=64 only. bwd.py's keys-as-rows layout elsewhere, with dQ on
     2 x 4 warps on its 8-warp tiles.
     Q and dO in a ring where it fits, except the grid's d=256 with packed sequences. Every
@@ -664,7 +664,7 @@ def test_backward_layout_per_head_dim(capability):
     for d, kw, keys_big, keys_small in [
             (64, {}, 128, 128), (64, dict(local=True), 128, 128), (64, softcap, 128, 128),
             (64, packed, 128, 128), (128, {}, 128, 0), (128, dict(causal=True, deterministic=True), 128, 0),
-            (128, dict(local=True), 0, 0), (128, softcap, 0, 0), (128, packed, 0, 0),
+            (128, dict(local=True), 0, 0), (128, softcap, 128, 0), (128, packed, 0, 0),
             (112, {}, 0, 0), (96, {}, 128, 0), (80, {}, 128, 0), (192, {}, 64, 0),
             (192, dict(local=True), 64, 0), (160, packed, 64, 0), (256, {}, 64, 0),
             (256, softcap, 64, 0), (224, {}, 64, 0), (256, packed, 64, 0)]:

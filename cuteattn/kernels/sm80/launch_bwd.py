@@ -42,15 +42,11 @@ DQ_WARPS_M_8_WARPS = 2
 # 1.18-1.19x over bwd.py at d = 64 / 96 / 128 on the H200; over 128 in one pass of 64 keys (dK
 # and dV of 32 keys x d/4 columns a warp, as FlashAttention-2 runs d = 256), not bwd.py's
 # column passes that recompute S and dP: 1.14-1.25x at d = 192, 1.40-1.48x at d = 256
-# (docs/perf-log.md). Not at d = 128 with a sliding window, softcap, padded head dim or packed
+# (docs/perf-log.md). d = 128 with softcap too: 1.10-1.13x bwd.py on the H200, spill-free since
+# dQ's blocked accumulator. Not at d = 128 with a sliding window, padded head dim or packed
 # sequences: 128 keys spilled 8-32 bytes there (sm_80/90), and 64 keys on the grids ran
 # 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile).
 GRID = True
-# Candidate, not yet measured (0: bwd.py as before): d = 128 with softcap on the grid's 64 x 128
-# tile, spill-free on sm_80 and sm_90a since dQ's blocked accumulator (250-255 registers;
-# 8-32 bytes before). A/B: benchmarks/dev_bwd_ab.py GRID_D128_SOFTCAP 0 1 --path sm80 --d 128
-# --softcap 30 (prediction 1.10-1.20x: the grid ran 1.18-1.19x bwd.py at plain d = 128).
-GRID_D128_SOFTCAP = 0
 GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
 # 128 queries a block at d = 64 (FlashAttention-2's d=64 tile on sm_80) where it fits with the
 # Q/dO ring (166 KB: sm_80 and Hopper): 1.03-1.06x of 64 on the H200 (docs/perf-log.md);
@@ -115,8 +111,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
         deterministic=spec.deterministic, padded=padded)
-    softcap_off_grid = spec.has_softcap and not GRID_D128_SOFTCAP
-    if GRID and not (head_dim == 128 and (spec.local or softcap_off_grid or padded or packed)):
+    if GRID and not (head_dim == 128 and (spec.local or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
         if head_dim == 64 and not (spec.has_softcap or packed):
             tall = Sm80BwdConfig(tile_m=GRID_D64_TILE_M, tile_n=tile_n, num_warps=8, grid=True,

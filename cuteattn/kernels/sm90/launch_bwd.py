@@ -39,16 +39,6 @@ NATIVE_WIDTH_MAX = 96
 # 1.04-1.16x of 64 with dQ by TMA (docs/perf-log.md)
 D64_TILE_M = 128
 
-# Candidates, not yet measured (1: as before). D256_IN_TURNS 0: plain d=256 without turns,
-# its dQ by the blocked reductions (unordered, two Q / dO stages: 226 KB, spill-free); plain
-# d=256 runs at 0.78-0.82x the best peer, and the blocked reductions beat the row-layout ones
-# its turns replaced by 1.28x. A/B: benchmarks/dev_bwd_ab.py D256_IN_TURNS 1 0 --d 256
-# --noncausal-only (prediction 1.05-1.20x). DQ_BY_TMA 0: the blocked reductions instead of the
-# TMA box where the additions are not ordered (d = 64-192; d = 64 keeps its 128-row steps).
-# A/B: DQ_BY_TMA 1 0 --d 64,96,128,192 (and --varlen); prediction 0.95-1.10x (the box measured
-# 1.07-1.36x the row layout, the blocks 1.14-1.29x).
-D256_IN_TURNS = 1
-DQ_BY_TMA = 1
 
 
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
@@ -70,21 +60,18 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # warp's (Sm90BwdConfig.dq_writer): 1.27-1.74x the consumers' reductions in turn (d=256
     # 1.27-1.49x)
     packed = spec.varlen_q or spec.varlen_k
-    # dQ's additions in turn: deterministic mode, and plain d=256 without a mask too: 1.01-1.16x
-    # (geometric mean 1.08) its reductions beside two Q / dO stages; the turns stagger the 64-key
-    # blocks of a head, which otherwise add 64 KB of dQ each into the same query block at once
-    # (causal measured 0.97-1.04x, not taken)
-    ordered = spec.deterministic or bool(
-        D256_IN_TURNS and head_dim == 256 and not (
-            spec.causal or spec.local or packed or spec.has_seqused_q or spec.has_seqused_k
-            or spec.sparse_q_block or spec.mods_or_lists))
+    # dQ's additions in turn in deterministic mode only: plain d=256 in turns ran 0.76-0.87x its
+    # blocked reductions beside two Q / dO stages (those beat the row-layout reductions the
+    # turns were measured against, 1.01-1.16x, by 1.28x: docs/perf-log.md)
+    ordered = spec.deterministic
     dq_tma_max = 256 if ordered else 192
-    dq_tma = (DQ_BY_TMA or ordered) and head_dim <= dq_tma_max and not (head_dim == 128 and (
+    # (the blocked reductions in place of the box at d = 64-192 ran 0.89-1.01x)
+    dq_tma = head_dim <= dq_tma_max and not (head_dim == 128 and (
         spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
             spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
     # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
-    tall = (head_dim == 64 and (dq_tma or not DQ_BY_TMA) and not spec.local
+    tall = (head_dim == 64 and dq_tma and not spec.local
             and not (spec.varlen_q or spec.varlen_k or spec.sparse_q_block or spec.mods_or_lists))
     # two Q / dO stages (three at d<=128 measured 0.93-1.01x: perf-log), if shared memory
     # holds them
