@@ -77,9 +77,10 @@ def variants(args) -> list:
             for mask in args.mask or ["none", "causal"]:
                 for varlen, seqused in layouts:
                     base = dict(
-                        dtype=dtypes[dt], head_dim=d, head_dim_v=dv, causal=mask.startswith("causal"),
-                        local=mask.startswith("local"), has_softcap=mask.endswith("softcap"),
-                        varlen_q=varlen, varlen_k=varlen, has_seqused_q=seqused, has_seqused_k=seqused, batch=1,
+                        dtype=dtypes[dt], head_dim=d, head_dim_v=dv,
+                        causal=mask.startswith("causal"), local=mask.startswith("local"),
+                        has_softcap=mask.endswith("softcap"), varlen_q=varlen, varlen_k=varlen,
+                        has_seqused_q=seqused, has_seqused_k=seqused, batch=1,
                         nheads=1, nheads_k=1, softmax_scale=d ** -0.5,
                         window_left=128 if mask.startswith("local") else None,
                         window_right=0 if mask.startswith("local") else None,

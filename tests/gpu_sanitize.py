@@ -274,13 +274,7 @@ def cases() -> dict:
 
 def _on_sm80(fn):
     """fn run with CUTEATTN_PATH=sm80 (the portable path serves every call)."""
-    def run():
-        os.environ["CUTEATTN_PATH"] = "sm80"
-        try:
-            fn()
-        finally:
-            del os.environ["CUTEATTN_PATH"]
-    return run
+    return _with_env("CUTEATTN_PATH", "sm80", fn)
 
 
 def _with_env(name: str, value: str, fn):

@@ -40,7 +40,6 @@ NATIVE_WIDTH_MAX = 96
 D64_TILE_M = 128
 
 
-
 def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     """A head dim runs at its kernel width (NATIVE_WIDTH_MAX) or on the next compiled width up:
     TMA reads q, k, v and dO zero-filled past their head dim, and the gradient buffers have
