@@ -248,6 +248,8 @@ def flash_attn_func(
 
     Returns out (batch, seqlen_q, nheads, d), or (out, lse) with return_lse, lse float32
     (batch, nheads, seqlen_q), natural log; rows that see no key get out 0 and lse -inf.
+    return_attn_probs=True returns FlashAttention-2's triple (out, lse, None): without dropout
+    its third member, the probabilities' dropout pattern, is None there too.
 
     Checked on every call without a device sync: types, dtypes, devices, ranks, shapes, head dims
     (q/k and v) multiples of 8 up to 256 (kernels: 64, 96, 128, 192, 256 with v's equal to q's;
@@ -255,7 +257,7 @@ def flash_attn_func(
     a window that leaves keys (left + right >= 0 when both are bounded) with int32 edges,
     softcap >= 0, softmax_scale finite > 0, causal / deterministic / return_lse / strict bools
     (or 0 / 1).
-    Not supported (NotImplementedError): dropout_p > 0, alibi_slopes, return_attn_probs.
+    Not supported (NotImplementedError): dropout_p > 0, alibi_slopes.
     Keyword-only extras: learnable_sink (nheads,) float32, one logit per query head joining each
     row's softmax denominator (gpt-oss); q_descale / k_descale / v_descale, FlashAttention-3's
     (batch, nheads_k) float32 descales of float8_e4m3fn q, k, v (out then bf16, or an out= in
@@ -281,7 +283,15 @@ def flash_attn_func(
     A seqlen_q or batch of 0 returns empty results; seqlen_k 0 returns out 0 and lse -inf; neither
     launches a kernel.
     """
-    _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    _checks.check_unsupported(dropout_p, alibi_slopes)
+    if _checks.check_flag("return_attn_probs", return_attn_probs):
+        # FlashAttention-2's triple (out, softmax_lse, S_dmask): S_dmask is None without dropout
+        out, lse = flash_attn_func(
+            q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+            deterministic, False, True, strict, out=out, lse=lse, learnable_sink=learnable_sink,
+            q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            block_sparse=block_sparse, mask_mod=mask_mod, score_mod=score_mod)
+        return out, lse, None
     _checks.check_flags(deterministic=deterministic, return_lse=return_lse, strict=strict)
     if block_sparse is not None or mask_mod is not None or score_mod is not None:
         sig = None
@@ -787,7 +797,8 @@ def flash_attn_varlen_func(
     sequence b to its first seqused[b] rows (the masks align to those lengths). max_seqlen_q/k are
     Python ints bounding the lengths. Mask, scale, softcap and GQA semantics as in flash_attn_func.
 
-    Returns out (total_q, nheads, d), or (out, lse) with return_lse, lse float32 (nheads, total_q).
+    Returns out (total_q, nheads, d), or (out, lse) with return_lse, lse float32 (nheads, total_q);
+    return_attn_probs=True: (out, lse, None), as FlashAttention-2 returns them without dropout.
     Rows outside every sequence or beyond seqused_q are left undefined by the kernel (the reference
     fallback writes out 0, lse -inf there).
 
@@ -796,7 +807,8 @@ def flash_attn_varlen_func(
     batch, and max_seqlen_q/k being Python ints >= 0. A side given without its cu_seqlens is
     batched (batch, seqlen, nheads, head_dim), as FlashAttention-4 allows (one side packed, or
     batched q/k with seqused only); out and lse then follow q's layout ((batch, seqlen_q, nheads,
-    d) and (batch, nheads, seqlen_q) for batched q). These forms run on the reference for now.
+    d) and (batch, nheads, seqlen_q) for batched q). The kernels serve these forms as they serve
+    packed ones.
     validate=True also reads the lengths (a device sync) and checks that each cu_seqlens starts at 0,
     never decreases and ends at the total row count, that seqused[b] lies in [0, length b], and that
     max_seqlen is at least every used length (ValueError naming the argument and the rule). The
@@ -813,7 +825,17 @@ def flash_attn_varlen_func(
     Fallback, strict, out / lse: as in flash_attn_func. A batch, total_q or max_seqlen of 0 writes
     out 0 and lse -inf without a launch.
     """
-    _checks.check_unsupported(dropout_p, alibi_slopes, return_attn_probs)
+    _checks.check_unsupported(dropout_p, alibi_slopes)
+    if _checks.check_flag("return_attn_probs", return_attn_probs):
+        # FlashAttention-2's triple (out, softmax_lse, S_dmask): S_dmask is None without dropout
+        out, lse = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, False,
+            seqused_q, seqused_k, True, validate, strict, out=out, lse=lse,
+            learnable_sink=learnable_sink, q_descale=q_descale, k_descale=k_descale,
+            v_descale=v_descale, block_table=block_table, block_sparse=block_sparse,
+            mask_mod=mask_mod, score_mod=score_mod)
+        return out, lse, None
     _checks.check_flags(deterministic=deterministic, return_lse=return_lse, validate=validate,
                         strict=strict)
     if block_sparse is not None or mask_mod is not None or score_mod is not None:

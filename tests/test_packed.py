@@ -53,6 +53,19 @@ def test_varlen_packed_equal_unpacked(seed):
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
+def test_packed_return_attn_probs(seed):
+    """return_attn_probs passes through to FlashAttention-2's triple (out, lse, None)."""
+    qkv = torch.randn(2, 19, 3, 4, 64, dtype=torch.bfloat16)
+    out, lse, probs = flash_attn_qkvpacked_func(qkv, 0.0, None, True, return_attn_probs=True)
+    ref = flash_attn_qkvpacked_func(qkv, causal=True, return_lse=True)
+    assert probs is None and torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+    cu = torch.tensor([0, 7, 19], dtype=torch.int32)
+    flat = qkv[0]
+    out, lse, probs = flash_attn_varlen_qkvpacked_func(flat, cu, 12, return_attn_probs=True)
+    ref = flash_attn_varlen_qkvpacked_func(flat, cu, 12, return_lse=True)
+    assert probs is None and torch.equal(out, ref[0]) and torch.equal(lse, ref[1])
+
+
 @pytest.mark.parametrize("fn,args,match", [
     (flash_attn_qkvpacked_func, (torch.randn(2, 5, 2, 4, 64),), r"qkv must have shape \(batch, seqlen, 3"),
     (flash_attn_qkvpacked_func, (torch.randn(2, 5, 4, 64),), r"qkv must have shape"),

@@ -150,6 +150,16 @@ def test_negative_window_edges_compile():
     assert torch.all(f(q)[:, :2] == 0)  # the first two rows have no key two places back
 
 
+def test_return_attn_probs_compiles():
+    """FlashAttention-2's (out, lse, None) triple traces without a graph break."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 9, 2, 64, dtype=torch.bfloat16)
+    f = lambda q: flash_attn_func(q, q, q, causal=True, return_attn_probs=True)
+    got, want = torch.compile(f, fullgraph=True, backend="aot_eager")(q), f(q)
+    assert got[2] is None and want[2] is None
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_learnable_sink_compiles_with_its_gradient():
     torch.manual_seed(0)
     q = torch.randn(1, 9, 2, 64, dtype=torch.bfloat16, requires_grad=True)

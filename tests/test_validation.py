@@ -215,9 +215,31 @@ def test_alibi(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_return_attn_probs(kind):
-    rejects(kind, make(kind), NotImplementedError, "return_attn_probs", return_attn_probs=True)
-    rejects(kind, make(kind), NotImplementedError, "pass return_lse=True", return_attn_probs=True)
+def test_return_attn_probs_is_flashattention2s_triple(kind):
+    """FlashAttention-2 returns (out, softmax_lse, S_dmask) for return_attn_probs=True, S_dmask
+    None without dropout (ring / context-parallel code reads the lse that way)."""
+    args = make(kind)
+    out, lse = call(kind, args, return_lse=True)
+    for extra in ({}, {"return_lse": True}, {"return_lse": False}):
+        triple = call(kind, args, return_attn_probs=True, **extra)
+        assert isinstance(triple, tuple) and len(triple) == 3 and triple[2] is None
+        torch.testing.assert_close(triple[0], out, rtol=0, atol=0)
+        torch.testing.assert_close(triple[1], lse, rtol=0, atol=0)
+    rejects(kind, args, TypeError, "return_attn_probs must be a bool", return_attn_probs="yes")
+    rejects(kind, args, NotImplementedError, "dropout_p", return_attn_probs=True, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_return_attn_probs_keeps_gradients(kind):
+    """The triple's out carries the gradient as a plain call's does (its lse none)."""
+    args = {n: (t.clone().requires_grad_(True) if n in "qkv" else t) for n, t in make(kind).items()}
+    out, lse, _ = call(kind, args, return_attn_probs=True)
+    assert not lse.requires_grad
+    grads = torch.autograd.grad(out.float().square().sum(), [args["q"], args["k"], args["v"]])
+    plain = call(kind, args)
+    expected = torch.autograd.grad(plain.float().square().sum(), [args["q"], args["k"], args["v"]])
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
 
 
 # ---- out / lse buffers ----
