@@ -30,7 +30,7 @@ from cutlass import Float32, Int32, const_expr
 from ..common import dq_blocks, epilogue
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
-from ..common.dq_order import in_turn, semaphore_slot
+from ..common.dq_order import in_turn, key_block_turn, launch_order_block, semaphore_slot
 from ..common.global_atomics import red_add_f32
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
                              transposed_view)
@@ -68,6 +68,9 @@ class Sm80BwdConfig:
     kv_passes: int = 1
     # dQ's shares added in key-block order (bitwise-reproducible gradients; common/dq_order)
     deterministic: bool = False
+    # ... from the last key block down, the grid launching a sequence's last key block first
+    # (deterministic under a causal or windowed mask: common/dq_order's descending turns)
+    descending_turns: bool = False
     # Q and dO (and the block's LSE and D) in a ring of q_stages buffers: with 2, the next query
     # block's loads are in flight while this one computes (1: loaded, then waited for)
     q_stages: int = 1
@@ -216,7 +219,8 @@ class FlashBwdSm80:
         in_range = True
         if const_expr(cfg.varlen_k):
             n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch,
-                                                   mK.shape[0], self.tile_n, False)
+                                                   mK.shape[0], self.tile_n,
+                                                   cfg.descending_turns)
             in_range = batch_idx < batch
             batch_idx = cutlass.min(batch_idx, batch - 1)
         seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0],
@@ -231,7 +235,11 @@ class FlashBwdSm80:
                                        else self.tile_m)
         sLSE2 = storage.sLSE2.get_tensor(rows_layout)
         sD = storage.sD.get_tensor(rows_layout)
-        if in_range & (n_block * self.tile_n < seqlen.seqlen_k):
+        in_range = in_range & (n_block * self.tile_n < seqlen.seqlen_k)
+        if const_expr(not cfg.varlen_k):  # (packed: varlen_tile_coord numbers them)
+            n_block = launch_order_block(n_block, seqlen.seqlen_k, self.tile_n,
+                                         cfg.descending_turns)
+        if in_range:
             self.key_block(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore,
                            sQ, sdO, sK, sV, sdSt, sLSE2, sD, seqlen, n_block,
                            head_idx, head_idx // qhead_per_kvhead, batch_idx, softmax_scale,
@@ -488,7 +496,7 @@ class FlashBwdSm80:
         if const_expr(cfg.deterministic):
             ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
                 mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m, cfg.varlen_q)
-            turn = n_block - block_info.first_key_block(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
+            turn = key_block_turn(block_info, seqlen, m_block, n_block, cfg.descending_turns)
             in_turn(ptr, turn, tidx == 0, cute.arch.barrier, cute.arch.barrier, add)
         else:
             add()

@@ -54,6 +54,11 @@ GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: 
 # bytes, softcap 24 and packed causal 64 with it, so the 64-query tile stays for those and
 # where the ring does not fit
 GRID_D64_TILE_M = 128
+# Deterministic dQ under a causal or windowed mask in descending key-block turns
+# (common/dq_order.py), as the sm90 backward runs it (0.42-0.55x -> 0.8-0.93x of its plain
+# backward there). A candidate not yet run on a GPU here: 0 keeps the ascending turns, whose
+# deterministic causal cells run 0.45-0.55x of the plain ones (docs/perf-log.md).
+DESCENDING_TURNS = 0
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -110,7 +115,9 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         dtype=dtype, head_dim=head_dim, causal=spec.causal, local=spec.local,
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
-        deterministic=spec.deterministic, padded=padded)
+        deterministic=spec.deterministic, padded=padded,
+        descending_turns=bool(DESCENDING_TURNS) and spec.deterministic
+        and (spec.causal or spec.local))
     if GRID and not (head_dim == 128 and (spec.local or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
         if head_dim == 64 and not (spec.has_softcap or packed):
@@ -152,7 +159,7 @@ def bwd_configs(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> 
     fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)}
     switches = {k: fields[k] for k in (
         "dtype", "head_dim", "causal", "local", "has_softcap", "varlen_q", "varlen_k",
-        "has_seqused_q", "has_seqused_k", "deterministic", "padded")}
+        "has_seqused_q", "has_seqused_k", "deterministic", "padded", "descending_turns")}
     candidates = [first, dataclasses.replace(first, q_stages=1)]
     if head_dim in WIDE_HEAD_DIMS:
         tile_m, tile_n, warps = wide_tile(first.dtype, head_dim, smem)

@@ -56,7 +56,7 @@ from ..common import dq_blocks, epilogue, named_barriers
 from ..common.block_info import BlockInfo, DenseRows
 from ..common.block_sparse import SparseBlocks, SparseRows
 from ..common.convert import convert_fragment
-from ..common.dq_order import in_turn, semaphore_slot
+from ..common.dq_order import in_turn, key_block_turn, launch_order_block, semaphore_slot
 from ..common.global_atomics import red_add_f32x2
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
 from ..common.mask import apply_mask_transposed
@@ -494,9 +494,9 @@ class FlashBwdSm90:
         seqlen = SeqlenInfo.create(batch_idx, rows_q, rows_k,
                                    mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         in_range = in_range & (n_block * self.tile_n < seqlen.seqlen_k)
-        if const_expr(cfg.descending_turns and not cfg.varlen_k):  # (packed: varlen_tile_coord)
-            # the grid's first block is the sequence's last
-            n_block = (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n - 1 - n_block
+        if const_expr(not cfg.varlen_k):  # (packed: varlen_tile_coord numbers them)
+            n_block = launch_order_block(n_block, seqlen.seqlen_k, self.tile_n,
+                                         cfg.descending_turns)
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
         m_min, m_max = block_info.m_block_range(seqlen.seqlen_q, seqlen.seqlen_k, n_block)
@@ -654,11 +654,8 @@ class FlashBwdSm90:
         """Deterministic mode: query block -> (its semaphore, this key block's turn there): the
         key blocks before it that see the query block (block-sparse: counted in mDqTurns)."""
         cfg = self.cfg
-        turn_of = lambda m_block: n_block - block_info.first_key_block(
-            seqlen.seqlen_q, seqlen.seqlen_k, m_block)
-        if const_expr(cfg.descending_turns):
-            turn_of = lambda m_block: block_info.last_key_block(
-                seqlen.seqlen_q, seqlen.seqlen_k, m_block) - n_block
+        turn_of = lambda m_block: key_block_turn(block_info, seqlen, m_block, n_block,
+                                                 cfg.descending_turns)
         if const_expr(cfg.sparse and cfg.deterministic):
             turn_of = lambda m_block: self.dq_turn(
                 mDqTurns, batch_idx, head_idx, m_block // (cfg.sparse_q_block // self.tile_m),
