@@ -117,7 +117,11 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", 128, "softcap", "bwd,deterministic"], ["fp16", 256, "softcap", "bwd,varlen"],
                ["fp16", 256, "causal", "bwd,seqused"], ["bf16", 96, "local", "bwd,deterministic"],
                ["bf16", 128, "none", "bwd,varlen_k"], ["fp16", 128, "causal", "bwd,seqused"],
-               ["bf16", 128, "softcap", "bwd,varlen,deterministic"]]
+               ["bf16", 128, "softcap", "bwd,varlen,deterministic"],
+               # deterministic dQ in descending turns (launch_bwd.DESCENDING_TURNS, a candidate)
+               ["bf16", 128, "causal", "bwd,deterministic,descending"],
+               ["fp16", 64, "local", "bwd,varlen,deterministic,descending"],
+               ["bf16", 256, "causal", "bwd,seqused,deterministic,descending"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])
