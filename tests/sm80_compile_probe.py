@@ -2,9 +2,9 @@
 JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
     CUTE_DSL_ARCH=sm_86 python tests/sm80_compile_probe.py '[[dtype, d, mask, form], ...]' SMEM
 form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink),
-"bwd[,varlen|,varlen_k|,seqused][,deterministic[,descending]][,padded]" for the backward (the
-config the launch takes: the first spill-free candidate; "fallback" its index; "descending":
-launch_bwd.DESCENDING_TURNS on), "combine" for the
+"bwd[,varlen|,varlen_k|,seqused][,deterministic[,descending|,splits]][,padded]" for the
+backward (the config the launch takes: the first spill-free candidate; "fallback" its index;
+"descending" / "splits": launch_bwd.DESCENDING_TURNS / DQ_SPLITS on), "combine" for the
 split-KV combine kernel (d: d_v; mask:
 "sink" or "none"), or "decode[,page=N][,split[,fold]][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
 for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
@@ -47,13 +47,18 @@ def bwd_configs_of(dtype, d, causal, local, softcap, form, smem=163 * 1024):
                          varlen_q=varlen, varlen_k=varlen or "varlen_k" in flags,
                          has_seqused_q=seqused, has_seqused_k=seqused, kind="bwd",
                          deterministic="deterministic" in flags)
-    switch = launch_bwd.DESCENDING_TURNS
-    launch_bwd.DESCENDING_TURNS = int("descending" in flags)
+    # the deterministic candidates' switches (launch_bwd.DESCENDING_TURNS, DQ_SPLITS)
+    switches = {"descending": "DESCENDING_TURNS", "splits": "DQ_SPLITS"}
+    saved = {name: getattr(launch_bwd, name) for name in switches.values()}
+    for flag, name in switches.items():
+        setattr(launch_bwd, name, int(flag in flags))
     try:
         cfgs = launch_bwd.bwd_configs(spec, major, smem)
     finally:
-        launch_bwd.DESCENDING_TURNS = switch
-    assert all(c.descending_turns == ("descending" in flags) for c in cfgs), (form, cfgs[0])
+        for name, value in saved.items():
+            setattr(launch_bwd, name, value)
+    assert all((c.descending_turns, c.dq_splits) == ("descending" in flags, "splits" in flags)
+               for c in cfgs), (form, cfgs[0])
     return cfgs
 
 

@@ -118,10 +118,15 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["fp16", 256, "causal", "bwd,seqused"], ["bf16", 96, "local", "bwd,deterministic"],
                ["bf16", 128, "none", "bwd,varlen_k"], ["fp16", 128, "causal", "bwd,seqused"],
                ["bf16", 128, "softcap", "bwd,varlen,deterministic"],
-               # deterministic dQ in descending turns (launch_bwd.DESCENDING_TURNS, a candidate)
+               # deterministic dQ in descending turns or in split accumulators (the candidates
+               # launch_bwd.DESCENDING_TURNS and DQ_SPLITS)
                ["bf16", 128, "causal", "bwd,deterministic,descending"],
                ["fp16", 64, "local", "bwd,varlen,deterministic,descending"],
-               ["bf16", 256, "causal", "bwd,seqused,deterministic,descending"]]
+               ["bf16", 256, "causal", "bwd,seqused,deterministic,descending"],
+               ["bf16", 128, "none", "bwd,deterministic,splits"],
+               ["fp16", 64, "causal", "bwd,varlen,deterministic,splits"],
+               ["bf16", 96, "softcap", "bwd,varlen_k,deterministic,splits"],
+               ["bf16", 256, "local", "bwd,deterministic,splits"]]
             # the split-KV combine kernel
             + [["bf16", 128, "none", "combine"], ["fp16", 96, "sink", "combine"],
                ["bf16", 256, "sink", "combine"]])

@@ -717,6 +717,65 @@ def test_blocked_dq_accumulator_reads_back_in_place(order, shape, width):
     assert torch.equal(got, want.view(*shape[:-1], width)[..., :shape[-1]].to(q.dtype))
 
 
+@pytest.mark.parametrize("shape", [(2, 13, 3, 64), (24, 2, 64)])
+def test_split_dq_accumulators_are_summed_in_order(shape):
+    """Split accumulators (Sm80BwdConfig.dq_splits): the buffer holds `splits` accumulators
+    of the rows rounded up to 8, the kernel's view is the first one's; reading back sums them
+    (in split order) into the single accumulator's result."""
+    from cuteattn.kernels.launch_common import BackwardLaunch
+    launch = BackwardLaunch.__new__(BackwardLaunch)
+    launch.dq_blocks = lambda: "single"
+    q = torch.zeros(shape, dtype=torch.float32)
+    rows8 = (q.shape[:-2].numel() + 7) // 8 * 8
+    buffer, kernel_view = launch.dq_accumulator(q, 64, splits=3)
+    assert buffer.shape == (3 * rows8, shape[-2], 64) and not buffer.any()
+    assert kernel_view.data_ptr() == buffer.data_ptr() and kernel_view.shape == shape
+    parts = torch.randn(3, rows8, shape[-2], 64)
+    buffer.copy_(parts.view(buffer.shape))
+    single, _ = launch.dq_accumulator(q, 64)
+    single.copy_(parts.sum(0))
+    assert torch.equal(launch.dq_from_accumulator(buffer, q), launch.dq_from_accumulator(single, q))
+
+
+def test_deterministic_candidates_reach_the_configs(monkeypatch):
+    """launch_bwd.DESCENDING_TURNS / DQ_SPLITS (candidates, off by default) set the deterministic
+    configs' switches, every fallback candidate's too; the splits take precedence; a plain
+    backward takes neither."""
+    from cuteattn.kernels.sm80 import launch_bwd
+    causal = make_spec(kind="bwd", causal=True, deterministic=True)
+    plain = make_spec(kind="bwd", causal=True)
+    flags = lambda spec: {(c.descending_turns, c.dq_splits) for c in launch_bwd.bwd_configs(spec)}
+    assert flags(causal) == flags(plain) == {(False, False)}
+    monkeypatch.setattr(launch_bwd, "DESCENDING_TURNS", 1)
+    assert flags(causal) == {(True, False)} and flags(plain) == {(False, False)}
+    assert flags(make_spec(kind="bwd", deterministic=True)) == {(False, False)}  # (no mask)
+    monkeypatch.setattr(launch_bwd, "DQ_SPLITS", 1)
+    assert flags(causal) == {(False, True)} and flags(plain) == {(False, False)}
+    assert flags(make_spec(kind="bwd", deterministic=True)) == {(False, True)}
+
+
+@pytest.mark.parametrize("batch, heads, seqlen, splits", [
+    (1, 16, 16384, 8),    # 132 SMs x 1 CTA (8 warps) over 16 (batch, head) pairs
+    (16, 16, 1024, 1),    # more pairs than CTAs the SMs hold: one split
+    (1, 2, 512, 4),       # at most a sequence's key blocks (512 / 128)
+    (1, 1, 1 << 20, 8)])  # DQ_SPLIT_BYTES: 4 GiB / (2^20 rows x 128 floats x 4 bytes)
+def test_dq_split_count(monkeypatch, batch, heads, seqlen, splits):
+    from cuteattn.kernels.sm80 import launch_bwd
+    monkeypatch.setattr(launch_bwd, "DQ_SPLITS", 1)
+    monkeypatch.setattr(launch_bwd, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch_bwd, "shared_memory_per_sm", lambda index: 228 * 1024)
+    launch = launch_bwd.BwdLaunch.__new__(launch_bwd.BwdLaunch)  # (no kernel compiled)
+    launch.spec = make_spec(kind="bwd", head_dim=128, head_dim_v=128, nheads=heads,
+                            nheads_k=heads, deterministic=True)
+    launch.cfg = launch_bwd.bwd_config(launch.spec, 9, 227 * 1024)
+    assert launch.cfg.dq_splits and launch.cfg.num_warps == 8 and launch.cfg.tile_n == 128
+    q = torch.empty((batch, seqlen, heads, 128), device="meta")
+    assert launch.dq_splits(q, q, None, None) == splits
+    monkeypatch.setattr(launch_bwd, "DQ_SPLITS", 0)
+    launch.cfg = launch_bwd.bwd_config(launch.spec, 9, 227 * 1024)
+    assert launch.dq_splits(q, q, None, None) == 0
+
+
 @pytest.mark.parametrize("order, lines", [("single", 1), ("pairs", 2)])
 def test_blocked_dq_order_gives_each_warp_reduction_whole_lines(order, lines):
     """The values one red.global of a warp adds (lane l of an m16n8 accumulator: row l // 4 of

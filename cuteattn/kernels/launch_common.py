@@ -51,6 +51,14 @@ def sm_count(device_index: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def shared_memory_per_sm(device_index: int) -> int:
+    """Shared memory an SM holds for its CTAs (each CTA's share plus 1 KB the system keeps)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return getattr(props, "shared_memory_per_multiprocessor",
+                   props.shared_memory_per_block_optin + 1024)
+
+
+@functools.lru_cache(maxsize=None)
 def l2_bytes(device_index: int) -> int:
     if device_index < 0:
         return 50 << 20  # an H100/H200's, for host-only callers (tests)
@@ -357,19 +365,23 @@ class BackwardLaunch:
         spec, cfg = self.spec, self.cfg
         q, k, v, dout = (aligned16(t) for t in (q, k, v, dout))
         lse2, dsum = bwd_preprocess(dout, out, lse, cu_seqlens_q, seqused_q, cfg.tile_m)
-        dq_acc, dq_arg = self.dq_accumulator(q, cfg.head_dim)
-        dk, dv = bwd_buffers(spec, q, k, cfg.head_dim)
         # the grid's key blocks from k's layout, the semaphores from q's (one side may be packed)
         if cu_seqlens_k is not None:
             n_blocks = k.shape[0] // cfg.tile_n + cu_seqlens_k.shape[0] - 1  # >= sum ceil(len / tile_n)
         else:
             n_blocks = -(-k.shape[1] // cfg.tile_n)
+        splits = self.dq_splits(q, k, cu_seqlens_q, cu_seqlens_k)
+        dq_acc, dq_arg = self.dq_accumulator(q, cfg.head_dim, max(splits, 1))
+        dk, dv = bwd_buffers(spec, q, k, cfg.head_dim)
         if cu_seqlens_q is not None:
             slots = q.shape[0] // cfg.tile_m + 2 * (cu_seqlens_q.shape[0] - 1) + 1  # (dq_order)
         else:
             slots = q.shape[0] * -(-q.shape[1] // cfg.tile_m)
         semaphore = (torch.zeros((spec.nheads, slots), dtype=torch.int32, device=q.device)
-                     if cfg.deterministic else _unused_semaphores(q.device, spec.nheads))
+                     if cfg.deterministic and not splits
+                     else _unused_semaphores(q.device, spec.nheads))
+        if splits and n_blocks > 0:
+            n_blocks = splits  # (grid x: the splits, each walking its key blocks)
         if n_blocks > 0:
             lists = tuple(sparse) + (None,) * (len(self.sparse_names) - len(sparse))
             lists += tuple(mod_tensors) + (None,) * (len(self.mod_names) - len(mod_tensors))
@@ -387,25 +399,36 @@ class BackwardLaunch:
         ("pairs")."""
         return None
 
-    def dq_accumulator(self, q, width: int) -> tuple:
+    def dq_splits(self, q, k, cu_seqlens_q, cu_seqlens_k) -> int:
+        """How many dQ accumulators a deterministic kernel with split accumulators
+        (cfg.dq_splits) takes; 0 for the other kernels (one accumulator)."""
+        return 0
+
+    def dq_accumulator(self, q, width: int, splits: int = 1) -> tuple:
         """(buffer, the kernel's mdQacc): dQ's float32 accumulator, zeroed, shaped like q at the
         kernel's head-dim width; in blocks, the buffer's rows (q's, every sequence's one after
         another) rounded up to a multiple of 8 and the kernel given a q-shaped view of its
-        first rows."""
+        first rows; `splits` such accumulators one after another (the kernel finds the others
+        past the first: FlashBwdSm80.split_walk)."""
         if self.dq_blocks() is None:
+            assert splits == 1
             dq_acc = torch.zeros((*q.shape[:-1], width), dtype=torch.float32, device=q.device)
             return dq_acc, dq_acc
         rows = q.shape[:-2].numel()
-        buffer = torch.zeros(((rows + 7) // 8 * 8, q.shape[-2], width), dtype=torch.float32,
-                             device=q.device)
+        buffer = torch.zeros((splits * ((rows + 7) // 8 * 8), q.shape[-2], width),
+                             dtype=torch.float32, device=q.device)
         return buffer, buffer[:rows].view(*q.shape[:-1], width)
 
     def dq_from_accumulator(self, dq_acc, q):
         """dq in q's dtype, shape and head dim (contiguous) from dq_accumulator's buffer; from
-        blocks, put back in row order by the same single copy that converts it."""
+        blocks, put back in row order by the same single copy that converts it (split
+        accumulators summed first, in their order: torch's sum is deterministic)."""
         blocks = self.dq_blocks()
         if blocks is None:
             return dq_acc[..., :q.shape[-1]].to(q.dtype).contiguous()
+        rows8 = (q.shape[:-2].numel() + 7) // 8 * 8
+        if dq_acc.shape[0] > rows8:
+            dq_acc = dq_acc.view(dq_acc.shape[0] // rows8, rows8, *dq_acc.shape[1:]).sum(0)
         rows8, heads, width = dq_acc.shape
         dq = torch.empty((rows8, heads, width), dtype=q.dtype, device=q.device)
         if blocks == "single":  # (row group, head, column block, parity, row, pair)

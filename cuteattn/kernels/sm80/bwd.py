@@ -71,6 +71,12 @@ class Sm80BwdConfig:
     # ... from the last key block down, the grid launching a sequence's last key block first
     # (deterministic under a causal or windowed mask: common/dq_order's descending turns)
     descending_turns: bool = False
+    # ... or no turns at all (deterministic): FlashAttention-2's split accumulators. Grid x is
+    # a split count S (the launch's); the CTA of split s walks key blocks s, s + S, ... of its
+    # (batch, head) one after another and adds dQ into split s's own float32 accumulator,
+    # which no other CTA touches, so its additions land in program order; the launch sums
+    # the S accumulators in a fixed order. No semaphore wait and no fence a query block.
+    dq_splits: bool = False
     # Q and dO (and the block's LSE and D) in a ring of q_stages buffers: with 2, the next query
     # block's loads are in flight while this one computes (1: loaded, then waited for)
     q_stages: int = 1
@@ -149,7 +155,8 @@ class FlashBwdSm80:
         softmax_scale_log2: Float32,
         window_left: Int32,
         window_right: Int32,
-        num_n_blocks: Int32,  # grid x: key blocks (per sequence, or a packed bound)
+        num_n_blocks: Int32,  # grid x: key blocks (per sequence, or a packed bound; dq_splits:
+                              # the split count)
         heads_interleaved: Int32,  # 1 here (BackwardLaunch's default): the grid is (key block,
                                    # head, batch); the decode's registers spilled at d=128/256
         stream: cuda.CUstream,
@@ -172,7 +179,9 @@ class FlashBwdSm80:
             softmax_scale, score_scale, softmax_scale_log2, window_left, window_right,
             sQ_layout, sK_layout, sdS_layout, SharedStorage,
         ).launch(
-            grid=[num_n_blocks, heads, 1 if const_expr(cfg.varlen_k) else batch],
+            # (dq_splits: x the split count; packed keys too take z as the sequence)
+            grid=[num_n_blocks, heads,
+                  1 if const_expr(cfg.varlen_k and not cfg.dq_splits) else batch],
             block=[self.num_threads, 1, 1],
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
@@ -214,36 +223,76 @@ class FlashBwdSm80:
         sdS_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
-        tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_idx, batch_idx = cute.arch.block_idx()
-        in_range = True
-        if const_expr(cfg.varlen_k):
-            n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch,
-                                                   mK.shape[0], self.tile_n,
-                                                   cfg.descending_turns)
-            in_range = batch_idx < batch
-            batch_idx = cutlass.min(batch_idx, batch - 1)
-        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0],
-                                   mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(SharedStorage)
+        if const_expr(cfg.dq_splits):
+            self.split_walk(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mCuSeqlensQ,
+                            mCuSeqlensK, mSeqUsedQ, mSeqUsedK, mSemaphore, qhead_per_kvhead,
+                            batch, softmax_scale, score_scale, softmax_scale_log2, window_left,
+                            window_right, sQ_layout, sK_layout, sdS_layout, SharedStorage)
+        else:
+            tidx, _, _ = cute.arch.thread_idx()
+            n_block, head_idx, batch_idx = cute.arch.block_idx()
+            in_range = True
+            if const_expr(cfg.varlen_k):
+                n_block, batch_idx = varlen_tile_coord(n_block, mCuSeqlensK, mSeqUsedK, batch,
+                                                       mK.shape[0], self.tile_n,
+                                                       cfg.descending_turns)
+                in_range = batch_idx < batch
+                batch_idx = cutlass.min(batch_idx, batch - 1)
+            seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0],
+                                       mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+            views = self.smem_views(SharedStorage, sQ_layout, sK_layout, sdS_layout)
+            in_range = in_range & (n_block * self.tile_n < seqlen.seqlen_k)
+            if const_expr(not cfg.varlen_k):  # (packed: varlen_tile_coord numbers them)
+                n_block = launch_order_block(n_block, seqlen.seqlen_k, self.tile_n,
+                                             cfg.descending_turns)
+            if in_range:
+                self.key_block(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore,
+                               *views[:7], seqlen, n_block, head_idx,
+                               head_idx // qhead_per_kvhead, batch_idx, softmax_scale,
+                               score_scale, softmax_scale_log2, window_left, window_right,
+                               tidx, views[7])
+
+    def smem_views(self, SharedStorage, sQ_layout, sK_layout, sdS_layout) -> tuple:
+        """(sQ, sdO, sK, sV, sdS^T, sLSE2, sD, sP or None) in the CTA's shared memory."""
+        cfg = self.cfg
+        storage = cutlass.utils.SmemAllocator().allocate(SharedStorage)
         sQ, sdO = storage.sQ.get_tensor(sQ_layout), storage.sdO.get_tensor(sQ_layout)
         sK, sV = storage.sK.get_tensor(sK_layout), storage.sV.get_tensor(sK_layout)
         sdSt = storage.sdS.get_tensor(sdS_layout)
         sP = storage.sP.get_tensor(sdS_layout) if const_expr(self.p_in_smem) else None
         rows_layout = cute.make_layout((self.tile_m, cfg.q_stages) if const_expr(self.ring)
                                        else self.tile_m)
-        sLSE2 = storage.sLSE2.get_tensor(rows_layout)
-        sD = storage.sD.get_tensor(rows_layout)
-        in_range = in_range & (n_block * self.tile_n < seqlen.seqlen_k)
-        if const_expr(not cfg.varlen_k):  # (packed: varlen_tile_coord numbers them)
-            n_block = launch_order_block(n_block, seqlen.seqlen_k, self.tile_n,
-                                         cfg.descending_turns)
-        if in_range:
-            self.key_block(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore,
-                           sQ, sdO, sK, sV, sdSt, sLSE2, sD, seqlen, n_block,
-                           head_idx, head_idx // qhead_per_kvhead, batch_idx, softmax_scale,
-                           score_scale, softmax_scale_log2, window_left, window_right, tidx, sP)
+        return (sQ, sdO, sK, sV, sdSt, storage.sLSE2.get_tensor(rows_layout),
+                storage.sD.get_tensor(rows_layout), sP)
+
+    @cute.jit
+    def split_walk(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mCuSeqlensQ, mCuSeqlensK,
+                   mSeqUsedQ, mSeqUsedK, mSemaphore, qhead_per_kvhead, batch, softmax_scale,
+                   score_scale, softmax_scale_log2, window_left, window_right, sQ_layout,
+                   sK_layout, sdS_layout, SharedStorage: cutlass.Constexpr):
+        """dq_splits: this CTA's key blocks (split, split + splits, ... of its batch and head)
+        one after another, dQ into the split's own accumulator: the launch lays the splits'
+        accumulators one after another, each the whole buffer's rows rounded up to 8 (a
+        multiple of dq_blocks' row groups), and hands the kernel the first one's view."""
+        tidx, _, _ = cute.arch.thread_idx()
+        split, head_idx, batch_idx = cute.arch.block_idx()
+        splits = cute.arch.grid_dim()[0]
+        seqlen = SeqlenInfo.create(batch_idx, mQ.shape[0], mK.shape[0],
+                                   mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
+        views = self.smem_views(SharedStorage, sQ_layout, sK_layout, sdS_layout)
+        rows = mdQacc.shape[0]  # packed: every sequence's rows; fixed length: batch x seqlen
+        if const_expr(not self.cfg.varlen_q):
+            rows = rows * mdQacc.shape[3]
+        split_floats = cutlass.Int64((rows + 7) // 8 * 8) * cutlass.Int64(mdQacc.stride[0])
+        dq_split = cute.make_tensor(mdQacc.iterator + cutlass.Int64(split) * split_floats,
+                                    mdQacc.layout)
+        key_blocks = (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n
+        for n_block in cutlass.range(split, key_blocks, splits, unroll=1):
+            cute.arch.barrier()  # every warp is past the last key block's shared memory
+            self.key_block(mQ, mK, mV, mdO, mLSE2, mD, dq_split, mdK, mdV, mSemaphore,
+                           *views[:7], seqlen, n_block, head_idx, head_idx // qhead_per_kvhead,
+                           batch_idx, softmax_scale, score_scale, softmax_scale_log2,
+                           window_left, window_right, tidx, views[7])
 
     @cute.jit
     def key_block(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, sQ, sdO, sK, sV, sdSt,
@@ -493,7 +542,7 @@ class FlashBwdSm80:
         """add() (this key block's dQ share into query block m_block), in deterministic mode
         when it is this key block's turn (common/dq_order)."""
         cfg = self.cfg
-        if const_expr(cfg.deterministic):
+        if const_expr(cfg.deterministic and not cfg.dq_splits):
             ptr = mSemaphore[head_idx, None].iterator + semaphore_slot(
                 mSemaphore, seqlen, m_block, batch_idx, mQ.shape[0], self.tile_m, cfg.varlen_q)
             turn = key_block_turn(block_info, seqlen, m_block, n_block, cfg.descending_turns)

@@ -16,7 +16,8 @@ from ... import compile_cache
 from ...spec import AttentionSpec
 from ..compile_common import first_spill_free
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
-                             unserved_dtype_or_dims, unserved_form, use_tvm_ffi)
+                             shared_memory_per_sm, sm_count, unserved_dtype_or_dims,
+                             unserved_form, use_tvm_ffi)
 from . import arguments
 from .bwd import Sm80BwdConfig
 from .launch import ARCH, COMPILE_MODULE, smem_limit, target_capability
@@ -59,6 +60,16 @@ GRID_D64_TILE_M = 128
 # backward there). A candidate not yet run on a GPU here: 0 keeps the ascending turns, whose
 # deterministic causal cells run 0.45-0.55x of the plain ones (docs/perf-log.md).
 DESCENDING_TURNS = 0
+# Deterministic dQ in split accumulators instead of turns (Sm80BwdConfig.dq_splits,
+# FlashAttention-2's deterministic backward): no semaphore wait, fence or barrier pair a query
+# block. The turns' fence after each block's additions stalls the whole CTA for an L2 round
+# trip, which alone would explain the deterministic non-causal cells' 0.70-0.77x of the plain
+# backward; the splits cost a zeroed accumulator per split and one sum. A candidate not yet
+# run on a GPU: 0 keeps the turns.
+DQ_SPLITS = 0
+# The split accumulators' memory, at most (beyond it fewer splits: fewer CTAs than the SMs
+# hold). FlashAttention-2 has no cap (its splits: the SMs over batch x heads).
+DQ_SPLIT_BYTES = 4 << 30
 # Q and dO in a ring of this many buffers where the target's shared memory holds them
 # (Sm80BwdConfig.q_stages: the next query block's loads in flight during this one's GEMMs)
 Q_STAGES = 2
@@ -116,7 +127,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
         deterministic=spec.deterministic, padded=padded,
-        descending_turns=bool(DESCENDING_TURNS) and spec.deterministic
+        dq_splits=bool(DQ_SPLITS) and spec.deterministic,
+        descending_turns=bool(DESCENDING_TURNS) and not DQ_SPLITS and spec.deterministic
         and (spec.causal or spec.local))
     if GRID and not (head_dim == 128 and (spec.local or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
@@ -159,7 +171,8 @@ def bwd_configs(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> 
     fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)}
     switches = {k: fields[k] for k in (
         "dtype", "head_dim", "causal", "local", "has_softcap", "varlen_q", "varlen_k",
-        "has_seqused_q", "has_seqused_k", "deterministic", "padded", "descending_turns")}
+        "has_seqused_q", "has_seqused_k", "deterministic", "padded", "descending_turns",
+        "dq_splits")}
     candidates = [first, dataclasses.replace(first, q_stages=1)]
     if head_dim in WIDE_HEAD_DIMS:
         tile_m, tile_n, warps = wide_tile(first.dtype, head_dim, smem)
@@ -242,6 +255,22 @@ class BwdLaunch(BackwardLaunch):
 
     def dq_blocks(self):
         return "single"  # (red.global.add.f32: one float a lane)
+
+    def dq_splits(self, q, k, cu_seqlens_q, cu_seqlens_k) -> int:
+        """cfg.dq_splits: as many splits as the SMs hold CTAs over the (batch, head) pairs,
+        at most a sequence's key blocks and DQ_SPLIT_BYTES of accumulators; at least 1."""
+        cfg = self.cfg
+        if not cfg.dq_splits:
+            return 0
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        keys = k.shape[1] if cu_seqlens_k is None else k.shape[0]  # (packed: a bound)
+        per_sm = max(1, min(65536 // (256 * cfg.num_threads),  # registers (up to 255 a thread)
+                            shared_memory_per_sm(q.device.index or 0)
+                            // (cfg.smem_bytes() + 1024)))
+        slots = sm_count(q.device.index or 0) * per_sm
+        dq_bytes = 4 * q.shape[:-2].numel() * q.shape[-2] * cfg.head_dim
+        return max(1, min(slots // max(batch * self.spec.nheads, 1), -(-keys // cfg.tile_n),
+                          DQ_SPLIT_BYTES // max(dq_bytes, 1)))
 
 
 class Sm80Backward:
