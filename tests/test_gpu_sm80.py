@@ -482,3 +482,32 @@ def test_bwd_deterministic_is_bitwise_reproducible(seed, d, mask, sq, sk):
 
 def test_bwd_varlen_deterministic(seed):
     tb.test_bwd_varlen_deterministic(seed)
+
+
+@pytest.fixture
+def bwd_switch(monkeypatch):
+    """Turns one of launch_bwd's module switches on for a test (the launches kept per spec
+    dropped before and after, so the switch's configs compile and run)."""
+    from cuteattn.kernels.sm80 import launch_bwd
+
+    def turn_on(name):
+        monkeypatch.setattr(launch_bwd, name, 1)
+        api._launches.clear()
+    yield turn_on
+    api._launches.clear()
+
+
+# The deterministic candidates (launch_bwd.DESCENDING_TURNS, DQ_SPLITS): every deterministic
+# case, gradients right and bitwise reproducible (b=2 x 8 heads: 8 splits, so the 9-32 key
+# blocks of the cases are walked 2-4 a split)
+@pytest.mark.parametrize("switch", ["DESCENDING_TURNS", "DQ_SPLITS"])
+@pytest.mark.parametrize("d,mask,sq,sk", BWD_DETERMINISTIC)
+def test_bwd_deterministic_candidates(seed, bwd_switch, switch, d, mask, sq, sk):
+    bwd_switch(switch)
+    tb.test_bwd_deterministic_is_bitwise_reproducible(seed, d, mask, sq, sk)
+
+
+@pytest.mark.parametrize("switch", ["DESCENDING_TURNS", "DQ_SPLITS"])
+def test_bwd_varlen_deterministic_candidates(seed, bwd_switch, switch):
+    bwd_switch(switch)
+    tb.test_bwd_varlen_deterministic(seed)

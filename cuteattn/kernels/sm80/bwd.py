@@ -288,7 +288,11 @@ class FlashBwdSm80:
                                     mdQacc.layout)
         key_blocks = (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n
         for n_block in cutlass.range(split, key_blocks, splits, unroll=1):
-            cute.arch.barrier()  # every warp is past the last key block's shared memory
+            # the last key block's copies landed (a block no query sees leaves its K and V in
+            # flight when its dK and dV go out from the registers: column passes) and every
+            # warp is past its shared memory
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.barrier()
             self.key_block(mQ, mK, mV, mdO, mLSE2, mD, dq_split, mdK, mdV, mSemaphore,
                            *views[:7], seqlen, n_block, head_idx, head_idx // qhead_per_kvhead,
                            batch_idx, softmax_scale, score_scale, softmax_scale_log2,
