@@ -266,6 +266,11 @@ def cases() -> dict:
         tb, lens_q, lens_k, d=64, window_size=(64, 0),
         seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),
         seqused_k=torch.tensor([5, 0, 0, 100, 1, 700], dtype=torch.int32, device="cuda")))
+    # v narrower than q and k: v and dO read zero-filled past their head dim
+    out["portable_bwd_d192_v128_causal"] = _on_sm80(lambda: _bwd_fixed(
+        tb, bf16, 192, 8, 2, 200, 300, dv=128, causal=True))
+    out["portable_bwd_d128_v64_window"] = _on_sm80(lambda: _bwd_fixed(
+        tb, bf16, 128, 8, 2, 257, 257, dv=64, window_size=(64, 32)))
     # the deterministic candidates (launch_bwd.DESCENDING_TURNS, DQ_SPLITS): 16 heads, so 8
     # splits (132 SMs) over 9-18 key blocks walk 2-3 each; a window leaving key blocks that no
     # query sees; packed sequences
@@ -348,12 +353,12 @@ def _with_config(fn, name: str, value, family: str = "sm80"):
     return run
 
 
-def _bwd_fixed(tb, dtype, d, h, hk, sq, sk, **kw):
+def _bwd_fixed(tb, dtype, d, h, hk, sq, sk, dv=None, **kw):
     import torch
     b = 1
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
-    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hk, dv or d, device="cuda", dtype=dtype, requires_grad=True)
     from cuteattn import flash_attn_func
     out = flash_attn_func(q, k, v, strict=True, **kw)
     dout = torch.randn_like(out)

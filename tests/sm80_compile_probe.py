@@ -30,7 +30,7 @@ MARKS = ("mma.sync.aligned.m16n8k16", "ldmatrix", "cp.async.cg.shared.global", "
 FP8 = {"e4m3": cutlass.Float8E4M3FN, "e5m2": cutlass.Float8E5M2}
 
 
-def bwd_configs_of(dtype, d, causal, local, softcap, form, smem=163 * 1024):
+def bwd_configs_of(dtype, d, causal, local, softcap, form, smem=163 * 1024, dv=None):
     """The backward family's candidate configs for these switches on this target
     (launch_bwd.bwd_configs; the launch takes the first that compiles spill-free). form:
     "varlen" packed q and k with seqused, "varlen_k" packed keys only, "seqused" fixed length
@@ -43,7 +43,8 @@ def bwd_configs_of(dtype, d, causal, local, softcap, form, smem=163 * 1024):
     flags = form.split(",")
     varlen, seqused = "varlen" in flags, "varlen" in flags or "seqused" in flags
     spec = AttentionSpec(dtype=torch.bfloat16 if dtype is cutlass.BFloat16 else torch.float16,
-                         head_dim=d, head_dim_v=d, causal=causal, local=local, has_softcap=softcap,
+                         head_dim=d, head_dim_v=d if dv is None else dv, causal=causal,
+                         local=local, has_softcap=softcap,
                          varlen_q=varlen, varlen_k=varlen or "varlen_k" in flags,
                          has_seqused_q=seqused, has_seqused_k=seqused, kind="bwd",
                          deterministic="deterministic" in flags)
@@ -78,11 +79,14 @@ def main():
         if isinstance(form, str) and form.startswith("bwd"):
             # "padded": a head dim 16 narrower, run on this width with zero-filled loads (the
             # config the launch picks for it, which may differ from this width's own)
+            # (d may be "d/dv": v's head dim narrower than q's, read zero-filled as padded)
             narrower = 16 if "padded" in form else 0
-            cfgs = bwd_configs_of(DTYPES[dtype], d - narrower, *masks, form, smem)
+            width, dv = map(int, d.split("/")) if isinstance(d, str) else (d, d)
+            cfgs = bwd_configs_of(DTYPES[dtype], width - narrower, *masks, form, smem,
+                                  dv=dv - narrower)
             cfg, compiled, info = first_spill_free(
                 cfgs, lambda c: compile_bwd_with_report(c, keep_ptx=True))
-            assert (cfg.head_dim, cfg.padded) == (d, narrower > 0), (d, form, cfg)
+            assert (cfg.head_dim, cfg.padded) == (width, narrower > 0 or dv != width), (d, form, cfg)
             ptx = compiled.__ptx__
             out.append(dict(variant=[dtype, d, mask, form], fallback=cfgs.index(cfg),
                             tile=[cfg.tile_m, cfg.tile_n, cfg.num_warps],

@@ -118,6 +118,9 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["fp16", 256, "causal", "bwd,seqused"], ["bf16", 96, "local", "bwd,deterministic"],
                ["bf16", 128, "none", "bwd,varlen_k"], ["fp16", 128, "causal", "bwd,seqused"],
                ["bf16", 128, "softcap", "bwd,varlen,deterministic"],
+               # v narrower than q and k (MLA's 192 / 128, and 128 / 64), read zero-filled
+               ["bf16", "192/128", "causal", "bwd"], ["fp16", "128/64", "none", "bwd,varlen"],
+               ["bf16", "96/64", "local", "bwd,deterministic"],
                # deterministic dQ in descending turns or in split accumulators (the candidates
                # launch_bwd.DESCENDING_TURNS and DQ_SPLITS)
                ["bf16", 128, "causal", "bwd,deterministic,descending"],

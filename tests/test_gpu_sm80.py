@@ -484,6 +484,22 @@ def test_bwd_varlen_deterministic(seed):
     tb.test_bwd_varlen_deterministic(seed)
 
 
+@pytest.mark.parametrize("case", tb.PADDED, ids=tb.padded_id)
+def test_bwd_padded_head_dims(seed, case):
+    tb.test_bwd_padded_head_dims(seed, case)
+
+
+@pytest.mark.parametrize("dims", tb.NARROW_V, ids=lambda x: f"d{x[0]}v{x[1]}")
+@pytest.mark.parametrize("mask", ["none", "causal", "softcap_causal"])
+def test_bwd_head_dim_v_narrower(seed, dims, mask):
+    """v narrower than q and k (MLA's 192 / 128 among them): v and dO read zero-filled."""
+    tb.test_bwd_head_dim_v_narrower(seed, dims, mask)
+
+
+def test_bwd_head_dim_v_narrower_varlen_deterministic(seed):
+    tb.test_bwd_head_dim_v_narrower_varlen_deterministic(seed)
+
+
 @pytest.fixture
 def bwd_switch(monkeypatch):
     """Turns one of launch_bwd's module switches on for a test (the launches kept per spec

@@ -397,8 +397,14 @@ def test_backward_serves_and_declines_with_reasons(monkeypatch):
                 assert small.smem_bytes() <= 99 * 1024
     reasons = {
         "head_dim 264 (head_dim_v 264) has no sm80 backward": dict(head_dim=264, head_dim_v=264),
-        "head_dim 128 (head_dim_v 64) has no sm80 backward": dict(head_dim=128, head_dim_v=64),
+        "head_dim 64 (head_dim_v 128) has no sm80 backward": dict(head_dim=64, head_dim_v=128),
     }
+    # v narrower than q (MLA's 192 / 128): v and dO read zero-filled, as a padded head dim
+    for d, dv in ((192, 128), (128, 64), (96, 40), (80, 64)):
+        spec = make_spec(kind="bwd", head_dim=d, head_dim_v=dv, causal=True)
+        assert launch_bwd.BACKWARD.can_implement(spec) is None, (d, dv)
+        cfg = launch_bwd.bwd_config(spec)
+        assert cfg.padded and cfg.head_dim == launch_bwd.compiled_width(d, launch_bwd.SUPPORTED_HEAD_DIMS)
     assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd", has_sink=True)) is None
     for reason, fields in reasons.items():
         assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd", **fields)).startswith(reason)
@@ -461,8 +467,9 @@ def test_backward_pads_head_dims_between_widths(monkeypatch):
         cfg = launch_bwd.bwd_config(spec)
         assert cfg.head_dim == width and cfg.padded
         assert not launch_bwd.bwd_config(make_spec(kind="bwd", head_dim=width, head_dim_v=width)).padded
-    assert "head_dim_v 64" in launch_bwd.BACKWARD.can_implement(
-        make_spec(kind="bwd", head_dim=128, head_dim_v=64))
+    assert launch_bwd.BACKWARD.can_implement(make_spec(kind="bwd", head_dim=128, head_dim_v=64)) is None
+    assert "head_dim_v 72" in launch_bwd.BACKWARD.can_implement(
+        make_spec(kind="bwd", head_dim=64, head_dim_v=72))  # (v wider than q: the reference)
 
 
 def test_backward_declaration_matches_kernel_signature():

@@ -80,8 +80,10 @@ class Sm80BwdConfig:
     # Q and dO (and the block's LSE and D) in a ring of q_stages buffers: with 2, the next query
     # block's loads are in flight while this one computes (1: loaded, then waited for)
     q_stages: int = 1
-    # q, k, v and dO's head dim may be narrower than head_dim (padded to this compiled width):
-    # their loads zero-fill the columns past it (the gradient buffers have the compiled width)
+    # q, k, v and dO's head dim may be narrower than head_dim (padded to this compiled width;
+    # v's and dO's narrower than q's and k's where head_dim_v < head_dim): their loads
+    # zero-fill the columns past each tensor's own (the gradient buffers have the compiled
+    # width; v's and dO's zero columns add nothing to dP = dO V^T and leave dV's 0 there)
     padded: bool = False
     # dQ = dS K's warp grid: dq_warps_m warps along the queries, the rest along the columns
     # (0: tile_m / 16 along the queries, 16-row warp tiles)
@@ -270,8 +272,8 @@ class FlashBwdSm80:
                    mSeqUsedQ, mSeqUsedK, mSemaphore, qhead_per_kvhead, batch, softmax_scale,
                    score_scale, softmax_scale_log2, window_left, window_right, sQ_layout,
                    sK_layout, sdS_layout, SharedStorage: cutlass.Constexpr):
-        """dq_splits: this CTA's key blocks (split, split + splits, ... of its batch and head)
-        one after another, dQ into the split's own accumulator: the launch lays the splits'
+        """dq_splits: this CTA's key blocks (one a round of `splits`, zigzag, of its batch and
+        head) one after another, dQ into the split's own accumulator: the launch lays the splits'
         accumulators one after another, each the whole buffer's rows rounded up to 8 (a
         multiple of dq_blocks' row groups), and hands the kernel the first one's view."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -287,16 +289,24 @@ class FlashBwdSm80:
         dq_split = cute.make_tensor(mdQacc.iterator + cutlass.Int64(split) * split_floats,
                                     mdQacc.layout)
         key_blocks = (seqlen.seqlen_k + self.tile_n - 1) // self.tile_n
-        for n_block in cutlass.range(split, key_blocks, splits, unroll=1):
-            # the last key block's copies landed (a block no query sees leaves its K and V in
-            # flight when its dK and dV go out from the registers: column passes) and every
-            # warp is past its shared memory
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.barrier()
-            self.key_block(mQ, mK, mV, mdO, mLSE2, mD, dq_split, mdK, mdV, mSemaphore,
-                           *views[:7], seqlen, n_block, head_idx, head_idx // qhead_per_kvhead,
-                           batch_idx, softmax_scale, score_scale, softmax_scale_log2,
-                           window_left, window_right, tidx, views[7])
+        # round r takes key block r * splits + (split, or splits - 1 - split in odd rounds): under
+        # a causal mask a key block's walk shortens with its index, and the zigzag evens the
+        # splits' sums (in increasing rounds split 0 would take the longest of every round)
+        for r in cutlass.range((key_blocks + splits - 1) // splits, unroll=1):
+            n_block = r * splits + split
+            if r % 2 == 1:
+                n_block = r * splits + splits - 1 - split
+            if n_block < key_blocks:
+                # the last key block's copies landed (a block no query sees leaves its K and V
+                # in flight when its dK and dV go out from the registers: column passes) and
+                # every warp is past its shared memory
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                self.key_block(mQ, mK, mV, mdO, mLSE2, mD, dq_split, mdK, mdV, mSemaphore,
+                               *views[:7], seqlen, n_block, head_idx,
+                               head_idx // qhead_per_kvhead, batch_idx, softmax_scale,
+                               score_scale, softmax_scale_log2, window_left, window_right, tidx,
+                               views[7])
 
     @cute.jit
     def key_block(self, mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, mSemaphore, sQ, sdO, sK, sV, sdSt,
@@ -520,9 +530,12 @@ class FlashBwdSm80:
         tKcK = copy.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
         tQcQ = copy.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
         keys_left = seqlen.seqlen_k - key_start
-        cols = mQ.shape[1] if const_expr(cfg.padded) else None  # the tensors' head dim
+        # the tensors' own head dims: q's and k's, and v's and dO's (head_dim_v, at most q's)
+        cols = mQ.shape[1] if const_expr(cfg.padded) else None
+        cols_v = mV.shape[1] if const_expr(cfg.padded) else None
         mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left, cols=cols)
-        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left, cols=cols)
+        mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left,
+                      cols=cols_v)
         cute.arch.cp_async_commit_group()
         # (with a ring: (CPY, M, K, stage), a stage sliced per block)
         tQgQ, tQsQ = copy.partition_S(gQ), copy.partition_D(sQ)
@@ -531,7 +544,7 @@ class FlashBwdSm80:
         gD = self.row_view(mD, seqlen, head_idx, batch_idx)
         dq_out = self.dq_view(mdQacc, seqlen, head_idx, batch_idx)
         load_q_block = lambda m_block, st: self.load_q_block(
-            copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols)
+            copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen.seqlen_q, cols, cols_v)
         return block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block
 
     def dq_view(self, mdQacc: cute.Tensor, seqlen: SeqlenInfo, head_idx, batch_idx):
@@ -630,14 +643,16 @@ class FlashBwdSm80:
                 [[ld_bt.partition_S(part(sQs, h, col0 + i)) for i in parts] for h in subs])
 
     @cute.jit
-    def load_q_block(self, copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen_q, cols):
+    def load_q_block(self, copy, tQgQ, tQsQ, tOgO, tOsO, tQcQ, m_block, st, seqlen_q, cols,
+                     cols_v):
         """cp.async of query block m_block's Q and dO into stage st (rows past the sequence
-        zeroed), one commit group."""
+        zeroed; columns past q's / dO's head dim too when cols / cols_v are given), one
+        commit group."""
         rows_left = seqlen_q - m_block * self.tile_m
         if const_expr(self.ring):
             tQsQ, tOsO = tQsQ[None, None, None, st], tOsO[None, None, None, st]
         mma.load_rows(copy, tQgQ[None, None, None, m_block], tQsQ, tQcQ, rows_left, cols=cols)
-        mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left, cols=cols)
+        mma.load_rows(copy, tOgO[None, None, None, m_block], tOsO, tQcQ, rows_left, cols=cols_v)
         cute.arch.cp_async_commit_group()
 
     @cute.jit

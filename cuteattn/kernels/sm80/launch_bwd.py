@@ -121,7 +121,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
     head_dim = compiled_width(spec.head_dim, SUPPORTED_HEAD_DIMS)
     dtype = CUTLASS_DTYPES[spec.dtype]
     packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
-    padded = head_dim != spec.head_dim
+    # (v narrower than q: v and dO read zero-filled past their head dim, as a padded one)
+    padded = head_dim != spec.head_dim or spec.head_dim_v != spec.head_dim
     switches = dict(
         dtype=dtype, head_dim=head_dim, causal=spec.causal, local=spec.local,
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
@@ -279,7 +280,7 @@ class Sm80Backward:
 
     def can_implement(self, spec: AttentionSpec) -> Optional[str]:
         reason = unserved_dtype_or_dims(spec, ARCH, "backward", SUPPORTED_HEAD_DIMS,
-                                        padded_dims=True)
+                                        padded_dims=True, narrower_v=True)
         if reason is not None:
             return reason
         return unserved_form(spec, ARCH, "backward", sinks=True)  # (dsink: api._sink_gradient)
