@@ -24,12 +24,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 FP8 = torch.float8_e4m3fn  # FlashAttention-3's fp8 inputs (with descales); out in bf16
 
 
-def check_unsupported(dropout_p, alibi_slopes) -> None:
+def check_unsupported(dropout_p) -> None:
     """FlashAttention arguments we accept in the signature but do not implement."""
     if not isinstance(dropout_p, numbers.Real) or dropout_p != 0.0:
         raise NotImplementedError(f"dropout_p={dropout_p!r}: dropout is not supported (only 0.0)")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: ALiBi is not supported (pass None)")
 
 
 # window edges and sequence positions cross into the kernels as int32

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from cuteattn import _checks
+from cuteattn import _checks, alibi
 from cuteattn.reference import (attention_ref, attention_ref_backward, attention_varlen_ref,
                                 attention_varlen_ref_backward, dequantize_fp8)
 from cuteattn.spec import AttentionSpec
@@ -257,7 +257,11 @@ def flash_attn_func(
     a window that leaves keys (left + right >= 0 when both are bounded) with int32 edges,
     softcap >= 0, softmax_scale finite > 0, causal / deterministic / return_lse / strict bools
     (or 0 / 1).
-    Not supported (NotImplementedError): dropout_p > 0, alibi_slopes.
+    alibi_slopes: FlashAttention-2's, float32 (nheads,) or (batch, nheads): a bias of
+    -slope * |i + seqlen_k - seqlen_q - j| on the (scaled, softcapped) score of query i and key
+    j, no gradient for the slopes; it runs as a score_mod (below), so on Hopper's kernels and
+    elsewhere on the reference, and cannot be combined with a score_mod of the call's own.
+    Not supported (NotImplementedError): dropout_p > 0.
     Keyword-only extras: learnable_sink (nheads,) float32, one logit per query head joining each
     row's softmax denominator (gpt-oss); q_descale / k_descale / v_descale, FlashAttention-3's
     (batch, nheads_k) float32 descales of float8_e4m3fn q, k, v (out then bf16, or an out= in
@@ -283,7 +287,7 @@ def flash_attn_func(
     A seqlen_q or batch of 0 returns empty results; seqlen_k 0 returns out 0 and lse -inf; neither
     launches a kernel.
     """
-    _checks.check_unsupported(dropout_p, alibi_slopes)
+    _checks.check_unsupported(dropout_p)
     if _checks.check_flag("return_attn_probs", return_attn_probs):
         # FlashAttention-2's triple (out, softmax_lse, S_dmask): S_dmask is None without dropout
         out, lse = flash_attn_func(
@@ -293,6 +297,10 @@ def flash_attn_func(
             block_sparse=block_sparse, mask_mod=mask_mod, score_mod=score_mod)
         return out, lse, None
     _checks.check_flags(deterministic=deterministic, return_lse=return_lse, strict=strict)
+    if alibi_slopes is not None:  # (FlashAttention-2's bias, as a score_mod: cuteattn/alibi.py)
+        spec = _checks.fixed_spec(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, softcap=softcap)
+        score_mod = _alibi_mod(q, k, alibi_slopes, score_mod, spec)
     if block_sparse is not None or mask_mod is not None or score_mod is not None:
         sig = None
         if (mask_mod is None and score_mod is None and out is None and lse is None
@@ -373,6 +381,15 @@ def _keep_for_grad(sig, make_spec, device):
         return None
     _remember(sig, spec, launch)
     return spec, launch
+
+
+def _alibi_mod(q, k, alibi_slopes, score_mod, spec: AttentionSpec, varlen: dict | None = None):
+    """FlashAttention-2's alibi_slopes as the call's score_mod (checked first)."""
+    if score_mod is not None:
+        raise ValueError("alibi_slopes cannot be combined with a score_mod: add the bias inside "
+                         "the score_mod (cuteattn.alibi.score_mod builds it)")
+    alibi.check(alibi_slopes, q, spec.batch, spec.nheads)
+    return alibi.score_mod(alibi_slopes, alibi.key_offsets(q, k, **(varlen or {})))
 
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
@@ -825,7 +842,7 @@ def flash_attn_varlen_func(
     Fallback, strict, out / lse: as in flash_attn_func. A batch, total_q or max_seqlen of 0 writes
     out 0 and lse -inf without a launch.
     """
-    _checks.check_unsupported(dropout_p, alibi_slopes)
+    _checks.check_unsupported(dropout_p)
     if _checks.check_flag("return_attn_probs", return_attn_probs):
         # FlashAttention-2's triple (out, softmax_lse, S_dmask): S_dmask is None without dropout
         out, lse = flash_attn_varlen_func(
@@ -838,6 +855,17 @@ def flash_attn_varlen_func(
         return out, lse, None
     _checks.check_flags(deterministic=deterministic, return_lse=return_lse, validate=validate,
                         strict=strict)
+    if alibi_slopes is not None:  # (FlashAttention-2's bias, as a score_mod: cuteattn/alibi.py)
+        if block_table is not None:
+            raise NotImplementedError("alibi_slopes with block_table (paged keys) is not "
+                                      "supported yet")
+        spec = _checks.varlen_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                   max_seqlen_k, seqused_q, seqused_k,
+                                   softmax_scale=softmax_scale, causal=causal,
+                                   window_size=window_size, softcap=softcap)
+        score_mod = _alibi_mod(q, k, alibi_slopes, score_mod, spec, dict(
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_q=seqused_q,
+            seqused_k=seqused_k))
     if block_sparse is not None or mask_mod is not None or score_mod is not None:
         varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,

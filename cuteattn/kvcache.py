@@ -270,7 +270,9 @@ def flash_attn_with_kvcache(
                             cache_batch_idx, cache_leftpad, block_table, bool(rotary_interleaved),
                             learnable_sink, (k_descale, v_descale))
             return (out, lse) if return_softmax_lse else out
-    _checks.check_unsupported(0.0, alibi_slopes)
+    if alibi_slopes is not None:
+        raise NotImplementedError("alibi_slopes: flash_attn_with_kvcache does not take ALiBi yet "
+                                  "(flash_attn_func and flash_attn_varlen_func do; pass None)")
     checked = _check_cache(q, k_cache, v_cache, k, v, block_table, cache_batch_idx, cache_leftpad,
                            rotary_cos, rotary_sin, cache_seqlens, num_splits, (k_descale, v_descale))
     if isinstance(cache_seqlens, numbers.Integral):

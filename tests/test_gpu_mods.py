@@ -333,3 +333,74 @@ def test_packed_sequences_with_mods_gradients(seed, mods, d, deterministic):
             q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), causal=True,
             deterministic=True, strict=True, **kw), (q, k, v), dout)
         assert all(torch.equal(a, b) for a, b in zip(got, again))
+
+
+# ---- FlashAttention-2's alibi_slopes (cuteattn/alibi.py: a score_mod on these kernels) ----
+
+def fa2_alibi_ref(q, k, v, slopes, upcast=True, **kw):
+    """The reference with FlashAttention-2's bias written as its own score_mod (float32)."""
+    sq, sk = q.shape[1], k.shape[1]
+    per = slopes if slopes.dim() == 2 else slopes[None].expand(q.shape[0], -1)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score - per[b, h] * (q_idx + sk - sq - kv_idx).abs()
+    return attention_ref(q, k, v, score_mod=bias, upcast=upcast, **kw)
+
+
+@pytest.mark.parametrize("sq,sk", [(777, 777), (300, 1031), (1031, 200)])
+@pytest.mark.parametrize("per_batch", [False, True])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "softcap"])
+def test_alibi_slopes_on_the_kernel(seed, sq, sk, per_batch, mask):
+    """flash_attn_func(alibi_slopes=) on the forward kernel (strict: no fallback), NaN-poisoned
+    outputs, GQA, the offset seqlen_k - seqlen_q read from a tensor (new lengths compile
+    nothing new)."""
+    kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 20)),
+          "softcap": dict(softcap=5.0, causal=True)}[mask]
+    q, k, v = inputs(2, sq, sk, 8, 2, 128)
+    slopes = torch.rand(2, 8, device="cuda") if per_batch else torch.rand(8, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((2, 8, sq), float("nan"), device="cuda")
+    flash_attn_func(q, k, v, alibi_slopes=slopes, return_lse=True, strict=True, out=out,
+                    lse=lse, **kw)
+    ref, ref_lse = fa2_alibi_ref(q, k, v, slopes, **kw)
+    low, _ = fa2_alibi_ref(q, k, v, slopes, upcast=False, **kw)
+    assert_close_fa(out, ref, low)
+    assert_lse_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_alibi_slopes_gradients_on_the_kernel(seed, d):
+    """The backward kernel with the bias traced in (strict), against the reference's autograd;
+    the slopes take no gradient, as in FlashAttention-2."""
+    from test_gpu_bwd import check_grads as check_fa_grads, reference_grads
+    q, k, v = (x.requires_grad_() for x in inputs(2, 555, 700, 4, 2, d))
+    slopes = torch.rand(4, device="cuda", requires_grad=True)
+    out = flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, strict=True)
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    ref_fn = lambda q_, k_, v_, **kw: fa2_alibi_ref(q_, k_, v_, slopes.detach(), **kw)
+    check_fa_grads(got, *reference_grads(ref_fn, (q, k, v), dout, causal=True))
+    assert slopes.grad is None
+
+
+def test_alibi_slopes_packed_sequences_on_the_kernel(seed):
+    """flash_attn_varlen_func(alibi_slopes=): each sequence's bias from its own lengths."""
+    from cuteattn import flash_attn_varlen_func
+    lens_q, lens_k = [0, 1, 63, 129, 300], [5, 0, 63, 300, 129]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                                   device="cuda")
+    q = torch.randn(sum(lens_q), 4, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    slopes = torch.rand(len(lens_q), 4, device="cuda")
+    out, lse = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                      causal=True, alibi_slopes=slopes, return_lse=True,
+                                      strict=True)
+    for i in range(len(lens_q)):
+        a, b = sum(lens_q[:i]), sum(lens_k[:i])
+        if lens_q[i] == 0:
+            continue
+        seq = (q[None, a:a + lens_q[i]], k[None, b:b + lens_k[i]], v[None, b:b + lens_k[i]])
+        ref, ref_lse = fa2_alibi_ref(*seq, slopes[i:i + 1], causal=True)
+        low, _ = fa2_alibi_ref(*seq, slopes[i:i + 1], upcast=False, causal=True)
+        assert_close_fa(out[None, a:a + lens_q[i]], ref, low)
+        assert_lse_close(lse[None, :, a:a + lens_q[i]], ref_lse)

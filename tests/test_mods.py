@@ -12,6 +12,7 @@ import torch
 
 cutlass = pytest.importorskip("cutlass")
 
+from cuteattn import alibi as fa2_alibi  # noqa: E402
 from cuteattn import compile_cache  # noqa: E402
 from cuteattn.kernels.launch_common import (UnsupportedMod, mod_key,  # noqa: E402
                                             mod_tensors_of)
@@ -130,9 +131,15 @@ def test_compile_forward_with_mask_mod(name, fn, d, block, capfd, tmp_path, monk
     assert spills and max(spills) == 0
 
 
+# FlashAttention-2's alibi_slopes (cuteattn/alibi.py): per (batch, head) slopes with the
+# sequences' key offsets, and per-head slopes without
+FA2_ALIBI = fa2_alibi.score_mod(torch.ones(2, 4), torch.zeros(2, dtype=torch.int32))
+FA2_ALIBI_HEADS = fa2_alibi.score_mod(torch.ones(4), None)
 SCORE_CASES = [("alibi", alibi, None, 128, None), ("alibi-document", alibi, document, 128, None),
                ("alibi-document-sparse", alibi, document, 128, (128, 128)),
-               ("alibi-document-d64", alibi, document, 64, None)]
+               ("alibi-document-d64", alibi, document, 64, None),
+               ("fa2-alibi", FA2_ALIBI, None, 128, None),
+               ("fa2-alibi-heads-d64", FA2_ALIBI_HEADS, None, 64, None)]
 
 
 @pytest.mark.compile
@@ -319,7 +326,8 @@ def _alibi_of(slopes):
 
 
 BWD_SCORE_CASES = [("alibi", alibi, None, 128), ("softcap", None, None, 128),
-                   ("alibi-document", alibi, document, 64), ("softcap-document", None, document, 96)]
+                   ("alibi-document", alibi, document, 64), ("softcap-document", None, document, 96),
+                   ("fa2-alibi", FA2_ALIBI, None, 128), ("fa2-alibi-heads", FA2_ALIBI_HEADS, None, 64)]
 
 
 @pytest.mark.compile

@@ -210,8 +210,13 @@ def test_dropout(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_alibi(kind):
-    rejects(kind, make(kind), NotImplementedError, "alibi_slopes", alibi_slopes=torch.ones(4))
+def test_alibi_slopes_checked(kind):
+    """FlashAttention-2's alibi_slopes (tests/test_alibi.py has their values): float32,
+    (nheads,) or (batch, nheads)."""
+    rejects(kind, make(kind), ValueError, "alibi_slopes must have shape", alibi_slopes=torch.ones(3))
+    rejects(kind, make(kind), TypeError, "alibi_slopes must be float32",
+            alibi_slopes=torch.ones(4, dtype=torch.float64))
+    assert call(kind, make(kind), alibi_slopes=torch.ones(2, 4)).shape == make(kind)["q"].shape
 
 
 @pytest.mark.parametrize("kind", KINDS)
