@@ -349,13 +349,12 @@ def fa2_alibi_ref(q, k, v, slopes, upcast=True, **kw):
 
 @pytest.mark.parametrize("sq,sk", [(777, 777), (300, 1031), (1031, 200)])
 @pytest.mark.parametrize("per_batch", [False, True])
-@pytest.mark.parametrize("mask", ["none", "causal", "window", "softcap"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
 def test_alibi_slopes_on_the_kernel(seed, sq, sk, per_batch, mask):
     """flash_attn_func(alibi_slopes=) on the forward kernel (strict: no fallback), NaN-poisoned
     outputs, GQA, the offset seqlen_k - seqlen_q read from a tensor (new lengths compile
     nothing new)."""
-    kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 20)),
-          "softcap": dict(softcap=5.0, causal=True)}[mask]
+    kw = {"none": {}, "causal": dict(causal=True), "window": dict(window_size=(100, 20))}[mask]
     q, k, v = inputs(2, sq, sk, 8, 2, 128)
     slopes = torch.rand(2, 8, device="cuda") if per_batch else torch.rand(8, device="cuda")
     out = torch.full_like(q, float("nan"))
@@ -366,6 +365,21 @@ def test_alibi_slopes_on_the_kernel(seed, sq, sk, per_batch, mask):
     low, _ = fa2_alibi_ref(q, k, v, slopes, upcast=False, **kw)
     assert_close_fa(out, ref, low)
     assert_lse_close(lse, ref_lse)
+
+
+def test_alibi_slopes_with_softcap_take_the_reference(seed):
+    """A softcap beside the bias has no sm90 kernel (the score_mod path takes no softcap):
+    strict mode names it, the fallback computes FlashAttention-2's order (cap, then bias)."""
+    import cuteattn
+    q, k, v = inputs(1, 200, 300, 4, 4, 64)
+    slopes = torch.rand(4, device="cuda")
+    with pytest.raises(RuntimeError, match="softcap with a score_mod"):
+        flash_attn_func(q, k, v, alibi_slopes=slopes, softcap=5.0, strict=True)
+    with pytest.warns(cuteattn.FallbackWarning, match="softcap with a score_mod"):
+        out = flash_attn_func(q, k, v, alibi_slopes=slopes, softcap=5.0)
+    ref, _ = fa2_alibi_ref(q, k, v, slopes, softcap=5.0)
+    low, _ = fa2_alibi_ref(q, k, v, slopes, softcap=5.0, upcast=False)
+    assert_close_fa(out, ref, low)
 
 
 @pytest.mark.parametrize("d", [64, 128])
