@@ -313,7 +313,8 @@ def flash_attn_func(
                 out, lse = _launch_sparse(q, k, v, *hit, block_sparse)
                 return (out, lse) if return_lse else out
         if (torch.compiler.is_compiling() and mask_mod is None and score_mod is None
-                and out is None and lse is None and learnable_sink is None):
+                and out is None and lse is None and learnable_sink is None
+                and getattr(q, "dtype", None) != _checks.FP8):
             # an opaque op with autograd (ops.py): the kernels run inside the compiled graph
             from cuteattn import ops
             out, lse = ops.attention_sparse(q, k, v, block_sparse, softmax_scale, causal,
@@ -321,7 +322,8 @@ def flash_attn_func(
             return (out, lse) if return_lse else out
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
                            learnable_sink, block_sparse, mask_mod, score_mod, out=out, lse=lse,
-                           sparse_sig=sig, deterministic=deterministic)
+                           sparse_sig=sig, deterministic=deterministic,
+                           descales=(q_descale, k_descale, v_descale))
         return (out, lse) if return_lse else out
     descales = (q_descale, k_descale, v_descale)
     grad = _through_op(q, k, v, out, lse, learnable_sink)
@@ -394,13 +396,14 @@ def _alibi_mod(q, k, alibi_slopes, score_mod, spec: AttentionSpec, varlen: dict 
 
 def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, block_sparse,
             mask_mod, score_mod, varlen: dict | None = None, out=None, lse=None, sparse_sig=None,
-            deterministic=False, validate=False):
+            deterministic=False, validate=False, descales=(None, None, None)):
     """flash_attn_func / flash_attn_varlen_func (varlen: its metadata, max lengths included)
     with FlexAttention's modifiers: checked, then the block-sparse kernel where one serves the
     call (_sparse_kernel), else the reference, differentiated by torch autograd itself (a
     score_mod's own tensors get gradients too); the fallback warning or the strict error as
-    usual. out / lse (fixed length): preallocated buffers, written in place (not under autograd,
-    whose results are new tensors). sparse_sig: the call's _sparse_signature, under which a
+    usual. out / lse: preallocated buffers, written in place (not under autograd, whose
+    results are new tensors). fp8 inputs (their descales) run on the reference, dequantized,
+    their output bf16 (or out's fp16). sparse_sig: the call's _sparse_signature, under which a
     block-sparse launch is kept for the next such call. deterministic: the backward's
     (a block-sparse backward kernel that cannot promise it is not taken). validate (packed
     sequences): their metadata's values checked first (a sync), as flash_attn_varlen_func's."""
@@ -412,6 +415,7 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
         spec = _checks.varlen_spec(q, k, v, **varlen, softmax_scale=softmax_scale,
                                    causal=causal, window_size=window_size, softcap=softcap)
     spec = dataclasses.replace(_checks.with_sink(spec, sink, q), deterministic=bool(deterministic))
+    _checks.check_descales(q, k, spec.batch, descales)
     if varlen is not None and validate:
         _varlen_host_values(q, k, spec, _index_tensors(varlen))
     for name, mod in (("mask_mod", mask_mod), ("score_mod", score_mod)):
@@ -419,12 +423,17 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
             raise TypeError(f"{name} must be callable; got {type(mod)}")
     if block_sparse is not None:
         sparse.check(block_sparse, spec.batch, spec.nheads, spec.seqlen_q, spec.seqlen_k, q.device)
-    if varlen is None and (out is not None or lse is not None):
+    if out is not None or lse is not None:
         if _needs_grad(q, k, v):
             raise ValueError("out= / lse= buffers take no gradient: call without them to differentiate")
-        out, lse = _checks.output_buffers(q, out, lse, out_shape=(*q.shape[:3], v.shape[-1]),
-                                          lse_shape=(spec.batch, spec.nheads, spec.seqlen_q))
-    if mask_mod is None and score_mod is None:
+        lse_shape = ((spec.batch, spec.nheads, spec.seqlen_q) if varlen is None
+                     else _varlen_lse_shape(q, spec))
+        out, lse = _checks.output_buffers(q, out, lse, out_shape=(*q.shape[:-1], v.shape[-1]),
+                                          lse_shape=lse_shape)
+    fp8 = q.dtype == _checks.FP8
+    if fp8:  # (no fp8 kernel takes lists or mods)
+        served, reason = None, "fp8 inputs with block-sparse lists or mods: no kernel yet"
+    elif mask_mod is None and score_mod is None:
         served, reason = _sparse_kernel(q, k, v, spec, block_sparse, varlen, sink, out, lse,
                                         sparse_sig)
     else:
@@ -437,20 +446,27 @@ def _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict, sink, 
     _fall_back(reason, strict)
     mods = dict(score_mod=score_mod, mask_mod=mask_mod, block_sparse=block_sparse)
     if varlen is None:
-        o, l = attention_ref(q, k, v, **_reference_kwargs(spec, sink), **mods)
-        if out is None:
-            return o.to(q.dtype), l
-        out.copy_(o)
-        lse.copy_(l)
-        return out, lse
-    meta = _index_tensors(varlen)
-    host = _varlen_host_values(q, k, spec, meta)
-    packed = [_checks.batched_as_packed(x, meta[cu])[0] for x, cu in
-              ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"))]
-    out, lse = attention_varlen_ref(*packed, **host, **_reference_kwargs(spec, sink), **mods)
-    if not spec.varlen_q:  # batched q: lse (h, b * sq) -> (b, h, sq)
-        lse = lse.view(spec.nheads, q.shape[0], q.shape[1]).permute(1, 0, 2)
-    return out.view(*q.shape[:-1], v.shape[-1]).to(q.dtype), lse
+        inputs = (q, k, v)
+        if fp8:
+            inputs = [dequantize_fp8(x, d) for x, d in zip(inputs, descales)]
+        o, l = attention_ref(*inputs, **_reference_kwargs(spec, sink), **mods)
+    else:
+        meta = _index_tensors(varlen)
+        host = _varlen_host_values(q, k, spec, meta)
+        packed = [_checks.batched_as_packed(x, meta[cu]) for x, cu in
+                  ((q, "cu_seqlens_q"), (k, "cu_seqlens_k"), (v, "cu_seqlens_k"))]
+        inputs = [x for x, _ in packed]
+        if fp8:
+            inputs = [dequantize_fp8(x, d, cu) for (x, cu), d in zip(packed, descales)]
+        o, l = attention_varlen_ref(*inputs, **host, **_reference_kwargs(spec, sink), **mods)
+        o = o.view(*q.shape[:-1], v.shape[-1])
+        if not spec.varlen_q:  # batched q: lse (h, b * sq) -> (b, h, sq)
+            l = l.view(spec.nheads, q.shape[0], q.shape[1]).permute(1, 0, 2)
+    if out is None:
+        return o.to(_checks.out_dtype(q)), l
+    out.copy_(o)
+    lse.copy_(l)
+    return out, lse
 
 
 def _index_tensors(varlen: dict | None) -> dict:
@@ -871,8 +887,9 @@ def flash_attn_varlen_func(
                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
                       seqused_k=seqused_k)
         out, lse = _modded(q, k, v, softmax_scale, causal, window_size, softcap, strict,
-                           learnable_sink, block_sparse, mask_mod, score_mod, varlen,
-                           deterministic=deterministic, validate=validate)
+                           learnable_sink, block_sparse, mask_mod, score_mod, varlen, out=out,
+                           lse=lse, deterministic=deterministic, validate=validate,
+                           descales=(q_descale, k_descale, v_descale))
         return (out, lse) if return_lse else out
     if block_table is not None:  # paged keys (FlashAttention's paged prefill)
         from cuteattn.kvcache import paged_varlen

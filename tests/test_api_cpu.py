@@ -731,3 +731,44 @@ def test_fp8_refuses_gradients():
     q = torch.randn(1, 4, 2, 64).to(torch.float8_e4m3fn).requires_grad_()
     with pytest.raises(NotImplementedError, match="no gradients"):
         flash_attn_func(q, q.detach(), q.detach())
+
+
+def test_fp8_with_mods_or_lists_applies_its_descales():
+    """fp8 inputs with a mask_mod or block-sparse lists run on the reference (no fp8 kernel
+    takes them), dequantized with their descales, output bf16: the same values as the plain
+    fp8 call with the equivalent mask (the descales were dropped before)."""
+    from cuteattn import sparse
+    warnings.simplefilter("ignore", FallbackWarning)
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in qkv(b=2, sq=9, sk=9, h=4, hk=2))
+    descales = {n: torch.rand(2, 2) + 0.5 for n in ("q_descale", "k_descale", "v_descale")}
+    causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
+    want = flash_attn_func(q, k, v, causal=True, **descales)
+    got = flash_attn_func(q, k, v, mask_mod=causal, **descales)
+    assert got.dtype == BF16 and torch.equal(got, want)
+    everything = sparse.from_block_mask(torch.ones(1, 1, 1, 1, dtype=torch.bool), 128, 128)
+    assert torch.equal(flash_attn_func(q, k, v, block_sparse=everything, **descales),
+                       flash_attn_func(q, k, v, **descales))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    qp, kp, vp = (x[0] for x in (q, k, v))
+    want = flash_attn_varlen_func(qp, kp, vp, cu, cu, 5, 5, causal=True, **descales)
+    got = flash_attn_varlen_func(qp, kp, vp, cu, cu, 5, 5, mask_mod=causal, **descales)
+    assert got.dtype == BF16 and torch.equal(got, want)
+    with pytest.raises(ValueError, match="q_descale applies to float8_e4m3fn inputs only"):
+        flash_attn_func(*qkv(), mask_mod=causal, q_descale=descales["q_descale"])
+
+
+def test_packed_call_with_mods_writes_the_callers_buffers():
+    """flash_attn_varlen_func with a mask_mod (or lists) and out= / lse=: written in place and
+    returned, as without mods (they were ignored before); wrong shapes are errors."""
+    warnings.simplefilter("ignore", FallbackWarning)
+    q = torch.randn(10, 2, 64, dtype=BF16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
+    out, lse = torch.full_like(q, float("nan")), torch.full((2, 10), float("nan"))
+    got = flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, mask_mod=causal, out=out, lse=lse,
+                                 return_lse=True)
+    assert got[0] is out and got[1] is lse
+    want = flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, causal=True, return_lse=True)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    with pytest.raises(ValueError, match="out must be"):
+        flash_attn_varlen_func(q, q, q, cu, cu, 6, 6, mask_mod=causal, out=torch.empty(3))
