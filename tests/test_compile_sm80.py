@@ -43,6 +43,9 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                ["bf16", "80/80", "causal", False], ["fp16", "192/128", "local", True],
                ["bf16", "72/40", "softcap", False], ["bf16", "256/128", "none", False],
                ["fp16", "112/112", "none", True],
+               # forms whose earlier tiles spill on sm_100a (config.TILES' last tiles serve)
+               ["bf16", 64, "causal", True], ["bf16", 192, "softcap", True],
+               ["fp16", 192, "local", False],
                # a learnable sink (the epilogue's denominator)
                ["bf16", 128, "causal", "sink"], ["fp16", 64, "none", "sink,varlen"],
                ["bf16", 256, "local", "sink"]]

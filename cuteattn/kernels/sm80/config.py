@@ -25,10 +25,13 @@ from .fwd import KEYS_PER_WARP, Sm80FwdConfig
 TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages]), ...], preferred first
     # d = 64: 32 rows per warp (4 warps on 128 rows) ran 1.12x the 8-warp tile on an H200 with
     # 8 bytes of spill; a 2-stage K/V ring makes it spill-free on sm_80 (not yet GPU-run)
-    64: [(128, 64, 4, 2), (128, 128, 8), (128, 64, 4)],
+    # (the last tile of each list: where the target's compiler spills on every other one, e.g.
+    # sm_100a's 52-72 bytes at d=64 with packed queries on all three 128-row tiles, and 4-40
+    # at d=192 with a window or softcap on 64 x 64; found by benchmarks/dev_spill_sweep.py)
+    64: [(128, 64, 4, 2), (128, 128, 8), (128, 64, 4), (64, 64, 4)],
     96: [(128, 64, 8), (64, 64, 4)],
     128: [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
-    192: [(128, 64, 8), (64, 64, 4)],
+    192: [(128, 64, 8), (64, 64, 4), (64, 32, 4)],
     # At d = 256 each warp's output is 128 registers whatever the tile (16 rows x 256). 64-key
     # blocks ran 1.45x faster than 16-key blocks on an H200 (254 registers, no spill there) but
     # spilled 4-76 bytes on some targets' variants (sm_80 fp16 varlen, sm_120a fp16 causal):
@@ -36,7 +39,7 @@ TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages]), ...], prefer
     256: [(64, 64, 4), (64, 32, 4), (64, 16, 4)],
 }
 LOCAL_TILES = {  # with a sliding window
-    192: [(64, 64, 4)],
+    192: [(64, 64, 4), (64, 32, 4)],
 }
 SUPPORTED_HEAD_DIMS = tuple(TILES)
 # The forward's row max lags (Sm80FwdConfig.lazy_rescale) at this head dim: two A/Bs on the H200
