@@ -841,3 +841,23 @@ def test_the_fallback_knob_starts_the_launch_later_in_the_candidates(monkeypatch
     assert launch_bwd.launch_candidates(spec, 9, 227 * 1024) == cfgs[2:]
     monkeypatch.setenv(launch_bwd.FALLBACK_ENV, "99")
     assert launch_bwd.launch_candidates(spec, 9, 227 * 1024) == cfgs[-1:]
+
+
+def test_the_forward_fallback_knob_starts_later_in_the_candidates(monkeypatch):
+    """CUTEATTN_SM80_FWD_FALLBACK=k: the forward's launch starts at candidate k (the last
+    where there are fewer), so the H200 runs the smaller tiles other targets fall back to (d=64's
+    64 x 64 x 4, which sm_100a takes with packed queries). Stand-in compiles: no spills."""
+    compiled = []
+
+    def fake_compiled(cfg, tvm_ffi):
+        compiled.append(cfg)
+        return object()
+    monkeypatch.setattr(sm80_launch, "_compiled", fake_compiled)
+    monkeypatch.setattr(sm80_launch.compile_cache, "kernel_info", lambda key: {"spill_store_bytes": 0})
+    spec = make_spec(head_dim=64, head_dim_v=64, causal=True)
+    cfgs = sm80_launch.sm80_configs(spec)
+    monkeypatch.delenv(sm80_launch.FWD_FALLBACK_ENV, raising=False)
+    assert sm80_launch.compiled_forward(spec, False)[0] == cfgs[0]
+    monkeypatch.setenv(sm80_launch.FWD_FALLBACK_ENV, "99")
+    cfg = sm80_launch.compiled_forward(spec, False)[0]
+    assert cfg == cfgs[-1] and (cfg.tile_m, cfg.tile_n, cfg.num_warps) == (64, 64, 4)

@@ -63,6 +63,14 @@ def ptxas_report(compile_fn):
     return compiled, info
 
 
+def from_candidate(candidates: list, env: str) -> list:
+    """candidates from the index the environment variable `env` names on (clamped to the
+    last; unset or 0: all of them). A testing knob: a GPU whose compiler builds the first
+    candidate spill-free runs, and verifies, the fallbacks other targets' compilers take."""
+    skip = int(os.environ.get(env, "0") or 0)
+    return candidates[min(max(skip, 0), len(candidates) - 1):]
+
+
 def first_spill_free(candidates: list, compile_with_report):
     """(config, compiled, report) of the first candidate config whose compile reports no
     register spill (the last candidate whatever it reports). compile_with_report(config) ->

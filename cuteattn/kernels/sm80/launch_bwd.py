@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Optional
 
 from ... import compile_cache
 from ...spec import AttentionSpec
-from ..compile_common import first_spill_free
+from ..compile_common import first_spill_free, from_candidate
 from ..launch_common import (CUTLASS_DTYPES, BackwardLaunch, compiled_width,
                              shared_memory_per_sm, sm_count, unserved_dtype_or_dims,
                              unserved_form, use_tvm_ffi)
@@ -215,9 +214,7 @@ FALLBACK_ENV = "CUTEATTN_SM80_BWD_FALLBACK"
 
 def launch_candidates(spec: AttentionSpec, major: int, smem: int) -> list:
     """bwd_configs, from candidate CUTEATTN_SM80_BWD_FALLBACK on when that is set."""
-    cfgs = bwd_configs(spec, major, smem)
-    skip = int(os.environ.get(FALLBACK_ENV, "0") or 0)
-    return cfgs[min(max(skip, 0), len(cfgs) - 1):]
+    return from_candidate(bwd_configs(spec, major, smem), FALLBACK_ENV)
 
 
 def with_ring(cfg: Sm80BwdConfig, smem: int, packed: bool) -> Sm80BwdConfig:
