@@ -861,3 +861,36 @@ def test_the_forward_fallback_knob_starts_later_in_the_candidates(monkeypatch):
     monkeypatch.setenv(sm80_launch.FWD_FALLBACK_ENV, "99")
     cfg = sm80_launch.compiled_forward(spec, False)[0]
     assert cfg == cfgs[-1] and (cfg.tile_m, cfg.tile_n, cfg.num_warps) == (64, 64, 4)
+
+
+def test_split_accumulators_through_the_launch(monkeypatch):
+    """DQ_SPLITS on: a deterministic BwdLaunch call hands the kernel the split count as its grid
+    x, no semaphores, and the first of `splits` accumulators laid one after another in one
+    buffer, then sums them all into dq (CPU tensors; a stand-in kernel fills the buffer)."""
+    from cuteattn.kernels.common import arguments as common_arguments
+    from cuteattn.kernels.sm80 import launch_bwd
+    seen = {}
+
+    def kernel(*args):  # (the TVM-FFI call: the bound arguments, the stream left to TVM-FFI)
+        seen.update(zip(common_arguments.names(launch_bwd.arguments.BWD_ARGUMENTS), args))
+        buffer = torch.tensor([], dtype=torch.float32).set_(args[6].untyped_storage())
+        buffer.fill_(1.0)  # every split's accumulator: 1 everywhere
+    monkeypatch.setattr(launch_bwd, "DQ_SPLITS", 1)
+    monkeypatch.setattr(launch_bwd, "use_tvm_ffi", lambda: True)
+    monkeypatch.setattr(launch_bwd, "_compiled", lambda cfg, tvm_ffi: kernel)
+    monkeypatch.setattr(launch_bwd.compile_cache, "kernel_info", lambda key: {"spill_store_bytes": 0})
+    monkeypatch.setattr(launch_bwd, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch_bwd, "shared_memory_per_sm", lambda index: 228 * 1024)
+    b, s, h, d = 1, 1100, 16, 128
+    spec = make_spec(kind="bwd", head_dim=d, head_dim_v=d, causal=True, deterministic=True,
+                     nheads=h, nheads_k=h)
+    launch = launch_bwd.BwdLaunch(spec)
+    assert launch.cfg.dq_splits and launch.cfg.num_warps == 8 and launch.cfg.tile_n == 128
+    q, k, v, out, dout = (torch.randn(b, s, h, d, dtype=torch.bfloat16) for _ in range(5))
+    lse = torch.randn(b, h, s)
+    dq, dk, dv = launch(dout, q, k, v, out, lse)
+    assert seen["num_n_blocks"] == 8  # 132 SMs x 1 CTA over 16 heads; 9 key blocks
+    assert tuple(seen["mSemaphore"].shape) == (h, 1)  # (the stand-in: no turns taken)
+    assert seen["mdQacc"].shape == (b, s, h, d)
+    assert seen["mdQacc"].untyped_storage().nbytes() == 8 * ((b * s + 7) // 8 * 8) * h * d * 4
+    assert dq.shape == q.shape and torch.all(dq == 8)  # the eight splits summed
