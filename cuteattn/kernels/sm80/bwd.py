@@ -72,8 +72,8 @@ class Sm80BwdConfig:
     # (deterministic under a causal or windowed mask: common/dq_order's descending turns)
     descending_turns: bool = False
     # ... or no turns at all (deterministic): FlashAttention-2's split accumulators. Grid x is
-    # a split count S (the launch's); the CTA of split s walks key blocks s, s + S, ... of its
-    # (batch, head) one after another and adds dQ into split s's own float32 accumulator,
+    # a split count S (the launch's); the CTA of split s walks one key block of each round of
+    # S (zigzag: split_walk) of its (batch, head) and adds dQ into split s's own float32 accumulator,
     # which no other CTA touches, so its additions land in program order; the launch sums
     # the S accumulators in a fixed order. No semaphore wait and no fence a query block.
     dq_splits: bool = False
