@@ -80,11 +80,13 @@ class Sm80BwdConfig:
     # Q and dO (and the block's LSE and D) in a ring of q_stages buffers: with 2, the next query
     # block's loads are in flight while this one computes (1: loaded, then waited for)
     q_stages: int = 1
-    # q, k, v and dO's head dim may be narrower than head_dim (padded to this compiled width;
-    # v's and dO's narrower than q's and k's where head_dim_v < head_dim): their loads
-    # zero-fill the columns past each tensor's own (the gradient buffers have the compiled
-    # width; v's and dO's zero columns add nothing to dP = dO V^T and leave dV's 0 there)
+    # q, k, v and dO's head dim may be narrower than head_dim (padded to this compiled width):
+    # their loads zero-fill the columns past it (the gradient buffers have the compiled width)
     padded: bool = False
+    # (padded) v's and dO's head dim narrower than q's and k's (head_dim_v < head_dim): their
+    # loads zero-fill past their own, whose zero columns add nothing to dP = dO V^T and leave
+    # dV's 0 there (bwd_postprocess cuts dV to v's width)
+    narrow_v: bool = False
     # dQ = dS K's warp grid: dq_warps_m warps along the queries, the rest along the columns
     # (0: tile_m / 16 along the queries, 16-row warp tiles)
     dq_warps_m: int = 0
@@ -530,9 +532,9 @@ class FlashBwdSm80:
         tKcK = copy.partition_S(cute.make_identity_tensor((self.tile_n, self.d)))
         tQcQ = copy.partition_S(cute.make_identity_tensor((self.tile_m, self.d)))
         keys_left = seqlen.seqlen_k - key_start
-        # the tensors' own head dims: q's and k's, and v's and dO's (head_dim_v, at most q's)
+        # the tensors' own head dims: q's and k's, and v's and dO's (narrow_v: head_dim_v)
         cols = mQ.shape[1] if const_expr(cfg.padded) else None
-        cols_v = mV.shape[1] if const_expr(cfg.padded) else None
+        cols_v = mV.shape[1] if const_expr(cfg.narrow_v) else cols
         mma.load_rows(copy, copy.partition_S(gK), copy.partition_D(sK), tKcK, keys_left, cols=cols)
         mma.load_rows(copy, copy.partition_S(gV), copy.partition_D(sV), tKcK, keys_left,
                       cols=cols_v)

@@ -121,12 +121,13 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
     dtype = CUTLASS_DTYPES[spec.dtype]
     packed = spec.varlen_q or spec.varlen_k or spec.has_seqused_q or spec.has_seqused_k
     # (v narrower than q: v and dO read zero-filled past their head dim, as a padded one)
-    padded = head_dim != spec.head_dim or spec.head_dim_v != spec.head_dim
+    narrow_v = spec.head_dim_v != spec.head_dim
+    padded = head_dim != spec.head_dim or narrow_v
     switches = dict(
         dtype=dtype, head_dim=head_dim, causal=spec.causal, local=spec.local,
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
-        deterministic=spec.deterministic, padded=padded,
+        deterministic=spec.deterministic, padded=padded, narrow_v=narrow_v,
         dq_splits=bool(DQ_SPLITS) and spec.deterministic,
         descending_turns=bool(DESCENDING_TURNS) and not DQ_SPLITS and spec.deterministic
         and (spec.causal or spec.local))
@@ -171,8 +172,8 @@ def bwd_configs(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> 
     fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)}
     switches = {k: fields[k] for k in (
         "dtype", "head_dim", "causal", "local", "has_softcap", "varlen_q", "varlen_k",
-        "has_seqused_q", "has_seqused_k", "deterministic", "padded", "descending_turns",
-        "dq_splits")}
+        "has_seqused_q", "has_seqused_k", "deterministic", "padded", "narrow_v",
+        "descending_turns", "dq_splits")}
     candidates = [first, dataclasses.replace(first, q_stages=1)]
     if head_dim in WIDE_HEAD_DIMS:
         tile_m, tile_n, warps = wide_tile(first.dtype, head_dim, smem)
