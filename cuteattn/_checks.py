@@ -334,7 +334,8 @@ def check_varlen_host_values(
                 b = int(bad.nonzero()[0])
                 raise ValueError(
                     f"seqused_{side}[{b}] = {int(used[b])} must lie in [0, {int(lengths[b])}] "
-                    f"(the length given by cu_seqlens_{side})"
+                    f"(sequence {b}'s length in {side}: its cu_seqlens_{side} span, or {side}'s "
+                    "seqlen when batched)"
                 )
             lengths = used
         longest = int(lengths.max()) if lengths.numel() else 0
