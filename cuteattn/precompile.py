@@ -49,8 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--backward", action="store_true", help="also the backward (training)")
     p.add_argument("--deterministic", action="store_true",
                    help="the backward with deterministic=True too")
-    p.add_argument("--arch", help="target when there is no GPU (default sm_90a; with --path "
-                                  "sm80 default sm_86): sm_90a takes the Hopper kernels, sm_80, "
+    p.add_argument("--arch", help="target when there is no GPU (default: CUTE_DSL_ARCH if "
+                                  "set, else sm_90a, with --path sm80 sm_86): sm_90a takes the Hopper kernels, sm_80, "
                                   "sm_86, sm_89, sm_100a, sm_103a, sm_110a, sm_120a or sm_121a "
                                   "the portable ones")
     p.add_argument("--path", choices=("default", "sm80"), default="default",
@@ -114,7 +114,11 @@ def main(argv=None) -> int:
     import torch
     portable = args.path == "sm80"
     if not torch.cuda.is_available():  # before cutlass loads
-        os.environ.setdefault("CUTE_DSL_ARCH", args.arch or ("sm_86" if portable else "sm_90a"))
+        # an explicit --arch wins over a CUTE_DSL_ARCH already set; that one over the default
+        if args.arch:
+            os.environ["CUTE_DSL_ARCH"] = args.arch
+        else:
+            os.environ.setdefault("CUTE_DSL_ARCH", "sm_86" if portable else "sm_90a")
     if portable:
         os.environ["CUTEATTN_PATH"] = "sm80"  # (dispatch.PATH_ENV) the families serve it
     from cuteattn import compile_cache, dispatch

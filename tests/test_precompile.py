@@ -43,6 +43,13 @@ def test_a_target_name_that_is_no_arch_is_a_clear_error(monkeypatch):
         precompile.main(["--head-dim", "64"])
 
 
+def test_an_explicit_arch_wins_over_the_environment(monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("CUTEATTN_DISK_CACHE", "1")
+    with pytest.raises(SystemExit, match="CUTE_DSL_ARCH: 'hopper': expected an arch like sm_86"):
+        precompile.main(["--head-dim", "64", "--arch", "hopper"])
+
+
 def test_surface_and_block_sparse_variants():
     """--head-dim-v and --sparse: the MLA-style pair and block-sparse forwards (a coarser block
     shape as the kernel block its lists run on); none for packed layouts, no backward."""
