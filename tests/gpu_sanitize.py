@@ -271,19 +271,19 @@ def cases() -> dict:
         tb, bf16, 192, 8, 2, 200, 300, dv=128, causal=True))
     out["portable_bwd_d128_v64_window"] = _on_sm80(lambda: _bwd_fixed(
         tb, bf16, 128, 8, 2, 257, 257, dv=64, window_size=(64, 32)))
-    # the deterministic candidates (launch_bwd.DESCENDING_TURNS, DQ_SPLITS): 16 heads, so 8
-    # splits (132 SMs) over 9-18 key blocks walk 2-3 each; a window leaving key blocks that no
-    # query sees; packed sequences
-    for switch in ("DESCENDING_TURNS", "DQ_SPLITS"):
-        name = switch.lower()
-        out[f"portable_bwd_d128_causal_{name}"] = _on_sm80(_with_bwd_switch(switch, lambda: _bwd_fixed(
+    # both deterministic dQ forms at every head dim (launch_bwd.DQ_SPLITS_MAX_DIM 0: turns,
+    # descending under masks; 256: split accumulators): 16 heads, so 8 splits (132 SMs) over
+    # 9-18 key blocks walk 2-3 each; a window leaving key blocks that no query sees; packed
+    # sequences
+    for name, max_dim in (("descending_turns", 0), ("dq_splits", 256)):
+        out[f"portable_bwd_d128_causal_{name}"] = _on_sm80(_with_dq_form(max_dim, lambda: _bwd_fixed(
             tb, bf16, 128, 16, 4, 200, 1100, deterministic=True, causal=True)))
-        out[f"portable_bwd_d192_window_{name}"] = _on_sm80(_with_bwd_switch(switch, lambda: _bwd_fixed(
+        out[f"portable_bwd_d192_window_{name}"] = _on_sm80(_with_dq_form(max_dim, lambda: _bwd_fixed(
             tb, bf16, 192, 16, 2, 200, 1100, deterministic=True, window_size=(64, 32))))
-        out[f"portable_bwd_varlen_d64_causal_{name}"] = _on_sm80(_with_bwd_switch(
-            switch, lambda: _bwd_varlen(tb, lens_q, lens_k, d=64, causal=True, deterministic=True)))
-    out["portable_bwd_d96_none_dq_splits"] = _on_sm80(_with_bwd_switch("DQ_SPLITS", lambda: _bwd_fixed(
-        tb, bf16, 96, 16, 4, 300, 1100, deterministic=True)))
+        out[f"portable_bwd_varlen_d64_causal_{name}"] = _on_sm80(_with_dq_form(
+            max_dim, lambda: _bwd_varlen(tb, lens_q, lens_k, d=64, causal=True, deterministic=True)))
+    out["portable_bwd_d96_none_dq_splits"] = _on_sm80(lambda: _bwd_fixed(
+        tb, bf16, 96, 16, 4, 300, 1100, deterministic=True))  # (the default form there)
     for i, cfg in enumerate(g.BAD_CONFIGS):
         for name, case in g.BAD_CASES.items():
             out[f"portable_bad{i}_{name}"] = _on_sm80(lambda case=case, cfg=cfg: g.run_bad(case, **cfg))
@@ -307,19 +307,19 @@ def _with_env(name: str, value: str, fn):
     return run
 
 
-def _with_bwd_switch(name: str, fn):
-    """fn run with the portable backward's module switch `name` (kernels/sm80/launch_bwd.py) on,
-    then off; the launches kept per spec are dropped before and after."""
+def _with_dq_form(max_dim: int, fn):
+    """fn run with the portable backward's launch_bwd.DQ_SPLITS_MAX_DIM at `max_dim`, then the
+    default again; the launches kept per spec are dropped before and after."""
     def run():
         from cuteattn import api
         from cuteattn.kernels.sm80 import launch_bwd
-        chosen = getattr(launch_bwd, name)
-        setattr(launch_bwd, name, 1)
+        chosen = launch_bwd.DQ_SPLITS_MAX_DIM
+        launch_bwd.DQ_SPLITS_MAX_DIM = max_dim
         api._launches.clear()
         try:
             fn()
         finally:
-            setattr(launch_bwd, name, chosen)
+            launch_bwd.DQ_SPLITS_MAX_DIM = chosen
             api._launches.clear()
     return run
 

@@ -4,7 +4,8 @@ JSON (one process per target: the DSL reads CUTE_DSL_ARCH once, at import).
 form: varlen (a bool) for the forward ("sink[,varlen]": with a learnable sink),
 "bwd[,varlen|,varlen_k|,seqused][,deterministic[,descending|,splits]][,padded]" for the
 backward (the config the launch takes: the first spill-free candidate; "fallback" its index;
-"descending" / "splits": launch_bwd.DESCENDING_TURNS / DQ_SPLITS on), "combine" for the
+"descending" / "splits": that deterministic dQ form at any head dim, through
+launch_bwd.DQ_SPLITS_MAX_DIM), "combine" for the
 split-KV combine kernel (d: d_v; mask:
 "sink" or "none"), or "decode[,page=N][,split[,fold]][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
 for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
@@ -48,18 +49,18 @@ def bwd_configs_of(dtype, d, causal, local, softcap, form, smem=163 * 1024, dv=N
                          varlen_q=varlen, varlen_k=varlen or "varlen_k" in flags,
                          has_seqused_q=seqused, has_seqused_k=seqused, kind="bwd",
                          deterministic="deterministic" in flags)
-    # the deterministic candidates' switches (launch_bwd.DESCENDING_TURNS, DQ_SPLITS)
-    switches = {"descending": "DESCENDING_TURNS", "splits": "DQ_SPLITS"}
-    saved = {name: getattr(launch_bwd, name) for name in switches.values()}
-    for flag, name in switches.items():
-        setattr(launch_bwd, name, int(flag in flags))
+    # a deterministic dQ form at any head dim: "descending" the turns (launch_bwd's
+    # DQ_SPLITS_MAX_DIM 0), "splits" the split accumulators (256); else the default's
+    saved = launch_bwd.DQ_SPLITS_MAX_DIM
+    if "descending" in flags or "splits" in flags:
+        launch_bwd.DQ_SPLITS_MAX_DIM = 256 if "splits" in flags else 0
     try:
         cfgs = launch_bwd.bwd_configs(spec, major, smem)
     finally:
-        for name, value in saved.items():
-            setattr(launch_bwd, name, value)
-    assert all((c.descending_turns, c.dq_splits) == ("descending" in flags, "splits" in flags)
-               for c in cfgs), (form, cfgs[0])
+        launch_bwd.DQ_SPLITS_MAX_DIM = saved
+    if "descending" in flags or "splits" in flags:
+        assert all((c.descending_turns, c.dq_splits) == ("descending" in flags, "splits" in flags)
+                   for c in cfgs), (form, cfgs[0])
     return cfgs
 
 

@@ -124,8 +124,8 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # v narrower than q and k (MLA's 192 / 128, and 128 / 64), read zero-filled
                ["bf16", "192/128", "causal", "bwd"], ["fp16", "128/64", "none", "bwd,varlen"],
                ["bf16", "96/64", "local", "bwd,deterministic"],
-               # deterministic dQ in descending turns or in split accumulators (the candidates
-               # launch_bwd.DESCENDING_TURNS and DQ_SPLITS)
+               # deterministic dQ in descending turns or in split accumulators at head dims
+               # the default gives the other form (launch_bwd.DQ_SPLITS_MAX_DIM)
                ["bf16", 128, "causal", "bwd,deterministic,descending"],
                ["fp16", 64, "local", "bwd,varlen,deterministic,descending"],
                ["bf16", 256, "causal", "bwd,seqused,deterministic,descending"],

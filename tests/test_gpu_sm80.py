@@ -500,30 +500,36 @@ def test_bwd_head_dim_v_narrower_varlen_deterministic(seed):
     tb.test_bwd_head_dim_v_narrower_varlen_deterministic(seed)
 
 
+# launch_bwd.DQ_SPLITS_MAX_DIM settings that put every head dim on one deterministic dQ form:
+# turns (descending under masks) or split accumulators
+DQ_FORMS = {"turns": 0, "splits": 256}
+
+
 @pytest.fixture
-def bwd_switch(monkeypatch):
-    """Turns one of launch_bwd's module switches on for a test (the launches kept per spec
-    dropped before and after, so the switch's configs compile and run)."""
+def dq_form(monkeypatch):
+    """Puts the portable backward's deterministic dQ on one form at every head dim for a test
+    (the launches kept per spec dropped before and after, so its configs compile and run)."""
     from cuteattn.kernels.sm80 import launch_bwd
 
-    def turn_on(name):
-        monkeypatch.setattr(launch_bwd, name, 1)
+    def take(form):
+        monkeypatch.setattr(launch_bwd, "DQ_SPLITS_MAX_DIM", DQ_FORMS[form])
         api._launches.clear()
-    yield turn_on
+    yield take
     api._launches.clear()
 
 
-# The deterministic candidates (launch_bwd.DESCENDING_TURNS, DQ_SPLITS): every deterministic
-# case, gradients right and bitwise reproducible (b=2 x 8 heads: 8 splits, so the 9-32 key
-# blocks of the cases are walked 2-4 a split)
-@pytest.mark.parametrize("switch", ["DESCENDING_TURNS", "DQ_SPLITS"])
+# Both deterministic dQ forms at every head dim (the defaults take one a head dim,
+# launch_bwd.DQ_SPLITS_MAX_DIM): every deterministic case, gradients right and bitwise
+# reproducible (b=2 x 8 heads: 8 splits, so the 9-32 key blocks of the cases are walked 2-4 a
+# split)
+@pytest.mark.parametrize("form", list(DQ_FORMS))
 @pytest.mark.parametrize("d,mask,sq,sk", BWD_DETERMINISTIC)
-def test_bwd_deterministic_candidates(seed, bwd_switch, switch, d, mask, sq, sk):
-    bwd_switch(switch)
+def test_bwd_deterministic_dq_forms(seed, dq_form, form, d, mask, sq, sk):
+    dq_form(form)
     tb.test_bwd_deterministic_is_bitwise_reproducible(seed, d, mask, sq, sk)
 
 
-@pytest.mark.parametrize("switch", ["DESCENDING_TURNS", "DQ_SPLITS"])
-def test_bwd_varlen_deterministic_candidates(seed, bwd_switch, switch):
-    bwd_switch(switch)
+@pytest.mark.parametrize("form", list(DQ_FORMS))
+def test_bwd_varlen_deterministic_dq_forms(seed, dq_form, form):
+    dq_form(form)
     tb.test_bwd_varlen_deterministic(seed)

@@ -745,21 +745,23 @@ def test_split_dq_accumulators_are_summed_in_order(shape):
     assert torch.equal(launch.dq_from_accumulator(buffer, q), launch.dq_from_accumulator(single, q))
 
 
-def test_deterministic_candidates_reach_the_configs(monkeypatch):
-    """launch_bwd.DESCENDING_TURNS / DQ_SPLITS (candidates, off by default) set the deterministic
-    configs' switches, every fallback candidate's too; the splits take precedence; a plain
-    backward takes neither."""
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 160, 192, 256])
+def test_deterministic_dq_form_per_head_dim(monkeypatch, head_dim):
+    """Deterministic dQ in split accumulators at compiled widths up to DQ_SPLITS_MAX_DIM (128;
+    d=80 runs at 96, 160 at 192), above it in turns, descending under a causal or windowed mask
+    only; every fallback candidate alike; a plain backward takes neither."""
     from cuteattn.kernels.sm80 import launch_bwd
-    causal = make_spec(kind="bwd", causal=True, deterministic=True)
-    plain = make_spec(kind="bwd", causal=True)
-    flags = lambda spec: {(c.descending_turns, c.dq_splits) for c in launch_bwd.bwd_configs(spec)}
-    assert flags(causal) == flags(plain) == {(False, False)}
-    monkeypatch.setattr(launch_bwd, "DESCENDING_TURNS", 1)
-    assert flags(causal) == {(True, False)} and flags(plain) == {(False, False)}
-    assert flags(make_spec(kind="bwd", deterministic=True)) == {(False, False)}  # (no mask)
-    monkeypatch.setattr(launch_bwd, "DQ_SPLITS", 1)
-    assert flags(causal) == {(False, True)} and flags(plain) == {(False, False)}
-    assert flags(make_spec(kind="bwd", deterministic=True)) == {(False, True)}
+    spec = lambda **kw: make_spec(kind="bwd", head_dim=head_dim, head_dim_v=head_dim, **kw)
+    flags = lambda s: {(c.descending_turns, c.dq_splits) for c in launch_bwd.bwd_configs(s)}
+    splits = head_dim <= 128
+    for mask in (dict(causal=True), dict(local=True), {}):
+        turns = {(bool(mask), False)}
+        assert flags(spec(deterministic=True, **mask)) == ({(False, True)} if splits else turns)
+        assert flags(spec(**mask)) == {(False, False)}
+    monkeypatch.setattr(launch_bwd, "DQ_SPLITS_MAX_DIM", 0)  # (the tests' way to each form)
+    assert flags(spec(deterministic=True, causal=True)) == {(True, False)}
+    monkeypatch.setattr(launch_bwd, "DQ_SPLITS_MAX_DIM", 256)
+    assert flags(spec(deterministic=True, causal=True)) == {(False, True)}
 
 
 @pytest.mark.parametrize("batch, heads, seqlen, splits", [
@@ -769,7 +771,6 @@ def test_deterministic_candidates_reach_the_configs(monkeypatch):
     (1, 1, 1 << 20, 8)])  # DQ_SPLIT_BYTES: 4 GiB / (2^20 rows x 128 floats x 4 bytes)
 def test_dq_split_count(monkeypatch, batch, heads, seqlen, splits):
     from cuteattn.kernels.sm80 import launch_bwd
-    monkeypatch.setattr(launch_bwd, "DQ_SPLITS", 1)
     monkeypatch.setattr(launch_bwd, "sm_count", lambda index: 132)
     monkeypatch.setattr(launch_bwd, "shared_memory_per_sm", lambda index: 228 * 1024)
     launch = launch_bwd.BwdLaunch.__new__(launch_bwd.BwdLaunch)  # (no kernel compiled)
@@ -779,7 +780,7 @@ def test_dq_split_count(monkeypatch, batch, heads, seqlen, splits):
     assert launch.cfg.dq_splits and launch.cfg.num_warps == 8 and launch.cfg.tile_n == 128
     q = torch.empty((batch, seqlen, heads, 128), device="meta")
     assert launch.dq_splits(q, q, None, None) == splits
-    monkeypatch.setattr(launch_bwd, "DQ_SPLITS", 0)
+    monkeypatch.setattr(launch_bwd, "DQ_SPLITS_MAX_DIM", 0)  # (turns: no splits)
     launch.cfg = launch_bwd.bwd_config(launch.spec, 9, 227 * 1024)
     assert launch.dq_splits(q, q, None, None) == 0
 
@@ -864,7 +865,7 @@ def test_the_forward_fallback_knob_starts_later_in_the_candidates(monkeypatch):
 
 
 def test_split_accumulators_through_the_launch(monkeypatch):
-    """DQ_SPLITS on: a deterministic BwdLaunch call hands the kernel the split count as its grid
+    """Split accumulators (d=128's deterministic form): a deterministic BwdLaunch call hands the kernel the split count as its grid
     x, no semaphores, and the first of `splits` accumulators laid one after another in one
     buffer, then sums them all into dq (CPU tensors; a stand-in kernel fills the buffer)."""
     from cuteattn.kernels.common import arguments as common_arguments
@@ -875,7 +876,6 @@ def test_split_accumulators_through_the_launch(monkeypatch):
         seen.update(zip(common_arguments.names(launch_bwd.arguments.BWD_ARGUMENTS), args))
         buffer = torch.tensor([], dtype=torch.float32).set_(args[6].untyped_storage())
         buffer.fill_(1.0)  # every split's accumulator: 1 everywhere
-    monkeypatch.setattr(launch_bwd, "DQ_SPLITS", 1)
     monkeypatch.setattr(launch_bwd, "use_tvm_ffi", lambda: True)
     monkeypatch.setattr(launch_bwd, "_compiled", lambda cfg, tvm_ffi: kernel)
     monkeypatch.setattr(launch_bwd.compile_cache, "kernel_info", lambda key: {"spill_store_bytes": 0})

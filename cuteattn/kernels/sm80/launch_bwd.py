@@ -54,18 +54,16 @@ GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: 
 # bytes, softcap 24 and packed causal 64 with it, so the 64-query tile stays for those and
 # where the ring does not fit
 GRID_D64_TILE_M = 128
-# Deterministic dQ under a causal or windowed mask in descending key-block turns
-# (common/dq_order.py), as the sm90 backward runs it (0.42-0.55x -> 0.8-0.93x of its plain
-# backward there). A candidate not yet run on a GPU here: 0 keeps the ascending turns, whose
-# deterministic causal cells run 0.45-0.55x of the plain ones (docs/perf-log.md).
-DESCENDING_TURNS = 0
-# Deterministic dQ in split accumulators instead of turns (Sm80BwdConfig.dq_splits,
-# FlashAttention-2's deterministic backward): no semaphore wait, fence or barrier pair a query
-# block. The turns' fence after each block's additions stalls the whole CTA for an L2 round
-# trip, which alone would explain the deterministic non-causal cells' 0.70-0.77x of the plain
-# backward; the splits cost a zeroed accumulator per split and one sum. A candidate not yet
-# run on a GPU: 0 keeps the turns.
-DQ_SPLITS = 0
+# Deterministic dQ (docs/perf-log.md, 2026-12-05), by the compiled head dim:
+# - up to DQ_SPLITS_MAX_DIM, in split accumulators (Sm80BwdConfig.dq_splits, FlashAttention-2's
+#   deterministic backward): no semaphore wait, fence or barrier pair a query block, at the cost
+#   of a zeroed accumulator per split and one sum. On the H200 at d=64/128: 1.07-1.38x of the
+#   turns without a mask, 2.0-2.4x causal;
+# - above it, in turns (common/dq_order.py), descending under a causal or windowed mask, the
+#   order the key blocks reach a query block (as the sm90 backward runs it): 1.3-1.8x of the
+#   ascending turns at d=192/256 causal. The splits there ran 0.79-1.05x of the turns without a
+#   mask and below the descending turns under causal masks.
+DQ_SPLITS_MAX_DIM = 128
 # The split accumulators' memory, at most (beyond it fewer splits: fewer CTAs than the SMs
 # hold). FlashAttention-2 has no cap (its splits: the SMs over batch x heads).
 DQ_SPLIT_BYTES = 4 << 30
@@ -113,6 +111,14 @@ def wide_tile(dtype, head_dim: int, smem: int) -> tuple:
     raise ValueError(f"no sm80 backward tile for head_dim {head_dim} fits {smem} bytes")
 
 
+def deterministic_dq(spec: AttentionSpec, head_dim: int) -> dict:
+    """Sm80BwdConfig's dq_splits / descending_turns for spec at the compiled `head_dim`
+    (DQ_SPLITS_MAX_DIM); both off without deterministic=True."""
+    splits = spec.deterministic and head_dim <= DQ_SPLITS_MAX_DIM
+    return dict(dq_splits=splits, descending_turns=spec.deterministic and not splits
+                and (spec.causal or spec.local))
+
+
 def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> Sm80BwdConfig:
     """major: the compute capability's, whose compiler the register parts are chosen for;
     smem: the target's shared memory a block (the tile over 128). A head dim between the
@@ -128,9 +134,7 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         has_softcap=spec.has_softcap, varlen_q=spec.varlen_q, varlen_k=spec.varlen_k,
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
         deterministic=spec.deterministic, padded=padded, narrow_v=narrow_v,
-        dq_splits=bool(DQ_SPLITS) and spec.deterministic,
-        descending_turns=bool(DESCENDING_TURNS) and not DQ_SPLITS and spec.deterministic
-        and (spec.causal or spec.local))
+        **deterministic_dq(spec, head_dim))
     if GRID and not (head_dim == 128 and (spec.local or padded or packed)):
         tile_m, tile_n = GRID_TILES[head_dim]
         if head_dim == 64 and not (spec.has_softcap or packed):
