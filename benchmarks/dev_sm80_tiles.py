@@ -2,7 +2,7 @@
 backend (FlashAttention-2), to choose config.TILES. Each candidate replaces the head dim's tile
 list, so the normal launch path compiles and runs it; registers and spills are printed (a
 spilling tile still runs: the timing says whether it matters). Usage (GPU):
-    PYTHONPATH=$PWD python3 benchmarks/dev_sm80_tiles.py [--compile-only d tm tn w] [--jobs 12]
+    PYTHONPATH=$PWD python3 benchmarks/dev_sm80_tiles.py [--compile-only d tm tn w] [--jobs 12] [--d 64,128]
 Without --compile-only it first compiles every candidate in parallel processes (each stores its
 kernel in the disk cache), then times them all in this process.
 """
@@ -19,11 +19,12 @@ CANDIDATES = {  # head_dim -> [(tile_m, tile_n, warps[, kv_stages])], the curren
     64: [(128, 64, 4, 2), (128, 128, 8), (128, 64, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
     # (128, 128, 8): 128 keys a block, half the softmax steps and barriers a key; spill-free
     # on sm_80/86 and fits 99 KB (96 KB), spills with windows (sm_80) and on sm_120a
-    128: [(128, 64, 8), (128, 128, 8), (128, 64, 4, 2), (128, 64, 8, 2), (64, 64, 4, 2),
-          (128, 64, 4), (64, 64, 4)],
+    # (128, 32, 4, 2/3): 32 rows a warp, spill-free on sm_80/86/90a/120a with the lagging max
+    128: [(128, 128, 8), (128, 32, 4, 2), (128, 32, 4, 3), (128, 64, 4, 2), (128, 64, 8)],
     256: [(64, 64, 4), (64, 64, 4, 2), (128, 64, 8), (64, 32, 4, 2)],
 }
-SHAPES = [(4, 4096, False), (4, 4096, True)]  # (batch, seqlen, causal) at 2048 / d heads
+SHAPES = [(b, s, c) for b, s in ((16, 1024), (4, 4096), (1, 16384)) for c in (False, True)]
+# (batch, seqlen, causal) at 2048 / d heads: the bench's forward grid
 
 
 def inputs(d, batch, seqlen):
@@ -54,6 +55,10 @@ def main():
         compile_only(int(args[1]), tuple(int(x) for x in args[2:]))
         return
     jobs = int(args[args.index("--jobs") + 1]) if "--jobs" in args else 12
+    if "--d" in args:  # only these head dims
+        keep = {int(x) for x in args[args.index("--d") + 1].split(",")}
+        for d in set(CANDIDATES) - keep:
+            del CANDIDATES[d]
     todo = [(d, t) for d, tiles in CANDIDATES.items() for t in tiles]
     run = lambda dt: subprocess.run([sys.executable, __file__, "--compile-only", str(dt[0]),
                                      *map(str, dt[1])], capture_output=True, text=True)
