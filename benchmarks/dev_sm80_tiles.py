@@ -16,7 +16,8 @@ import torch
 os.environ["CUTEATTN_PATH"] = "sm80"
 
 CANDIDATES = {  # head_dim -> [(tile_m, tile_n, warps[, kv_stages])], the current choice first
-    64: [(128, 64, 4, 2), (128, 128, 8), (128, 64, 4), (128, 128, 8, 2), (64, 128, 4, 2)],
+    64: [(128, 64, 4, 2), (128, 64, 4, 3)],
+    96: [(128, 64, 8), (128, 32, 4, 2), (128, 32, 4, 3), (128, 64, 4, 2)],
     # (128, 128, 8): 128 keys a block, half the softmax steps and barriers a key; spill-free
     # on sm_80/86 and fits 99 KB (96 KB), spills with windows (sm_80) and on sm_120a
     # (128, 32, 4, 2/3): 32 rows a warp, spill-free on sm_80/86/90a/120a with the lagging max

@@ -10,8 +10,8 @@ tile is taken whatever it reports), and tests/test_compile_sm80.py checks that e
 choice is spill-free on every target. LOCAL_TILES narrows the list with a sliding window (two
 column limits per row live: at d = 192 the 128-row tile spilled 4 bytes).
 Measured on an H200 (docs/perf-log.md): 16 rows per warp (8 warps on 128 rows) costs ldmatrix
-traffic; 32 rows per warp is faster, and compiles spill-free at d = 64 and 128 with a 2-stage
-K/V ring (at d = 128 with 32-key blocks).
+traffic; 32 rows per warp is faster, and compiles spill-free at d = 64, 96 and 128 with a
+2-stage K/V ring (at d = 96 and 128 with 32-key blocks).
 """
 import dataclasses
 import math
@@ -30,7 +30,9 @@ TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages]), ...], prefer
     # sm_100a's 52-72 bytes at d=64 with packed queries on all three 128-row tiles, and 4-40
     # at d=192 with a window or softcap on 64 x 64; found by benchmarks/dev_spill_sweep.py)
     64: [(128, 64, 4, 2), (128, 128, 8), (128, 64, 4), (64, 64, 4)],
-    96: [(128, 64, 8), (64, 64, 4)],
+    # d = 96: the same tile, spill-free on sm_80/86/90a/100a/120a: 1.02-1.29x the 8-warp 64-key
+    # tile on an H100 (64-key blocks on 4 warps ran faster still but spill 24-40 bytes)
+    96: [(128, 32, 4, 2), (128, 64, 8), (64, 64, 4)],
     # d = 128: 32 rows per warp with 32-key blocks and a 2-stage ring is spill-free on sm_80/86/
     # 90a/120a with the lagging row max; it ran 1.01-1.24x the 8-warp 128-key tile on an H100
     # (the 1k causal cell most; 64-key blocks spill 100-350 bytes)
