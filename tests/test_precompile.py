@@ -121,6 +121,27 @@ def test_portable_path_for_another_target(tmp_path):
     assert len(list(tmp_path.rglob("*.o"))) == 2
 
 
+@pytest.mark.compile
+def test_spilling_candidates_are_kept_on_disk_with_their_reports(tmp_path):
+    """sm_100a's compiler spills at d=64 with packed queries on the three 128-row portable tiles
+    (kernels/sm80/config.py): each is compiled once to learn that and kept on disk with its
+    report, and the 64-row tile is the packed forward; a second process compiles nothing."""
+    pytest.importorskip("tvm_ffi")
+    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
+    env.pop("CUTE_DSL_ARCH", None)
+    env.pop("CUTEATTN_PATH", None)
+    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "64", "--mask", "none",
+           "--varlen", "--path", "sm80", "--arch", "sm_100a"]
+    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout + first.stderr
+    # the fixed-length forward (its first tile builds spill-free), then the packed one: three
+    # spilling tiles and the one taken
+    assert "5 compiled, 0 already on disk" in first.stdout, first.stdout
+    assert len(list(tmp_path.rglob("*.o"))) == 5
+    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0 and "0 compiled, 5 already on disk" in second.stdout, second.stdout
+
+
 def test_blackwell_target_takes_the_portable_kernels(tmp_path):
     """--arch sm_100a without --path: a B200's calls run the portable kernels (dispatch's path
     for compute capability 10.0), so those are compiled, with the 227 KB tiles (Hopper's wgmma
