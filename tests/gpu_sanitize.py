@@ -240,7 +240,8 @@ def cases() -> dict:
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
         out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])
-    out["portable_paged_prefill_causal"] = _on_sm80(lambda: ts.test_paged_prefill(0, 16, True))
+    out["portable_paged_prefill_causal"] = _on_sm80(lambda: ts.test_paged_prefill(0, 16, True, 128))
+    out["portable_paged_prefill_d96"] = _on_sm80(lambda: ts.test_paged_prefill(0, 128, False, 96))
     for d in (64, 128):  # the portable backward: the bwd group's masks, deterministic, varlen
         for mask, kw in fixed_masks.items():
             (h, hk), (sq, sk) = heads[mask], sizes[mask]

@@ -227,7 +227,7 @@ def test_paged_prefill_default_path(seed, page, causal, monkeypatch):
     the sm90 forward hands it to the portable kernel): the portable path's own test, strict."""
     import test_gpu_sm80
     monkeypatch.delenv(dispatch.PATH_ENV, raising=False)
-    test_gpu_sm80.test_paged_prefill(seed, page, causal)
+    test_gpu_sm80.test_paged_prefill(seed, page, causal, 128)
 
 
 def run_paged_prefill(page, d, causal=False, window_size=(-1, -1), lens_q=(1, 63, 200, 0, 130),
