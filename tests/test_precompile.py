@@ -70,19 +70,26 @@ def test_head_dim_is_required():
         precompile.parse_args([])
 
 
+def _precompile(tmp_path, *args, timeout=600):
+    """`python -m cuteattn.precompile ARGS` in a fresh process, into the cache under tmp_path,
+    with no target or path from the environment (the command picks sm_90a without a GPU)."""
+    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
+    env.pop("CUTE_DSL_ARCH", None)
+    env.pop("CUTEATTN_PATH", None)
+    return subprocess.run([sys.executable, "-m", "cuteattn.precompile", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.compile
 def test_fills_the_cache_then_loads_from_it(tmp_path):
     pytest.importorskip("tvm_ffi")
-    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
-    env.pop("CUTE_DSL_ARCH", None)  # the command picks sm_90a itself without a GPU
-    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "64", "--mask", "causal",
-           "--backward"]
-    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    args = ["--head-dim", "64", "--mask", "causal", "--backward"]
+    first = _precompile(tmp_path, *args)
     assert first.returncode == 0, first.stdout + first.stderr
     # d=64 has a short-sequence tile: two forward variants and one backward, all compiled
     assert "3 compiled, 0 already on disk" in first.stdout, first.stdout
     assert len(list(tmp_path.rglob("*.o"))) == 3
-    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    second = _precompile(tmp_path, *args)
     assert second.returncode == 0 and "0 compiled, 3 already on disk" in second.stdout, second.stdout
 
 
@@ -91,11 +98,8 @@ def test_fills_surface_and_block_sparse_variants(tmp_path):
     """A head dim with a narrower v (d=80 with v 64, one variant for both
     tile classes) and a block-sparse forward, compiled into the cache."""
     pytest.importorskip("tvm_ffi")
-    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
-    env.pop("CUTE_DSL_ARCH", None)
-    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "80", "--head-dim-v", "64",
-           "--mask", "causal", "--sparse", "128x64"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = _precompile(tmp_path, "--head-dim", "80", "--head-dim-v", "64", "--mask", "causal",
+                      "--sparse", "128x64")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "2 compiled, 0 already on disk" in run.stdout, run.stdout
     assert "sparse 128x64 d80v64 bf16 causal: compiled" in run.stdout, run.stdout
@@ -106,12 +110,8 @@ def test_portable_path_for_another_target(tmp_path):
     """--path sm80 --arch sm_120a: the portable kernels compiled for sm_120 (its tiles and
     register parts), into the cache directory of that target."""
     pytest.importorskip("tvm_ffi")
-    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
-    env.pop("CUTE_DSL_ARCH", None)
-    env.pop("CUTEATTN_PATH", None)
-    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "128", "--mask", "causal",
-           "--backward", "--path", "sm80", "--arch", "sm_120a"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = _precompile(tmp_path, "--head-dim", "128", "--mask", "causal", "--backward", "--path",
+                      "sm80", "--arch", "sm_120a")
     assert run.returncode == 0, run.stdout + run.stderr
     # one forward config serves both tile classes (the portable tiles do not depend on the
     # length): the forward's first candidate at d=128 (32 rows a warp) compiles spill-free for
@@ -127,18 +127,14 @@ def test_spilling_candidates_are_kept_on_disk_with_their_reports(tmp_path):
     (kernels/sm80/config.py): each is compiled once to learn that and kept on disk with its
     report, and the 64-row tile is the packed forward; a second process compiles nothing."""
     pytest.importorskip("tvm_ffi")
-    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
-    env.pop("CUTE_DSL_ARCH", None)
-    env.pop("CUTEATTN_PATH", None)
-    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "64", "--mask", "none",
-           "--varlen", "--path", "sm80", "--arch", "sm_100a"]
-    first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    args = ["--head-dim", "64", "--mask", "none", "--varlen", "--path", "sm80", "--arch", "sm_100a"]
+    first = _precompile(tmp_path, *args, timeout=900)
     assert first.returncode == 0, first.stdout + first.stderr
     # the fixed-length forward (its first tile builds spill-free), then the packed one: three
     # spilling tiles and the one taken
     assert "5 compiled, 0 already on disk" in first.stdout, first.stdout
     assert len(list(tmp_path.rglob("*.o"))) == 5
-    second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    second = _precompile(tmp_path, *args, timeout=900)
     assert second.returncode == 0 and "0 compiled, 5 already on disk" in second.stdout, second.stdout
 
 
@@ -147,12 +143,8 @@ def test_blackwell_target_takes_the_portable_kernels(tmp_path):
     for compute capability 10.0), so those are compiled, with the 227 KB tiles (Hopper's wgmma
     kernels would not build for sm_100a)."""
     pytest.importorskip("tvm_ffi")
-    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
-    env.pop("CUTE_DSL_ARCH", None)
-    env.pop("CUTEATTN_PATH", None)
-    cmd = [sys.executable, "-m", "cuteattn.precompile", "--head-dim", "128", "--mask", "causal",
-           "--backward", "--arch", "sm_100a"]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = _precompile(tmp_path, "--head-dim", "128", "--mask", "causal", "--backward", "--arch",
+                      "sm_100a")
     assert run.returncode == 0, run.stdout + run.stderr
     # one forward config (both tile classes: the portable tiles do not depend on the length):
     # its first candidate at d=128 causal compiles spill-free for sm_100a; then the backward
@@ -161,10 +153,6 @@ def test_blackwell_target_takes_the_portable_kernels(tmp_path):
 
 
 def test_a_target_without_kernels_is_a_clear_error(tmp_path):
-    env = dict(os.environ, CUTEATTN_CACHE_DIR=str(tmp_path), CUTEATTN_DISK_CACHE="1")
-    env.pop("CUTE_DSL_ARCH", None)
-    env.pop("CUTEATTN_PATH", None)
-    run = subprocess.run([sys.executable, "-m", "cuteattn.precompile", "--head-dim", "128",
-                          "--arch", "sm_75"], env=env, capture_output=True, text=True, timeout=600)
+    run = _precompile(tmp_path, "--head-dim", "128", "--arch", "sm_75")
     assert run.returncode == 2 and "nothing to compile: no kernel for sm_75" in run.stderr, run.stderr
     assert not list(tmp_path.rglob("*.o"))
