@@ -15,18 +15,14 @@ import torch
 
 os.environ["CUTEATTN_PATH"] = "sm80"
 
-CANDIDATES = {  # head_dim -> [(tile_m, tile_n, warps[, kv_stages[, "defer_pv"]])], the current choice first
-    64: [(128, 64, 4, 2), (128, 64, 4, 3, "defer_pv"), (128, 32, 4, 3, "defer_pv"),
-         (128, 32, 4, 4, "defer_pv")],
+CANDIDATES = {  # head_dim -> [(tile_m, tile_n, warps[, kv_stages])], the current choice first
+    64: [(128, 64, 4, 2), (128, 64, 4, 3)],
     # (128, 32, 4, 2/3): 32 rows a warp, spill-free on sm_80/86/90a/100a/120a (at d=128 with
-    # the lagging max); (128, 64, 4, 3, "defer_pv") spills there, timed for what it costs
-    96: [(128, 32, 4, 2), (128, 32, 4, 3, "defer_pv"), (128, 32, 4, 4, "defer_pv"),
-         (128, 64, 4, 3, "defer_pv")],
-    # "defer_pv" on 32 rows a warp spills 44-84 bytes at d=128; 16 rows a warp does not
-    128: [(128, 32, 4, 2), (128, 32, 4, 3, "defer_pv"), (128, 32, 4, 4, "defer_pv"),
-          (64, 64, 4, 3, "defer_pv"), (64, 64, 4, 4, "defer_pv")],
-    256: [(64, 64, 4), (64, 32, 4, 3, "defer_pv"), (64, 64, 4, 3, "defer_pv"),
-          (64, 32, 4, 4, "defer_pv")],
+    # the lagging max); (128, 64, 4, 2) spills there, timed for what the spill costs
+    96: [(128, 32, 4, 2), (128, 32, 4, 3), (128, 64, 4, 2), (128, 64, 8)],
+    # (128, 128, 8): 128 keys a block on 8 warps, the d=128 choice before 32 rows a warp
+    128: [(128, 32, 4, 2), (128, 32, 4, 3), (128, 64, 4, 2), (128, 128, 8), (128, 64, 8)],
+    256: [(64, 64, 4), (64, 64, 4, 2), (128, 64, 8), (64, 32, 4, 2)],
 }
 SHAPES = [(b, s, c) for b, s in ((16, 1024), (4, 4096), (1, 16384)) for c in (False, True)]
 # (batch, seqlen, causal) at 2048 / d heads: the bench's forward grid
@@ -40,7 +36,7 @@ def inputs(d, batch, seqlen):
 def use_tile(d, tile):
     from cuteattn import api
     from cuteattn.kernels.sm80 import config
-    config.TILES[d] = [tile]
+    config.TILES[d] = [tile]  # (a 4th element: kv_stages)
     config.LOCAL_TILES.pop(d, None)
     api._launches.clear()
 
@@ -57,7 +53,7 @@ def compile_only(d, tile):
 def main():
     args = sys.argv[1:]
     if args and args[0] == "--compile-only":
-        compile_only(int(args[1]), tuple(x if x == "defer_pv" else int(x) for x in args[2:]))
+        compile_only(int(args[1]), tuple(int(x) for x in args[2:]))
         return
     jobs = int(args[args.index("--jobs") + 1]) if "--jobs" in args else 12
     if "--d" in args:  # only these head dims

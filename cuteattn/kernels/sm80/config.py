@@ -23,7 +23,7 @@ from . import mma
 from .combine import AT_ONCE_FOLDED
 from .fwd import KEYS_PER_WARP, Sm80FwdConfig
 
-TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages[, "defer_pv"]]), ...], preferred first
+TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages]), ...], preferred first
     # d = 64: 32 rows per warp (4 warps on 128 rows) ran 1.12x the 8-warp tile on an H200 with
     # 8 bytes of spill; a 2-stage K/V ring makes it spill-free on sm_80 (not yet GPU-run)
     # (the last tile of each list: where the target's compiler spills on every other one, e.g.
@@ -86,9 +86,9 @@ def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool
         tile_n=tile_n,
         num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
-        has_seqused_k=has_seqused_k, kv_stages=rest[0] if rest else 1, has_sink=has_sink,
-        lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS, defer_pv="defer_pv" in rest)
-        for tile_m, tile_n, warps, *rest in tiles]
+        has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1, has_sink=has_sink,
+        lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS)
+        for tile_m, tile_n, warps, *stages in tiles]
     configs = [cfg for cfg in configs if cfg.smem_bytes() <= smem_limit]
     if not configs:
         raise ValueError(f"no sm80 forward tile for head_dim {head_dim} fits {smem_limit} bytes "

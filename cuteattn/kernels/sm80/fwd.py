@@ -112,11 +112,6 @@ class Sm80FwdConfig:
     # so that fp16 keeps small probabilities normal: both operands hold at least bf16's bits.
     f16_operands: bool = False
     lazy_rescale: bool = False  # A/B: OnlineSoftmax.max_lag_log2 = MAX_LAG_LOG2 (16-bit P)
-    # With a ring (kv_stages >= 3, bf16 K/V): block j's O += P V runs in block j + 1, after its
-    # S = Q K^T, so that one warp's P V MMAs overlap its own softmax exponentials (FA3's
-    # intra-warpgroup overlap, on mma.sync); the ring then loads kv_stages - 2 blocks ahead
-    # (block j's V is read while block j + 1 is computed).
-    defer_pv: bool = False
     # A launch bound: ptxas fits the registers to this many CTAs an SM (0: unbounded). The
     # warp-local tile at d=128 takes 194 registers unbounded, 168 without spills at 3.
     min_ctas_per_sm: int = 0
@@ -169,8 +164,6 @@ class FlashFwdSm80:
         assert not cfg.warp_local or (cfg.kv_fp8 is not None and cfg.head_dim % 64 == 0
                                       and cfg.head_dim_v % 64 == 0), cfg
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
-        assert not cfg.defer_pv or (cfg.kv_stages >= 3 and cfg.kv_fp8 is None
-                                    and not cfg.split_keys), cfg
         if cfg.split_keys:  # (16 rows; a warp per 16 keys of a ring stage)
             assert cfg.tile_m == mma.MMA_ROWS and cfg.tile_n == KEYS_PER_WARP * cfg.num_warps
             assert cfg.kv_stages >= 2 and not cfg.has_sink, cfg
@@ -199,8 +192,6 @@ class FlashFwdSm80:
         # the output column of an accumulator column where the warp-local tile permutes them
         self.o_column = (lambda p: fragment_column(p, cfg.head_dim_v)) if self.fragments else None
         self.tile_q = cfg.tile_m // cfg.pack_gqa  # query positions per tile
-        # blocks a ring loads ahead of the one computed (defer_pv keeps the previous one's V)
-        self.ring_ahead = cfg.kv_stages - 1 - int(cfg.defer_pv)
 
     # ------------------------------------------------------------------------------------------
     # Host side. The argument list is declared once, in arguments.py.
@@ -590,13 +581,12 @@ class FlashFwdSm80:
             mma.load_rows(copy_q, tQgQ, tQsQ, tQcQ, rows_q - row_start, True,
                           cols=mQ.shape[1] if const_expr(cfg.padded) else None)
             if const_expr(ring):
-                # the top block (K and V) then ring_ahead - 1 more, a commit group each (empty
-                # past n_min, so that every iteration can wait for "all but the newest
-                # ring_ahead - 1")
+                # the top block (K and V) then kv_stages - 2 more, a commit group each (empty past
+                # n_min, so that every iteration can wait for "all but the newest kv_stages - 2")
                 page = load_k(n_max - 1, True, 0)
                 load_v(n_max - 1, True, 0, page=page)
                 cute.arch.cp_async_commit_group()
-                for i in cutlass.range_constexpr(1, self.ring_ahead):
+                for i in cutlass.range_constexpr(1, cfg.kv_stages - 1):
                     if n_max - 1 - i >= n_min:
                         page = load_k(n_max - 1 - i, False, i)
                         load_v(n_max - 1 - i, False, i, page=page)
@@ -611,8 +601,6 @@ class FlashFwdSm80:
                 first, stop, mask = runs[run]
                 for i in cutlass.range(first, stop, unroll=1):
                     block(n_max - 1 - i, mask=mask, top=False)
-            if const_expr(cfg.defer_pv):
-                self.last_deferred_pv(ops, n_min, n_max)
 
         # Epilogue: rows that saw no key get O = 0 and LSE = -inf (softmax.finalize).
         if const_expr(ring):
@@ -795,50 +783,32 @@ class FlashFwdSm80:
                        n_max, score_scale, window_left, window_right, mask: cutlass.Constexpr,
                        top: cutlass.Constexpr):
         """key_block with a ring of kv_stages K/V buffers: block n_block (the j-th visited, in
-        stage j % kv_stages) has landed once all but the newest ring_ahead - 1 commit groups
-        have; after the barrier every warp is past the previous block's reads, so the stage
-        they freed takes the block ring_ahead ahead. One barrier per block. With defer_pv the
-        previous block's P V runs here, after this block's S = Q K^T and before its rescale
-        (P_prev is relative to the previous max, as O is until the rescale)."""
+        stage j % kv_stages) has landed once all but the newest kv_stages - 2 commit groups have;
+        after the barrier every warp is past the previous block's reads, so its stage takes the
+        block kv_stages - 1 ahead. One barrier per block."""
         stages = self.cfg.kv_stages
-        ahead_by = self.ring_ahead
         j = n_max - 1 - n_block
         stage = j % stages
-        cute.arch.cp_async_wait_group(ahead_by - 1)
+        cute.arch.cp_async_wait_group(stages - 2)
         self.block_sync(top)
-        ahead = n_block - ahead_by
+        ahead = n_block - (stages - 1)
         if ahead >= n_min:
-            page = load_k(ahead, False, (j + ahead_by) % stages)
-            load_v(ahead, False, (j + ahead_by) % stages, page=page)
+            page = load_k(ahead, False, (j + stages - 1) % stages)
+            load_v(ahead, False, (j + stages - 1) % stages, page=page)
         cute.arch.cp_async_commit_group()
-        # V of the block whose P V runs here: this one's, or with defer_pv the previous one's
-        v_stage = (j + stages - 1) % stages if const_expr(self.cfg.defer_pv) else stage
         sK = self.warp_keys(ops.sK[None, None, stage], ops.warp)
-        sV = self.warp_keys(ops.sV[None, None, v_stage], ops.warp)
+        sV = self.warp_keys(ops.sV[None, None, stage], ops.warp)
         tSsK = ops.ld_k.partition_S(sK)
         tOsVt = ops.ld_v.partition_S(transposed_view(sV))
         ops.acc_S.fill(0.0)
         mma.gemm(ops.tiled_mma, ops.acc_S, ops.tSrQ, ops.tSrK, ops.tSsQ, tSsK, ops.ld_q, ops.ld_k)
-        if const_expr(self.cfg.defer_pv and not top):
-            self.pv(ops, tOsVt)
         self.scores_to_probs(ops.acc_S, ops.acc_S_mn, ops.coord_S_mn, softmax, block_info, seqlen,
                              row_start, q_start, n_block, score_scale, window_left, window_right,
                              mask)
         softmax.rescale(ops.acc_O_mn)
         convert_fragment(ops.acc_S, ops.tOrP)
-        if const_expr(not self.cfg.defer_pv):
-            self.pv(ops, tOsVt)
-
-    def pv(self, ops: SimpleNamespace, tOsVt: cute.Tensor):
-        """O += P V (P in ops.tOrP; tOsVt: the thread's ldmatrix partition of a V buffer)."""
         mma.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP, ops.tOrVt, None, tOsVt, None, ops.ld_v,
                  a_in_registers=True)
-
-    def last_deferred_pv(self, ops: SimpleNamespace, n_min, n_max):
-        """defer_pv: the last block's P V, after the key loop (its V in the ring's stage of the
-        (n_max - n_min)-th block visited)."""
-        sV = self.warp_keys(ops.sV[None, None, (n_max - 1 - n_min) % self.cfg.kv_stages], ops.warp)
-        self.pv(ops, ops.ld_v.partition_S(transposed_view(sV)))
 
     @cute.jit
     def key_block_fp8(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,
