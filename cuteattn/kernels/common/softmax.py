@@ -33,16 +33,13 @@ class OnlineSoftmax:
     # the probabilities reach 2^max_lag_log2 at most (FA4's rescale threshold on sm100); when no
     # row of a warp moved its max, the warp skips rescaling the output (rescale). 0: every rise.
     max_lag_log2: cutlass.Constexpr[float] = 0.0
-    # The row sums are not kept here: the caller sums P by an MMA against a block of ones
-    # (rescaled with the output, passed to finalize), so a score costs no FADD
-    sums_by_mma: cutlass.Constexpr[bool] = False
 
     @staticmethod
     def create(scale_log2: Float32, num_rows: int, p_max_log2: float = 0.0,
-               max_lag_log2: float = 0.0, sums_by_mma: bool = False) -> "OnlineSoftmax":
+               max_lag_log2: float = 0.0) -> "OnlineSoftmax":
         make = lambda: cute.make_rmem_tensor(num_rows, Float32)
         return OnlineSoftmax(scale_log2, num_rows, make(), make(), make(), p_max_log2,
-                             max_lag_log2, sums_by_mma)
+                             max_lag_log2)
 
     @cute.jit
     def reset(self):
@@ -82,27 +79,19 @@ class OnlineSoftmax:
             for c in cutlass.range_constexpr(ncols):
                 p = cute.math.exp2(acc_mn[r, c] * self.scale_log2 - offset, fastmath=True)
                 acc_mn[r, c] = p
-                if cutlass.const_expr(not self.sums_by_mma):
-                    row_sum += p
-            if cutlass.const_expr(not self.sums_by_mma):
-                self.row_sum[r] = self.row_sum[r] * scale + row_sum
+                row_sum += p
+            self.row_sum[r] = self.row_sum[r] * scale + row_sum
 
     @cute.jit
-    def rescale(self, acc_o_mn: cute.Tensor, acc_sums_mn=None):
-        """Multiplies the output rows (and with sums_by_mma the sums' accumulator rows,
-        `acc_sums_mn`) by the last step's factors."""
+    def rescale(self, acc_o_mn: cute.Tensor):
         if cutlass.const_expr(self.max_lag_log2 != 0.0):
             moved = self.row_scale[0] != Float32(1.0)
             for r in cutlass.range_constexpr(1, self.num_rows):
                 moved = moved | (self.row_scale[r] != Float32(1.0))
             if cute.arch.vote_any_sync(moved):
                 self.multiply(acc_o_mn)
-                if cutlass.const_expr(acc_sums_mn is not None):
-                    self.multiply(acc_sums_mn)
         else:
             self.multiply(acc_o_mn)
-            if cutlass.const_expr(acc_sums_mn is not None):
-                self.multiply(acc_sums_mn)
 
     @cute.jit
     def multiply(self, acc_o_mn: cute.Tensor):
@@ -111,20 +100,14 @@ class OnlineSoftmax:
                 acc_o_mn[r, c] = acc_o_mn[r, c] * self.row_scale[r]
 
     @cute.jit
-    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, out_scale=None, sink_log2=None,
-                 acc_sums_mn=None):
+    def finalize(self, acc_o_mn: cute.Tensor, lse: cute.Tensor, out_scale=None, sink_log2=None):
         """Normalises the output rows and writes each row's natural-log LSE into `lse`.
         A row that saw no key gets output 0 and LSE -inf. `out_scale` (fp8's v descale)
         multiplies every output value too. `sink_log2` (a learnable sink's logit times log2(e)):
         one more term of every row's denominator, carrying no value (gpt-oss); summed relative
-        to the larger of it and the row's offset, so that neither can overflow the other.
-        `acc_sums_mn` (sums_by_mma): the MMA's row sums, whole rows in every column."""
+        to the larger of it and the row's offset, so that neither can overflow the other."""
         for r in cutlass.range_constexpr(self.num_rows):
-            total = Float32(0.0)
-            if cutlass.const_expr(self.sums_by_mma):
-                total = acc_sums_mn[r, 0]
-            else:
-                total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
+            total = cute.arch.warp_reduction_sum(self.row_sum[r], threads_in_group=4)
             inv = Float32(0.0)
             row_lse = -Float32.inf
             if cutlass.const_expr(sink_log2 is not None):

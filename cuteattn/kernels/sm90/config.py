@@ -109,10 +109,6 @@ FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
 FP8_V_IN_KERNEL_MAX_SEQLEN_Q = 1024
 
 
-# P's row sums by the tensor cores (Sm90FwdConfig.sums_by_mma): a candidate, off
-SUMS_BY_MMA = False
-
-
 # Dense tiles with a traced mask_mod or score_mod (common/mods.py): the widest spill-free key
 # block for the mods tests/test_mods.py compiles (a window with constants, a document mask
 # indexing a tensor, ALiBi); block-sparse tiles are the lists' blocks. (d=80 / 96 with three
@@ -232,7 +228,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # turns to hide it (+1-4% and +2-9% non-causal); two-warpgroup tiles at d=64-192 ran
         # 0.93-1.01x with it (docs/perf-log.md, twenty-seventh session).
         lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256),
-        sums_by_mma=SUMS_BY_MMA,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)

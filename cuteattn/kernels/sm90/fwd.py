@@ -43,7 +43,7 @@ from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.softmax import LOG2E, MAX_LAG_LOG2, OnlineSoftmax
 from ..common.tile_scheduler import TileWalk, fixed_tile_coord, varlen_tile_coord
-from .gemm import PingPong, gemm_async, gemm_pair_async
+from .gemm import PingPong, gemm_async
 from .fp8_transpose import transpose_v
 from .pipelines import WG_ROWS, WG_THREADS, arm_fix_barrier, make_tma_pipeline, register_split
 
@@ -57,13 +57,6 @@ TRANSPOSE_THREADS = 32 * TRANSPOSE_WARPS
 # fp8 P is exp2(s - row max) scaled by 2^8 (at most 256 of e4m3's 448), so that small
 # probabilities keep e4m3's normal precision (FA3's max offset); the row sums carry the same factor
 FP8_P_MAX_LOG2 = 8.0
-
-
-# Sm90FwdConfig.sums_by_mma: the width of the ones block (wgmma's narrowest N)
-SUM_COLUMNS = 8
-# 1.0's bits by element type, to fill the ones block (its layout need not be known)
-ONE_BITS = {"Float8E4M3FN": (cutlass.Uint8, 0x38), "BFloat16": (cutlass.Uint16, 0x3F80),
-            "Float16": (cutlass.Uint16, 0x3C00)}
 
 
 class FwdBarrier(enum.IntEnum):
@@ -127,11 +120,6 @@ class Sm90FwdConfig:
     # ring, and the producer warpgroup's other three warps transpose it into the P V GEMM's
     # operand (fp8_transpose.py), instead of launch.py's pass over HBM before the kernel
     fp8_v_in_kernel: bool = False
-    # The row sums of P by the tensor cores: each P V GEMM also multiplies P by a (keys, 8)
-    # block of ones in shared memory (written once a CTA), into an 8-column accumulator that
-    # is rescaled with O; the softmax then spends no FADD a score (its issue slots are the
-    # consumers' limit, most of all with fp8). The sums are of P as the P V GEMM rounded it.
-    sums_by_mma: bool = False
 
     @property
     def tile_m(self) -> int:
@@ -166,8 +154,7 @@ class Sm90FwdConfig:
         kv = self.num_stages * self.tile_n * (self.head_dim + self.head_dim_v) * elem
         if self.fp8_v_in_kernel:  # V's staging ring
             kv += self.num_stages * self.tile_n * self.head_dim_v * elem
-        ones = SUM_COLUMNS * self.tile_n * elem if self.sums_by_mma else 0
-        return q + o + kv + ones + 1024  # + barriers and alignment
+        return q + o + kv + 1024  # + barriers and alignment
 
 
 class FlashFwdSm90:
@@ -278,9 +265,6 @@ class FlashFwdSm90:
         # O's staging: one (64, dv) slice per consumer warpgroup (Q's layout when dv == d)
         sO_layout = sm90_utils.make_smem_layout_a(
             LayoutEnum.ROW_MAJOR, (WG_ROWS, self.tile_n, self.dv), self.o_dtype, self.num_wg)
-        # sums_by_mma: the ones block, a (SUM_COLUMNS, keys) K-major B operand
-        sOnes_layout = sm90_utils.make_smem_layout_b(
-            LayoutEnum.ROW_MAJOR, (WG_ROWS, SUM_COLUMNS, self.tile_n), self.dtype, 1)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(
@@ -302,7 +286,7 @@ class FlashFwdSm90:
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
         self.shared_storage = self.shared_storage_type(sQ_layout, sK_layout, sVt_layout, sO_layout,
-                                                       sVrows_layout, sOnes_layout)
+                                                       sVrows_layout)
 
         num_heads = mQ.shape[2]
         if const_expr(cfg.varlen_q):
@@ -325,7 +309,7 @@ class FlashFwdSm90:
             mQ.shape[0], mPageTable.shape[1] * cfg.page_size if const_expr(cfg.page_size) else mK.shape[0],
             qhead_per_kvhead, num_m_blocks, num_heads, batch, num_tiles,
             l2_group, l2_small_groups, score_scale, softmax_scale_log2, window_left, window_right,
-            tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout, sVrows_layout, sOnes_layout,
+            tiled_mma_pv, sQ_layout, sK_layout, sVt_layout, sO_layout, sVrows_layout,
         ).launch(
             grid=[cutlass.min(num_tiles, max_ctas), 1, 1],
             block=[self.num_threads, 1, 1],
@@ -339,15 +323,7 @@ class FlashFwdSm90:
             Float32, (1, 1, 1), (WG_ROWS, self.tile_n),
         )
 
-    def make_tiled_mma_sums(self):
-        """sums_by_mma: P (registers, P V's A operand) times the ones block."""
-        return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, (1, 1, 1), (WG_ROWS, SUM_COLUMNS), warpgroup.OperandSource.RMEM,
-        )
-
-    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout, sO_layout, sVrows_layout,
-                            sOnes_layout):
+    def shared_storage_type(self, sQ_layout, sK_layout, sVt_layout, sO_layout, sVrows_layout):
         """The shared-memory layout (plain Python: the O buffer and V's staging ring are
         compile-time options)."""
         q_elems, k_elems, v_elems = (cute.cosize(x) for x in (sQ_layout, sK_layout, sVt_layout))
@@ -368,9 +344,6 @@ class FlashFwdSm90:
         if self.cfg.o_path == "own_buffer":
             fields["sO"] = cute.struct.Align[
                 cute.struct.MemRange[self.o_dtype, cute.cosize(sO_layout)], 1024]
-        if self.cfg.sums_by_mma:
-            fields["sOnes"] = cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sOnes_layout)], 1024]
         if self.cfg.fp8_v_in_kernel:
             fields["mbar_vrows"] = cute.struct.MemRange[cutlass.Int64, 2 * stages]
             fields["sVrows"] = cute.struct.Align[
@@ -401,7 +374,7 @@ class FlashFwdSm90:
         tiled_mma_pv: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
-        sVrows_layout: cute.ComposedLayout, sOnes_layout: cute.ComposedLayout,
+        sVrows_layout: cute.ComposedLayout,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -433,17 +406,6 @@ class FlashFwdSm90:
         handoff = None
         if const_expr(cfg.dynamic_tiles):
             handoff = TileWalk.make_handoff(storage.mbar_tile, tile_readers)
-        sOnes = None
-        if const_expr(cfg.sums_by_mma):
-            # every element is 1: written in any order, then made visible to the GEMMs' proxy
-            bits_type, one = ONE_BITS[self.dtype.__name__]
-            n_ones = cute.cosize(sOnes_layout)
-            flat = cute.make_tensor(cute.recast_ptr(storage.sOnes.data_ptr(), dtype=bits_type),
-                                    cute.make_layout(n_ones))
-            for i in cutlass.range(tidx, n_ones, self.num_threads, unroll=1):
-                flat[i] = bits_type(one)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            sOnes = storage.sOnes.get_tensor(sOnes_layout.outer, swizzle=sOnes_layout.inner)
         # Make the barrier initialisation visible to every warp before anyone waits on it.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -514,7 +476,7 @@ class FlashFwdSm90:
             wg = (warp_idx // 4) - 1
             self.pingpong.start(wg)
             consume_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.consume(
-                tiled_mma_pv, sQ, sK, sVt, sO, sO_q, sOnes, mO, mLSE,
+                tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                 block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
                 softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
@@ -794,7 +756,7 @@ class FlashFwdSm90:
         return page, (key % cfg.page_size) // self.tile_n
 
     @cute.jit
-    def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, sOnes, mO, mLSE,
+    def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo, visit,
                 score_scale, softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
@@ -834,8 +796,7 @@ class FlashFwdSm90:
 
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(acc_S_mn, mode=[0]),
                                        FP8_P_MAX_LOG2 if const_expr(cfg.fp8) else 0.0,
-                                       MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale) else 0.0,
-                                       cfg.sums_by_mma)
+                                       MAX_LAG_LOG2 if const_expr(cfg.lazy_rescale) else 0.0)
         softmax.reset()
         row_start = m_block * self.tile_m + wg * WG_ROWS
 
@@ -846,19 +807,6 @@ class FlashFwdSm90:
                                            tSrK[None, None, None, stage], True)
         gemm_pv = lambda stage: gemm_async(tiled_mma_pv, acc_O, tOrP,
                                            tOrVt[None, None, None, stage], False)
-        acc_sums_mn = None  # (sums_by_mma: P's row sums, every column of a row)
-        if const_expr(cfg.sums_by_mma):
-            tiled_mma_sums = self.make_tiled_mma_sums()
-            thr_mma_sums = tiled_mma_sums.get_slice(tidx)
-            tOrOnes = thr_mma_sums.make_fragment_B(thr_mma_sums.partition_B(sOnes))
-            acc_sums = thr_mma_sums.make_fragment_C(
-                thr_mma_sums.partition_shape_C((WG_ROWS, SUM_COLUMNS)))
-            acc_sums.fill(0.0)
-            acc_sums_mn = acc_mn_view(acc_sums)
-            tiled_mma_sums.set(warpgroup.Field.ACCUMULATE, True)
-            gemm_pv = lambda stage: gemm_pair_async(
-                tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, stage],
-                tiled_mma_sums, acc_sums, tOrOnes[None, None, None, 0])
         mod = score_mod = None
         if const_expr(cfg.mask_mod is not None):
             mod = traced(self.mask_mod_fn, cfg.mask_mod, mod_tensors[:len(cfg.mask_mod.tensors)])
@@ -915,7 +863,7 @@ class FlashFwdSm90:
                     warpgroup.wait_group(0)
                     pipeline_v.consumer_release(v_state)
                     v_state.advance()
-                    softmax.rescale(acc_O_mn, acc_sums_mn)
+                    softmax.rescale(acc_O_mn)
                     to_p()
             if const_expr(cfg.o_path != "q_buffer"):
                 # every QK GEMM of this tile is done: the next tile's Q may load now, during
@@ -931,7 +879,7 @@ class FlashFwdSm90:
 
         lse = cute.make_rmem_tensor(softmax.num_rows, Float32)
         sink_log2 = mSink[head_idx] * Float32(LOG2E) if const_expr(cfg.has_sink) else None
-        softmax.finalize(acc_O_mn, lse, out_scale, sink_log2, acc_sums_mn)
+        softmax.finalize(acc_O_mn, lse, out_scale, sink_log2)
         epilogue.store_lse(lse, epilogue.lse_view(mLSE, seqlen, head_idx, batch_idx), thr_mma_pv,
                            self.dv, row_start, seqlen.seqlen_q, WG_ROWS)
         store = lambda sO_all, wait_barrier, wait_threads: self.store_o(

@@ -21,17 +21,6 @@ def gemm_async(tiled_mma, acc, frag_a, frag_b, zero_init: cutlass.Constexpr):
     warpgroup.commit_group()
 
 
-@cute.jit
-def gemm_pair_async(tiled_mma, acc, frag_a, frag_b, tiled_mma_2, acc_2, frag_b_2):
-    """acc += A B and acc_2 += A B_2 (A in registers, shared by both) over every k block, one
-    wgmma group (Sm90FwdConfig.sums_by_mma: P V and P times a block of ones). Accumulates."""
-    warpgroup.fence()
-    for k in cutlass.range_constexpr(cute.size(frag_a, mode=[2])):
-        cute.gemm(tiled_mma, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
-        cute.gemm(tiled_mma_2, acc_2, frag_a[None, None, k], frag_b_2[None, None, k], acc_2)
-    warpgroup.commit_group()
-
-
 class PingPong:
     """Consumer warpgroups take turns issuing their GEMMs (FA3's ping-pong), so that one's
     softmax runs under the others' GEMMs. Warpgroup wg waits at barrier `first_barrier + wg` and
