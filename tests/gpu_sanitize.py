@@ -237,6 +237,10 @@ def cases() -> dict:
         out[f"portable_decode_folded{i}"] = _on_sm80(_with_config(
             lambda case=ts.SPLIT_CASES[i]: ts.run_kvcache(*case[:8], **case[8]), "FOLD_MAX_STEPS",
             1 << 30))
+    for i in range(len(ts.MANY_SPLIT_CASES)):  # the folded merge in rounds of staged rows
+        out[f"portable_decode_folded_many{i}"] = _on_sm80(_with_config(
+            lambda case=ts.MANY_SPLIT_CASES[i]: ts.run_kvcache(*case[:8], **case[8]),
+            "FOLD_MAX_STEPS", 1 << 30))
     import test_gpu_kv_append as tka  # the KV-cache update kernel: paged + rotary, fp8 + batch_idx
     for i in (1, 7):
         out[f"portable_kv_append{i}"] = lambda i=i: tka.test_kv_append_kernel_matches_torch_steps(0, tka.CASES[i])

@@ -253,7 +253,18 @@ def test_kvcache_two_ctas_per_sm(seed, case, monkeypatch):
 SPLIT_CASES = [c for c in DECODE_CASES + FP8_DECODE_CASES if c[-1].get("splits", 1) != 1]
 
 
-@pytest.mark.parametrize("case", SPLIT_CASES, ids=[f"split{i}" for i in range(len(SPLIT_CASES))])
+# More splits than a warp's lanes (32) and than the folded merge's staging rows hold (24 at d=128
+# with a 3-stage ring: the merge takes them in rounds), as batch 1 over a long cache splits
+MANY_SPLIT_CASES = [
+    (1, 1, 1, 32, 8, 128, 4096, [4091], dict(splits=48)),
+    (1, 1, 0, 16, 2, 64, 8192, [8000], dict(page=16, splits=70)),
+    (1, 1, 1, 32, 8, 128, 4096, [4000], dict(cache_dtype=E4M3, splits=40)),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES + MANY_SPLIT_CASES,
+                         ids=[f"split{i}" for i in range(len(SPLIT_CASES))]
+                         + [f"many{i}" for i in range(len(MANY_SPLIT_CASES))])
 def test_kvcache_folded_combine(seed, case, monkeypatch):
     """The split decode cases with the merge in each tile's last split (config.decode_folds; a
     sink keeps the combine kernel), twice (the second call finds the counters the first left),
