@@ -152,7 +152,9 @@ def merge_staged(mOPartial, mLSEPartial, num_splits, b, q, h, lane, cols: cutlas
     columns of as many splits as the staging holds, all in flight together, then reads back
     only what it copied (no barrier: its own cp.async groups)."""
     rows: cutlass.Constexpr = cute.size(staging, mode=[0])
-    vec: cutlass.Constexpr = min(cols, 4)  # floats a cp.async (16 bytes at most)
+    # floats a cp.async: the widest of 16, 8, 4 bytes that divides a lane's columns (d_v / 32:
+    # 3 at d_v = 96, 6 at 192), so a lane's copies cover its columns and stay aligned
+    vec: cutlass.Constexpr = next(v for v in (4, 2, 1) if cols % v == 0)
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32 * vec)
     for base in cutlass.range(0, num_splits, 32, unroll=1):
         mine = split_weight(mLSEPartial, num_splits, b, q, h, lane, base, own, lse, safe_lse)
