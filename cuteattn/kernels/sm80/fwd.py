@@ -429,11 +429,13 @@ class FlashFwdSm80:
         if verdict[0] != 0:
             cute.arch.fence_acq_rel_gpu()
             mOPartial, mLSEPartial, mO, mLSE = merge_views
-            # (the thread index read anew: values derived from the kernel's own read, kept
-            # alive through the key loop, cost the 16-row tile a spill)
-            tidx = thread_idx_x_again()
+            staging = None
+            if const_expr(self.cfg.merge_staged):
+                # (the thread index read anew: values derived from the kernel's own read, kept
+                # alive through the key loop, cost the 16-row tile a spill)
+                tidx = thread_idx_x_again()
+                staging = self.merge_staging(ring, tidx // 32)
             warp, lane = tidx // 32, tidx % 32
-            staging = self.merge_staging(ring, warp) if const_expr(self.cfg.merge_staged) else None
             for r in cutlass.range(warp, self.tile_m, self.cfg.num_warps, unroll=1):
                 row = m_block * self.tile_m + r  # (packed: query head in group fastest)
                 q, h = row, head_idx
