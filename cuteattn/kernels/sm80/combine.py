@@ -86,7 +86,12 @@ def merge_row(mOPartial: cute.Tensor, mLSEPartial: cute.Tensor, mSink, mO: cute.
     in the CTA that stores the tile's last split, with `staging`: this warp's float32 shared
     memory, (splits, d_v), into which every split's partial row is copied at once (cp.async),
     instead of `at_once` splits' rows in registers a round trip (at batch 1, 32 splits over
-    4 registers' worth a lane were 8 dependent round trips to L2 after the last split)."""
+    4 registers' worth a lane were 8 dependent round trips to L2 after the last split). The
+    first rows' copies are issued before the LSE reads (they do not depend on them), so both
+    round trips overlap."""
+    if const_expr(staging is not None):
+        stage_rows(mOPartial, staging, 0, cutlass.min(num_splits, cute.size(staging, mode=[0])),
+                   b, q, h, lane, cols)
     # the merged LSE: max first, then the sum of exponentials relative to it. Lane l
     # takes splits l, l + 32, ...; split l's LSE stays in a register (`own`), read once
     # for the max, the sum and its weight (each read is a round trip to L2: at batch 1
@@ -146,28 +151,36 @@ def split_weight(mLSEPartial, num_splits, b, q, h, lane, base, own, lse, safe_ls
 
 
 @cute.jit
-def merge_staged(mOPartial, mLSEPartial, num_splits, b, q, h, lane, cols: cutlass.Constexpr,
-                 own, lse, safe_lse, acc, staging):
-    """acc += the weighted partial rows, through `staging` (merge_row): a lane copies its
-    columns of as many splits as the staging holds, all in flight together, then reads back
-    only what it copied (no barrier: its own cp.async groups)."""
-    rows: cutlass.Constexpr = cute.size(staging, mode=[0])
+def stage_rows(mOPartial, staging, start, n, b, q, h, lane, cols: cutlass.Constexpr):
+    """cp.async of this lane's columns of splits start .. start + n - 1's partial rows into
+    staging rows 0 .. n - 1, one commit group."""
     # floats a cp.async: the widest of 16, 8, 4 bytes that divides a lane's columns (d_v / 32:
     # 3 at d_v = 96, 6 at 192), so a lane's copies cover its columns and stay aligned
     vec: cutlass.Constexpr = next(v for v in (4, 2, 1) if cols % v == 0)
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32 * vec)
+    for j in cutlass.range(n, unroll=1):
+        src = cute.local_tile(mOPartial[start + j, b, q, h, None], (cols,), (lane,))
+        dst = cute.local_tile(staging[j, None], (cols,), (lane,))
+        for v in cutlass.range_constexpr(cols // vec):
+            cute.copy(atom, cute.local_tile(src, (vec,), (v,)), cute.local_tile(dst, (vec,), (v,)))
+    cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def merge_staged(mOPartial, mLSEPartial, num_splits, b, q, h, lane, cols: cutlass.Constexpr,
+                 own, lse, safe_lse, acc, staging):
+    """acc += the weighted partial rows, through `staging` (merge_row): a lane copies its
+    columns of as many splits as the staging holds, all in flight together, then reads back
+    only what it copied (no barrier: its own cp.async groups). The first rows' copies were
+    issued by merge_row."""
+    rows: cutlass.Constexpr = cute.size(staging, mode=[0])
     for base in cutlass.range(0, num_splits, 32, unroll=1):
         mine = split_weight(mLSEPartial, num_splits, b, q, h, lane, base, own, lse, safe_lse)
         count = cutlass.min(num_splits - base, 32)
         for first in cutlass.range(0, count, rows, unroll=1):
             n = cutlass.min(count - first, rows)
-            for j in cutlass.range(n, unroll=1):
-                src = cute.local_tile(mOPartial[base + first + j, b, q, h, None], (cols,), (lane,))
-                dst = cute.local_tile(staging[j, None], (cols,), (lane,))
-                for v in cutlass.range_constexpr(cols // vec):
-                    cute.copy(atom, cute.local_tile(src, (vec,), (v,)),
-                              cute.local_tile(dst, (vec,), (v,)))
-            cute.arch.cp_async_commit_group()
+            if base + first > 0:
+                stage_rows(mOPartial, staging, base + first, n, b, q, h, lane, cols)
             cute.arch.cp_async_wait_group(0)
             for j in cutlass.range(n, unroll=1):
                 weight = cute.arch.shuffle_sync(mine, first + j)
