@@ -83,8 +83,9 @@ def merge_row(mOPartial: cute.Tensor, mLSEPartial: cute.Tensor, mSink, mO: cute.
     split a lane, and `cols` = d_v / 32 columns a lane of the weighted partial rows; O in
     `dtype`, the merged LSE in mLSE. Tensors in CombineSplits' layouts. The combine kernel
     runs it for every row; the decode kernel (Sm80FwdConfig.fold_combine) for its tile's rows
-    in the CTA that stores the tile's last split, with `staging`: this warp's float32 shared
-    memory, (splits, d_v), into which every split's partial row is copied at once (cp.async),
+    in the CTA that stores the tile's last split, there with `staging` where
+    Sm80FwdConfig.merge_staged (a candidate): this warp's float32 shared memory, (splits,
+    d_v), into which every split's partial row is copied at once (cp.async),
     instead of `at_once` splits' rows in registers a round trip (at batch 1, 32 splits over
     4 registers' worth a lane were 8 dependent round trips to L2 after the last split). The
     first rows' copies are issued before the LSE reads (they do not depend on them), so both
