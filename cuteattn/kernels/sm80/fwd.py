@@ -449,12 +449,8 @@ class FlashFwdSm80:
         """merge_if_last: warp `warp`'s float32 (rows, d_v) share of the K ring, rows the most
         splits that fit (at most 32, the splits a warp's lanes weigh at once); None where not
         one fits (the merge keeps its partial rows in registers then)."""
-        cfg = self.cfg
-        if const_expr(self.fp8):  # (the ring of bytes as loaded)
-            ring_bytes = cfg.kv_stages * self.tile_n * (self.d + (FRAGMENT_ROW_PAD if self.fragments else 0))
-        else:
-            ring_bytes = max(cfg.kv_stages, 1) * self.tile_n * self.d * self.dtype.width // 8
-        rows = min(32, ring_bytes // 4 // (cfg.num_warps * self.dv))
+        ring_bytes = cute.cosize(ring.layout) * ring.element_type.width // 8
+        rows = min(32, ring_bytes // 4 // (self.cfg.num_warps * self.dv))
         if const_expr(rows == 0):
             return None
         # (16-byte aligned, as the merge's cp.async needs: the ring starts on 1024 bytes and a
