@@ -48,7 +48,8 @@ def check(q, k, v, ds, out_dtype=torch.bfloat16, **kw):
 
 
 CASES = [(d, m) for d in (64, 96, 128, 192, 256) for m in MASKS]
-SEQLENS = [(1000, 1000), (700, 1100), (129, 65), (1, 300), (2048, 2048)]
+# (2048 queries: the last of d=128's short tiles; 2300: past every short-tile bound, ragged)
+SEQLENS = [(1000, 1000), (700, 1100), (129, 65), (1, 300), (2048, 2048), (2300, 2600)]
 
 
 @pytest.mark.parametrize("d,mask", CASES, ids=[f"d{d}-{m}" for d, m in CASES])
