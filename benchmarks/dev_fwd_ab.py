@@ -3,7 +3,8 @@ d=64/128/256, the surface rows d=80/96/192, the varlen cells) timed with the swi
 interleaved and repeated (best of rounds), with the ratio on/off; exits 3 if the geometric mean
 loses. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_fwd_ab.py FLAG [--rounds N] [--grid default,surface,varlen]
-        [--fp16] [--path sm80] [--set NAME=VALUE]    (--grid fp8: the fp8 forward's cells)
+        [--fp16] [--path sm80] [--set NAME=VALUE] [--d 128,256]    (--grid fp8: the fp8
+        forward's cells; --d: only those head dims)
 FLAG names a boolean constant of cuteattn/kernels/sm90/config.py (sm80/config.py with --path
 sm80, which runs the portable kernels); off is False, on is True. NAME=A,B compares two values
 of a numeric constant of that config or of cuteattn/kernels/launch_common.py (host-side
@@ -49,6 +50,8 @@ cells = []
 for g in grids:
     cells += {"default": shapes.default_grid, "surface": shapes.surface_grid,
               "varlen": shapes.varlen_grid, "fp8": shapes.fp8_grid}[g]()
+if "--d" in argv:  # only these head dims (comma-separated)
+    cells = [c for c in cells if str(c.d) in opt("--d", "").split(",")]
 if "--fp16" in argv:
     import dataclasses
     cells = [dataclasses.replace(c, dtype="fp16") for c in cells]
