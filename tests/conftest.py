@@ -11,14 +11,12 @@ import torch
 
 from cuteattn import api
 
-# CUTEATTN_TEST_SM90_CONFIG="NAME=VALUE,...": constants of kernels/sm90/config.py set for the
-# whole run (a candidate's GPU tests before it is the default, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0)
-for _item in filter(None, os.environ.get("CUTEATTN_TEST_SM90_CONFIG", "").split(",")):
-    from cuteattn.kernels.sm90 import config as _sm90_config
-    _name, _value = _item.split("=")
-    assert hasattr(_sm90_config, _name), f"kernels/sm90/config.py has no {_name}"
-    _old = getattr(_sm90_config, _name)
-    setattr(_sm90_config, _name, _value == "True" if isinstance(_old, bool) else type(_old)(_value))
+# CUTEATTN_TEST_SM90_CONFIG / CUTEATTN_TEST_SM80_CONFIG="NAME=VALUE,...": a candidate's switches
+# set for the whole run (config_overrides.py)
+import config_overrides  # noqa: E402
+
+config_overrides.apply()
+
 
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch):

@@ -387,7 +387,10 @@ def group_of(case: str) -> str:
 def child(names: list, guards: bool) -> int:
     """Run the named cases in order; a failing case is reported and the rest still run."""
     all_cases = cases()
+    import config_overrides  # a candidate's switches (pytest's conftest.py is not loaded here)
     import test_gpu_guard as g
+
+    config_overrides.apply()
     from cuteattn import compile_cache
 
     g.GUARDS = guards

@@ -50,3 +50,20 @@ def test_lse_minus_inf_pattern_must_match():
     with pytest.raises(AssertionError, match="max error"):
         assert_lse_close(torch.tensor([[0.51, float("-inf")]]), ref)
     assert_lse_close(torch.tensor([[0.5005, float("-inf")]]), ref)
+
+
+def test_config_overrides_set_a_candidate_and_reject_unknown_names(monkeypatch):
+    """The GPU runs' candidate switches (config_overrides.py) reach the config module, typed as
+    the constant is, and a misspelt name fails instead of running the default silently."""
+    import config_overrides
+    from cuteattn.kernels.sm80 import config as sm80_config
+    monkeypatch.setattr(sm80_config, "MERGE_STAGED", False)
+    monkeypatch.setattr(sm80_config, "FOLD_MAX_STEPS", 16)
+    monkeypatch.setenv("CUTEATTN_TEST_SM80_CONFIG", "MERGE_STAGED=True,FOLD_MAX_STEPS=3")
+    monkeypatch.delenv("CUTEATTN_TEST_SM90_CONFIG", raising=False)
+    done = config_overrides.apply()
+    assert sm80_config.MERGE_STAGED is True and sm80_config.FOLD_MAX_STEPS == 3
+    assert [name for _, name, _ in done] == ["MERGE_STAGED", "FOLD_MAX_STEPS"]
+    monkeypatch.setenv("CUTEATTN_TEST_SM80_CONFIG", "MERGE_STAGGERED=True")
+    with pytest.raises(AttributeError, match="MERGE_STAGGERED"):
+        config_overrides.apply()
