@@ -96,11 +96,11 @@ FP8_TILES = {
 # d=64 1.00 / 1.09x, d=128 1.12 / 1.05x (full / causal); at 2048, d=64 0.92 / 0.96x, d=128
 # 1.01 / 1.05x, so d=64 stops at 1k and d=128 goes to 2k (docs/perf-log.md, thirty-first session)
 FP8_SHORT_SEQLEN = {64: 1024, 128: 2048}
+FP8_SHORT_TILES = {64: (2, 128, 4), 128: (2, 128, 3)}
 # A/B candidate: fp8 d=128 past FP8_SHORT_SEQLEN on three consumer warpgroups (192 rows) of
 # 96-key blocks, 3 stages (spill-free at 160 registers; 128-key blocks spill 240 bytes), 64
 # with packed sequences and a window or softcap
 FP8_THREE_WG_128 = False
-FP8_SHORT_TILES = {64: (2, 128, 4), 128: (2, 128, 3)}
 # fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
 # tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
 FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
