@@ -3,7 +3,7 @@ sanitizer cases before it is the default):
     CUTEATTN_TEST_SM90_CONFIG="NAME=VALUE,..."  constants of cuteattn/kernels/sm90/config.py
     CUTEATTN_TEST_SM80_CONFIG="NAME=VALUE,..."  constants of cuteattn/kernels/sm80/config.py
 e.g. CUTEATTN_TEST_SM90_CONFIG=FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0 or
-CUTEATTN_TEST_SM80_CONFIG=MERGE_STAGED=True. Applied by conftest.py (pytest) and by
+CUTEATTN_TEST_SM80_CONFIG=FOLD_MAX_STEPS=0. Applied by conftest.py (pytest) and by
 gpu_sanitize.py's child processes; a name the config lacks is an error, not a silent no-op."""
 import importlib
 import os

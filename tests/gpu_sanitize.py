@@ -237,7 +237,7 @@ def cases() -> dict:
         out[f"portable_decode_folded{i}"] = _on_sm80(_with_config(
             lambda case=ts.SPLIT_CASES[i]: ts.run_kvcache(*case[:8], **case[8]), "FOLD_MAX_STEPS",
             1 << 30))
-    for i in range(len(ts.MANY_SPLIT_CASES)):  # the folded merge in rounds of staged rows
+    for i in range(len(ts.MANY_SPLIT_CASES)):  # the folded merge over more splits than lanes
         out[f"portable_decode_folded_many{i}"] = _on_sm80(_with_config(
             lambda case=ts.MANY_SPLIT_CASES[i]: ts.run_kvcache(*case[:8], **case[8]),
             "FOLD_MAX_STEPS", 1 << 30))

@@ -253,8 +253,8 @@ def test_kvcache_two_ctas_per_sm(seed, case, monkeypatch):
 SPLIT_CASES = [c for c in DECODE_CASES + FP8_DECODE_CASES if c[-1].get("splits", 1) != 1]
 
 
-# More splits than a warp's lanes (32) and than the folded merge's staging rows hold (24 at d=128
-# with a 3-stage ring: the merge takes them in rounds), as batch 1 over a long cache splits
+# More splits than a warp's lanes (32: the merge weighs them in rounds of 32), as batch 1 over a
+# long cache splits
 MANY_SPLIT_CASES = [
     (1, 1, 1, 32, 8, 128, 4096, [4091], dict(splits=48)),
     (1, 1, 0, 16, 2, 64, 8192, [8000], dict(page=16, splits=70)),

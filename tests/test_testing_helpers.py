@@ -57,13 +57,14 @@ def test_config_overrides_set_a_candidate_and_reject_unknown_names(monkeypatch):
     the constant is, and a misspelt name fails instead of running the default silently."""
     import config_overrides
     from cuteattn.kernels.sm80 import config as sm80_config
-    monkeypatch.setattr(sm80_config, "MERGE_STAGED", False)
+    # (a boolean switch as a candidate adds one; the config has none between candidates)
+    monkeypatch.setattr(sm80_config, "CANDIDATE_SWITCH", False, raising=False)
     monkeypatch.setattr(sm80_config, "FOLD_MAX_STEPS", 16)
-    monkeypatch.setenv("CUTEATTN_TEST_SM80_CONFIG", "MERGE_STAGED=True,FOLD_MAX_STEPS=3")
+    monkeypatch.setenv("CUTEATTN_TEST_SM80_CONFIG", "CANDIDATE_SWITCH=True,FOLD_MAX_STEPS=3")
     monkeypatch.delenv("CUTEATTN_TEST_SM90_CONFIG", raising=False)
     done = config_overrides.apply()
-    assert sm80_config.MERGE_STAGED is True and sm80_config.FOLD_MAX_STEPS == 3
-    assert [name for _, name, _ in done] == ["MERGE_STAGED", "FOLD_MAX_STEPS"]
-    monkeypatch.setenv("CUTEATTN_TEST_SM80_CONFIG", "MERGE_STAGGERED=True")
-    with pytest.raises(AttributeError, match="MERGE_STAGGERED"):
+    assert sm80_config.CANDIDATE_SWITCH is True and sm80_config.FOLD_MAX_STEPS == 3
+    assert [name for _, name, _ in done] == ["CANDIDATE_SWITCH", "FOLD_MAX_STEPS"]
+    monkeypatch.setenv("CUTEATTN_TEST_SM80_CONFIG", "FOLD_MAX_STEP=3")
+    with pytest.raises(AttributeError, match="FOLD_MAX_STEP"):
         config_overrides.apply()

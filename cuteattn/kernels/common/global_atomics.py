@@ -45,9 +45,3 @@ def block_idx_x_again(*, loc=None, ip=None) -> Int32:
     """blockIdx.x read anew (an asm with side effects: the compiler neither merges it with an
     earlier read nor keeps values derived from one alive until here)."""
     return Int32(_asm(T.i32(), [], "mov.u32 $0, %ctaid.x;", "=r"))
-
-
-@dsl_user_op
-def thread_idx_x_again(*, loc=None, ip=None) -> Int32:
-    """threadIdx.x read anew (as block_idx_x_again)."""
-    return Int32(_asm(T.i32(), [], "mov.u32 $0, %tid.x;", "=r"))

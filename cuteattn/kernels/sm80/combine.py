@@ -18,7 +18,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
 
 WARPS = 4  # rows per CTA
 AT_ONCE = 16  # splits whose partial rows a warp loads at once (latency, not bandwidth, bounds it)
@@ -77,22 +76,12 @@ class CombineSplits:
 @cute.jit
 def merge_row(mOPartial: cute.Tensor, mLSEPartial: cute.Tensor, mSink, mO: cute.Tensor,
               mLSE: cute.Tensor, num_splits: Int32, b, q, h, lane, cols: cutlass.Constexpr,
-              dtype: cutlass.Constexpr, has_sink: cutlass.Constexpr, at_once: cutlass.Constexpr,
-              staging=None):
+              dtype: cutlass.Constexpr, has_sink: cutlass.Constexpr, at_once: cutlass.Constexpr):
     """One output row (b, q, h) merged by one warp (`lane`: its lane): the row's split LSEs, a
     split a lane, and `cols` = d_v / 32 columns a lane of the weighted partial rows; O in
     `dtype`, the merged LSE in mLSE. Tensors in CombineSplits' layouts. The combine kernel
     runs it for every row; the decode kernel (Sm80FwdConfig.fold_combine) for its tile's rows
-    in the CTA that stores the tile's last split, there with `staging` where
-    Sm80FwdConfig.merge_staged (a candidate): this warp's float32 shared memory, (splits,
-    d_v), into which every split's partial row is copied at once (cp.async),
-    instead of `at_once` splits' rows in registers a round trip (at batch 1, 32 splits over
-    4 registers' worth a lane were 8 dependent round trips to L2 after the last split). The
-    first rows' copies are issued before the LSE reads (they do not depend on them), so both
-    round trips overlap."""
-    if const_expr(staging is not None):
-        stage_rows(mOPartial, staging, 0, cutlass.min(num_splits, cute.size(staging, mode=[0])),
-                   b, q, h, lane, cols)
+    in the CTA that stores the tile's last split."""
     # the merged LSE: max first, then the sum of exponentials relative to it. Lane l
     # takes splits l, l + 32, ...; split l's LSE stays in a register (`own`), read once
     # for the max, the sum and its weight (each read is a round trip to L2: at batch 1
@@ -121,86 +110,21 @@ def merge_row(mOPartial: cute.Tensor, mLSEPartial: cute.Tensor, mSink, mO: cute.
     safe_lse = lse
     if lse == -Float32.inf:
         safe_lse = Float32(0.0)
-    # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key), lane l
-    # computing split base + l's weight, the warp taking them in turn (a shuffle)
+    # the output: each split's rows weighted by exp(lse_s - lse) (0 when no key). Lane l
+    # computes split base + l's weight, the warp takes them in turn (a shuffle), `at_once`
+    # splits' rows at a time: all their loads first, then the sums, so the loads are in
+    # flight together (a group past the last split reloads the last split's row, whose
+    # weight there is 0: no branch between the loads)
     acc = cute.make_rmem_tensor(cols, Float32)
     acc.fill(0.0)
-    if const_expr(staging is not None):
-        merge_staged(mOPartial, mLSEPartial, num_splits, b, q, h, lane, cols, own, lse,
-                     safe_lse, acc, staging)
-    else:
-        merge_in_registers(mOPartial, mLSEPartial, num_splits, b, q, h, lane, cols, own, lse,
-                           safe_lse, acc, at_once)
-    out = cute.make_rmem_tensor(cols, dtype)
-    out.store(acc.load().to(dtype))
-    cute.autovec_copy(out, cute.local_tile(mO[b, q, h, None], (cols,), (lane,)))
-    if lane == 0:
-        mLSE[b, h, q] = lse
-
-
-@cute.jit
-def split_weight(mLSEPartial, num_splits, b, q, h, lane, base, own, lse, safe_lse) -> Float32:
-    """Lane l's weight of split base + l, exp(lse_s - lse) (0 past the splits or when no
-    split saw a key)."""
-    mine = Float32(0.0)
-    if base + lane < num_splits and lse != -Float32.inf:
-        lse_s = own
-        if base > 0:
-            lse_s = mLSEPartial[base + lane, b, h, q]
-        mine = cute.math.exp2((lse_s - safe_lse) * LOG2E, fastmath=True)
-    return mine
-
-
-@cute.jit
-def stage_rows(mOPartial, staging, start, n, b, q, h, lane, cols: cutlass.Constexpr):
-    """cp.async of this lane's columns of splits start .. start + n - 1's partial rows into
-    staging rows 0 .. n - 1, one commit group."""
-    # floats a cp.async: the widest of 16, 8, 4 bytes that divides a lane's columns (d_v / 32:
-    # 3 at d_v = 96, 6 at 192), so a lane's copies cover its columns and stay aligned
-    vec: cutlass.Constexpr = next(v for v in (4, 2, 1) if cols % v == 0)
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32 * vec)
-    for j in cutlass.range(n, unroll=1):
-        src = cute.local_tile(mOPartial[start + j, b, q, h, None], (cols,), (lane,))
-        dst = cute.local_tile(staging[j, None], (cols,), (lane,))
-        for v in cutlass.range_constexpr(cols // vec):
-            cute.copy(atom, cute.local_tile(src, (vec,), (v,)), cute.local_tile(dst, (vec,), (v,)))
-    cute.arch.cp_async_commit_group()
-
-
-@cute.jit
-def merge_staged(mOPartial, mLSEPartial, num_splits, b, q, h, lane, cols: cutlass.Constexpr,
-                 own, lse, safe_lse, acc, staging):
-    """acc += the weighted partial rows, through `staging` (merge_row): a lane copies its
-    columns of as many splits as the staging holds, all in flight together, then reads back
-    only what it copied (no barrier: its own cp.async groups). The first rows' copies were
-    issued by merge_row."""
-    rows: cutlass.Constexpr = cute.size(staging, mode=[0])
-    for base in cutlass.range(0, num_splits, 32, unroll=1):
-        mine = split_weight(mLSEPartial, num_splits, b, q, h, lane, base, own, lse, safe_lse)
-        count = cutlass.min(num_splits - base, 32)
-        for first in cutlass.range(0, count, rows, unroll=1):
-            n = cutlass.min(count - first, rows)
-            if base + first > 0:
-                stage_rows(mOPartial, staging, base + first, n, b, q, h, lane, cols)
-            cute.arch.cp_async_wait_group(0)
-            for j in cutlass.range(n, unroll=1):
-                weight = cute.arch.shuffle_sync(mine, first + j)
-                for c in cutlass.range_constexpr(cols):
-                    acc[c] = acc[c] + weight * staging[j, lane * cols + c]
-
-
-@cute.jit
-def merge_in_registers(mOPartial, mLSEPartial, num_splits, b, q, h, lane,
-                       cols: cutlass.Constexpr, own, lse, safe_lse, acc,
-                       at_once: cutlass.Constexpr):
-    """acc += the weighted partial rows, `at_once` splits' rows in registers at a time
-    (merge_row)."""
-    # all the group's loads first, then the sums, so the loads are in flight together (a
-    # group past the last split reloads the last split's row, whose weight there is 0: no
-    # branch between the loads)
     parts = cute.make_rmem_tensor((cols, at_once), Float32)
     for base in cutlass.range(0, num_splits, 32, unroll=1):
-        mine = split_weight(mLSEPartial, num_splits, b, q, h, lane, base, own, lse, safe_lse)
+        mine = Float32(0.0)
+        if base + lane < num_splits and lse != -Float32.inf:
+            lse_s = own
+            if base > 0:
+                lse_s = mLSEPartial[base + lane, b, h, q]
+            mine = cute.math.exp2((lse_s - safe_lse) * LOG2E, fastmath=True)
         count = cutlass.min(num_splits - base, 32)
         for group in cutlass.range(0, count, at_once, unroll=1):
             for j in cutlass.range_constexpr(at_once):
@@ -211,3 +135,8 @@ def merge_in_registers(mOPartial, mLSEPartial, num_splits, b, q, h, lane,
                 weight = cute.arch.shuffle_sync(mine, group + j)  # (0 past count)
                 for c in cutlass.range_constexpr(cols):
                     acc[c] = acc[c] + weight * parts[c, j]
+    out = cute.make_rmem_tensor(cols, dtype)
+    out.store(acc.load().to(dtype))
+    cute.autovec_copy(out, cute.local_tile(mO[b, q, h, None], (cols,), (lane,)))
+    if lane == 0:
+        mLSE[b, h, q] = lse

@@ -59,7 +59,6 @@ LAZY_RESCALE_HEAD_DIMS = (128,)
 # before this bound; with it, batch 1 +0.7-2.9%, batch 8 0.99-1.01x (0: never folds, the A/B's
 # "off")
 FOLD_MAX_STEPS = 16
-MERGE_STAGED = False  # A/B: Sm80FwdConfig.merge_staged
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
 # the device). sm_90 is here for the H100/H200, where the path is tested; sm_100/103 (B200,
@@ -241,7 +240,6 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
                                kv_batch_idx=kv_batch_idx, leftpad_k=leftpad_k,
                                paged_kv=page_size > 0, gather_pages=gather, split_kv=split_kv,
                                fold_combine=split_kv and fold_combine and not varlen_q,
-                               merge_staged=MERGE_STAGED,
                                lazy_rescale=False,  # (measured on the forward's tiles only)
                                pack_gqa=1 if varlen_q else pack_gqa_group(qhead_per_kvhead, tile_m),
                                kv_fp8=kv_fp8)

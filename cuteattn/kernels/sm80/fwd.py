@@ -27,7 +27,7 @@ from cutlass import Float32, Int32, Uint8, const_expr
 from ..common import epilogue
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
-from ..common.global_atomics import block_idx_x_again, thread_idx_x_again
+from ..common.global_atomics import block_idx_x_again
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major,
                              pack_heads_into_rows, seq_major, transposed_view)
 from ..common.mask import apply_mask
@@ -70,8 +70,6 @@ class Sm80FwdConfig:
     # (combine.merge_row) instead of a combine kernel after it; each tile counts its stored
     # splits in mSplitCounts (int32, zero, left at zero by the last one).
     fold_combine: bool = False
-    # A/B: the fold's merge stages the partial rows in the K ring (merge_staging)
-    merge_staged: bool = False
     # Pack-GQA: the query heads sharing a kv head (this many, a divisor of tile_m) are rows of
     # one tile, so a tile reads its K/V once for all of them (decoding: one query row per head).
     pack_gqa: int = 1
@@ -397,17 +395,14 @@ class FlashFwdSm80:
                         mSink[head_idx] * Float32(LOG2E) if const_expr(cfg.has_sink) else None)
             if const_expr(cfg.fold_combine):
                 self.merge_if_last(mSplitCounts, (mOPartialRows, mLSEPartialRows, mORows, mLSERows),
-                                   sQ, staging[0] if const_expr(self.fp8) else sK, num_splits,
-                                   seqlen, m_block, head_idx, batch_idx, tidx)
+                                   sQ, num_splits, seqlen, m_block, head_idx, batch_idx, tidx)
 
     @cute.jit
-    def merge_if_last(self, mSplitCounts, merge_views, sQ, ring, num_splits,
-                      seqlen: SeqlenInfo, m_block, head_idx, batch_idx, tidx):
+    def merge_if_last(self, mSplitCounts, merge_views, sQ, num_splits, seqlen: SeqlenInfo,
+                      m_block, head_idx, batch_idx, tidx):
         """fold_combine, after this split's partials are stored: the tile's split count goes up
         by one; the CTA that brings it to num_splits (every other split's partials are stored
-        by then) resets it and merges the tile's rows, a warp a row (combine.merge_row), each
-        warp staging the partial rows in its share of the K ring (`ring`: sK, or an fp8
-        cache's ring of bytes; past its last read, as Q's buffer is)."""
+        by then) resets it and merges the tile's rows, a warp a row (combine.merge_row)."""
         # each thread's partial stores ordered before the count (the release half; the count
         # itself is acq_rel, and the merging CTA fences again before it reads)
         cute.arch.fence_acq_rel_gpu()
@@ -429,12 +424,6 @@ class FlashFwdSm80:
         if verdict[0] != 0:
             cute.arch.fence_acq_rel_gpu()
             mOPartial, mLSEPartial, mO, mLSE = merge_views
-            staging = None
-            if const_expr(self.cfg.merge_staged):
-                # (the thread index read anew: values derived from the kernel's own read, kept
-                # alive through the key loop, cost the 16-row tile a spill)
-                tidx = thread_idx_x_again()
-                staging = self.merge_staging(ring, tidx // 32)
             warp, lane = tidx // 32, tidx % 32
             for r in cutlass.range(warp, self.tile_m, self.cfg.num_warps, unroll=1):
                 row = m_block * self.tile_m + r  # (packed: query head in group fastest)
@@ -443,21 +432,7 @@ class FlashFwdSm80:
                     q, h = row // self.group, head_idx * self.group + row % self.group
                 if q < seqlen.seqlen_q:
                     merge_row(mOPartial, mLSEPartial, None, mO, mLSE, num_splits, batch_idx, q,
-                              h, lane, self.dv // 32, self.dtype, False, AT_ONCE_FOLDED, staging)
-
-    def merge_staging(self, ring: cute.Tensor, warp):
-        """merge_if_last: warp `warp`'s float32 (rows, d_v) share of the K ring, rows the most
-        splits that fit (at most 32, the splits a warp's lanes weigh at once); None where not
-        one fits (the merge keeps its partial rows in registers then)."""
-        ring_bytes = cute.cosize(ring.layout) * ring.element_type.width // 8
-        rows = min(32, ring_bytes // 4 // (self.cfg.num_warps * self.dv))
-        if const_expr(rows == 0):
-            return None
-        # (16-byte aligned, as the merge's cp.async needs: the ring starts on 1024 bytes and a
-        # warp's share is whole rows of d_v floats)
-        share = cute.recast_ptr(ring.iterator, dtype=Float32) + warp * (rows * self.dv)
-        return cute.make_tensor(share.align(16),
-                                cute.make_layout((rows, self.dv), stride=(self.dv, 1)))
+                              h, lane, self.dv // 32, self.dtype, False, AT_ONCE_FOLDED)
 
     @cute.jit
     def attend(self, mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,

@@ -97,10 +97,6 @@ FP8_TILES = {
 # 1.01 / 1.05x, so d=64 stops at 1k and d=128 goes to 2k (docs/perf-log.md, thirty-first session)
 FP8_SHORT_SEQLEN = {64: 1024, 128: 2048}
 FP8_SHORT_TILES = {64: (2, 128, 4), 128: (2, 128, 3)}
-# A/B candidate: fp8 d=128 past FP8_SHORT_SEQLEN on three consumer warpgroups (192 rows) of
-# 96-key blocks, 3 stages (spill-free at 160 registers; 128-key blocks spill 240 bytes), 64
-# with packed sequences and a window or softcap
-FP8_THREE_WG_128 = False
 # fp8 variants that spill at FP8_TILES' block: (head_dim, local, packed) -> widest spill-free
 # tile_n (TILE_N_CAPS' limits apply too, rounded down to 32)
 FP8_TILE_N_CAPS = {(256, True, False): 96, (256, False, True): 96}
@@ -191,10 +187,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     if (not fp8 and anchor in SHORT_TILES and max_seqlen_q is not None
             and max_seqlen_q <= SHORT_SEQLEN):
         num_wg, tile_n, stages = SHORT_TILES[anchor]
-    if fp8 and anchor == 128 and FP8_THREE_WG_128:
-        # (packed sequences with a window or softcap spill 124 / 24 bytes at 96 keys, none at 64)
-        packs = varlen_q or varlen_k or has_seqused_q or has_seqused_k
-        num_wg, tile_n, stages = 3, 64 if packs and (local or has_softcap) else 96, 3
     if (fp8 and anchor in FP8_SHORT_TILES and max_seqlen_q is not None
             and max_seqlen_q <= FP8_SHORT_SEQLEN[anchor]):
         num_wg, tile_n, stages = FP8_SHORT_TILES[anchor]

@@ -849,7 +849,11 @@ class FlashFwdSm90:
             for run in cutlass.range_constexpr(len(runs)):
                 first, stop, mask = runs[run]
                 for i in cutlass.range(first, stop, unroll=1):
-                    # one key block: visit.block(i)
+                    # one key block. Its index first: from a block-sparse list it is a global
+                    # load, which here issues before the waits and hides under them (read
+                    # where the mask needs it, after S's wait, its latency stood in every
+                    # block's softmax: 0.94x of the dense 128-key tile, docs/perf-log.md)
+                    n_block = visit.block(i)
                     pipeline_k.consumer_wait(k_state)
                     self.pingpong.wait(wg)
                     gemm_qk(k_state.index)
@@ -859,7 +863,7 @@ class FlashFwdSm90:
                     warpgroup.wait_group(1)
                     pipeline_k.consumer_release(k_state)
                     k_state.advance()
-                    scores_to_probs(visit.block(i), mask, i)
+                    scores_to_probs(n_block, mask, i)
                     warpgroup.wait_group(0)
                     pipeline_v.consumer_release(v_state)
                     v_state.advance()
