@@ -4,7 +4,7 @@ interleaved and repeated (best of rounds), with the ratio on/off; exits 3 if the
 loses. Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_fwd_ab.py FLAG [--rounds N] [--grid default,surface,varlen]
         [--fp16] [--path sm80] [--set NAME=VALUE] [--d 128,256]    (--grid fp8: the fp8
-        forward's cells; --d: only those head dims)
+        forward's cells, --grid sparse: the block-sparse bench's; --d: only those head dims)
 FLAG names a boolean constant of cuteattn/kernels/sm90/config.py (sm80/config.py with --path
 sm80, which runs the portable kernels); off is False, on is True. NAME=A,B compares two values
 of a numeric constant of that config or of cuteattn/kernels/launch_common.py (host-side
@@ -49,7 +49,8 @@ dev = torch.device("cuda")
 cells = []
 for g in grids:
     cells += {"default": shapes.default_grid, "surface": shapes.surface_grid,
-              "varlen": shapes.varlen_grid, "fp8": shapes.fp8_grid}[g]()
+              "varlen": shapes.varlen_grid, "fp8": shapes.fp8_grid,
+              "sparse": shapes.sparse_grid}[g]()
 if "--d" in argv:  # only these head dims (comma-separated)
     cells = [c for c in cells if str(c.d) in opt("--d", "").split(",")]
 if "--fp16" in argv:
@@ -66,6 +67,7 @@ logs = []
 for cell in cells:
     x = peers.make_inputs(cell, dev)
     fn = (peers._fp8(cell, x, dev)["cuteattn"] if cell.kind == "fp8"
+          else peers._sparse(cell, x, dev)["cuteattn"] if cell.kind == "sparse"
           else peers._cuteattn(cell, x, strict=True))
     best = {}
     for _ in range(rounds):

@@ -244,9 +244,24 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     return with_o_path(cfg)
 
 
+# A/B candidate: block-sparse tiles stage O in a buffer of their own at the deepest ring that
+# fits beside it (128x128 at d=128: 2 stages, against 3 with O in the last V stage, whose
+# epilogue waits for both warpgroups; 128x64: 4, against O in Q's buffer, which holds the next
+# tile's Q load until the epilogue is done)
+SPARSE_OWN_O = False
+
+
 def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
     """The block-sparse variant of a dense config: the tile is the lists' block, the K/V ring as
     deep as shared memory allows (up to 4), tiles from the counter (their costs differ)."""
+    if SPARSE_OWN_O:
+        for stages in (4, 3, 2):
+            cfg = dataclasses.replace(
+                dense, sparse=True, num_wg=q_block // 64, tile_n=kv_block, num_stages=stages,
+                pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True,
+                o_path="own_buffer", lazy_rescale=dense.lazy_rescale and q_block // 64 == 3)
+            if cfg.smem_bytes() <= SMEM_LIMIT:
+                return cfg
     for stages in (4, 3, 2):
         cfg = with_o_path(dataclasses.replace(
             dense, sparse=True, num_wg=q_block // 64, tile_n=kv_block, num_stages=stages,
