@@ -10,8 +10,13 @@ interleaved, best of rounds, in TFLOP/s. If ours-dense128 is near fa4-sparse the
 gap; if it is near ours-sparse the 128-key tile does (and the page-128 prefill, issue 12, shares
 it). Usage (GPU):
     PYTHONPATH=$PWD python3 benchmarks/dev_sparse_gap.py [S ...] [--rounds N] [--only NAME]
---only NAME runs that one implementation a few times (for ncu -k)."""
+--only NAME runs that one implementation a few times (for ncu -k). --power: each
+implementation also runs alone for 3 s while nvidia-smi samples the SM clock and the board's
+power (a kernel that draws more power a clock runs at lower clocks under the power limit: ncu's
+single launches do not show it)."""
+import subprocess
 import sys
+import time
 
 import torch
 
@@ -40,6 +45,29 @@ def with_tile(tile, fn):
     return run
 
 
+def power_run(name, fn, flops, seconds=3.0):
+    """fn back to back for `seconds`, with the SM clock (MHz) and power (W) nvidia-smi saw
+    meanwhile (its first 0.5 s dropped: the clocks settle) and the rate over the whole run."""
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                            "--format=csv,noheader,nounits", "-lms", "100"],
+                           stdout=subprocess.PIPE, text=True)
+    torch.cuda.synchronize()
+    began, calls = time.perf_counter(), 0
+    while time.perf_counter() - began < seconds:
+        for _ in range(10):
+            fn()
+        calls += 10
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - began
+    smi.terminate()
+    samples = [tuple(map(float, line.split(","))) for line in smi.communicate()[0].splitlines()
+               if line.count(",") == 1][5:]
+    clock = sum(c for c, _ in samples) / max(len(samples), 1)
+    power = sum(p for _, p in samples) / max(len(samples), 1)
+    print(f"  sustained {name:14s} {flops * calls / elapsed / 1e12:7.1f} TFLOP/s  "
+          f"{clock:6.0f} MHz  {power:5.0f} W  ({len(samples)} samples)", flush=True)
+
+
 for s in seqlens:
     cell = Cell("sparse", 128, 1, 12, 12, s, s, False, sparsity=0.0, block_q=128, block_k=128)
     x = peers.make_inputs(cell, dev)
@@ -65,6 +93,9 @@ for s in seqlens:
         for name, fn in impls.items():
             fn()
             best[name] = min(best.get(name, 1e9), median_ms(fn, dev))
+    if "--power" in argv:
+        for name, fn in impls.items():
+            power_run(name, fn, flops)
     ref = best.get("fa4-sparse")
     for name, ms in best.items():
         rel = f"  {ref / ms:.3f}x fa4-sparse" if ref else ""
