@@ -827,7 +827,8 @@ class FlashFwdSm90:
         # Q is loaded for every tile, even one without keys: its buffer may stage O.
         pipeline_q.consumer_wait(q_state)
         if visit.any():
-            # First block: S = Q K^T alone.
+            # First block: S = Q K^T alone (its index read first, as in the loop below).
+            n_first = visit.first()
             pipeline_k.consumer_wait(k_state)
             self.pingpong.wait(wg)
             gemm_qk(k_state.index)
@@ -835,7 +836,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
             k_state.advance()
-            scores_to_probs(visit.first(), None, Int32(0))
+            scores_to_probs(n_first, None, Int32(0))
             to_p()
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
