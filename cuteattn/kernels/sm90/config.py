@@ -244,30 +244,23 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     return with_o_path(cfg)
 
 
-# A/B candidate: block-sparse tiles stage O in a buffer of their own at the deepest ring that
-# fits beside it (128x128 at d=128: 2 stages, against 3 with O in the last V stage, whose
-# epilogue waits for both warpgroups; 128x64: 4, against O in Q's buffer, which holds the next
-# tile's Q load until the epilogue is done)
-SPARSE_OWN_O = False
-
-
 def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
     """The block-sparse variant of a dense config: the tile is the lists' block, the K/V ring as
-    deep as shared memory allows (up to 4), tiles from the counter (their costs differ)."""
-    if SPARSE_OWN_O:
-        for stages in (4, 3, 2):
-            cfg = dataclasses.replace(
-                dense, sparse=True, num_wg=q_block // 64, tile_n=kv_block, num_stages=stages,
-                pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True,
-                o_path="own_buffer", lazy_rescale=dense.lazy_rescale and q_block // 64 == 3)
-            if cfg.smem_bytes() <= SMEM_LIMIT:
-                return cfg
+    deep as shared memory allows (up to 4), tiles from the counter (their costs differ). Where
+    O would be staged in Q's buffer (128x64: no V stage holds a 128-row O), it takes a buffer
+    of its own at the same depth if that fits, so the next tile's Q loads during this tile's
+    epilogue: +2-7% at 128x64 (H100). Where O goes to a V stage, an own buffer lost: at
+    128x128 it needs a shallower ring (2 stages against 3: 0.96-1.03x), at 64x64 it ran 0.98x
+    at the same depth (docs/perf-log.md, forty-fifth session)."""
     for stages in (4, 3, 2):
         cfg = with_o_path(dataclasses.replace(
             dense, sparse=True, num_wg=q_block // 64, tile_n=kv_block, num_stages=stages,
             pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer",
             lazy_rescale=dense.lazy_rescale and q_block // 64 == 3))
         if cfg.smem_bytes() <= SMEM_LIMIT:
+            own = dataclasses.replace(cfg, o_path="own_buffer")
+            if cfg.o_path == "q_buffer" and own.smem_bytes() <= SMEM_LIMIT:
+                return own
             return cfg
     raise ValueError(f"no K/V ring for block-sparse {q_block}x{kv_block} at head_dim {dense.head_dim}")
 
