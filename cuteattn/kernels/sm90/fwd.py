@@ -827,8 +827,11 @@ class FlashFwdSm90:
         # Q is loaded for every tile, even one without keys: its buffer may stage O.
         pipeline_q.consumer_wait(q_state)
         if visit.any():
-            # First block: S = Q K^T alone (its index read first, as in the loop below).
-            n_first = visit.first()
+            # First block: S = Q K^T alone. A block-sparse list's block index is a global load,
+            # read before the block's waits so that it lands under them (read after S's wait,
+            # where the mask needs it, its latency stood in every block's softmax: 0.94x of the
+            # dense 128-key tile, docs/perf-log.md); a dense index is arithmetic, left in place.
+            n_listed = visit.first() if const_expr(cfg.sparse) else None
             pipeline_k.consumer_wait(k_state)
             self.pingpong.wait(wg)
             gemm_qk(k_state.index)
@@ -836,7 +839,7 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
             k_state.advance()
-            scores_to_probs(n_first, None, Int32(0))
+            scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.first(), None, Int32(0))
             to_p()
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
@@ -850,11 +853,8 @@ class FlashFwdSm90:
             for run in cutlass.range_constexpr(len(runs)):
                 first, stop, mask = runs[run]
                 for i in cutlass.range(first, stop, unroll=1):
-                    # one key block. Its index first: from a block-sparse list it is a global
-                    # load, which here issues before the waits and hides under them (read
-                    # where the mask needs it, after S's wait, its latency stood in every
-                    # block's softmax: 0.94x of the dense 128-key tile, docs/perf-log.md)
-                    n_block = visit.block(i)
+                    # one key block (a listed index read first, as above)
+                    n_listed = visit.block(i) if const_expr(cfg.sparse) else None
                     pipeline_k.consumer_wait(k_state)
                     self.pingpong.wait(wg)
                     gemm_qk(k_state.index)
@@ -864,7 +864,7 @@ class FlashFwdSm90:
                     warpgroup.wait_group(1)
                     pipeline_k.consumer_release(k_state)
                     k_state.advance()
-                    scores_to_probs(n_block, mask, i)
+                    scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.block(i), mask, i)
                     warpgroup.wait_group(0)
                     pipeline_v.consumer_release(v_state)
                     v_state.advance()
