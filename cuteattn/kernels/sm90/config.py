@@ -227,8 +227,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # of a block, and at d=256, whose rescale of the widest O sits between P V GEMMs with no
         # turns to hide it (+1-4% and +2-9% non-causal); two-warpgroup tiles at d=64-192 ran
         # 0.93-1.01x with it (docs/perf-log.md, twenty-seventh session).
-        lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256) and not (
-            CAUSAL_256_EAGER_RESCALE and anchor == 256 and causal and not local),
+        lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256),
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)
@@ -243,14 +242,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                 cfg = in_kernel
         return cfg
     return with_o_path(cfg)
-
-
-# A/B candidate: no lazy rescale at d=256 (and widths on its tiles) under a causal mask without
-# a window. There, with it, ptxas builds every wgmma descriptor of the mainloop in vector
-# registers and moves it with R2UR (74 a block; the loop's SASS 619 instructions against 473
-# without it, 494 non-causal with it); causal with a window, and every other width, keep the
-# descriptors uniform (docs/perf-log.md, forty-fifth session)
-CAUSAL_256_EAGER_RESCALE = False
 
 
 def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
