@@ -6,8 +6,8 @@ then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache 
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
 candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0); --fp8
 builds only the fp8 (e4m3) variants, --bench only the forward bench's default and fp8 grids'
-(what dev_fwd_ab.py times). The cache directory is keyed by a fingerprint of the sm90
-forward's sources (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a
+(what dev_fwd_ab.py times), --sparse only the block-sparse bench's. The cache directory is
+keyed by a fingerprint of the sm90 forward's sources (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a
 mismatch only means compiling as before.
 """
 import itertools
@@ -79,6 +79,17 @@ def bench_specs():
             seqlen_k=seqlen, softmax_scale=d ** -0.5)
 
 
+def sparse_specs():
+    """The block-sparse bench's kernels (bf16, d=128, every physical block shape)."""
+    from cuteattn.sparse import KERNEL_BLOCKS
+    from cuteattn.spec import AttentionSpec
+    for q_block, kv_block in KERNEL_BLOCKS:
+        yield AttentionSpec(
+            dtype=torch.bfloat16, head_dim=128, head_dim_v=128, causal=False, local=False,
+            has_softcap=False, varlen_q=False, varlen_k=False, seqlen_q=8192, seqlen_k=8192,
+            softmax_scale=128 ** -0.5, sparse_q_block=q_block, sparse_kv_block=kv_block)
+
+
 def build(cfg):
     from cuteattn.kernels.sm90 import launch
     launch._compiled(cfg, tvm_ffi=True)
@@ -95,6 +106,7 @@ def main():
         setattr(config, name, type(getattr(config, name))(int(value)))
     unique = {}
     every = (fp8_specs() if "--fp8" in sys.argv else bench_specs() if "--bench" in sys.argv
+             else sparse_specs() if "--sparse" in sys.argv
              else itertools.chain(specs(), surface_specs(), fp8_specs()))
     for spec in every:  # one per compiled variant (the tile class folds lengths together)
         unique[launch.sm90_config(spec)] = None  # the config is the compile key

@@ -243,7 +243,10 @@ def test_compile_block_sparse(d, bq, bk, mask, varlen, capfd, tmp_path, monkeypa
         softcap=20.0 if mask == "softcap" else 0.0, sparse_q_block=bq, sparse_kv_block=bk)
     assert sm90_launch.FORWARD.can_implement(spec) is None
     cfg = sm90_launch.sm90_config(spec)
-    assert cfg.sparse and (cfg.tile_m, cfg.tile_n) == (bq, bk) and cfg.dynamic_tiles
+    # (64-key lists in pairs on 128-key tiles, where chosen: not with seqused_k)
+    assert cfg.sparse_pairs == (config.SPARSE_PAIRS and bk == 64 and not varlen)
+    assert cfg.sparse and cfg.dynamic_tiles
+    assert (cfg.tile_m, cfg.tile_n) == (bq, 2 * bk if cfg.sparse_pairs else bk)
     assert cfg.varlen_q == cfg.varlen_k == cfg.has_seqused_k == varlen
     assert cfg.smem_bytes() <= config.SMEM_LIMIT
     ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__

@@ -162,6 +162,38 @@ def test_packed_sequences(seed, block, mask):
         assert_lse_close(lse[:, rows][None], ref_lse, name=f"lse of sequence {b}")
 
 
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{q}x{k}" for q, k in BLOCKS])
+def test_packed_sequences_seqused_k_nan_past_it(seed, block):
+    """flash_attn_varlen_func(block_sparse=, seqused_k=): keys past seqused_k are memory the
+    call does not own (here NaN); every sequence lists all its blocks, in ascending order, so
+    the block with the sequence's end (and blocks wholly past it) come last, not first, in the
+    visit. Each sequence against the reference on its first seqused_k keys."""
+    from cuteattn import flash_attn_varlen_func
+    lens_q, lens_k, used_k = [300, 129, 200], [500, 333, 200], [330, 100, 200]
+    h, hk, d = 4, 2, 128
+    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
+                                   device="cuda")
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    for b, used in enumerate(used_k):  # past seqused_k: NaN
+        k[sum(lens_k[:b]) + used:sum(lens_k[:b + 1])] = float("nan")
+        v[sum(lens_k[:b]) + used:sum(lens_k[:b + 1])] = float("nan")
+    lists = random_lists(len(lens_q), h, max(lens_q), max(lens_k), block, "all", 0.3)
+    out, lse = flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),
+                                      seqused_k=torch.tensor(used_k, dtype=torch.int32, device="cuda"),
+                                      block_sparse=lists, return_lse=True, strict=True)
+    for b, (sq, used) in enumerate(zip(lens_q, used_k)):
+        rows = slice(sum(lens_q[:b]), sum(lens_q[:b + 1]))
+        keys = slice(sum(lens_k[:b]), sum(lens_k[:b]) + used)
+        one = sparse.select_batch(lists, b)
+        args = (q[rows][None], k[keys][None], v[keys][None])
+        ref, ref_lse = attention_ref(*args, block_sparse=one)
+        lowprec, _ = attention_ref(*args, block_sparse=one, upcast=False)
+        assert_close_fa(out[rows][None], ref, lowprec, name=f"out of sequence {b}")
+        assert_lse_close(lse[:, rows][None], ref_lse, name=f"lse of sequence {b}")
+
+
 def test_lying_lists_stay_inside_the_tensors(seed):
     """Counts above nk and indices outside [0, nk) (validated only on the reference path): the
     kernel clamps them, so the call returns (any values) without touching memory outside k/v;

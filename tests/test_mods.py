@@ -137,6 +137,7 @@ FA2_ALIBI = fa2_alibi.score_mod(torch.ones(2, 4), torch.zeros(2, dtype=torch.int
 FA2_ALIBI_HEADS = fa2_alibi.score_mod(torch.ones(4), None)
 SCORE_CASES = [("alibi", alibi, None, 128, None), ("alibi-document", alibi, document, 128, None),
                ("alibi-document-sparse", alibi, document, 128, (128, 128)),
+               ("alibi-document-sparse-64", alibi, document, 128, (128, 64)),
                ("alibi-document-d64", alibi, document, 64, None),
                ("fa2-alibi", FA2_ALIBI, None, 128, None),
                ("fa2-alibi-heads-d64", FA2_ALIBI_HEADS, None, 64, None)]

@@ -62,8 +62,13 @@ class BlockInfo:
                    n_block: Int32):
         """Whether key block n_block has any masked element for query rows
         [row_start, row_start + rows): the sequence end, the causal/right diagonal, the left edge."""
-        col_start = n_block * self.tile_n
-        col_last = col_start + self.tile_n - 1
+        return self.needs_mask_keys(seqlen_q, seqlen_k, row_start, rows, n_block * self.tile_n,
+                                    self.tile_n)
+
+    def needs_mask_keys(self, seqlen_q: Int32, seqlen_k: Int32, row_start: Int32, rows: int,
+                        col_start: Int32, keys: int):
+        """needs_mask for the keys [col_start, col_start + keys) (a half of a block-sparse pair)."""
+        col_last = col_start + keys - 1
         masked = col_last >= seqlen_k
         if cutlass.const_expr(self.causal or self.local):
             off = seqlen_k - seqlen_q

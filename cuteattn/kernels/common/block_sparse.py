@@ -76,6 +76,63 @@ class SparseBlocks:
 
 
 @dataclass(frozen=True)
+class SparseBlockPairs:
+    """The visit order of a block-sparse tile whose lists name key blocks of half its width
+    (64-key lists on 128-key tiles, Sm90FwdConfig.sparse_pairs): visit i is two listed blocks,
+    its keys' halves, taken in list order, full blocks paired with full ones and partial with
+    partial (a visit takes the mask_mod or not as a whole). A list of odd length leaves its
+    last visit's second half empty: that half is the block just past the sequence's end (no
+    key; TMA fills it with zeros or the sequence-end mask removes it), as is any index outside
+    [0, nk). The methods of SparseBlocks, block(i) naming visit i (its blocks: halves)."""
+    lists: SparseBlocks            # end_block counts half-width blocks
+    num_full: Int32                # visits of full blocks (the first ones)
+    num_blocks: Int32              # visits
+
+    @staticmethod
+    def create(*lists_args):
+        """SparseBlocks.create's arguments, tile_n the lists' (half-width) block."""
+        lists = SparseBlocks.create(*lists_args)
+        num_full = (lists.num_full + 1) // 2
+        return SparseBlockPairs(lists, num_full,
+                                num_full + (lists.num_blocks - lists.num_full + 1) // 2)
+
+    def count(self):
+        return self.num_blocks
+
+    def any(self):
+        return self.num_blocks > 0
+
+    def none(self):
+        return self.num_blocks <= 0
+
+    def first(self):
+        return Int32(0)
+
+    def block(self, i: Int32) -> Int32:
+        return i
+
+    @cute.jit
+    def half(self, i: Int32, h: Int32) -> Int32:
+        """The listed block that fills half h (0 or 1) of visit i."""
+        lists = self.lists
+        n = lists.end_block
+        if i < self.num_full:
+            j = 2 * i + h
+            if j < lists.num_full:
+                n = lists.full_index[j]
+        else:
+            j = 2 * (i - self.num_full) + h
+            if j < lists.num_blocks - lists.num_full:
+                n = lists.partial_index[j]
+        if (n < 0) | (n > lists.end_block):
+            n = lists.end_block
+        return n
+
+    def halves(self, i: Int32) -> tuple:
+        return self.half(i, Int32(0)), self.half(i, Int32(1))
+
+
+@dataclass(frozen=True)
 class SparseRows:
     """The backward's query steps of a key block under block-sparse attention: the query blocks
     its transposed lists name (sparse.transpose), each as `parts` steps of the kernel's rows

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from .mask import column_span
 
 MAX_TENSORS = 2  # tensors a mod may read (kernel arguments: a mask_mod's mModTensor0, 1; a
 # score_mod's mModTensor2, 3)
@@ -226,19 +227,21 @@ class TorchInKernel:
 @cute.jit
 def apply_mask_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32, col_start: Int32,
                    seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32, head_idx: Int32,
-                   mod: cutlass.Constexpr, transposed: cutlass.Constexpr = False):
+                   mod: cutlass.Constexpr, transposed: cutlass.Constexpr = False,
+                   cols: cutlass.Constexpr = None):
     """Sets to -inf the scores whose (batch, head, query, key) mod(b, h, q_idx, kv_idx) refuses.
     `acc_mn` / `coord_mn`: the (rows, cols) views of the score tile and of its identity tensor,
     queries as rows, or with `transposed` keys as rows (the backward's S^T). The mod is called
     only inside the sequence: a tile's rows and keys run past its end (those scores the
     sequence bounds mask anyway), and a mod indexing a tensor of the sequence's length
-    (document ids) must not read past it."""
+    (document ids) must not read past it. cols: mask.apply_mask's."""
+    first, stop = column_span(acc_mn, cols)
     rows_len, cols_len = (seqlen_k, seqlen_q) if cutlass.const_expr(transposed) else (seqlen_q, seqlen_k)
     row_room, col_room = rows_len - row_start, cols_len - col_start  # (one compare an element)
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         row_idx = row_start + coord_mn[r, 0][0]
         row_inside = coord_mn[r, 0][0] < row_room
-        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+        for c in cutlass.range_constexpr(first, stop):
             col_idx = col_start + coord_mn[0, c][1]
             if row_inside & (coord_mn[0, c][1] < col_room):
                 q_idx, kv_idx = (col_idx, row_idx) if cutlass.const_expr(transposed) else (row_idx, col_idx)
@@ -259,16 +262,18 @@ def value_and_grad(mod, score, batch_idx, head_idx, q_idx, kv_idx):
 @cute.jit
 def apply_score_mod(acc_mn: cute.Tensor, coord_mn: cute.Tensor, row_start: Int32,
                     col_start: Int32, seqlen_q: Int32, seqlen_k: Int32, batch_idx: Int32,
-                    head_idx: Int32, scale: Float32, mod: cutlass.Constexpr):
+                    head_idx: Int32, scale: Float32, mod: cutlass.Constexpr,
+                    cols: cutlass.Constexpr = None):
     """The scores as FlexAttention's score_mod sees them, scaled by `scale` (softmax_scale), then
     replaced by mod(score, b, h, q_idx, kv_idx): what the softmax then takes (its exponent's
     scale is log2(e) alone). Called only inside the sequence, as apply_mask_mod; the scores
-    past it are left to the sequence bounds' mask, applied after."""
+    past it are left to the sequence bounds' mask, applied after. cols: mask.apply_mask's."""
+    first, stop = column_span(acc_mn, cols)
     q_room, kv_room = seqlen_q - row_start, seqlen_k - col_start
     for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
         q_idx = row_start + coord_mn[r, 0][0]
         row_inside = coord_mn[r, 0][0] < q_room
-        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+        for c in cutlass.range_constexpr(first, stop):
             kv_idx = col_start + coord_mn[0, c][1]
             if row_inside & (coord_mn[0, c][1] < kv_room):
                 acc_mn[r, c] = Float32(mod(acc_mn[r, c] * scale, batch_idx, head_idx, q_idx,

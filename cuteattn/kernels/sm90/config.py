@@ -244,6 +244,11 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     return with_o_path(cfg)
 
 
+# A/B candidate: lists of 64-key blocks on 128-key tiles, two listed blocks a visit
+# (Sm90FwdConfig.sparse_pairs); not with seqused_k (each half would need its own V fix-up)
+SPARSE_PAIRS = False
+
+
 def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
     """The block-sparse variant of a dense config: the tile is the lists' block, the K/V ring as
     deep as shared memory allows (up to 4), tiles from the counter (their costs differ). Where
@@ -252,9 +257,13 @@ def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdC
     epilogue: +2-7% at 128x64 (H100). Where O goes to a V stage, an own buffer lost: at
     128x128 it needs a shallower ring (2 stages against 3: 0.96-1.03x), at 64x64 it ran 0.98x
     at the same depth (docs/perf-log.md, forty-fifth session)."""
+    tile_n, pairs = kv_block, False
+    if SPARSE_PAIRS and kv_block == 64 and not (dense.page_size or dense.has_seqused_k):
+        tile_n, pairs = 128, True
     for stages in (4, 3, 2):
         cfg = with_o_path(dataclasses.replace(
-            dense, sparse=True, num_wg=q_block // 64, tile_n=kv_block, num_stages=stages,
+            dense, sparse=True, sparse_pairs=pairs, num_wg=q_block // 64, tile_n=tile_n,
+            num_stages=stages,
             pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer",
             lazy_rescale=dense.lazy_rescale and q_block // 64 == 3))
         if cfg.smem_bytes() <= SMEM_LIMIT:

@@ -33,7 +33,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..common import epilogue, named_barriers
 from ..common.block_info import BlockInfo, DenseBlocks
-from ..common.block_sparse import SparseBlocks
+from ..common.block_sparse import SparseBlockPairs, SparseBlocks
 from ..common.convert import convert_fragment, fp8_p_fragment
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, keys_last_transposed,
                              lse_seq_major, seq_major, seq_major_transposed)
@@ -95,9 +95,13 @@ class Sm90FwdConfig:
     # nothing: TMA fills the columns past their head dim with zeros.
     clip_o: bool = False
     # block-sparse (common/block_sparse.py): the tile visits the key blocks its lists name, the
-    # full ones then the partial ones (a partial block's element mask is the call's masks: no
-    # mask_mod is compiled in yet); tile_m and tile_n are the lists' block shape
+    # full ones then the partial ones (a partial block's element mask is the call's masks and
+    # the mask_mod); tile_m and tile_n are the lists' block shape (but see sparse_pairs)
     sparse: bool = False
+    # block-sparse lists of key blocks half the tile's width (64-key lists, 128-key tiles):
+    # each visit is two listed blocks, one a half (common/block_sparse.SparseBlockPairs), so a
+    # narrow list runs at the wide tile's rate; tile_n is then twice the lists' key block
+    sparse_pairs: bool = False
     # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
     # the partial blocks of a block-sparse one
@@ -144,6 +148,15 @@ class Sm90FwdConfig:
         return bool(self.page_size) or (self.has_seqused_k and not self.fp8)
 
     @property
+    def key_slice(self) -> int:
+        """Keys a TMA copy of a K/V block takes when the block's keys come from several places
+        (0: one copy a block): a page's, for pages smaller than a block; a listed block's, for
+        sparse_pairs (each half from its own block)."""
+        if self.page_size and self.page_size < self.tile_n:
+            return self.page_size
+        return self.tile_n // 2 if self.sparse_pairs else 0
+
+    @property
     def o_dtype(self) -> type:
         return cutlass.BFloat16 if self.fp8 else self.dtype
 
@@ -175,6 +188,11 @@ class FlashFwdSm90:
                                and cfg.o_path == "own_buffer" and not cfg.sparse)
         assert not cfg.fp8_v_in_kernel or (cfg.fp8 and not cfg.page_size
                                            and cfg.head_dim_v % 32 == 0)
+        # (a pair's halves each end somewhere: the one V fix-up of the sequence's last block,
+        # finish_v_past_end, does not apply; the lists of packed keys with seqused_k take
+        # 64-key tiles)
+        assert not cfg.sparse_pairs or (cfg.sparse and cfg.tile_n == 128
+                                        and not cfg.zeroes_v_past_end)
         self.cfg = cfg
         self.dtype = cfg.dtype
         self.o_dtype = cfg.o_dtype
@@ -273,9 +291,10 @@ class FlashFwdSm90:
         k_tile, v_tile = (self.tile_n, self.d), (self.dv, self.tile_n)
         if const_expr(cfg.fp8_v_in_kernel):
             v_box, v_tile = cute.slice_(sVrows_layout, (None, None, 0)), (self.tile_n, self.dv)
-        if const_expr(cfg.page_size and cfg.page_size < self.tile_n):
-            # pages smaller than a key block: one (page, 64-column) slice a copy (load)
-            k_tile, v_tile = (cfg.page_size, 64), (64, cfg.page_size)
+        if const_expr(cfg.key_slice):
+            # keys from several places (a block's pages, a pair's halves): one (key_slice,
+            # 64-column) slice a copy (load)
+            k_tile, v_tile = (cfg.key_slice, 64), (64, cfg.key_slice)
             k_box = cute.slice_(sm90_utils.make_smem_layout_b(
                 LayoutEnum.ROW_MAJOR, (WG_ROWS, *k_tile), self.dtype, 1), (None, None, 0))
             v_box = cute.slice_(sm90_utils.make_smem_layout_b(
@@ -524,6 +543,9 @@ class FlashFwdSm90:
                     batch_idx, sparse_lists: tuple):
         """The key blocks the tile visits: a dense tile its block range from the last block
         down (DenseBlocks), a block-sparse one its full blocks, then its partial ones."""
+        if const_expr(self.cfg.sparse_pairs):
+            return SparseBlockPairs.create(*sparse_lists, batch_idx, head_idx, m_block,
+                                           seqlen.seqlen_k, self.cfg.key_slice)
         if const_expr(self.cfg.sparse):
             return SparseBlocks.create(*sparse_lists, batch_idx, head_idx, m_block,
                                        seqlen.seqlen_k, self.tile_n)
@@ -595,6 +617,13 @@ class FlashFwdSm90:
             copy_k, copy_v, lookup = self.page_slice_copies(
                 tma_atom_k, mK, sK, tma_atom_v, mVt, sVt, mPageTable, batch_idx, head_idx_kv,
                 seqlen.seqlen_k)
+        elif const_expr(cfg.sparse_pairs):
+            # (visit i's blocks: lane h reads half h's, before the producer's wait; `visit` is
+            # the tile's visit order by the time a copy runs: built below)
+            copy_k, copy_v = self.pair_copies(
+                tma_atom_k, seqlen.k_view(mK, head_idx_kv, batch_idx), sK, tma_atom_v,
+                seqlen.vt_view(mVt, head_idx_kv, batch_idx), sVt)
+            lookup = lambda i: visit.half(i, cutlass.min(cute.arch.lane_idx(), 1))
         elif const_expr(cfg.page_size):
             # each block from its page (the table's), in the page's place of the batch mode
             num_pages = mK.shape[3]
@@ -679,13 +708,16 @@ class FlashFwdSm90:
     def page_slice_copies(self, tma_atom_k, mK, sK, tma_atom_v, mVt, sVt, mPageTable,
                           batch_idx, head_idx_kv, seqlen_k):
         """(copy_k, copy_v, lookup) for pages smaller than a key block (Sm90FwdConfig.page_size
-        < tile_n): copy_page_slices for K and for V, block_page_ids as the lookup."""
-        copy_k = lambda n_block, stage, barrier, lane_pid: self.copy_page_slices(
-            tma_atom_k, mK[None, None, head_idx_kv, None], sK, n_block, stage, barrier, lane_pid,
-            False)
-        copy_v = lambda n_block, stage, barrier, lane_pid: self.copy_page_slices(
-            tma_atom_v, mVt[None, None, head_idx_kv, None], sVt, n_block, stage, barrier,
-            lane_pid, True)
+        < tile_n): copy_key_slices for K and for V, from the pages block_page_ids (the lookup)
+        finds."""
+        page, cols = self.cfg.page_size, 64
+        k_pages, vt_pages = mK[None, None, head_idx_kv, None], mVt[None, None, head_idx_kv, None]
+        copy_k = lambda n_block, stage, barrier, lane_pid: self.copy_key_slices(
+            tma_atom_k, lambda pid, j: cute.local_tile(k_pages[None, None, pid], (page, cols), (0, j)),
+            sK, stage, barrier, lane_pid, False)
+        copy_v = lambda n_block, stage, barrier, lane_pid: self.copy_key_slices(
+            tma_atom_v, lambda pid, j: cute.local_tile(vt_pages[None, None, pid], (cols, page), (j, 0)),
+            sVt, stage, barrier, lane_pid, True)
         lookup = lambda n_block: self.block_page_ids(mPageTable, batch_idx, seqlen_k, n_block,
                                                      mK.shape[3])
         return copy_k, copy_v, lookup
@@ -704,26 +736,38 @@ class FlashFwdSm90:
         valid = (first < seqlen_k) & (entry >= 0) & (entry < num_pages)
         return cutlass.select_(valid, entry, num_pages)
 
+    def pair_copies(self, tma_atom_k, k_view, sK, tma_atom_v, vt_view, sVt):
+        """(copy_k, copy_v) for block-sparse pairs (Sm90FwdConfig.sparse_pairs): each half of a
+        block from its listed block (lane h's value of lane_blocks: half h's), by
+        copy_key_slices."""
+        half, cols = self.cfg.key_slice, 64
+        copy_k = lambda i, stage, barrier, lane_blocks: self.copy_key_slices(
+            tma_atom_k, lambda n, j: cute.local_tile(k_view, (half, cols), (n, j)),
+            sK, stage, barrier, lane_blocks, False)
+        copy_v = lambda i, stage, barrier, lane_blocks: self.copy_key_slices(
+            tma_atom_v, lambda n, j: cute.local_tile(vt_view, (cols, half), (j, n)),
+            sVt, stage, barrier, lane_blocks, True)
+        return copy_k, copy_v
+
     @cute.jit
-    def copy_page_slices(self, tma_atom, mX, sX, n_block, stage, barrier, lane_pid,
-                         transposed: cutlass.Constexpr):
-        """Key block n_block into `stage`, one page_size-key slice a page (lane_pid: the
-        slices' pages, block_page_ids), its head dim 64 columns a TMA copy (the atom's box is
-        one 128-byte swizzle atom wide, so a slice of the stage's layout is the atom's own
-        layout). mX / sX: K of one kv head (keys, d, pages) and its ring, or with `transposed`
-        V^T (d_v, keys, pages) and its ring."""
-        page, cols = self.cfg.page_size, 64
+    def copy_key_slices(self, tma_atom, source, sX, stage, barrier, lane_pid,
+                        transposed: cutlass.Constexpr):
+        """A key block into `stage` from several places, one key_slice-key slice each: slice i
+        from source(lane i's value of lane_pid, j) (a page of the cache, or a pair's listed
+        block), its head dim 64 columns (j) a TMA copy (the atom's box is one 128-byte swizzle
+        atom wide, so a slice of the stage's layout is the atom's own layout). sX: K's ring, or
+        with `transposed` V^T's (source then gives (64, key_slice) tiles of V^T)."""
+        page, cols = self.cfg.key_slice, 64
         one = cute.make_layout(1)
         width = self.dv if const_expr(transposed) else self.d
         for i in cutlass.range_constexpr(self.tile_n // page):
             pid = cute.arch.shuffle_sync(lane_pid, i)
             for j in cutlass.range_constexpr(width // cols):
+                src = source(pid, j)
                 if const_expr(transposed):
                     dst = cute.local_tile(sX[None, None, stage], (cols, page), (j, i))
-                    src = cute.local_tile(mX[None, None, pid], (cols, page), (j, 0))
                 else:
                     dst = cute.local_tile(sX[None, None, stage], (page, cols), (i, j))
-                    src = cute.local_tile(mX[None, None, pid], (page, cols), (0, j))
                 t_dst, t_src = cpasync.tma_partition(tma_atom, 0, one, cute.group_modes(dst, 0, 2),
                                                      cute.group_modes(src, 0, 2))
                 cute.copy(tma_atom, t_src, t_dst, tma_bar_ptr=barrier)
@@ -816,6 +860,9 @@ class FlashFwdSm90:
         # mod_applies(i): whether the i-th visited block takes the mask_mod (a block-sparse
         # tile's partial blocks come after its full ones; a dense tile's blocks all take it)
         mod_applies = lambda i: (i >= visit.num_full) if const_expr(cfg.sparse) else True
+        # listed(i): the i-th visited block's listed index (a pair of them: sparse_pairs), a
+        # global load (block-sparse)
+        listed = lambda i: visit.halves(i) if const_expr(cfg.sparse_pairs) else visit.block(i)
         scores_to_probs = lambda n_block, mask, i: self.scores_to_probs(
             acc_S, acc_S_mn, coord_S_mn, softmax, block_info, seqlen, row_start, n_block,
             score_scale, window_left, window_right, mask, mod, mod_applies(i), batch_idx, head_idx,
@@ -831,7 +878,7 @@ class FlashFwdSm90:
             # read before the block's waits so that it lands under them (read after S's wait,
             # where the mask needs it, its latency stood in every block's softmax: 0.94x of the
             # dense 128-key tile, docs/perf-log.md); a dense index is arithmetic, left in place.
-            n_listed = visit.first() if const_expr(cfg.sparse) else None
+            n_listed = listed(Int32(0)) if const_expr(cfg.sparse) else None
             pipeline_k.consumer_wait(k_state)
             self.pingpong.wait(wg)
             gemm_qk(k_state.index)
@@ -854,7 +901,7 @@ class FlashFwdSm90:
                 first, stop, mask = runs[run]
                 for i in cutlass.range(first, stop, unroll=1):
                     # one key block (a listed index read first, as above)
-                    n_listed = visit.block(i) if const_expr(cfg.sparse) else None
+                    n_listed = listed(i) if const_expr(cfg.sparse) else None
                     pipeline_k.consumer_wait(k_state)
                     self.pingpong.wait(wg)
                     gemm_qk(k_state.index)
@@ -921,30 +968,42 @@ class FlashFwdSm90:
         """softcap, mask and online softmax of one score block (probabilities left in acc_S).
         mask: True or False when the block iterator knows whether the block needs the element
         mask, None to check. mod: the traced mask_mod (None: none), applied where mod_applies;
-        score_mod: the traced score_mod (None: none), on the scaled scores before any mask."""
+        score_mod: the traced score_mod (None: none), on the scaled scores before any mask.
+        n_block: with sparse_pairs, the pair (a, b) of listed blocks in the tile's halves."""
         cfg = self.cfg
         if const_expr(cfg.has_softcap):
             softcap_scores(acc_S, score_scale)
-        if const_expr(score_mod is not None):
-            apply_score_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
-                            seqlen.seqlen_q, seqlen.seqlen_k, batch_idx, head_idx, score_scale,
-                            score_mod)
-        apply = lambda: apply_mask(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
-                                   seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
-                                   cfg.causal, cfg.local)
-        if const_expr(mask is None):
-            if block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, WG_ROWS, n_block):
+        # the tile's key spans: (first key, col_start, cols), col_start + col being the key
+        # of column col of the accumulator view's columns cols (mask.column_span)
+        if const_expr(cfg.sparse_pairs):
+            half, ncols = self.tile_n // 2, cute.size(acc_S_mn, mode=[1])
+            spans = [(n_block[0] * half, n_block[0] * half, (0, ncols // 2)),
+                     (n_block[1] * half, n_block[1] * half - half, (ncols // 2, ncols))]
+        else:
+            spans = [(n_block * self.tile_n, n_block * self.tile_n, None)]
+        keys = self.tile_n // len(spans)
+        for span in cutlass.range_constexpr(len(spans)):
+            first_key, col_start, cols = spans[span]
+            if const_expr(score_mod is not None):
+                apply_score_mod(acc_S_mn, coord_S_mn, row_start, col_start, seqlen.seqlen_q,
+                                seqlen.seqlen_k, batch_idx, head_idx, score_scale, score_mod, cols)
+            apply = lambda: apply_mask(acc_S_mn, coord_S_mn, row_start, col_start,
+                                       seqlen.seqlen_q, seqlen.seqlen_k, window_left, window_right,
+                                       cfg.causal, cfg.local, cols=cols)
+            if const_expr(mask is None):
+                if block_info.needs_mask_keys(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
+                                              WG_ROWS, first_key, keys):
+                    apply()
+            elif const_expr(mask):
                 apply()
-        elif const_expr(mask):
-            apply()
-        if const_expr(mod is not None):
-            apply_mod = lambda: apply_mask_mod(acc_S_mn, coord_S_mn, row_start, n_block * self.tile_n,
-                                               seqlen.seqlen_q, seqlen.seqlen_k, batch_idx,
-                                               head_idx, mod)
-            if const_expr(isinstance(mod_applies, bool)):
-                apply_mod()
-            elif mod_applies:
-                apply_mod()
+            if const_expr(mod is not None):
+                apply_mod = lambda: apply_mask_mod(acc_S_mn, coord_S_mn, row_start, col_start,
+                                                   seqlen.seqlen_q, seqlen.seqlen_k, batch_idx,
+                                                   head_idx, mod, cols=cols)
+                if const_expr(isinstance(mod_applies, bool)):
+                    apply_mod()
+                elif mod_applies:
+                    apply_mod()
         softmax.step(acc_S_mn)
 
     @cute.jit
