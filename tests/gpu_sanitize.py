@@ -13,7 +13,7 @@ Groups of cases (each case a few calls of a few hundred tokens at most, racechec
   surface padded head dims, head_dim_v < head_dim, negative window edges, one side packed,
           seqused on batched q/k (tests/test_gpu_surface.py's varlen helper)
   sparse  block-sparse lists at every physical block shape, a causal mask on top, lying lists,
-          the backward (128x128 lists)
+          packed sequences (with seqused_k), the backward (128x128 lists)
   portable  the mma.sync path (CUTEATTN_PATH=sm80): the fixed group's forward cases, varlen with
           seqused, the decode kernel's cases (tests/test_gpu_sm80.DECODE_CASES), a paged
           prefill, the backward (d 64/128, the fixed masks, deterministic, varlen), bad metadata
@@ -164,6 +164,9 @@ def cases() -> dict:
         causal=True)
     out["sparse_lying_lists"] = lambda: sp.test_lying_lists_stay_inside_the_tensors(0)
     out["sparse_packed_64x64"] = lambda: sp.test_packed_sequences(0, (64, 64), "causal")
+    # (seqused_k: V past it zeroed in shared memory wherever its block is listed)
+    out["sparse_packed_seqused_128x64"] = lambda: sp.test_packed_sequences_seqused_k_nan_past_it(
+        0, (128, 64))
     out["sparse_packed_backward_128x64"] = lambda: sp.test_packed_sequences_backward(
         0, (128, 64), "none")
     out["sparse_backward_causal"] = lambda: sp.check_grads(

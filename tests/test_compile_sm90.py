@@ -244,7 +244,7 @@ def test_compile_block_sparse(d, bq, bk, mask, varlen, capfd, tmp_path, monkeypa
     assert sm90_launch.FORWARD.can_implement(spec) is None
     cfg = sm90_launch.sm90_config(spec)
     # (64-key lists in pairs on 128-key tiles, where chosen: not with seqused_k)
-    assert cfg.sparse_pairs == (config.SPARSE_PAIRS and bk == 64 and not varlen)
+    assert cfg.sparse_pairs == (bk == 64 and not varlen)
     assert cfg.sparse and cfg.dynamic_tiles
     assert (cfg.tile_m, cfg.tile_n) == (bq, 2 * bk if cfg.sparse_pairs else bk)
     assert cfg.varlen_q == cfg.varlen_k == cfg.has_seqused_k == varlen

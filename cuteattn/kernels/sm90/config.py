@@ -244,11 +244,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     return with_o_path(cfg)
 
 
-# A/B candidate: lists of 64-key blocks on 128-key tiles, two listed blocks a visit
-# (Sm90FwdConfig.sparse_pairs); not with seqused_k (each half would need its own V fix-up)
-SPARSE_PAIRS = False
-
-
 def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
     """The block-sparse variant of a dense config: the tile is the lists' block, the K/V ring as
     deep as shared memory allows (up to 4), tiles from the counter (their costs differ). Where
@@ -256,9 +251,12 @@ def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdC
     of its own at the same depth if that fits, so the next tile's Q loads during this tile's
     epilogue: +2-7% at 128x64 (H100). Where O goes to a V stage, an own buffer lost: at
     128x128 it needs a shallower ring (2 stages against 3: 0.96-1.03x), at 64x64 it ran 0.98x
-    at the same depth (docs/perf-log.md, forty-fifth session)."""
+    at the same depth (docs/perf-log.md, forty-fifth session). Lists of 64-key blocks run on
+    128-key tiles, two listed blocks a visit (Sm90FwdConfig.sparse_pairs): 128x64 +5-12%,
+    64x64 +1-3% (H100, forty-sixth session); not with seqused_k, whose V fix-up past the
+    sequence's end (finish_v_past_end) takes whole blocks."""
     tile_n, pairs = kv_block, False
-    if SPARSE_PAIRS and kv_block == 64 and not (dense.page_size or dense.has_seqused_k):
+    if kv_block == 64 and not (dense.page_size or dense.has_seqused_k):
         tile_n, pairs = 128, True
     for stages in (4, 3, 2):
         cfg = with_o_path(dataclasses.replace(

@@ -675,12 +675,28 @@ class FlashFwdSm90:
             cute.copy(tma_atom_q, tQgQ[None, m_block * self.num_wg + wg], tQsQ[None, wg],
                       tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
         q_state.advance()
+        # the keys of block n_block before the sequence's end (a listed block may lie wholly
+        # past it; a dense tile's first block holds keys)
+        valid_keys = lambda n_block: seqlen.seqlen_k - n_block * self.tile_n
+        if const_expr(cfg.sparse):
+            valid_keys = lambda n_block: cutlass.max(seqlen.seqlen_k - n_block * self.tile_n, 0)
         if const_expr(cfg.zeroes_v_past_end):
             if past_end:
                 self.finish_v_past_end(sVt, pipeline_v, first_stage, v_fix_barrier,
-                                       seqlen.seqlen_k - visit.first() * self.tile_n)
+                                       valid_keys(visit.first()))
         for i in cutlass.range(1, n_blocks, unroll=1):
-            kv_state = load_kv(kv_state, visit.block(i), False)
+            if const_expr(cfg.zeroes_v_past_end and cfg.sparse):
+                # a block-sparse list may name the block with the sequence's end (or one past
+                # it) anywhere, not first: each such block's V is fixed up as it lands
+                n_block = visit.block(i)
+                stage = kv_state.index
+                past_end = (n_block + 1) * self.tile_n > seqlen.seqlen_k
+                kv_state = load_kv(kv_state, n_block, past_end)
+                if past_end:
+                    self.finish_v_past_end(sVt, pipeline_v, stage, v_fix_barrier,
+                                           valid_keys(n_block))
+            else:
+                kv_state = load_kv(kv_state, visit.block(i), False)
         return q_state, kv_state
 
     @cute.jit
