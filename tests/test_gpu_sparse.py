@@ -129,6 +129,18 @@ def test_exact_expansion(seed, seqlen, keep):
         assert (o.float() - outs[0].float()).abs().max().item() < 2e-2
 
 
+def cu(lens):
+    """cu_seqlens of these lengths."""
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+
+
+def packed_inputs(lens_q, lens_k, h, hk, d):
+    """Packed bf16 q (total_q, h, d), k and v (total_k, hk, d)."""
+    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"{q}x{k}" for q, k in BLOCKS])
 @pytest.mark.parametrize("mask", ["none", "causal", "window", "mask_mod"])
 def test_packed_sequences(seed, block, mask):
@@ -139,11 +151,7 @@ def test_packed_sequences(seed, block, mask):
     from cuteattn import flash_attn_varlen_func
     lens_q, lens_k = [700, 0, 129, 1000, 64], [900, 5, 129, 1000, 0]
     h, hk, d = 4, 2, 128
-    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
-                                   device="cuda")
-    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    q, k, v = packed_inputs(lens_q, lens_k, h, hk, d)
     lists = random_lists(len(lens_q), h, max(lens_q), max(lens_k), block, 3)
     # (a mask_mod on the partial blocks: positions within the sequence)
     kw = dict(mask_mod=lambda b, hh, q_idx, kv_idx: kv_idx <= q_idx + 50) if mask == "mask_mod" \
@@ -171,11 +179,7 @@ def test_packed_sequences_seqused_k_nan_past_it(seed, block):
     from cuteattn import flash_attn_varlen_func
     lens_q, lens_k, used_k = [300, 129, 200], [500, 333, 200], [330, 100, 200]
     h, hk, d = 4, 2, 128
-    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
-                                   device="cuda")
-    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
+    q, k, v = packed_inputs(lens_q, lens_k, h, hk, d)
     for b, used in enumerate(used_k):  # past seqused_k: NaN
         k[sum(lens_k[:b]) + used:sum(lens_k[:b + 1])] = float("nan")
         v[sum(lens_k[:b]) + used:sum(lens_k[:b + 1])] = float("nan")
@@ -354,11 +358,7 @@ def test_packed_sequences_backward(seed, block, mask):
     from test_gpu_bwd import check_grads as check, reference_grads
     lens_q, lens_k = [700, 0, 129, 1000, 64], [900, 5, 129, 1000, 0]
     h, hk, d = 4, 2, 128
-    cu = lambda lens: torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32,
-                                   device="cuda")
-    q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn_like(k, requires_grad=True)
+    q, k, v = (t.requires_grad_() for t in packed_inputs(lens_q, lens_k, h, hk, d))
     lists = random_lists(len(lens_q), h, max(lens_q), max(lens_k), block, 3)
     kw = MASKS[mask]
     run = lambda: flash_attn_varlen_func(q, k, v, cu(lens_q), cu(lens_k), max(lens_q), max(lens_k),

@@ -19,8 +19,21 @@ def _clamp(x, lo, hi):  # (plain min/max: no branch)
     return cutlass.max(cutlass.min(x, hi), lo)
 
 
+class _Visits:
+    """The count queries of a visit order of `num_blocks` visits."""
+
+    def count(self):
+        return self.num_blocks
+
+    def any(self):
+        return self.num_blocks > 0
+
+    def none(self):
+        return self.num_blocks <= 0
+
+
 @dataclass(frozen=True)
-class SparseBlocks:
+class SparseBlocks(_Visits):
     full_index: cute.Tensor     # (nk,) this tile's full blocks (the first num_full entries)
     partial_index: cute.Tensor  # (nk,) its partial blocks
     num_full: Int32
@@ -41,15 +54,6 @@ class SparseBlocks:
         num_partial = _clamp(mPartialCount[b, h, m], 0, nk)
         return SparseBlocks(mFullIndex[b, h, m, None], mPartialIndex[b, h, m, None], num_full,
                             num_full + num_partial, (seqlen_k + tile_n - 1) // tile_n)
-
-    def count(self):
-        return self.num_blocks
-
-    def any(self):
-        return self.num_blocks > 0
-
-    def none(self):
-        return self.num_blocks <= 0
 
     def first(self):
         return self.block(Int32(0))
@@ -76,7 +80,7 @@ class SparseBlocks:
 
 
 @dataclass(frozen=True)
-class SparseBlockPairs:
+class SparseBlockPairs(_Visits):
     """The visit order of a block-sparse tile whose lists name key blocks of half its width
     (64-key lists on 128-key tiles, Sm90FwdConfig.sparse_pairs): visit i is two listed blocks,
     its keys' halves, taken in list order, full blocks paired with full ones and partial with
@@ -95,15 +99,6 @@ class SparseBlockPairs:
         num_full = (lists.num_full + 1) // 2
         return SparseBlockPairs(lists, num_full,
                                 num_full + (lists.num_blocks - lists.num_full + 1) // 2)
-
-    def count(self):
-        return self.num_blocks
-
-    def any(self):
-        return self.num_blocks > 0
-
-    def none(self):
-        return self.num_blocks <= 0
 
     def first(self):
         return Int32(0)
