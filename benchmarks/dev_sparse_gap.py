@@ -4,6 +4,9 @@ shape of the sparse bench (bf16, B=1, H=12, d=128, S given), every block kept, t
     ours-dense128  the dense forward forced to 128-key blocks (TILES[128] = (2, 128, 3): the
                    sparse kernel's tile without the lists and the tile counter)
     ours-dense     the dense forward's own tile (128 x 176)
+    ours-dense128-counter   ours-dense128 with its tiles from the global counter, as the
+                   block-sparse kernel takes them (Sm90FwdConfig.dynamic_tiles)
+    ours-sparse-static      ours-sparse with its tiles dealt round robin instead
     fa4-sparse     flash-attn-4's block-sparse path on the same lists
     fa4-dense      flash-attn-4's dense forward
 interleaved, best of rounds, in TFLOP/s. If ours-dense128 is near fa4-sparse the lists cost the
@@ -14,6 +17,7 @@ it). Usage (GPU):
 implementation also runs alone for 3 s while nvidia-smi samples the SM clock and the board's
 power (a kernel that draws more power a clock runs at lower clocks under the power limit: ncu's
 single launches do not show it)."""
+import dataclasses
 import subprocess
 import sys
 import time
@@ -36,10 +40,26 @@ dev = torch.device("cuda")
 own_tile = config.TILES[128]
 
 
-def with_tile(tile, fn):
+plain_fwd_config = config.fwd_config
+dynamic_tiles = {}  # the override of Sm90FwdConfig.dynamic_tiles in force (none: the config's)
+
+
+def overridden_fwd_config(*args, **kwargs):
+    cfg = plain_fwd_config(*args, **kwargs)
+    return dataclasses.replace(cfg, **dynamic_tiles)
+
+
+config.fwd_config = overridden_fwd_config
+
+
+def with_tile(tile, fn, **override):
+    """fn run on the 128 anchor's tile `tile`, with Sm90FwdConfig.dynamic_tiles overridden
+    (override: dynamic_tiles=...)."""
     def run():
-        if config.TILES[128] != tile:
+        if config.TILES[128] != tile or dynamic_tiles != override:
             config.TILES[128] = tile
+            dynamic_tiles.clear()
+            dynamic_tiles.update(override)
             api._launches.clear()
         return fn()
     return run
@@ -79,6 +99,9 @@ for s in seqlens:
         "ours-sparse": with_tile(own_tile, sparse_impls["cuteattn"]),
         "ours-dense128": with_tile((2, 128, 3), lambda: flash_attn_func(q, k, v, strict=True)),
         "ours-dense": with_tile(own_tile, lambda: flash_attn_func(q, k, v, strict=True)),
+        "ours-dense128-counter": with_tile((2, 128, 3), lambda: flash_attn_func(q, k, v, strict=True),
+                                           dynamic_tiles=True),
+        "ours-sparse-static": with_tile(own_tile, sparse_impls["cuteattn"], dynamic_tiles=False),
     }
     if callable(sparse_impls.get("fa4")):
         from flash_attn.cute.interface import flash_attn_func as fa4
