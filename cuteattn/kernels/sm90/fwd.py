@@ -102,6 +102,10 @@ class Sm90FwdConfig:
     # each visit is two listed blocks, one a half (common/block_sparse.SparseBlockPairs), so a
     # narrow list runs at the wide tile's rate; tile_n is then twice the lists' key block
     sparse_pairs: bool = False
+    # block-sparse: the mainloop's step compiled twice, with the element mask (and the
+    # mask_mod) and without, one branch a visit on the visit's index (read one visit ahead):
+    # the unmasked step is straight-line code as a dense tile's middle run (candidate)
+    sparse_mask_branch: bool = False
     # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
     # the partial blocks of a block-sparse one
@@ -879,9 +883,9 @@ class FlashFwdSm90:
         # listed(i): the i-th visited block's listed index (a pair of them: sparse_pairs), a
         # global load (block-sparse)
         listed = lambda i: visit.halves(i) if const_expr(cfg.sparse_pairs) else visit.block(i)
-        scores_to_probs = lambda n_block, mask, i: self.scores_to_probs(
+        scores_to_probs = lambda n_block, mask, applies: self.scores_to_probs(
             acc_S, acc_S_mn, coord_S_mn, softmax, block_info, seqlen, row_start, n_block,
-            score_scale, window_left, window_right, mask, mod, mod_applies(i), batch_idx, head_idx,
+            score_scale, window_left, window_right, mask, mod, applies, batch_idx, head_idx,
             score_mod)
 
         # V's state trails K's by one block inside the tile; both end the tile equal.
@@ -902,7 +906,8 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
             k_state.advance()
-            scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.first(), None, Int32(0))
+            scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.first(), None,
+                            mod_applies(Int32(0)))
             to_p()
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
@@ -913,26 +918,45 @@ class FlashFwdSm90:
             else:
                 runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
                                                  WG_ROWS, visit.n_min, visit.n_max)
-            for run in cutlass.range_constexpr(len(runs)):
-                first, stop, mask = runs[run]
-                for i in cutlass.range(first, stop, unroll=1):
-                    # one key block (a listed index read first, as above)
-                    n_listed = listed(i) if const_expr(cfg.sparse) else None
-                    pipeline_k.consumer_wait(k_state)
-                    self.pingpong.wait(wg)
-                    gemm_qk(k_state.index)
-                    pipeline_v.consumer_wait(v_state)
-                    gemm_pv(v_state.index)
-                    self.pingpong.pass_on(wg)
-                    warpgroup.wait_group(1)
-                    pipeline_k.consumer_release(k_state)
-                    k_state.advance()
-                    scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.block(i), mask, i)
-                    warpgroup.wait_group(0)
-                    pipeline_v.consumer_release(v_state)
-                    v_state.advance()
-                    softmax.rescale(acc_O_mn)
-                    to_p()
+            # one key block's step: its S = Q K^T with the previous block's O += P V, then
+            # its softmax (mask: scores_to_probs's; applies: whether the mask_mod does)
+            step = lambda k_state, v_state, n_block, mask, applies: self.key_block_step(
+                k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
+                lambda: scores_to_probs(n_block, mask, applies),
+                lambda: softmax.rescale(acc_O_mn), to_p, wg)
+            if const_expr(cfg.sparse_mask_branch):
+                # each visit's index read one visit ahead (the last read again, in range)
+                n_next = listed(cutlass.min(Int32(1), visit.count() - 1))
+                for i in cutlass.range(1, visit.count(), unroll=1):
+                    n_listed = n_next
+                    n_next = listed(cutlass.min(i + 1, visit.count() - 1))
+                    if self.visit_needs_mask(block_info, seqlen, row_start, n_listed,
+                                             mod is not None and mod_applies(i)):
+                        k_state, v_state = step(k_state, v_state, n_listed, None, mod_applies(i))
+                    else:
+                        k_state, v_state = step(k_state, v_state, n_listed, False, False)
+            else:
+                for run in cutlass.range_constexpr(len(runs)):
+                    first, stop, mask = runs[run]
+                    for i in cutlass.range(first, stop, unroll=1):
+                        # one key block (a listed index read first, as above)
+                        n_listed = listed(i) if const_expr(cfg.sparse) else None
+                        pipeline_k.consumer_wait(k_state)
+                        self.pingpong.wait(wg)
+                        gemm_qk(k_state.index)
+                        pipeline_v.consumer_wait(v_state)
+                        gemm_pv(v_state.index)
+                        self.pingpong.pass_on(wg)
+                        warpgroup.wait_group(1)
+                        pipeline_k.consumer_release(k_state)
+                        k_state.advance()
+                        scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.block(i),
+                                        mask, mod_applies(i))
+                        warpgroup.wait_group(0)
+                        pipeline_v.consumer_release(v_state)
+                        v_state.advance()
+                        softmax.rescale(acc_O_mn)
+                        to_p()
             if const_expr(cfg.o_path != "q_buffer"):
                 # every QK GEMM of this tile is done: the next tile's Q may load now, during
                 # this tile's last P V and its epilogue
@@ -976,6 +1000,40 @@ class FlashFwdSm90:
         return q_state, k_state
 
     @cute.jit
+    def key_block_step(self, k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
+                       scores, rescale, to_p, wg):
+        """One key block of the mainloop (consume's steady state): returns the states."""
+        pipeline_k.consumer_wait(k_state)
+        self.pingpong.wait(wg)
+        gemm_qk(k_state.index)
+        pipeline_v.consumer_wait(v_state)
+        gemm_pv(v_state.index)
+        self.pingpong.pass_on(wg)
+        warpgroup.wait_group(1)
+        pipeline_k.consumer_release(k_state)
+        k_state.advance()
+        scores()
+        warpgroup.wait_group(0)
+        pipeline_v.consumer_release(v_state)
+        v_state.advance()
+        rescale()
+        to_p()
+        return k_state, v_state
+
+    def visit_needs_mask(self, block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
+                         mod_applies):
+        """Whether a block-sparse visit's scores need any element mask for this warpgroup's
+        rows: the call's masks on its block (on either half of a pair), or the mask_mod
+        (mod_applies)."""
+        if const_expr(self.cfg.sparse_pairs):
+            half = self.tile_n // 2
+            needs = lambda n: block_info.needs_mask_keys(seqlen.seqlen_q, seqlen.seqlen_k,
+                                                         row_start, WG_ROWS, n * half, half)
+            return needs(n_block[0]) | needs(n_block[1]) | mod_applies
+        return block_info.needs_mask(seqlen.seqlen_q, seqlen.seqlen_k, row_start, WG_ROWS,
+                                     n_block) | mod_applies
+
+    @cute.jit
     def scores_to_probs(self, acc_S, acc_S_mn, coord_S_mn, softmax: OnlineSoftmax,
                         block_info: BlockInfo, seqlen: SeqlenInfo, row_start, n_block,
                         score_scale, window_left, window_right, mask: cutlass.Constexpr,
@@ -1017,7 +1075,8 @@ class FlashFwdSm90:
                                                    seqlen.seqlen_q, seqlen.seqlen_k, batch_idx,
                                                    head_idx, mod, cols=cols)
                 if const_expr(isinstance(mod_applies, bool)):
-                    apply_mod()
+                    if const_expr(mod_applies):
+                        apply_mod()
                 elif mod_applies:
                     apply_mod()
         softmax.step(acc_S_mn)
