@@ -102,10 +102,6 @@ class Sm90FwdConfig:
     # each visit is two listed blocks, one a half (common/block_sparse.SparseBlockPairs), so a
     # narrow list runs at the wide tile's rate; tile_n is then twice the lists' key block
     sparse_pairs: bool = False
-    # block-sparse: the mainloop's step compiled twice, with the element mask (and the
-    # mask_mod) and without, one branch a visit on the visit's index (read one visit ahead):
-    # the unmasked step is straight-line code as a dense tile's middle run (candidate)
-    sparse_mask_branch: bool = False
     # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
     # the partial blocks of a block-sparse one
@@ -913,19 +909,17 @@ class FlashFwdSm90:
             # flight while this warpgroup waits for S, then the softmax of the next block runs
             # under the P V GEMM (intra-warpgroup overlap). The ping-pong turns make the consumer
             # warpgroups issue their GEMMs in turn, so one's softmax hides under the others' GEMMs.
-            if const_expr(cfg.sparse):  # listed blocks: each checks whether it needs the mask
-                runs = [(Int32(1), visit.count(), None)]
-            else:
-                runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
-                                                 WG_ROWS, visit.n_min, visit.n_max)
-            # one key block's step: its S = Q K^T with the previous block's O += P V, then
-            # its softmax (mask: scores_to_probs's; applies: whether the mask_mod does)
+            # step: one key block (mask: scores_to_probs's; applies: whether the mask_mod does)
             step = lambda k_state, v_state, n_block, mask, applies: self.key_block_step(
                 k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
                 lambda: scores_to_probs(n_block, mask, applies),
                 lambda: softmax.rescale(acc_O_mn), to_p, wg)
-            if const_expr(cfg.sparse_mask_branch):
-                # each visit's index read one visit ahead (the last read again, in range)
+            if const_expr(cfg.sparse):
+                # Listed blocks: the step is compiled twice, with the element mask (and the
+                # mask_mod) and without, and each visit branches on its index, read one visit
+                # ahead (the last one read again, in range). The unmasked copy is straight-line
+                # code as a dense tile's middle run; with one copy checking each block inside,
+                # 128x128 ran 0.98-1.05x and 64x64 0.88-0.94x of this (docs/perf-log.md).
                 n_next = listed(cutlass.min(Int32(1), visit.count() - 1))
                 for i in cutlass.range(1, visit.count(), unroll=1):
                     n_listed = n_next
@@ -936,27 +930,14 @@ class FlashFwdSm90:
                     else:
                         k_state, v_state = step(k_state, v_state, n_listed, False, False)
             else:
+                # a dense range: runs of blocks that need the mask or not, known at compile time
+                runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
+                                                 WG_ROWS, visit.n_min, visit.n_max)
                 for run in cutlass.range_constexpr(len(runs)):
                     first, stop, mask = runs[run]
                     for i in cutlass.range(first, stop, unroll=1):
-                        # one key block (a listed index read first, as above)
-                        n_listed = listed(i) if const_expr(cfg.sparse) else None
-                        pipeline_k.consumer_wait(k_state)
-                        self.pingpong.wait(wg)
-                        gemm_qk(k_state.index)
-                        pipeline_v.consumer_wait(v_state)
-                        gemm_pv(v_state.index)
-                        self.pingpong.pass_on(wg)
-                        warpgroup.wait_group(1)
-                        pipeline_k.consumer_release(k_state)
-                        k_state.advance()
-                        scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.block(i),
-                                        mask, mod_applies(i))
-                        warpgroup.wait_group(0)
-                        pipeline_v.consumer_release(v_state)
-                        v_state.advance()
-                        softmax.rescale(acc_O_mn)
-                        to_p()
+                        k_state, v_state = step(k_state, v_state, visit.block(i), mask,
+                                                mod_applies(i))
             if const_expr(cfg.o_path != "q_buffer"):
                 # every QK GEMM of this tile is done: the next tile's Q may load now, during
                 # this tile's last P V and its epilogue
@@ -1002,7 +983,9 @@ class FlashFwdSm90:
     @cute.jit
     def key_block_step(self, k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
                        scores, rescale, to_p, wg):
-        """One key block of the mainloop (consume's steady state): returns the states."""
+        """One key block of the mainloop (consume's steady state): its S = Q K^T with the
+        previous block's O += P V, then its softmax (`scores`), O's rescale and P. Returns the
+        advanced states."""
         pipeline_k.consumer_wait(k_state)
         self.pingpong.wait(wg)
         gemm_qk(k_state.index)
