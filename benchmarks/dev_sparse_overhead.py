@@ -51,7 +51,7 @@ print(f"S={seqlen} blocks {block_q}x{block_k}, {sms} SMs")
 print(f"{'heads':>5} {'keep':>4} {'tiles':>5} {'rounds':>6} {'steps':>5} {'event_us':>9} "
       f"{'graph_us':>9} {'kernel_us':>9} {'TFLOP/s':>8}")
 for heads in (12, 24, 48):
-    for keep in (1, 2, 3, 4, 8, 16):
+    for keep in (1, 2, 3, 4, 8, 16, 32):
         fn = call(heads, keep)
         fn()
         tiles = heads * seqlen // block_q
