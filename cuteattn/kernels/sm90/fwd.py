@@ -102,9 +102,6 @@ class Sm90FwdConfig:
     # each visit is two listed blocks, one a half (common/block_sparse.SparseBlockPairs), so a
     # narrow list runs at the wide tile's rate; tile_n is then twice the lists' key block
     sparse_pairs: bool = False
-    # A/B candidate (config.SPARSE_FIRST_BRANCH): a block-sparse tile's first visit branches on
-    # its index into a masked and an unmasked softmax, as the later visits' steps do
-    sparse_first_branch: bool = False
     # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
     # the partial blocks of a block-sparse one
@@ -905,15 +902,8 @@ class FlashFwdSm90:
             warpgroup.wait_group(0)
             pipeline_k.consumer_release(k_state)
             k_state.advance()
-            if const_expr(cfg.sparse_first_branch):
-                if self.visit_needs_mask(block_info, seqlen, row_start, n_listed,
-                                         mod is not None and mod_applies(Int32(0))):
-                    scores_to_probs(n_listed, None, mod_applies(Int32(0)))
-                else:
-                    scores_to_probs(n_listed, False, False)
-            else:
-                scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.first(), None,
-                                mod_applies(Int32(0)))
+            scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.first(), None,
+                            mod_applies(Int32(0)))
             to_p()
             # Steady state: the next block's S = Q K^T and this block's O += P V are both in
             # flight while this warpgroup waits for S, then the softmax of the next block runs
