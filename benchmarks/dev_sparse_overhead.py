@@ -9,18 +9,22 @@ as the sparse bench) timed over kept counts and head counts; a least-squares fit
 cost a launch, a cost a tile beyond its blocks, and a cost a block. Each call is also timed
 from a CUDA graph's replays and by the profiler's kernel duration, to show what of the event
 time is the kernel. Usage (GPU):
-    PYTHONPATH=$PWD python3 benchmarks/dev_sparse_overhead.py [--seqlen S] [--block 128x128]"""
+    PYTHONPATH=$PWD python3 benchmarks/dev_sparse_overhead.py [--seqlen S] [--block 128x128]
+        [--on FLAG]    (--on: a boolean constant of kernels/sm90/config.py set True first)"""
 import sys
 
 import torch
 
 from cuteattn import flash_attn_func, sparse
 from cuteattn.bench.timing import graph_replay_ms, median_ms
+from cuteattn.kernels.sm90 import config
 
 argv = sys.argv[1:]
 opt = lambda name, default: argv[argv.index(name) + 1] if name in argv else default
 seqlen = int(opt("--seqlen", 8192))
 block_q, block_k = map(int, opt("--block", "128x128").split("x"))
+if "--on" in argv:
+    setattr(config, opt("--on", ""), True)
 dev = torch.device("cuda")
 sms = torch.cuda.get_device_properties(dev).multi_processor_count
 logical = 256
