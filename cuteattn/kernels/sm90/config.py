@@ -244,6 +244,10 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     return with_o_path(cfg)
 
 
+# A/B candidate: block-sparse tiles store O by TMA (Sm90FwdConfig.tma_o_store)
+SPARSE_TMA_O = False
+
+
 def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
     """The block-sparse variant of a dense config: the tile is the lists' block, the K/V ring as
     deep as shared memory allows (up to 4), tiles from the counter (their costs differ). Where
@@ -260,7 +264,9 @@ def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdC
         tile_n, pairs = 128, True
     for stages in (4, 3, 2):
         cfg = with_o_path(dataclasses.replace(
-            dense, sparse=True, sparse_pairs=pairs, num_wg=q_block // 64, tile_n=tile_n,
+            dense, sparse=True, sparse_pairs=pairs,
+            tma_o_store=SPARSE_TMA_O and not (dense.varlen_q or dense.has_seqused_q or dense.clip_o),
+            num_wg=q_block // 64, tile_n=tile_n,
             num_stages=stages,
             pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer",
             lazy_rescale=dense.lazy_rescale and q_block // 64 == 3))

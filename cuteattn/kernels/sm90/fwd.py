@@ -102,6 +102,11 @@ class Sm90FwdConfig:
     # each visit is two listed blocks, one a half (common/block_sparse.SparseBlockPairs), so a
     # narrow list runs at the wide tile's rate; tile_n is then twice the lists' key block
     sparse_pairs: bool = False
+    # A/B candidate (config.SPARSE_TMA_O): O leaves shared memory by a TMA store, issued by one
+    # warp a consumer warpgroup, instead of the threads' 16-byte global stores (whose drain
+    # held the next tile's first shared-memory accesses ~1000 cycles, docs/perf-log.md); only
+    # where TMA's bounds are the rows' (no packed q, seqused_q or clipped O)
+    tma_o_store: bool = False
     # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
     # the partial blocks of a block-sparse one
@@ -301,6 +306,12 @@ class FlashFwdSm90:
                 LayoutEnum.COL_MAJOR, (WG_ROWS, *v_tile), self.dtype, 1), (None, None, 0))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(tma_load, mK, k_box, k_tile)
         tma_atom_v, tma_vt = cpasync.make_tiled_tma_atom(tma_load, mVt, v_box, v_tile)
+        tma_store_o = (None, None)
+        if const_expr(cfg.tma_o_store):
+            tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.slice_(sO_layout, (None, None, 0)),
+                (WG_ROWS, self.dv))
+            tma_store_o = (tma_atom_o, tma_o)
         self.q_bytes = cute.size_in_bytes(self.dtype, sQ_layout)
         self.k_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
         self.v_bytes = cute.size_in_bytes(self.dtype, cute.slice_(sVt_layout, (None, None, 0)))
@@ -319,7 +330,7 @@ class FlashFwdSm90:
             num_tiles = num_m_blocks * num_heads * batch
 
         self.kernel(
-            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, mLSE,
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_vt, mO, tma_store_o, mLSE,
             mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK,
             mFullCount, mFullIndex, mPartialCount, mPartialIndex,
             (mQDescale, mKDescale, mVDescale, mCuSeqlensV), (mModTensor0, mModTensor1, mModTensor2, mModTensor3),
@@ -378,7 +389,7 @@ class FlashFwdSm90:
         tma_atom_q: cute.CopyAtom, mQ: cute.Tensor,
         tma_atom_k: cute.CopyAtom, mK: cute.Tensor,
         tma_atom_v: cute.CopyAtom, mVt: cute.Tensor,
-        mO: cute.Tensor, mLSE: cute.Tensor,
+        mO: cute.Tensor, tma_store_o: tuple, mLSE: cute.Tensor,
         mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
         mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor],
         mFullCount: Optional[cute.Tensor], mFullIndex: Optional[cute.Tensor],
@@ -401,6 +412,8 @@ class FlashFwdSm90:
         if warp_idx == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(cfg.tma_o_store):
+                cpasync.prefetch_descriptor(tma_store_o[0])
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -495,7 +508,7 @@ class FlashFwdSm90:
             wg = (warp_idx // 4) - 1
             self.pingpong.start(wg)
             consume_tile = lambda m_block, head_idx, batch_idx, seqlen, q_state, kv_state: self.consume(
-                tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
+                tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, tma_store_o, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state, seqlen,
                 block_info, lambda: visit(seqlen, m_block, head_idx, batch_idx), score_scale,
                 softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
@@ -505,6 +518,9 @@ class FlashFwdSm90:
             walk.walk(False, tile_info, consume_tile,
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages))
+            if const_expr(cfg.tma_o_store):
+                if (tidx % WG_THREADS) // 32 == 0:  # this warpgroup's O stores are complete
+                    cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
     def walk_transposes(self, walk, tile_info, visit, rows_stage, vt_stage, pipeline_vrows,
@@ -816,7 +832,7 @@ class FlashFwdSm90:
         return page, (key % cfg.page_size) // self.tile_n
 
     @cute.jit
-    def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, mLSE,
+    def consume(self, tiled_mma_pv, sQ, sK, sVt, sO, sO_q, mO, tma_store_o, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, q_state, kv_state,
                 seqlen: SeqlenInfo, block_info: BlockInfo, visit,
                 score_scale, softmax_scale_log2, window_left, window_right, fp8_args, mod_tensors,
@@ -957,7 +973,7 @@ class FlashFwdSm90:
                            self.dv, row_start, seqlen.seqlen_q, WG_ROWS)
         store = lambda sO_all, wait_barrier, wait_threads: self.store_o(
             acc_O, sO_all, mO, seqlen, tiled_mma_pv, row_start, head_idx, batch_idx, wg, tidx,
-            wait_barrier, wait_threads)
+            wait_barrier, wait_threads, tma_store_o)
         own = (FwdBarrier.EPILOGUE + wg, WG_THREADS)
         if const_expr(cfg.o_path == "v_stage"):
             if visit.any():
@@ -1066,15 +1082,34 @@ class FlashFwdSm90:
 
     @cute.jit
     def store_o(self, acc_O, sO_all, mO, seqlen: SeqlenInfo, tiled_mma_pv, row_start, head_idx,
-                batch_idx, wg, tidx, wait_barrier, wait_threads: cutlass.Constexpr):
+                batch_idx, wg, tidx, wait_barrier, wait_threads: cutlass.Constexpr,
+                tma_store_o=(None, None)):
         """O through this warpgroup's slice of `sO_all` to global memory. First every warp that
         read the buffer must be past it (`wait_barrier` over `wait_threads`): past its last GEMM
         (O in Q's buffer or a V stage) or past its reads of the previous tile's O."""
         named_barriers.sync(wait_barrier, wait_threads)
         sO = sO_all[None, None, wg]
         epilogue.stage_o(acc_O, sO, tiled_mma_pv, tidx, self.o_dtype)
-        named_barriers.sync(FwdBarrier.EPILOGUE + wg, WG_THREADS)
-        gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (WG_ROWS, self.dv),
-                             (row_start // WG_ROWS, 0))
-        epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.o_dtype, self.dv, WG_ROWS,
-                         WG_THREADS, cols=mO.shape[1] if const_expr(self.cfg.clip_o) else None)
+        if const_expr(self.cfg.tma_o_store):
+            # the threads' shared-memory writes, before the TMA (async proxy) reads them; the
+            # first warp issues the store and waits until it has read the buffer, so that its
+            # release (the ring's or the next epilogue's barrier) frees it only then
+            cute.arch.fence_proxy("async.shared", space="cta")
+            named_barriers.sync(FwdBarrier.EPILOGUE + wg, WG_THREADS)
+            if tidx // 32 == 0:
+                tma_atom_o, tma_o = tma_store_o
+                gO = cute.local_tile(seqlen.q_view(tma_o, head_idx, batch_idx), (WG_ROWS, self.dv),
+                                     (None, 0))
+                tOsO, tOgO = cpasync.tma_partition(tma_atom_o, 0, cute.make_layout(1),
+                                                   cute.group_modes(sO_all, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                cute.copy(tma_atom_o, tOsO[None, wg], tOgO[None, row_start // WG_ROWS])
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            named_barriers.sync(FwdBarrier.EPILOGUE + wg, WG_THREADS)
+            gO = cute.local_tile(seqlen.q_view(mO, head_idx, batch_idx), (WG_ROWS, self.dv),
+                                 (row_start // WG_ROWS, 0))
+            epilogue.store_o(sO, gO, row_start, seqlen.seqlen_q, tidx, self.o_dtype, self.dv,
+                             WG_ROWS, WG_THREADS,
+                             cols=mO.shape[1] if const_expr(self.cfg.clip_o) else None)
