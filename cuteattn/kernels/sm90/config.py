@@ -244,10 +244,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
     return with_o_path(cfg)
 
 
-# A/B candidate: block-sparse tiles store O by TMA (Sm90FwdConfig.tma_o_store)
-SPARSE_TMA_O = False
-
-
 def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdConfig:
     """The block-sparse variant of a dense config: the tile is the lists' block, the K/V ring as
     deep as shared memory allows (up to 4), tiles from the counter (their costs differ). Where
@@ -258,14 +254,16 @@ def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdC
     at the same depth (docs/perf-log.md, forty-fifth session). Lists of 64-key blocks run on
     128-key tiles, two listed blocks a visit (Sm90FwdConfig.sparse_pairs): 128x64 +5-12%,
     64x64 +1-3% (H100, forty-sixth session); not with seqused_k, whose V fix-up past the
-    sequence's end (finish_v_past_end) takes whole blocks."""
+    sequence's end (finish_v_past_end) takes whole blocks. O leaves by TMA where TMA's bounds
+    are its rows' (Sm90FwdConfig.tma_o_store): a block-sparse tile's fixed cost fell 13%, the
+    90% cells +3-4% (H100, forty-seventh session)."""
     tile_n, pairs = kv_block, False
     if kv_block == 64 and not (dense.page_size or dense.has_seqused_k):
         tile_n, pairs = 128, True
     for stages in (4, 3, 2):
         cfg = with_o_path(dataclasses.replace(
             dense, sparse=True, sparse_pairs=pairs,
-            tma_o_store=SPARSE_TMA_O and not (dense.varlen_q or dense.has_seqused_q or dense.clip_o),
+            tma_o_store=not (dense.varlen_q or dense.has_seqused_q or dense.clip_o),
             num_wg=q_block // 64, tile_n=tile_n,
             num_stages=stages,
             pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer",

@@ -102,10 +102,10 @@ class Sm90FwdConfig:
     # each visit is two listed blocks, one a half (common/block_sparse.SparseBlockPairs), so a
     # narrow list runs at the wide tile's rate; tile_n is then twice the lists' key block
     sparse_pairs: bool = False
-    # A/B candidate (config.SPARSE_TMA_O): O leaves shared memory by a TMA store, issued by one
-    # warp a consumer warpgroup, instead of the threads' 16-byte global stores (whose drain
-    # held the next tile's first shared-memory accesses ~1000 cycles, docs/perf-log.md); only
-    # where TMA's bounds are the rows' (no packed q, seqused_q or clipped O)
+    # O leaves shared memory by a TMA store, issued by one warp a consumer warpgroup, instead
+    # of the threads' 16-byte global stores, whose drain held the next tile's first accesses
+    # ~1000 cycles (block-sparse tiles, config.sparse_config; docs/perf-log.md). Only where
+    # TMA's bounds are the rows' (no packed q, seqused_q or clipped O).
     tma_o_store: bool = False
     # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
