@@ -177,6 +177,30 @@ def test_compile_o_paths(path, d, mask, varlen, seqlen, capfd, tmp_path, monkeyp
     assert spills and max(spills) == 0, f"{cfg} spills"
 
 
+# A/B candidates waiting for a GPU's verdict: each compiles spill-free where it applies
+CANDIDATES = [("O_IN_K_STAGE", 128, "causal", 1024), ("DENSE_TMA_O", 128, "none", 4096),
+              ("DENSE_TMA_O", 256, "causal", 4096)]
+
+
+@pytest.mark.parametrize("flag,d,mask,seqlen", CANDIDATES,
+                         ids=[f"{f}-d{d}-{m}-{s}" for f, d, m, s in CANDIDATES])
+def test_compile_candidates(flag, d, mask, seqlen, capfd, tmp_path, monkeypatch):
+    """O_IN_K_STAGE stages O in the last K stage (o_path "k_stage": the K stages released a
+    block late, a named barrier a warpgroup for its last QK GEMM); DENSE_TMA_O stores O by
+    TMA (no 16-byte global stores of O left)."""
+    from cuteattn.kernels.sm90 import config
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(config, flag, True)
+    cfg = sm90_launch.sm90_config(make_spec(torch.bfloat16, d, mask, False, seqlen_q=seqlen))
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    if flag == "O_IN_K_STAGE":
+        assert cfg.o_path == "k_stage"
+    else:
+        assert cfg.tma_o_store and "cp.async.bulk.tensor" in ptx and "st.global.v4.b32" not in ptx
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
+    assert spills and max(spills) == 0, f"{cfg} spills"
+
+
 # FlashAttention's forward surface beyond the compiled widths: head_dim_v != head_dim, head dims
 # padded to the next width (the O store then clips its columns), one side packed, seqused on
 # batched q/k. (d, dv, mask, varlen_q, varlen_k, seqused, softcap)

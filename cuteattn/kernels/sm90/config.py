@@ -293,6 +293,11 @@ def narrower_tiles(cfg: Sm90FwdConfig) -> list:
                     for n in range(cfg.tile_n - 16, 31, -16)]
 
 
+# A/B candidate: O staged in the last K block's stage where it would go to the last V block's
+# (Sm90FwdConfig.o_path "k_stage")
+O_IN_K_STAGE = False
+
+
 def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """Where O is staged (Sm90FwdConfig.o_path), the first that applies: its own buffer, where
     it fits beside Q and the K/V ring (d <= 96, and the widths between the tile anchors above
@@ -306,5 +311,8 @@ def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
             return with_o
     v_stage_bytes = cfg.tile_n * cfg.head_dim_v * cfg.dtype.width // 8
     if cfg.tile_n >= cfg.tile_m and v_stage_bytes % 1024 == 0:
+        k_stage_bytes = cfg.tile_n * cfg.head_dim * cfg.dtype.width // 8
+        if O_IN_K_STAGE and cfg.num_wg <= 2 and k_stage_bytes % 1024 == 0:
+            return dataclasses.replace(cfg, o_path="k_stage")
         return dataclasses.replace(cfg, o_path="v_stage")
     return cfg

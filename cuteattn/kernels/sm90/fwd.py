@@ -64,6 +64,7 @@ class FwdBarrier(enum.IntEnum):
     EPILOGUE = 1       # + wg: one consumer warpgroup's O staging (ids 1..3)
     TURN = 4           # + wg: the GEMM turn of consumer warpgroup wg (ids 4..6)
     ALL_CONSUMERS = 7  # every consumer is past its last GEMM (O into a V stage they all read)
+    K_DONE = 8         # + wg: warpgroup wg's last QK GEMM is done (O into that K stage; 8, 9)
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,12 @@ class Sm90FwdConfig:
     pingpong: bool = True        # consumer warpgroups take turns issuing GEMMs
     dynamic_tiles: bool = False  # tiles from a global counter instead of round robin
     # Where O is staged on its way to global memory (config.py chooses): Q's buffer (the next
-    # tile's Q loads only once the epilogue has read O back), a buffer of its own, or the
-    # ring stage of the tile's last V block. The last two free Q's buffer after the tile's last
-    # QK GEMM, so the next tile's Q loads under this one's last P V GEMM and epilogue.
+    # tile's Q loads only once the epilogue has read O back), a buffer of its own, the ring
+    # stage of the tile's last V block, or that of its last K block ("k_stage": each K stage is
+    # released a block late, with V's, so the last is still held at the epilogue; a warpgroup
+    # waits only for the others' last QK GEMM, not their last P V). The last three free Q's
+    # buffer after the tile's last QK GEMM, so the next tile's Q loads under this one's last
+    # P V GEMM and epilogue.
     o_path: str = "q_buffer"
     # out's head dim may be narrower than head_dim_v (a head dim padded to the next compiled
     # width: launch_common.compiled_width): O's columns past it are not stored. q, k and v need
@@ -458,11 +462,13 @@ class FlashFwdSm90:
         sO = sO_q
         if const_expr(cfg.o_path == "own_buffer"):
             sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
-        if const_expr(cfg.o_path == "v_stage"):
-            v_stage_elems = self.v_bytes * 8 // self.dtype.width
+        if const_expr(cfg.o_path in ("v_stage", "k_stage")):
+            in_v = const_expr(cfg.o_path == "v_stage")
+            ring_start = storage.sVt.data_ptr() if in_v else storage.sK.data_ptr()
+            stage_elems = (self.v_bytes if in_v else self.k_bytes) * 8 // self.dtype.width
             # (stages start on 1024-byte boundaries, as the 128-byte swizzle needs)
             sO = lambda stage: cute.make_tensor(
-                cute.recast_ptr(storage.sVt.data_ptr() + cute.assume(stage * v_stage_elems, divby=512),
+                cute.recast_ptr(ring_start + cute.assume(stage * stage_elems, divby=512),
                                 sO_layout.inner, dtype=self.dtype), sO_layout.outer)
 
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
@@ -916,7 +922,8 @@ class FlashFwdSm90:
             gemm_qk(k_state.index)
             self.pingpong.pass_on(wg)
             warpgroup.wait_group(0)
-            pipeline_k.consumer_release(k_state)
+            if const_expr(cfg.o_path != "k_stage"):  # (else released a block late, with V's)
+                pipeline_k.consumer_release(k_state)
             k_state.advance()
             scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.first(), None,
                             mod_applies(Int32(0)))
@@ -929,7 +936,7 @@ class FlashFwdSm90:
             step = lambda k_state, v_state, n_block, mask, applies: self.key_block_step(
                 k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
                 lambda: scores_to_probs(n_block, mask, applies),
-                lambda: softmax.rescale(acc_O_mn), to_p, wg)
+                lambda: softmax.rescale(acc_O_mn), to_p, wg, cfg.o_path == "k_stage")
             if const_expr(cfg.sparse):
                 # Listed blocks: the step is compiled twice, with the element mask (and the
                 # mask_mod) and without, and each visit branches on its index, read one visit
@@ -958,11 +965,14 @@ class FlashFwdSm90:
                 # every QK GEMM of this tile is done: the next tile's Q may load now, during
                 # this tile's last P V and its epilogue
                 pipeline_q.consumer_release(q_state)
+            if const_expr(cfg.o_path == "k_stage" and self.num_wg > 1):
+                # (the others may write their O over the last K block once this is past it)
+                named_barriers.arrive(FwdBarrier.K_DONE + wg, 2 * WG_THREADS)
             # Last block's O += P V.
             pipeline_v.consumer_wait(v_state)
             gemm_pv(v_state.index)
             warpgroup.wait_group(0)
-            if const_expr(cfg.o_path != "v_stage"):  # else the epilogue stages O there first
+            if const_expr(cfg.o_path not in ("v_stage", "k_stage")):  # else O is staged there
                 pipeline_v.consumer_release(v_state)
                 v_state.advance()
 
@@ -975,13 +985,21 @@ class FlashFwdSm90:
             acc_O, sO_all, mO, seqlen, tiled_mma_pv, row_start, head_idx, batch_idx, wg, tidx,
             wait_barrier, wait_threads, tma_store_o)
         own = (FwdBarrier.EPILOGUE + wg, WG_THREADS)
-        if const_expr(cfg.o_path == "v_stage"):
+        if const_expr(cfg.o_path in ("v_stage", "k_stage")):
             if visit.any():
-                # every consumer read this V stage in its last GEMM: all must be past it
-                store(sO(v_state.index), FwdBarrier.ALL_CONSUMERS, WG_THREADS * self.num_wg)
+                if const_expr(cfg.o_path == "v_stage"):
+                    # every consumer read this V stage in its last GEMM: all must be past it
+                    store(sO(v_state.index), FwdBarrier.ALL_CONSUMERS, WG_THREADS * self.num_wg)
+                elif const_expr(self.num_wg > 1):
+                    # the other warpgroup's last QK GEMM read this K stage (two warpgroups)
+                    store(sO(v_state.index), FwdBarrier.K_DONE + 1 - wg, 2 * WG_THREADS)
+                else:
+                    store(sO(v_state.index), *own)
                 # the generic-proxy reads of O must be ordered before TMA rewrites the stage
                 cute.arch.fence_proxy("async.shared", space="cta")
                 pipeline_v.consumer_release(v_state)
+                if const_expr(cfg.o_path == "k_stage"):
+                    pipeline_k.consumer_release(v_state)  # (the last K block's, held till now)
             else:  # no V block held: O goes through Q's buffer, which no GEMM read
                 store(sO_q, *own)
                 pipeline_q.consumer_release(q_state)
@@ -998,10 +1016,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def key_block_step(self, k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
-                       scores, rescale, to_p, wg):
+                       scores, rescale, to_p, wg, k_late: cutlass.Constexpr = False):
         """One key block of the mainloop (consume's steady state): its S = Q K^T with the
         previous block's O += P V, then its softmax (`scores`), O's rescale and P. Returns the
-        advanced states."""
+        advanced states. k_late: the previous block's K stage is released with its V stage
+        (o_path "k_stage"), not this block's after its QK GEMM."""
         pipeline_k.consumer_wait(k_state)
         self.pingpong.wait(wg)
         gemm_qk(k_state.index)
@@ -1009,11 +1028,14 @@ class FlashFwdSm90:
         gemm_pv(v_state.index)
         self.pingpong.pass_on(wg)
         warpgroup.wait_group(1)
-        pipeline_k.consumer_release(k_state)
+        if const_expr(not k_late):
+            pipeline_k.consumer_release(k_state)
         k_state.advance()
         scores()
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
+        if const_expr(k_late):  # (K and V of one block share a stage index)
+            pipeline_k.consumer_release(v_state)
         v_state.advance()
         rescale()
         to_p()
