@@ -185,9 +185,9 @@ CANDIDATES = [("O_IN_K_STAGE", 128, "causal", 1024), ("DENSE_TMA_O", 128, "none"
 @pytest.mark.parametrize("flag,d,mask,seqlen", CANDIDATES,
                          ids=[f"{f}-d{d}-{m}-{s}" for f, d, m, s in CANDIDATES])
 def test_compile_candidates(flag, d, mask, seqlen, capfd, tmp_path, monkeypatch):
-    """O_IN_K_STAGE stages O in the last K stage (o_path "k_stage": the K stages released a
-    block late, a named barrier a warpgroup for its last QK GEMM); DENSE_TMA_O stores O by
-    TMA (no 16-byte global stores of O left)."""
+    """O_IN_K_STAGE stages O in the tile's last K stage (o_path "k_stage": held past its QK
+    GEMM, a named barrier a warpgroup for its last QK GEMM); DENSE_TMA_O stores O by TMA (no
+    16-byte global stores of O left)."""
     from cuteattn.kernels.sm90 import config
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(config, flag, True)

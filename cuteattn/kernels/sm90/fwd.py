@@ -88,9 +88,9 @@ class Sm90FwdConfig:
     dynamic_tiles: bool = False  # tiles from a global counter instead of round robin
     # Where O is staged on its way to global memory (config.py chooses): Q's buffer (the next
     # tile's Q loads only once the epilogue has read O back), a buffer of its own, the ring
-    # stage of the tile's last V block, or that of its last K block ("k_stage": each K stage is
-    # released a block late, with V's, so the last is still held at the epilogue; a warpgroup
-    # waits only for the others' last QK GEMM, not their last P V). The last three free Q's
+    # stage of the tile's last V block, or that of its last K block ("k_stage": the last K
+    # block's stage is held past its QK GEMM until the epilogue; a warpgroup waits only for the
+    # others' last QK GEMM, not their last P V). The last three free Q's
     # buffer after the tile's last QK GEMM, so the next tile's Q loads under this one's last
     # P V GEMM and epilogue.
     o_path: str = "q_buffer"
@@ -922,7 +922,10 @@ class FlashFwdSm90:
             gemm_qk(k_state.index)
             self.pingpong.pass_on(wg)
             warpgroup.wait_group(0)
-            if const_expr(cfg.o_path != "k_stage"):  # (else released a block late, with V's)
+            if const_expr(cfg.o_path == "k_stage"):
+                if visit.count() > 1:  # (the last block's K stage stages O: held)
+                    pipeline_k.consumer_release(k_state)
+            else:
                 pipeline_k.consumer_release(k_state)
             k_state.advance()
             scores_to_probs(n_listed if const_expr(cfg.sparse) else visit.first(), None,
@@ -933,10 +936,12 @@ class FlashFwdSm90:
             # under the P V GEMM (intra-warpgroup overlap). The ping-pong turns make the consumer
             # warpgroups issue their GEMMs in turn, so one's softmax hides under the others' GEMMs.
             # step: one key block (mask: scores_to_probs's; applies: whether the mask_mod does)
-            step = lambda k_state, v_state, n_block, mask, applies: self.key_block_step(
+            # (k_stage: every visit's K stage is released after its QK GEMM but the last's)
+            release_k = lambda i: (i != visit.count() - 1) if const_expr(cfg.o_path == "k_stage") else None
+            step = lambda k_state, v_state, i, n_block, mask, applies: self.key_block_step(
                 k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
                 lambda: scores_to_probs(n_block, mask, applies),
-                lambda: softmax.rescale(acc_O_mn), to_p, wg, cfg.o_path == "k_stage")
+                lambda: softmax.rescale(acc_O_mn), to_p, wg, release_k(i))
             if const_expr(cfg.sparse):
                 # Listed blocks: the step is compiled twice, with the element mask (and the
                 # mask_mod) and without, and each visit branches on its index, read one visit
@@ -949,9 +954,10 @@ class FlashFwdSm90:
                     n_next = listed(cutlass.min(i + 1, visit.count() - 1))
                     if self.visit_needs_mask(block_info, seqlen, row_start, n_listed,
                                              mod is not None and mod_applies(i)):
-                        k_state, v_state = step(k_state, v_state, n_listed, None, mod_applies(i))
+                        k_state, v_state = step(k_state, v_state, i, n_listed, None,
+                                                mod_applies(i))
                     else:
-                        k_state, v_state = step(k_state, v_state, n_listed, False, False)
+                        k_state, v_state = step(k_state, v_state, i, n_listed, False, False)
             else:
                 # a dense range: runs of blocks that need the mask or not, known at compile time
                 runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, row_start,
@@ -959,7 +965,7 @@ class FlashFwdSm90:
                 for run in cutlass.range_constexpr(len(runs)):
                     first, stop, mask = runs[run]
                     for i in cutlass.range(first, stop, unroll=1):
-                        k_state, v_state = step(k_state, v_state, visit.block(i), mask,
+                        k_state, v_state = step(k_state, v_state, i, visit.block(i), mask,
                                                 mod_applies(i))
             if const_expr(cfg.o_path != "q_buffer"):
                 # every QK GEMM of this tile is done: the next tile's Q may load now, during
@@ -999,7 +1005,8 @@ class FlashFwdSm90:
                 cute.arch.fence_proxy("async.shared", space="cta")
                 pipeline_v.consumer_release(v_state)
                 if const_expr(cfg.o_path == "k_stage"):
-                    pipeline_k.consumer_release(v_state)  # (the last K block's, held till now)
+                    # the last K block's (K and V of one block share a stage index)
+                    pipeline_k.consumer_release(v_state)
             else:  # no V block held: O goes through Q's buffer, which no GEMM read
                 store(sO_q, *own)
                 pipeline_q.consumer_release(q_state)
@@ -1016,11 +1023,12 @@ class FlashFwdSm90:
 
     @cute.jit
     def key_block_step(self, k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
-                       scores, rescale, to_p, wg, k_late: cutlass.Constexpr = False):
+                       scores, rescale, to_p, wg, release_k=None):
         """One key block of the mainloop (consume's steady state): its S = Q K^T with the
         previous block's O += P V, then its softmax (`scores`), O's rescale and P. Returns the
-        advanced states. k_late: the previous block's K stage is released with its V stage
-        (o_path "k_stage"), not this block's after its QK GEMM."""
+        advanced states. release_k (o_path "k_stage"): whether this block's K stage is released
+        after its QK GEMM (not the tile's last: O is staged there, the epilogue releases it);
+        None: always."""
         pipeline_k.consumer_wait(k_state)
         self.pingpong.wait(wg)
         gemm_qk(k_state.index)
@@ -1028,14 +1036,15 @@ class FlashFwdSm90:
         gemm_pv(v_state.index)
         self.pingpong.pass_on(wg)
         warpgroup.wait_group(1)
-        if const_expr(not k_late):
+        if const_expr(release_k is None):
             pipeline_k.consumer_release(k_state)
+        else:
+            if release_k:
+                pipeline_k.consumer_release(k_state)
         k_state.advance()
         scores()
         warpgroup.wait_group(0)
         pipeline_v.consumer_release(v_state)
-        if const_expr(k_late):  # (K and V of one block share a stage index)
-            pipeline_k.consumer_release(v_state)
         v_state.advance()
         rescale()
         to_p()
