@@ -90,9 +90,9 @@ class Sm90FwdConfig:
     # tile's Q loads only once the epilogue has read O back), a buffer of its own, the ring
     # stage of the tile's last V block, or that of its last K block ("k_stage": the last K
     # block's stage is held past its QK GEMM until the epilogue; a warpgroup waits only for the
-    # others' last QK GEMM, not their last P V). The last three free Q's
-    # buffer after the tile's last QK GEMM, so the next tile's Q loads under this one's last
-    # P V GEMM and epilogue.
+    # others' last QK GEMM, not their last P V). The last three free Q's buffer after the
+    # tile's last QK GEMM, so the next tile's Q loads under this one's last P V GEMM and
+    # epilogue.
     o_path: str = "q_buffer"
     # out's head dim may be narrower than head_dim_v (a head dim padded to the next compiled
     # width: launch_common.compiled_width): O's columns past it are not stored. q, k and v need
@@ -937,7 +937,9 @@ class FlashFwdSm90:
             # warpgroups issue their GEMMs in turn, so one's softmax hides under the others' GEMMs.
             # step: one key block (mask: scores_to_probs's; applies: whether the mask_mod does)
             # (k_stage: every visit's K stage is released after its QK GEMM but the last's)
-            release_k = lambda i: (i != visit.count() - 1) if const_expr(cfg.o_path == "k_stage") else None
+            release_k = lambda i: None
+            if const_expr(cfg.o_path == "k_stage"):
+                release_k = lambda i: i != visit.count() - 1
             step = lambda k_state, v_state, i, n_block, mask, applies: self.key_block_step(
                 k_state, v_state, pipeline_k, pipeline_v, gemm_qk, gemm_pv,
                 lambda: scores_to_probs(n_block, mask, applies),
@@ -1117,7 +1119,9 @@ class FlashFwdSm90:
                 tma_store_o=(None, None)):
         """O through this warpgroup's slice of `sO_all` to global memory. First every warp that
         read the buffer must be past it (`wait_barrier` over `wait_threads`): past its last GEMM
-        (O in Q's buffer or a V stage) or past its reads of the previous tile's O."""
+        (O in Q's buffer or a V stage), past its last QK GEMM (a K stage), or past its reads of
+        the previous tile's O. With tma_o_store, one TMA store a warpgroup (tma_store_o: the
+        atom and its tensor) instead of the threads' stores."""
         named_barriers.sync(wait_barrier, wait_threads)
         sO = sO_all[None, None, wg]
         epilogue.stage_o(acc_O, sO, tiled_mma_pv, tidx, self.o_dtype)
