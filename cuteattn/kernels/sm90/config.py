@@ -165,11 +165,6 @@ def paged_tile_n(tile_n: int, page_size: int):
     return tile_n - tile_n % page_size
 
 
-# A/B candidate: the dense forward stores O by TMA too, where TMA's bounds are the rows'
-# (Sm90FwdConfig.tma_o_store; block-sparse tiles always do, sparse_config)
-DENSE_TMA_O = False
-
-
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
@@ -227,7 +222,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
         mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
-        tma_o_store=DENSE_TMA_O and not (varlen_q or has_seqused_q or true_dv != head_dim_v),
         # The row max may lag (OnlineSoftmax.max_lag_log2; not with fp8's P, which uses that
         # headroom): it pays on the three-warpgroup tiles, whose softmax is the largest share
         # of a block, and at d=256, whose rescale of the widest O sits between P V GEMMs with no
