@@ -151,7 +151,7 @@ def write_json(path: str, meta: dict, results: list[dict]) -> None:
                   disk_loads=r.get("disk_loads"), kernels=r.get("kernels"),
                   **({"path": r["path"]} if "path" in r else {}),
                   **({"round_ms": r["round_ms"]} if "round_ms" in r else {}),
-                  **({"builder_ms": r["builder_ms"]} if "builder_ms" in r else {})) for r in results]
+                  **{k: r[k] for k in ("builder_ms", "builder_call_ms") if k in r}) for r in results]
     with open(path, "w") as f:
         json.dump(dict(meta, summary=summary(results), cells=cells), f, indent=1)
         f.write("\n")

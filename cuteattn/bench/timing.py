@@ -52,6 +52,32 @@ def median_ms(fn, device: torch.device, warmup: int = 5, iters: int = 20) -> flo
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+# A spin of this many GPU clock cycles (~1-2 ms) runs before each timed call of gpu_busy_ms:
+# longer than a Python call takes to enqueue its kernels, so the GPU never waits for the host
+HOST_COVER_CYCLES = 2_000_000
+
+
+def gpu_busy_ms(fn, device: torch.device, warmup: int = 5, iters: int = 20) -> float:
+    """Median milliseconds the GPU spends on one call of fn's kernels, without the host's time to
+    launch them: each call's start event is queued behind a spin kernel, so fn's kernels are
+    already queued when the GPU reaches it (for small work, such as the block-sparse builders,
+    whose Python call takes longer than their kernels; median_ms would time the call). On CPU,
+    median_ms."""
+    if device.type != "cuda":
+        return median_ms(fn, device, warmup, iters)
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        torch.cuda._sleep(HOST_COVER_CYCLES)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
 def graph_replay_ms(fn, device: torch.device, warmup: int = 3, iters: int = 20) -> float:
     """Median milliseconds of one replay of a CUDA graph holding one call of fn, captured after
     warm-up calls on a side stream: the launch cost a serving engine pays when it replays its
