@@ -287,18 +287,20 @@ def narrower_tiles(cfg: Sm90FwdConfig) -> list:
                     for n in range(cfg.tile_n - 16, 31, -16)]
 
 
-# A/B candidate: O staged in the last K block's stage where it would go to the last V block's
-# (Sm90FwdConfig.o_path "k_stage")
-O_IN_K_STAGE = False
-
-
 def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """Where O is staged (Sm90FwdConfig.o_path), the first that applies: its own buffer, where
     it fits beside Q and the K/V ring (d <= 96, and the widths between the tile anchors above
-    it: 112, 144, 160); the ring stage of the tile's last V block, where one stage holds the
-    whole O tile (tile_n >= tile_m: d = 128); else Q's buffer. The first two free Q's buffer
-    after the tile's last QK GEMM, so the next tile's Q loads during this tile's last P V GEMM
-    and epilogue (measured in docs/perf-log.md: +4-11% at d=64)."""
+    it: 112, 144, 160); the ring stage of the tile's last K block (causal dense tiles) or of
+    its last V block, where one stage holds the whole O tile (tile_n >= tile_m: d = 128, d=192
+    with v 128); else Q's buffer. The first three free Q's buffer after the tile's last QK
+    GEMM, so the next tile's Q loads during this tile's last P V GEMM and epilogue (measured
+    in docs/perf-log.md: +4-11% at d=64).
+    The K stage spares a warpgroup the wait for the others' last P V before its epilogue (it
+    waits for their last QK GEMM instead), but holds the K stage through the epilogue, so the
+    next tile's first K load waits for it. Causal tiles, the shorter, gain: d=128 1k +4%, 16k
+    +2-3%, d=192/128 4k +7%, 16k +3%; full ones lose 2-3% at 16k (d=128, d=192/128), and
+    block-sparse tiles ran even (0.998; H100, docs/perf-log.md, forty-eighth session). Not
+    measured, so not taken: windows, paged keys, traced mods."""
     if cfg.head_dim <= 96 or cfg.head_dim not in SUPPORTED_HEAD_DIMS:
         with_o = dataclasses.replace(cfg, o_path="own_buffer")
         if with_o.smem_bytes() <= SMEM_LIMIT:
@@ -306,7 +308,9 @@ def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     v_stage_bytes = cfg.tile_n * cfg.head_dim_v * cfg.dtype.width // 8
     if cfg.tile_n >= cfg.tile_m and v_stage_bytes % 1024 == 0:
         k_stage_bytes = cfg.tile_n * cfg.head_dim * cfg.dtype.width // 8
-        if O_IN_K_STAGE and cfg.num_wg <= 2 and k_stage_bytes % 1024 == 0:
+        dense_causal = cfg.causal and not (cfg.local or cfg.sparse or cfg.page_size) and (
+            cfg.mask_mod is None and cfg.score_mod is None)
+        if dense_causal and cfg.num_wg <= 2 and k_stage_bytes % 1024 == 0:
             return dataclasses.replace(cfg, o_path="k_stage")
         return dataclasses.replace(cfg, o_path="v_stage")
     return cfg
