@@ -5,7 +5,7 @@ GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
 candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0); --fp8
-builds only the fp8 (e4m3) variants, --surface only the d=192 / v=128 rows', --bench only the forward bench's default and fp8 grids'
+builds only the fp8 (e4m3) variants, --surface only the d=192 / v=128 rows', --varlen the varlen cells', --bench only the forward bench's default and fp8 grids'
 (what dev_fwd_ab.py times), --sparse only the block-sparse bench's. The cache directory is
 keyed by a fingerprint of the sm90 forward's sources (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a
 mismatch only means compiling as before.
@@ -79,6 +79,17 @@ def bench_specs():
             seqlen_k=seqlen, softmax_scale=d ** -0.5)
 
 
+def varlen_specs():
+    """The forward bench's varlen cells (bf16, d=128, packed, causal and not)."""
+    from cuteattn.bench.shapes import varlen_grid
+    from cuteattn.spec import AttentionSpec
+    for cell in varlen_grid():
+        yield AttentionSpec(
+            dtype=torch.bfloat16, head_dim=cell.d, head_dim_v=cell.d, causal=cell.causal,
+            local=False, has_softcap=False, varlen_q=True, varlen_k=True,
+            seqlen_q=cell.seqlen_q, seqlen_k=cell.seqlen_k, softmax_scale=cell.d ** -0.5)
+
+
 def sparse_specs():
     """The block-sparse bench's kernels (bf16, d=128, every physical block shape)."""
     from cuteattn.sparse import KERNEL_BLOCKS
@@ -108,6 +119,7 @@ def main():
     every = (fp8_specs() if "--fp8" in sys.argv else bench_specs() if "--bench" in sys.argv
              else sparse_specs() if "--sparse" in sys.argv
              else surface_specs() if "--surface" in sys.argv
+             else varlen_specs() if "--varlen" in sys.argv
              else itertools.chain(specs(), surface_specs(), fp8_specs()))
     for spec in every:  # one per compiled variant (the tile class folds lengths together)
         unique[launch.sm90_config(spec)] = None  # the config is the compile key
