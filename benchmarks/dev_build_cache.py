@@ -4,11 +4,13 @@ GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried
     CUTEATTN_CACHE_DIR=$PWD/.kcache python benchmarks/dev_build_cache.py [processes]
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
-candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0); --fp8
-builds only the fp8 (e4m3) variants, --surface only the d=192 / v=128 rows', --varlen the varlen cells', --bench only the forward bench's default and fp8 grids'
-(what dev_fwd_ab.py times), --sparse only the block-sparse bench's. The cache directory is
-keyed by a fingerprint of the sm90 forward's sources (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a
-mismatch only means compiling as before.
+candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0). Subsets:
+--fp8 only the fp8 (e4m3) variants, --surface the d=192 / v=128 rows', --varlen the varlen
+cells', --dynamic the counter-drawn tiles' (causal, window, packed) at d=64 / 128, --bench the
+forward bench's default and fp8 grids' (what dev_fwd_ab.py times), --sparse the block-sparse
+bench's. The cache directory is keyed by a fingerprint of the sm90 forward's sources
+(launch.sources()), the DSL and TVM-FFI versions and the architecture, so a mismatch only means
+compiling as before.
 """
 import itertools
 import os
@@ -90,6 +92,12 @@ def varlen_specs():
             seqlen_q=cell.seqlen_q, seqlen_k=cell.seqlen_k, softmax_scale=cell.d ** -0.5)
 
 
+def dynamic_specs():
+    """The specs() whose tiles come from the counter (causal, window, packed) at d=64 and 128:
+    a tile-order candidate's GPU tests."""
+    return (s for s in specs() if s.head_dim in (64, 128) and (s.causal or s.local or s.varlen_q))
+
+
 def sparse_specs():
     """The block-sparse bench's kernels (bf16, d=128, every physical block shape)."""
     from cuteattn.sparse import KERNEL_BLOCKS
@@ -120,6 +128,7 @@ def main():
              else sparse_specs() if "--sparse" in sys.argv
              else surface_specs() if "--surface" in sys.argv
              else varlen_specs() if "--varlen" in sys.argv
+             else dynamic_specs() if "--dynamic" in sys.argv
              else itertools.chain(specs(), surface_specs(), fp8_specs()))
     for spec in every:  # one per compiled variant (the tile class folds lengths together)
         unique[launch.sm90_config(spec)] = None  # the config is the compile key
