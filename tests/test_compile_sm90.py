@@ -178,30 +178,6 @@ def test_compile_o_paths(path, d, mask, varlen, seqlen, capfd, tmp_path, monkeyp
     assert spills and max(spills) == 0, f"{cfg} spills"
 
 
-# A/B candidates waiting for a GPU's verdict: each compiles spill-free where it applies
-# (flag, dtype, d, mask, varlen, seqlen_q)
-CANDIDATES = [("COORDS_IN_SLOT", torch.bfloat16, 128, "causal", False, 4096),
-              ("COORDS_IN_SLOT", torch.bfloat16, 128, "causal", True, 4096),
-              ("COORDS_IN_SLOT", torch.float8_e4m3fn, 128, "causal", False, 1024)]
-
-
-@pytest.mark.parametrize("flag,dtype,d,mask,varlen,seqlen", CANDIDATES,
-                         ids=[f"{f}-{str(t)[6:]}-d{d}-{m}{'-varlen' if v else ''}-{s}"
-                              for f, t, d, m, v, s in CANDIDATES])
-def test_compile_candidates(flag, dtype, d, mask, varlen, seqlen, capfd, tmp_path, monkeypatch):
-    """COORDS_IN_SLOT: the producer hands the next tile's coordinates over with its index (the
-    fp8 case at 1k has the transposing warps among the slot's readers)."""
-    from cuteattn.kernels.sm90 import config
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(config, flag, True)
-    cfg = sm90_launch.sm90_config(make_spec(dtype, d, mask, varlen, seqlen_q=seqlen))
-    assert cfg.coords_in_slot and cfg.dynamic_tiles
-    assert cfg.fp8_v_in_kernel == (dtype == torch.float8_e4m3fn)
-    compile_fwd(cfg, options="--keep-ptx remarks{ptx}")
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
-    assert spills and max(spills) == 0, f"{cfg} spills"
-
-
 # FlashAttention's forward surface beyond the compiled widths: head_dim_v != head_dim, head dims
 # padded to the next width (the O store then clips its columns), one side packed, seqused on
 # batched q/k. (d, dv, mask, varlen_q, varlen_k, seqused, softcap)

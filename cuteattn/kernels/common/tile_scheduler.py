@@ -132,13 +132,8 @@ class TileWalk:
     """
     num_tiles: Int32
     counter: Optional[cute.Tensor]       # int32 (2,): [tiles drawn, CTAs done]
-    slot: Optional[cute.Tensor]          # shared int32: [0] is the hand-off slot
+    slot: Optional[cute.Tensor]          # shared int32 (1,): the hand-off slot
     handoff: Optional[pipeline.PipelineAsync]  # producer warp -> every consumer thread
-    # shared int32 (3,) beside the slot, or None: the producer also hands over the next tile's
-    # (m_block, head, batch), which it works out for its own loads anyway, so that the readers
-    # skip the tile order's arithmetic (divisions; for packed sequences a prefix sum over the
-    # batch with global loads) between tiles
-    coords: Optional[cute.Tensor] = None
 
     @staticmethod
     def make_handoff(barrier_storage, consumer_threads: int) -> pipeline.PipelineAsync:
@@ -152,39 +147,31 @@ class TileWalk:
             defer_sync=True)
 
     @cute.jit
-    def walk(self, producer: cutlass.Constexpr, tile_coords: cutlass.Constexpr,
-             tile_info: cutlass.Constexpr, visit: cutlass.Constexpr, q_state, kv_state):
+    def walk(self, producer: cutlass.Constexpr, tile_info: cutlass.Constexpr,
+             visit: cutlass.Constexpr, q_state, kv_state):
         """For each of this CTA's tiles, in the role of the producer warp or of a consumer:
-        tile_coords(tile) -> (m_block, head_idx, batch_idx) (the tile order), tile_info(m_block,
-        head_idx, batch_idx) -> (m_block, head_idx, batch_idx, in_range, seqlen), and for a tile
-        in range visit(m_block, head_idx, batch_idx, seqlen, q_state, kv_state) -> (q_state,
+        tile_info(tile) -> (m_block, head_idx, batch_idx, in_range, seqlen), and for a tile in
+        range visit(m_block, head_idx, batch_idx, seqlen, q_state, kv_state) -> (q_state,
         kv_state). Every role skips the same tiles. Returns the final states."""
         role = pipeline.PipelineUserType.Producer if producer else pipeline.PipelineUserType.Consumer
         slot_state = pipeline.make_pipeline_state(role, 1)
         tile = cute.arch.block_idx()[0]
-        handed = self.coords is not None and self.counter is not None  # coordinates handed over
-        m_block, head_idx, batch_idx = Int32(0), Int32(0), Int32(0)
-        if cutlass.const_expr(handed):  # (the first tile, blockIdx.x, each works out itself)
-            m_block, head_idx, batch_idx = tile_coords(tile)
         while tile < self.num_tiles:
-            if cutlass.const_expr(not handed):
-                m_block, head_idx, batch_idx = tile_coords(tile)
-            m_block, head_idx, batch_idx, in_range, seqlen = tile_info(m_block, head_idx, batch_idx)
+            m_block, head_idx, batch_idx, in_range, seqlen = tile_info(tile)
             if in_range:
                 q_state, kv_state = visit(m_block, head_idx, batch_idx, seqlen, q_state, kv_state)
             if cutlass.const_expr(self.counter is None):
                 tile = tile + cute.arch.grid_dim()[0]
             elif cutlass.const_expr(producer):
-                tile, m_block, head_idx, batch_idx = self._draw_and_hand_off(slot_state, tile_coords)
+                tile = self._draw_and_hand_off(slot_state)
                 slot_state.advance()
             else:
-                tile, m_block, head_idx, batch_idx = self._take(slot_state)
+                tile = self._take(slot_state)
                 slot_state.advance()
         return q_state, kv_state
 
     @cute.jit
-    def _draw_and_hand_off(self, slot_state, tile_coords: cutlass.Constexpr):
-        """The next tile (and its coordinates if handed over; else placeholders)."""
+    def _draw_and_hand_off(self, slot_state) -> Int32:
         lane = cute.arch.lane_idx()
         ctas = cute.arch.grid_dim()[0]
         drawn = Int32(0)
@@ -200,27 +187,16 @@ class TileWalk:
                 if done == ctas - 1:
                     self.counter[0] = Int32(0)
                     self.counter[1] = Int32(0)
-        m_block, head_idx, batch_idx = Int32(0), Int32(0), Int32(0)
-        if cutlass.const_expr(self.coords is not None):
-            m_block, head_idx, batch_idx = tile_coords(nxt)  # (every lane: warp shuffles)
         self.handoff.producer_acquire(slot_state)
         if lane == 0:
             self.slot[0] = nxt
-            if cutlass.const_expr(self.coords is not None):
-                self.coords[0] = m_block
-                self.coords[1] = head_idx
-                self.coords[2] = batch_idx
-        # each lane arrives; the stage is full once all 32 have, lane 0 after its writes
+        # each lane arrives; the stage is full once all 32 have, lane 0 after its write
         self.handoff.producer_commit(slot_state)
-        return nxt, m_block, head_idx, batch_idx
+        return nxt
 
     @cute.jit
-    def _take(self, slot_state):
-        """The next tile (and its coordinates if handed over; else placeholders)."""
+    def _take(self, slot_state) -> Int32:
         self.handoff.consumer_wait(slot_state)
         nxt = self.slot[0]
-        m_block, head_idx, batch_idx = Int32(0), Int32(0), Int32(0)
-        if cutlass.const_expr(self.coords is not None):
-            m_block, head_idx, batch_idx = self.coords[0], self.coords[1], self.coords[2]
         self.handoff.consumer_release(slot_state)
-        return nxt, m_block, head_idx, batch_idx
+        return nxt

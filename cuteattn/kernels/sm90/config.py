@@ -165,11 +165,6 @@ def paged_tile_n(tile_n: int, page_size: int):
     return tile_n - tile_n % page_size
 
 
-# A/B candidate: the producer hands each next tile's coordinates over with its index
-# (Sm90FwdConfig.coords_in_slot), where tiles come from the counter
-COORDS_IN_SLOT = False
-
-
 def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                has_softcap: bool, varlen_q: bool, varlen_k: bool,
                has_seqused_q: bool = False, has_seqused_k: bool = False,
@@ -226,7 +221,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         pingpong=head_dim <= 128,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
-        coords_in_slot=COORDS_IN_SLOT and (causal or local or varlen_q),
         mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
         # The row max may lag (OnlineSoftmax.max_lag_log2; not with fp8's P, which uses that
         # headroom): it pays on the three-warpgroup tiles, whose softmax is the largest share
@@ -272,8 +266,7 @@ def sparse_config(dense: Sm90FwdConfig, q_block: int, kv_block: int) -> Sm90FwdC
             tma_o_store=not (dense.varlen_q or dense.has_seqused_q or dense.clip_o),
             num_wg=q_block // 64, tile_n=tile_n,
             num_stages=stages,
-            pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True,
-            coords_in_slot=COORDS_IN_SLOT, o_path="q_buffer",
+            pingpong=q_block > 64 and dense.head_dim <= 128, dynamic_tiles=True, o_path="q_buffer",
             lazy_rescale=dense.lazy_rescale and q_block // 64 == 3))
         if cfg.smem_bytes() <= SMEM_LIMIT:
             own = dataclasses.replace(cfg, o_path="own_buffer")

@@ -111,9 +111,6 @@ class Sm90FwdConfig:
     # ~1000 cycles (block-sparse tiles, config.sparse_config; docs/perf-log.md). Only where
     # TMA's bounds are the rows' (no packed q, seqused_q or clipped O).
     tma_o_store: bool = False
-    # A/B candidate (config.COORDS_IN_SLOT): the producer hands each next tile's coordinates
-    # over with its index (common/tile_scheduler.TileWalk.coords; dynamic_tiles only)
-    coords_in_slot: bool = False
     # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
     # the partial blocks of a block-sparse one
@@ -376,8 +373,7 @@ class FlashFwdSm90:
             # the V block that runs past the sequence's keys lands here first (load_kv with
             # v_past_end), then is published on the V pipeline's barrier (zeroes_v_past_end)
             "mbar_v_fix": cute.struct.MemRange[cutlass.Int64, 1],
-            # the tile hand-off slot and the tile's coordinates (TileWalk)
-            "next_tile": cute.struct.MemRange[Int32, 4],
+            "next_tile": cute.struct.MemRange[Int32, 1],  # the tile hand-off slot (TileWalk)
         }
         if self.cfg.o_path == "own_buffer":
             fields["sO"] = cute.struct.Align[
@@ -477,16 +473,11 @@ class FlashFwdSm90:
 
         block_info = BlockInfo(self.tile_m, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
-        slot = storage.next_tile.get_tensor(cute.make_layout(4))
         walk = TileWalk(num_tiles, mTileCounter if const_expr(cfg.dynamic_tiles) else None,
-                        slot, handoff, cute.make_tensor(slot.iterator + 1, cute.make_layout(3))
-                        if const_expr(cfg.coords_in_slot) else None)
-        tile_coords = lambda tile: self.tile_coords(
+                        storage.next_tile.get_tensor(cute.make_layout(1)), handoff)
+        tile_info = lambda tile: self.tile_info(
             tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
-            rows_q, mCuSeqlensQ, mSeqUsedQ)
-        tile_info = lambda m_block, head_idx, batch_idx: self.tile_info(
-            m_block, head_idx, batch_idx, batch, rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK,
-            mSeqUsedQ, mSeqUsedK)
+            rows_q, rows_k, mCuSeqlensQ, mCuSeqlensK, mSeqUsedQ, mSeqUsedK)
         # the key blocks a tile visits (DenseBlocks or SparseBlocks)
         visit = lambda seqlen, m_block, head_idx, batch_idx: self.visit_order(
             block_info, seqlen, m_block, head_idx, batch_idx,
@@ -502,7 +493,7 @@ class FlashFwdSm90:
                     lambda: visit(seqlen, m_block, head_idx, batch_idx),
                     m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, fp8_args[3],
                     mPageTable, storage.mbar_v_fix.data_ptr() if const_expr(cfg.zeroes_v_past_end) else None)
-                walk.walk(True, tile_coords, tile_info, load_tile,
+                walk.walk(True, tile_info, load_tile,
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1),
                           pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.num_stages))
             if const_expr(cfg.fp8_v_in_kernel):
@@ -514,7 +505,7 @@ class FlashFwdSm90:
                     stage_of = lambda ring, layout: lambda stage: cute.make_tensor(
                         ring.data_ptr() + cute.assume(stage * stage_bytes, divby=1024),
                         cute.slice_(layout, (None, None, 0)))
-                    self.walk_transposes(walk, tile_coords, tile_info, visit,
+                    self.walk_transposes(walk, tile_info, visit,
                                          stage_of(storage.sVrows, sVrows_layout),
                                          stage_of(storage.sVt, sVt_layout), pipeline_vrows,
                                          pipeline_v, tidx - 32)
@@ -530,7 +521,7 @@ class FlashFwdSm90:
                 m_block, head_idx, head_idx // qhead_per_kvhead, batch_idx, wg, tidx % WG_THREADS,
                 mSink)
             # K and V advance together over a whole tile: one state carries both across tiles
-            walk.walk(False, tile_coords, tile_info, consume_tile,
+            walk.walk(False, tile_info, consume_tile,
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1),
                       pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages))
             if const_expr(cfg.tma_o_store):
@@ -538,7 +529,7 @@ class FlashFwdSm90:
                     cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def walk_transposes(self, walk, tile_coords, tile_info, visit, rows_stage, vt_stage, pipeline_vrows,
+    def walk_transposes(self, walk, tile_info, visit, rows_stage, vt_stage, pipeline_vrows,
                         pipeline_v, thread):
         """The producer warpgroup's warps 1-3 (fp8_v_in_kernel): every tile's V blocks from the
         staging ring into V^T, in the loader's order (`thread`: 0..TRANSPOSE_THREADS-1;
@@ -546,7 +537,7 @@ class FlashFwdSm90:
         transpose_tile = lambda m_block, head_idx, batch_idx, seqlen, rows_state, vt_state: (
             self.transpose_tile(rows_stage, vt_stage, pipeline_vrows, pipeline_v, rows_state, vt_state,
                                 visit(seqlen, m_block, head_idx, batch_idx), thread))
-        walk.walk(False, tile_coords, tile_info, transpose_tile,
+        walk.walk(False, tile_info, transpose_tile,
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages),
                   pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages))
 
@@ -592,12 +583,13 @@ class FlashFwdSm90:
 
     # Tile order (the linear tile index a CTA walks): common/tile_scheduler.py.
     @cute.jit
-    def tile_coords(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
-                    l2_group: Int32, l2_small_groups: Int32, qhead_per_kvhead: Int32,
-                    rows_q: Int32, mCuSeqlensQ: Optional[cute.Tensor],
-                    mSeqUsedQ: Optional[cute.Tensor]):
-        """(m_block, head_idx, batch_idx) of linear tile `tile` (batch_idx == batch: a spare
-        tile of the packed grid)."""
+    def tile_info(self, tile: Int32, num_m_blocks: Int32, num_heads: Int32, batch: Int32,
+                  l2_group: Int32, l2_small_groups: Int32, qhead_per_kvhead: Int32,
+                  rows_q: Int32, rows_k: Int32,
+                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
+                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor]):
+        """(m_block, head_idx, batch_idx, in_range, seqlen) of linear tile `tile`; in_range is
+        False for the packed grid's spare tiles and for blocks past their sequence's end."""
         lpt = self.cfg.causal or self.cfg.local
         if const_expr(self.cfg.varlen_q):
             head_idx = tile // num_m_blocks
@@ -607,15 +599,6 @@ class FlashFwdSm90:
             m_block, head_idx, batch_idx = fixed_tile_coord(
                 tile, num_m_blocks, num_heads, batch, l2_group, l2_small_groups, qhead_per_kvhead,
                 lpt)
-        return m_block, head_idx, batch_idx
-
-    @cute.jit
-    def tile_info(self, m_block: Int32, head_idx: Int32, batch_idx: Int32, batch: Int32,
-                  rows_q: Int32, rows_k: Int32,
-                  mCuSeqlensQ: Optional[cute.Tensor], mCuSeqlensK: Optional[cute.Tensor],
-                  mSeqUsedQ: Optional[cute.Tensor], mSeqUsedK: Optional[cute.Tensor]):
-        """(m_block, head_idx, batch_idx, in_range, seqlen) of a tile's coordinates; in_range is
-        False for the packed grid's spare tiles and for blocks past their sequence's end."""
         tile_valid = batch_idx < batch  # the packed grid has a few spare tiles past the last block
         batch_idx = cutlass.min(batch_idx, batch - 1)
         seqlen = SeqlenInfo.create(batch_idx, rows_q, rows_k,
