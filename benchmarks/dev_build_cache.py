@@ -5,7 +5,7 @@ GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
 candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0). Subsets:
---fp8 only the fp8 (e4m3) variants, --surface the d=192 / v=128 rows', --varlen the varlen
+--fp8 only the fp8 (e4m3) variants, --surface the surface rows' (d=192 / v=128, d=80, d=96), --varlen the varlen
 cells', --dynamic the counter-drawn tiles' (causal, window, packed) at d=64 / 128, --bench the
 forward bench's default and fp8 grids' (what dev_fwd_ab.py times), --sparse the block-sparse
 bench's. The cache directory is keyed by a fingerprint of the sm90 forward's sources
@@ -44,14 +44,16 @@ def specs():
 
 
 def surface_specs():
-    """The benchmark's surface rows beyond specs(): d=192 with d_v=128 (MLA prefill)."""
+    """The forward bench's surface cells (bf16: d=192 with d_v=128, d=80, d=96; 4k and 16k,
+    causal and not)."""
+    from cuteattn.bench.shapes import surface_grid
     from cuteattn.spec import AttentionSpec
-    for dtype, causal, seqlen in itertools.product(
-            (torch.bfloat16, torch.float16), (False, True), (4096, 16384)):
+    for cell in surface_grid():
+        dv = cell.dv or cell.d
         yield AttentionSpec(
-            dtype=dtype, head_dim=192, head_dim_v=128, causal=causal, local=False,
-            has_softcap=False, varlen_q=False, varlen_k=False, seqlen_q=seqlen, seqlen_k=seqlen,
-            softmax_scale=192 ** -0.5)
+            dtype=torch.bfloat16, head_dim=cell.d, head_dim_v=dv, causal=cell.causal,
+            local=False, has_softcap=False, varlen_q=False, varlen_k=False,
+            seqlen_q=cell.seqlen_q, seqlen_k=cell.seqlen_k, softmax_scale=cell.d ** -0.5)
 
 
 FP8_MASKS = ("none", "causal", "local", "softcap")  # the fp8 tests' and benchmark's masks

@@ -218,7 +218,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         has_seqused_k=has_seqused_k,
         # Taking turns pays when the softmax is a large share of a block's time (small d);
         # at d > 128 the GEMMs dominate and the turns only add waiting (FA3's finding too).
-        pingpong=head_dim <= 128,
+        pingpong=head_dim <= 128 or (PINGPONG_V128 and head_dim_v <= 128),
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
         mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
@@ -287,6 +287,16 @@ def narrower_tiles(cfg: Sm90FwdConfig) -> list:
                     for n in range(cfg.tile_n - 16, 31, -16)]
 
 
+# A/B candidate: ping-pong turns also for wider q/k with v at most 128 columns (d=192 / v 128,
+# MLA prefill): its softmax and O are d=128's, only the QK GEMM is longer
+PINGPONG_V128 = False
+
+# A/B candidate: the K stage also for full (non-causal) dense tiles whose ring has three or more
+# stages (d=128 at up to SHORT_SEQLEN queries), where the held stage leaves two for the next
+# tile's first loads
+K_STAGE_FULL_THREE_STAGES = False
+
+
 def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """Where O is staged (Sm90FwdConfig.o_path), the first that applies: its own buffer, where
     it fits beside Q and the K/V ring (d <= 96, and the widths between the tile anchors above
@@ -308,9 +318,10 @@ def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     v_stage_bytes = cfg.tile_n * cfg.head_dim_v * cfg.dtype.width // 8
     if cfg.tile_n >= cfg.tile_m and v_stage_bytes % 1024 == 0:
         k_stage_bytes = cfg.tile_n * cfg.head_dim * cfg.dtype.width // 8
-        dense_causal = cfg.causal and not (cfg.local or cfg.sparse or cfg.page_size) and (
+        dense = not (cfg.local or cfg.sparse or cfg.page_size) and (
             cfg.mask_mod is None and cfg.score_mod is None)
-        if dense_causal and cfg.num_wg <= 2 and k_stage_bytes % 1024 == 0:
+        takes_k_stage = cfg.causal or (K_STAGE_FULL_THREE_STAGES and cfg.num_stages >= 3)
+        if dense and takes_k_stage and cfg.num_wg <= 2 and k_stage_bytes % 1024 == 0:
             return dataclasses.replace(cfg, o_path="k_stage")
         return dataclasses.replace(cfg, o_path="v_stage")
     return cfg
