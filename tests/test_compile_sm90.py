@@ -179,35 +179,39 @@ def test_compile_o_paths(path, d, mask, varlen, seqlen, capfd, tmp_path, monkeyp
 
 
 # A/B candidates waiting for a GPU's verdict: each compiles spill-free where it applies
-# (flag, d, dv, mask, varlen, seqlen_q, the field it sets: o_path or pingpong)
-CANDIDATES = [("K_STAGE_FULL_THREE_STAGES", 128, 128, "none", False, 1024, "k_stage"),
-              ("K_STAGE_FULL_THREE_STAGES", 128, 128, "none", True, 2048, "k_stage"),
-              ("K_STAGE_FULL_THREE_STAGES", 128, 128, "softcap", False, 1024, "k_stage"),
-              ("K_STAGE_FULL_THREE_STAGES", 128, 128, "none", False, 4096, "v_stage"),
-              ("PINGPONG_V128", 192, 128, "causal", False, 4096, True),
-              ("PINGPONG_V128", 192, 128, "none", False, 16384, True),
-              ("PINGPONG_V128", 192, 128, "local", True, 4096, True),
-              ("PINGPONG_V128", 192, 128, "softcap", False, 1024, True),
-              ("PINGPONG_V128", 192, 192, "causal", False, 4096, False)]
+# (flag, d, dv, mask, varlen, seqlen_q, the config field it sets and the value it gives)
+CANDIDATES = [("K_STAGE_FULL_THREE_STAGES", 128, 128, "none", False, 1024, "o_path", "k_stage"),
+              ("K_STAGE_FULL_THREE_STAGES", 128, 128, "none", True, 2048, "o_path", "k_stage"),
+              ("K_STAGE_FULL_THREE_STAGES", 128, 128, "softcap", False, 1024, "o_path", "k_stage"),
+              ("K_STAGE_FULL_THREE_STAGES", 128, 128, "none", False, 4096, "o_path", "v_stage"),
+              ("PINGPONG_V128", 192, 128, "causal", False, 4096, "pingpong", True),
+              ("PINGPONG_V128", 192, 128, "none", False, 16384, "pingpong", True),
+              ("PINGPONG_V128", 192, 128, "local", True, 4096, "pingpong", True),
+              ("PINGPONG_V128", 192, 128, "softcap", False, 1024, "pingpong", True),
+              ("PINGPONG_V128", 192, 192, "causal", False, 4096, "pingpong", False),
+              ("PDL", 128, 128, "causal", False, 4096, "pdl", True),
+              ("PDL", 64, 64, "local", True, 1024, "pdl", True),
+              ("PDL", 256, 256, "none", False, 4096, "pdl", True)]
 
 
-@pytest.mark.parametrize("flag,d,dv,mask,varlen,seqlen,field", CANDIDATES,
+@pytest.mark.parametrize("flag,d,dv,mask,varlen,seqlen,field,value", CANDIDATES,
                          ids=[f"{f}-d{d}-{dv}-{m}{'-varlen' if v else ''}-{s}"
-                              for f, d, dv, m, v, s, _ in CANDIDATES])
-def test_compile_candidates(flag, d, dv, mask, varlen, seqlen, field, capfd, tmp_path,
+                              for f, d, dv, m, v, s, _, _ in CANDIDATES])
+def test_compile_candidates(flag, d, dv, mask, varlen, seqlen, field, value, capfd, tmp_path,
                             monkeypatch):
     """K_STAGE_FULL_THREE_STAGES: full dense tiles with a three-stage ring (d=128 up to 2k
     queries) stage O in their last K stage; the two-stage long tiles keep the V stage.
-    PINGPONG_V128: d=192 with v 128 takes ping-pong turns (v 192 does not)."""
+    PINGPONG_V128: d=192 with v 128 takes ping-pong turns (v 192 does not). PDL: the kernel
+    waits on the grid before it and lets the next launch (griddepcontrol)."""
     from cuteattn.kernels.sm90 import config
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(config, flag, True)
     spec = dataclasses.replace(make_spec(torch.bfloat16, d, mask, varlen, seqlen_q=seqlen),
                                head_dim_v=dv)
     cfg = sm90_launch.sm90_config(spec)
-    assert (cfg.o_path if isinstance(field, str) else cfg.pingpong) == field
-    assert cfg.smem_bytes() <= config.SMEM_LIMIT
-    compile_fwd(cfg, options="--keep-ptx remarks{ptx}")
+    assert getattr(cfg, field) == value and cfg.smem_bytes() <= config.SMEM_LIMIT
+    ptx = compile_fwd(cfg, options="--keep-ptx remarks{ptx}").__ptx__
+    assert ("griddepcontrol.wait" in ptx) == cfg.pdl
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
 

@@ -228,6 +228,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # turns to hide it (+1-4% and +2-9% non-causal); two-warpgroup tiles at d=64-192 ran
         # 0.93-1.01x with it (docs/perf-log.md, twenty-seventh session).
         lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256),
+        pdl=PDL,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)
@@ -286,6 +287,9 @@ def narrower_tiles(cfg: Sm90FwdConfig) -> list:
     return [cfg] + [with_o_path(dataclasses.replace(cfg, tile_n=n, o_path="q_buffer"))
                     for n in range(cfg.tile_n - 16, 31, -16)]
 
+
+# A/B candidate: every forward launched as a programmatic dependent (Sm90FwdConfig.pdl)
+PDL = False
 
 # A/B candidate: ping-pong turns also for wider q/k with v at most 128 columns (d=192 / v 128,
 # MLA prefill): its softmax and O are d=128's, only the QK GEMM is longer
