@@ -295,12 +295,6 @@ PDL = False
 # MLA prefill): its softmax and O are d=128's, only the QK GEMM is longer
 PINGPONG_V128 = False
 
-# A/B candidate: the K stage also for full (non-causal) dense tiles whose ring has three or more
-# stages (d=128 at up to SHORT_SEQLEN queries), where the held stage leaves two for the next
-# tile's first loads
-K_STAGE_FULL_THREE_STAGES = False
-
-
 def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """Where O is staged (Sm90FwdConfig.o_path), the first that applies: its own buffer, where
     it fits beside Q and the K/V ring (d <= 96, and the widths between the tile anchors above
@@ -324,7 +318,7 @@ def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
         k_stage_bytes = cfg.tile_n * cfg.head_dim * cfg.dtype.width // 8
         dense = not (cfg.local or cfg.sparse or cfg.page_size) and (
             cfg.mask_mod is None and cfg.score_mod is None)
-        takes_k_stage = cfg.causal or (K_STAGE_FULL_THREE_STAGES and cfg.num_stages >= 3)
+        takes_k_stage = cfg.causal or cfg.num_stages >= 3
         if dense and takes_k_stage and cfg.num_wg <= 2 and k_stage_bytes % 1024 == 0:
             return dataclasses.replace(cfg, o_path="k_stage")
         return dataclasses.replace(cfg, o_path="v_stage")
