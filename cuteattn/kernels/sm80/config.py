@@ -69,11 +69,6 @@ SMEM_BY_CAPABILITY = {(8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
                       (12, 1): 99 * 1024}
 
 
-# A/B candidate: the forward and decode kernels launched as programmatic dependents
-# (Sm80FwdConfig.pdl)
-PDL = False
-
-
 def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
                 has_softcap: bool, varlen_q: bool, varlen_k: bool, has_seqused_q: bool = False,
                 has_seqused_k: bool = False, smem_limit: int = 99 * 1024,
@@ -92,7 +87,7 @@ def fwd_configs(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool
         num_warps=warps, causal=causal, local=local, has_softcap=has_softcap,
         varlen_q=varlen_q, varlen_k=varlen_k, has_seqused_q=has_seqused_q,
         has_seqused_k=has_seqused_k, kv_stages=stages[0] if stages else 1, has_sink=has_sink,
-        lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS, pdl=PDL)
+        lazy_rescale=head_dim in LAZY_RESCALE_HEAD_DIMS)
         for tile_m, tile_n, warps, *stages in tiles]
     configs = [cfg for cfg in configs if cfg.smem_bytes() <= smem_limit]
     if not configs:

@@ -70,10 +70,6 @@ class Sm80FwdConfig:
     # (combine.merge_row) instead of a combine kernel after it; each tile counts its stored
     # splits in mSplitCounts (int32, zero, left at zero by the last one).
     fold_combine: bool = False
-    # A/B candidate (config.PDL): launched as a programmatic dependent (PDL): each CTA waits for
-    # the grid before it in the stream (griddepcontrol.wait, before any global access), then
-    # lets the next grid launch at once
-    pdl: bool = False
     # Pack-GQA: the query heads sharing a kv head (this many, a divisor of tile_m) are rows of
     # one tile, so a tile reads its K/V once for all of them (decoding: one query row per head).
     pack_gqa: int = 1
@@ -287,7 +283,6 @@ class FlashFwdSm80:
             min_blocks_per_mp=cfg.min_ctas_per_sm,
             # (a bound of more than one CTA would ask the device for its shared memory)
             preferred_smem_carveout=100 if const_expr(cfg.min_ctas_per_sm > 1) else None,
-            use_pdl=cfg.pdl,
         )
 
     def shared_storage(self, sQ_layout, sK_layout, sV_layout):
@@ -338,9 +333,6 @@ class FlashFwdSm80:
         sV_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
     ):
         cfg = self.cfg
-        if const_expr(cfg.pdl):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         tile, _, _ = cute.arch.block_idx()
         split = Int32(0)

@@ -218,7 +218,7 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         has_seqused_k=has_seqused_k,
         # Taking turns pays when the softmax is a large share of a block's time (small d);
         # at d > 128 the GEMMs dominate and the turns only add waiting (FA3's finding too).
-        pingpong=head_dim <= 128 or (PINGPONG_V128 and head_dim_v <= 128),
+        pingpong=head_dim <= 128,
         # Causal, windowed and varlen tiles differ in cost: draw them from a counter.
         dynamic_tiles=causal or local or varlen_q,
         mask_mod=mask_mod, score_mod=score_mod, page_size=page_size, has_sink=has_sink,
@@ -228,7 +228,6 @@ def fwd_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bool,
         # turns to hide it (+1-4% and +2-9% non-causal); two-warpgroup tiles at d=64-192 ran
         # 0.93-1.01x with it (docs/perf-log.md, twenty-seventh session).
         lazy_rescale=not fp8 and (num_wg == 3 or anchor == 256),
-        pdl=PDL,
     )
     if sparse_block is not None:
         return sparse_config(cfg, *sparse_block)
@@ -288,27 +287,22 @@ def narrower_tiles(cfg: Sm90FwdConfig) -> list:
                     for n in range(cfg.tile_n - 16, 31, -16)]
 
 
-# A/B candidate: every forward launched as a programmatic dependent (Sm90FwdConfig.pdl)
-PDL = False
-
-# A/B candidate: ping-pong turns also for wider q/k with v at most 128 columns (d=192 / v 128,
-# MLA prefill): its softmax and O are d=128's, only the QK GEMM is longer
-PINGPONG_V128 = False
-
 def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """Where O is staged (Sm90FwdConfig.o_path), the first that applies: its own buffer, where
     it fits beside Q and the K/V ring (d <= 96, and the widths between the tile anchors above
-    it: 112, 144, 160); the ring stage of the tile's last K block (causal dense tiles) or of
-    its last V block, where one stage holds the whole O tile (tile_n >= tile_m: d = 128, d=192
+    it: 112, 144, 160); the ring stage of the tile's last K block (dense tiles that are causal
+    or have a ring of three stages or more) or of its last V block, where one stage holds the whole O tile (tile_n >= tile_m: d = 128, d=192
     with v 128); else Q's buffer. The first three free Q's buffer after the tile's last QK
     GEMM, so the next tile's Q loads during this tile's last P V GEMM and epilogue (measured
     in docs/perf-log.md: +4-11% at d=64).
     The K stage spares a warpgroup the wait for the others' last P V before its epilogue (it
     waits for their last QK GEMM instead), but holds the K stage through the epilogue, so the
     next tile's first K load waits for it. Causal tiles, the shorter, gain: d=128 1k +4%, 16k
-    +2-3%, d=192/128 4k +7%, 16k +3%; full ones lose 2-3% at 16k (d=128, d=192/128), and
-    block-sparse tiles ran even (0.998; H100, docs/perf-log.md, forty-eighth session). Not
-    measured, so not taken: windows, paged keys, traced mods."""
+    +2-3%, d=192/128 4k +7%, 16k +3%; full ones lose 2-3% at 16k (d=128, d=192/128: two
+    stages, so the next tile's second K load waits too), and block-sparse tiles ran even
+    (0.998; H100, docs/perf-log.md, forty-eighth session). Full tiles with a third stage (d=128
+    up to 2k queries) gain: 1k +2.6-3.6% in three runs, packed 8 x 2048 even (0.993; H100,
+    forty-ninth session). Not measured, so not taken: windows, paged keys, traced mods."""
     if cfg.head_dim <= 96 or cfg.head_dim not in SUPPORTED_HEAD_DIMS:
         with_o = dataclasses.replace(cfg, o_path="own_buffer")
         if with_o.smem_bytes() <= SMEM_LIMIT:

@@ -111,11 +111,6 @@ class Sm90FwdConfig:
     # ~1000 cycles (block-sparse tiles, config.sparse_config; docs/perf-log.md). Only where
     # TMA's bounds are the rows' (no packed q, seqused_q or clipped O).
     tma_o_store: bool = False
-    # A/B candidate (config.PDL): launched as a programmatic dependent (PDL); each CTA sets up
-    # its shared memory and barriers, then waits for the grid before it in the stream
-    # (griddepcontrol.wait, before any global memory access), and at once lets the next grid
-    # launch, whose CTAs then do their own set-up on the SMs this grid's tail frees
-    pdl: bool = False
     # FlexAttention's mask_mod traced into the kernel (common/mods.py: its key; the function
     # itself is handed to FlashFwdSm90 for tracing): applied to every block of a dense tile, to
     # the partial blocks of a block-sparse one
@@ -354,7 +349,6 @@ class FlashFwdSm90:
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
-            use_pdl=self.cfg.pdl,
         )
 
     def make_tiled_mma_qk(self):
@@ -451,9 +445,6 @@ class FlashFwdSm90:
         # Make the barrier initialisation visible to every warp before anyone waits on it.
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if const_expr(cfg.pdl):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
