@@ -291,10 +291,10 @@ def with_o_path(cfg: Sm90FwdConfig) -> Sm90FwdConfig:
     """Where O is staged (Sm90FwdConfig.o_path), the first that applies: its own buffer, where
     it fits beside Q and the K/V ring (d <= 96, and the widths between the tile anchors above
     it: 112, 144, 160); the ring stage of the tile's last K block (dense tiles that are causal
-    or have a ring of three stages or more) or of its last V block, where one stage holds the whole O tile (tile_n >= tile_m: d = 128, d=192
-    with v 128); else Q's buffer. The first three free Q's buffer after the tile's last QK
-    GEMM, so the next tile's Q loads during this tile's last P V GEMM and epilogue (measured
-    in docs/perf-log.md: +4-11% at d=64).
+    or have a ring of three stages or more) or of its last V block, where one stage holds the
+    whole O tile (tile_n >= tile_m: d = 128, d=192 with v 128); else Q's buffer. The first
+    three free Q's buffer after the tile's last QK GEMM, so the next tile's Q loads during this
+    tile's last P V GEMM and epilogue (measured in docs/perf-log.md: +4-11% at d=64).
     The K stage spares a warpgroup the wait for the others' last P V before its epilogue (it
     waits for their last QK GEMM instead), but holds the K stage through the epilogue, so the
     next tile's first K load waits for it. Causal tiles, the shorter, gain: d=128 1k +4%, 16k
