@@ -5,8 +5,8 @@ GPU tests and the benchmark use, compiled here for sm_90a without a GPU. Carried
 then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache ...
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
 candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0). Subsets:
---fp8 only the fp8 (e4m3) variants, --surface the surface rows' (d=192 / v=128, d=80, d=96), --varlen the varlen
-cells', --dynamic the counter-drawn tiles' (causal, window, packed) at d=64 / 128, --bench the
+--fp8 only the fp8 (e4m3) variants, --surface the surface rows' (d=192 / v=128, d=80, d=96),
+--varlen the varlen cells', --dynamic the counter-drawn tiles' (causal, window, packed) at d=64 / 128, --bench the
 forward bench's default and fp8 grids' (what dev_fwd_ab.py times), --sparse the block-sparse
 bench's. The cache directory is keyed by a fingerprint of the sm90 forward's sources
 (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a mismatch only means
@@ -44,14 +44,14 @@ def specs():
 
 
 def surface_specs():
-    """The forward bench's surface cells (bf16: d=192 with d_v=128, d=80, d=96; 4k and 16k,
-    causal and not)."""
+    """The forward bench's surface cells (d=192 with d_v=128, d=80, d=96; 4k and 16k, causal
+    and not), in both 16-bit dtypes (the GPU tests' surface cases run fp16 too)."""
     from cuteattn.bench.shapes import surface_grid
     from cuteattn.spec import AttentionSpec
-    for cell in surface_grid():
+    for dtype, cell in itertools.product((torch.bfloat16, torch.float16), surface_grid()):
         dv = cell.dv or cell.d
         yield AttentionSpec(
-            dtype=torch.bfloat16, head_dim=cell.d, head_dim_v=dv, causal=cell.causal,
+            dtype=dtype, head_dim=cell.d, head_dim_v=dv, causal=cell.causal,
             local=False, has_softcap=False, varlen_q=False, varlen_k=False,
             seqlen_q=cell.seqlen_q, seqlen_k=cell.seqlen_k, softmax_scale=cell.d ** -0.5)
 
