@@ -6,9 +6,9 @@ then, on the GPU machine: CUTEATTN_DISK_CACHE=1 CUTEATTN_CACHE_DIR=$PWD/.kcache 
 (carry `.kcache`). NAME=VALUE arguments set constants of kernels/sm90/config.py first (a
 candidate's variants for its GPU tests and A/B, e.g. FP8_V_IN_KERNEL_MAX_SEQLEN_Q=0). Subsets:
 --fp8 only the fp8 (e4m3) variants, --surface the surface rows' (d=192 / v=128, d=80, d=96),
---varlen the varlen cells', --dynamic the counter-drawn tiles' (causal, window, packed) at d=64 / 128, --bench the
-forward bench's default and fp8 grids' (what dev_fwd_ab.py times), --sparse the block-sparse
-bench's. The cache directory is keyed by a fingerprint of the sm90 forward's sources
+--varlen the varlen cells', --dynamic the counter-drawn tiles' (causal, window, packed) at
+d=64 / 128, --bench the forward bench's default and fp8 grids' (what dev_fwd_ab.py times),
+--sparse the block-sparse bench's. The cache directory is keyed by a fingerprint of the sm90 forward's sources
 (launch.sources()), the DSL and TVM-FFI versions and the architecture, so a mismatch only means
 compiling as before.
 """
