@@ -62,3 +62,28 @@ for order in (list(impls), list(reversed(impls))):
         ms, mhz, watts, temp = run(name, impls[name])
         print(f"  {name:12s} {ms * 1e3:8.1f} us a call  {cell.rate(ms):7.1f} TFLOP/s  "
               f"SM {mhz:6.0f} MHz  {watts:5.0f} W  {temp:3.0f} C", flush=True)
+
+# Then each call timed alone (CUDA events around it), as the bench's rounds do (the previous
+# call's inputs and outputs partly in L2) and with L2 flushed before it (a 512 MB write between
+# calls, outside the events), as one cold call under Nsight Compute sees it.
+flush = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+
+
+def per_call_us(fn, flushed, iters=40):
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        if flushed:
+            flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+print("per call, median of 40 (us): warm L2 / flushed L2")
+for order in (list(impls), list(reversed(impls))):
+    for name in order:
+        warm, cold = per_call_us(impls[name], False), per_call_us(impls[name], True)
+        print(f"  {name:12s} {warm:8.1f} {cold:8.1f}", flush=True)
