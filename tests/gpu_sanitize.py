@@ -162,6 +162,12 @@ def cases() -> dict:
     out["sparse_causal_d64"] = lambda: sp.check(
         *sp.inputs(2, 300, 300, 4, 4, 64, fp16), sp.random_lists(2, 4, 300, 300, (128, 64), 2),
         causal=True)
+    # (pairs of 64-key blocks at head dims of 64- and 32-byte swizzle atoms: narrower copies)
+    out["sparse_pairs_d96"] = lambda: sp.check(
+        *sp.inputs(1, 333, 400, 4, 2, 96, bf16), sp.random_lists(1, 4, 333, 400, (128, 64), 3))
+    out["sparse_pairs_d80"] = lambda: sp.check(
+        *sp.inputs(1, 333, 400, 4, 2, 80, fp16), sp.random_lists(1, 4, 333, 400, (64, 64), 3),
+        causal=True)
     out["sparse_lying_lists"] = lambda: sp.test_lying_lists_stay_inside_the_tensors(0)
     out["sparse_packed_64x64"] = lambda: sp.test_packed_sequences(0, (64, 64), "causal")
     # (seqused_k: V past it zeroed in shared memory wherever its block is listed)

@@ -226,7 +226,8 @@ def test_compile_surface_variants(d, dv, mask, varlen_q, varlen_k, seqused, soft
 SPARSE_CASES = [(d, bq, bk, m) for (bq, bk), d, m in
                 [((128, 128), 128, "none"), ((128, 128), 64, "causal"), ((128, 128), 128, "softcap"),
                  ((128, 64), 128, "local"), ((128, 64), 64, "none"), ((128, 64), 128, "softcap"),
-                 ((64, 64), 128, "causal"), ((64, 64), 64, "local"), ((64, 64), 80, "softcap")]]
+                 ((64, 64), 128, "causal"), ((64, 64), 64, "local"), ((64, 64), 80, "softcap"),
+                 ((128, 64), 96, "none")]]
 # (with packed sequences: the lists per sequence)
 SPARSE_CASES = [c + (False,) for c in SPARSE_CASES] + [
     (128, 128, 128, "causal", True), (64, 128, 64, "none", True), (128, 64, 64, "local", True)]
@@ -257,6 +258,29 @@ def test_compile_block_sparse(d, bq, bk, mask, varlen, capfd, tmp_path, monkeypa
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", capfd.readouterr().err)]
     assert spills and max(spills) == 0, f"{cfg} spills"
+
+
+def test_key_slices_are_swizzle_atoms_wide():
+    """Where a key block arrives in slices (a pair's halves, small pages), each TMA copy is one
+    swizzle atom of the stage's layout wide: the atom sm90_utils picks for the operand's row
+    (K-major K, MN-major V^T), so the copies tile the stage exactly (the pipeline expects the
+    whole block's bytes: a 64-column copy at d=96 left 32 columns out and the tile never
+    started)."""
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.tensor_utils import LayoutEnum
+    from cuteattn.kernels.sm90.fwd import swizzle_atom_cols
+    atom_bytes = {"SW128": 128, "SW64": 64, "SW32": 32}
+    for dtype in (cutlass.BFloat16, cutlass.Float8E4M3FN):
+        for cols in range(16, 257, 16):
+            for major in (LayoutEnum.ROW_MAJOR, LayoutEnum.COL_MAJOR):
+                kind = sm90_utils.get_smem_layout_atom(major, dtype, cols).name.split("_")[-1]
+                if kind == "INTER":  # (rows under 32 bytes: no swizzle, no slices served)
+                    with pytest.raises(ValueError, match="no swizzle atom"):
+                        swizzle_atom_cols(dtype, cols)
+                else:
+                    assert swizzle_atom_cols(dtype, cols) == atom_bytes[kind] * 8 // dtype.width
+    assert [swizzle_atom_cols(cutlass.BFloat16, d) for d in (64, 80, 96, 128, 192, 256)] == [
+        64, 16, 32, 64, 64, 64]
 
 
 @pytest.mark.parametrize("paired", [False, True], ids=["128-key", "paired"])

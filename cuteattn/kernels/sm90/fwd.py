@@ -67,6 +67,19 @@ class FwdBarrier(enum.IntEnum):
     K_DONE = 8         # + wg: warpgroup wg's last QK GEMM is done (O into that K stage; 8, 9)
 
 
+def swizzle_atom_cols(dtype, cols: int) -> int:
+    """The columns of the shared-memory swizzle atom that sm90_utils' layouts tile a row of
+    `cols` elements with (the widest of 128, 64 and 32 bytes dividing the row): the width of
+    one TMA copy where a key block arrives in slices (Sm90FwdConfig.key_slice), so that each
+    slice of a stage is the copy box's own layout. 16-bit: 64 at d=64/128/192/256, 32 at d=96,
+    16 at d=80."""
+    row_bits = cols * dtype.width
+    for atom_bits in (1024, 512, 256):
+        if row_bits % atom_bits == 0:
+            return atom_bits // dtype.width
+    raise ValueError(f"no swizzle atom divides a row of {cols} {dtype.__name__} elements")
+
+
 @dataclass(frozen=True)
 class Sm90FwdConfig:
     """The static configuration of one compiled forward kernel: every field changes the code,
@@ -302,8 +315,9 @@ class FlashFwdSm90:
             v_box, v_tile = cute.slice_(sVrows_layout, (None, None, 0)), (self.tile_n, self.dv)
         if const_expr(cfg.key_slice):
             # keys from several places (a block's pages, a pair's halves): one (key_slice,
-            # 64-column) slice a copy (load)
-            k_tile, v_tile = (cfg.key_slice, 64), (64, cfg.key_slice)
+            # swizzle atom's columns) slice a copy (load, copy_key_slices)
+            k_tile = (cfg.key_slice, swizzle_atom_cols(self.dtype, self.d))
+            v_tile = (swizzle_atom_cols(self.dtype, self.dv), cfg.key_slice)
             k_box = cute.slice_(sm90_utils.make_smem_layout_b(
                 LayoutEnum.ROW_MAJOR, (WG_ROWS, *k_tile), self.dtype, 1), (None, None, 0))
             v_box = cute.slice_(sm90_utils.make_smem_layout_b(
@@ -748,13 +762,14 @@ class FlashFwdSm90:
         """(copy_k, copy_v, lookup) for pages smaller than a key block (Sm90FwdConfig.page_size
         < tile_n): copy_key_slices for K and for V, from the pages block_page_ids (the lookup)
         finds."""
-        page, cols = self.cfg.page_size, 64
+        page = self.cfg.page_size
+        cols_k, cols_v = swizzle_atom_cols(self.dtype, self.d), swizzle_atom_cols(self.dtype, self.dv)
         k_pages, vt_pages = mK[None, None, head_idx_kv, None], mVt[None, None, head_idx_kv, None]
         copy_k = lambda n_block, stage, barrier, lane_pid: self.copy_key_slices(
-            tma_atom_k, lambda pid, j: cute.local_tile(k_pages[None, None, pid], (page, cols), (0, j)),
+            tma_atom_k, lambda pid, j: cute.local_tile(k_pages[None, None, pid], (page, cols_k), (0, j)),
             sK, stage, barrier, lane_pid, False)
         copy_v = lambda n_block, stage, barrier, lane_pid: self.copy_key_slices(
-            tma_atom_v, lambda pid, j: cute.local_tile(vt_pages[None, None, pid], (cols, page), (j, 0)),
+            tma_atom_v, lambda pid, j: cute.local_tile(vt_pages[None, None, pid], (cols_v, page), (j, 0)),
             sVt, stage, barrier, lane_pid, True)
         lookup = lambda n_block: self.block_page_ids(mPageTable, batch_idx, seqlen_k, n_block,
                                                      mK.shape[3])
@@ -778,12 +793,13 @@ class FlashFwdSm90:
         """(copy_k, copy_v) for block-sparse pairs (Sm90FwdConfig.sparse_pairs): each half of a
         block from its listed block (lane h's value of lane_blocks: half h's), by
         copy_key_slices."""
-        half, cols = self.cfg.key_slice, 64
+        half = self.cfg.key_slice
+        cols_k, cols_v = swizzle_atom_cols(self.dtype, self.d), swizzle_atom_cols(self.dtype, self.dv)
         copy_k = lambda i, stage, barrier, lane_blocks: self.copy_key_slices(
-            tma_atom_k, lambda n, j: cute.local_tile(k_view, (half, cols), (n, j)),
+            tma_atom_k, lambda n, j: cute.local_tile(k_view, (half, cols_k), (n, j)),
             sK, stage, barrier, lane_blocks, False)
         copy_v = lambda i, stage, barrier, lane_blocks: self.copy_key_slices(
-            tma_atom_v, lambda n, j: cute.local_tile(vt_view, (cols, half), (j, n)),
+            tma_atom_v, lambda n, j: cute.local_tile(vt_view, (cols_v, half), (j, n)),
             sVt, stage, barrier, lane_blocks, True)
         return copy_k, copy_v
 
@@ -792,12 +808,16 @@ class FlashFwdSm90:
                         transposed: cutlass.Constexpr):
         """A key block into `stage` from several places, one key_slice-key slice each: slice i
         from source(lane i's value of lane_pid, j) (a page of the cache, or a pair's listed
-        block), its head dim 64 columns (j) a TMA copy (the atom's box is one 128-byte swizzle
-        atom wide, so a slice of the stage's layout is the atom's own layout). sX: K's ring, or
-        with `transposed` V^T's (source then gives (64, key_slice) tiles of V^T)."""
-        page, cols = self.cfg.key_slice, 64
+        block), its head dim one swizzle atom's columns (j) a TMA copy (the atom's box is one
+        swizzle atom wide, so a slice of the stage's layout is the box's own layout). sX: K's
+        ring, or with `transposed` V^T's (source then gives (columns, key_slice) tiles of V^T).
+        The copies must cover the stage: the pipeline's barrier expects the whole block's bytes,
+        so a column left out (a 64-column copy at d=96 did) would stall the consumers for ever."""
+        page = self.cfg.key_slice
         one = cute.make_layout(1)
         width = self.dv if const_expr(transposed) else self.d
+        cols = swizzle_atom_cols(self.dtype, width)
+        assert width % cols == 0 and self.tile_n % page == 0, (width, cols, self.tile_n, page)
         for i in cutlass.range_constexpr(self.tile_n // page):
             pid = cute.arch.shuffle_sync(lane_pid, i)
             for j in cutlass.range_constexpr(width // cols):
