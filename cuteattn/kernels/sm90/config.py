@@ -124,10 +124,11 @@ SPARSE_MAX_HEAD_DIM = 128
 
 # Paged keys. Pages of a multiple of 64 keys hold whole key blocks (one TMA copy a block): tile_n
 # divides the page size, the widest of these within the head dim's tile. Smaller pages (vLLM's
-# 16) are slices of a block, one TMA copy a (page, 64 columns) slice: tile_n a multiple of
-# the page size, the kernel's widths a multiple of 64 (the copies' box is one 128-byte swizzle
-# atom wide), so other head dims run padded to the next multiple of 64 there (TMA zero-fills
-# the columns past the cache's).
+# 16) are slices of a block, one TMA copy a (page, swizzle atom's columns) slice: tile_n a
+# multiple of the page size. The kernel's widths there are multiples of 64 (one 128-byte atom,
+# 64 columns, a copy): other head dims run padded to the next multiple of 64 (TMA zero-fills the
+# columns past the cache's), where their own width would take 2-4x the copies (d=96's atom is
+# 32 columns, d=80's 16; fwd.swizzle_atom_cols). Which is faster is unmeasured.
 PAGED_TILE_N = (128, 64)
 SLICED_PAGE_WIDTH = 64
 
