@@ -59,9 +59,9 @@ LAZY_RESCALE_HEAD_DIMS = (128,)
 # before this bound; with it, batch 1 +0.7-2.9%, batch 8 0.99-1.01x (0: never folds, the A/B's
 # "off")
 FOLD_MAX_STEPS = 16
-# A/B candidate: a folded step over a 16-bit cache shares its tiles' key ranges among their splits
-# at run time (Sm80FwdConfig.dynamic_splits)
-DYNAMIC_SPLITS = True
+# A/B candidate, off until it has run on a GPU: a folded step over a 16-bit cache shares its
+# tiles' key ranges among their splits at run time (Sm80FwdConfig.dynamic_splits)
+DYNAMIC_SPLITS = False
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
 # the device). sm_90 is here for the H100/H200, where the path is tested; sm_100/103 (B200,
