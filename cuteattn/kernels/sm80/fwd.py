@@ -71,8 +71,8 @@ class Sm80FwdConfig:
     # splits in mSplitCounts (int32, zero, left at zero by the last one).
     fold_combine: bool = False
     # With fold_combine over a 16-bit cache's ring: a tile's splits share its key range at run
-    # time instead of taking equal shares. The range is cut into chunks of `chunk_blocks` key
-    # blocks from the top down; split s visits chunks s and s + num_splits, then those it draws
+    # time instead of taking equal shares. The range is cut into chunks of a few key blocks
+    # (CHUNK_BLOCKS at most) from the top down; split s visits chunks s and s + num_splits, then those it draws
     # from the tile's counter (the second half of mSplitCounts, zero at rest), until a chunk
     # falls past the range. Equal shares finish up to 20% apart (a clock-stamp trace of a
     # batch-1 step: the SMs do not stream at one speed), and the merge waits for the last.
