@@ -602,12 +602,12 @@ class FlashFwdSm80:
             key_block = self.key_block_fp8 if const_expr(self.fp8) else self.key_block_ring
         if const_expr(self.fragments):
             key_block = self.key_block_fragments
-        block = partial(key_block, ops=ops,
-                        softmax=softmax, load_k=load_k, load_v=load_v,
-                        block_info=block_info, seqlen=seqlen, row_start=row_start,
-                        q_start=q_start, n_min=n_min, n_max=n_max,
-                        score_scale=score_scale, window_left=window_left,
-                        window_right=window_right)
+        # (what every visit of a key block takes, whichever loop visits it)
+        state = dict(ops=ops, softmax=softmax, load_k=load_k, load_v=load_v,
+                     block_info=block_info, seqlen=seqlen, row_start=row_start,
+                     q_start=q_start, score_scale=score_scale, window_left=window_left,
+                     window_right=window_right)
+        block = partial(key_block, n_min=n_min, n_max=n_max, **state)
 
         if first >= n_min:
             # Q and the first key block, bounded by the sequence ends.
@@ -629,11 +629,7 @@ class FlashFwdSm80:
                 load_k(first, True)
                 cute.arch.cp_async_commit_group()
             if const_expr(cfg.dynamic_splits):
-                visit = partial(self.ring_visit, ops=ops, softmax=softmax, load_k=load_k,
-                                load_v=load_v, block_info=block_info, seqlen=seqlen,
-                                row_start=row_start, q_start=q_start, score_scale=score_scale,
-                                window_left=window_left, window_right=window_right)
-                self.chunk_visits(visit, first, n_min, n_max, per, split, num_splits, chunks,
+                self.chunk_visits(partial(self.ring_visit, **state), first, n_min, n_max, per, split, num_splits, chunks,
                                   tidx)
             else:
                 block(n_max - 1, mask=None, top=True)
