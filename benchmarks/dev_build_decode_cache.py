@@ -63,8 +63,8 @@ def main():
             cfg = cell_configs(cell)
             launch._compiled(cfg, use_tvm_ffi())
             print(variant, cell.label(), "tile",
-                  (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_stages), "dynamic",
-                  cfg.dynamic_splits, flush=True)
+                  (cfg.tile_m, cfg.tile_n, cfg.num_warps, cfg.kv_stages), "fold",
+                  cfg.fold_combine, flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ backward (the config the launch takes: the first spill-free candidate; "fallback
 "descending" / "splits": that deterministic dQ form at any head dim, through
 launch_bwd.DQ_SPLITS_MAX_DIM), "combine" for the
 split-KV combine kernel (d: d_v; mask:
-"sink" or "none"), or "decode[,page=N][,split[,fold[,dynamic]]][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
+"sink" or "none"), or "decode[,page=N][,split[,fold]][,bidx][,leftpad][,gqa=G][,fp8=e4m3|e5m2][,splitkeys][,ctas=N]"
 for the decode kernel (fp8=: an fp8 cache) ("decode,page=N,varlen[,sink]": the paged prefill, packed q).
 Run by tests/test_compile_sm80.py."""
 import json
@@ -106,12 +106,9 @@ def main():
                                 smem_limit=smem, kv_fp8=FP8.get(flags.get("fp8")),
                                 split_keys="splitkeys" in flags, ctas_per_sm=int(flags.get("ctas", 2)),
                                 fold_combine="fold" in flags)
-            import dataclasses
             if "sink" in flags:  # (the paged prefill's learnable sink: its epilogue's)
+                import dataclasses
                 cfg = dataclasses.replace(cfg, has_sink=True)
-            if "dynamic" in flags:  # (the candidate's run-time balanced splits, while it is off)
-                assert cfg.fold_combine and cfg.kv_fp8 is None, cfg
-                cfg = dataclasses.replace(cfg, dynamic_splits=True)
         else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
             # (d may be "d/dv": head dims the kernel pads, or v narrower than q/k)
             dq, dv = map(int, d.split("/")) if isinstance(d, str) else (d, d)

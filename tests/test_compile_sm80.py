@@ -80,9 +80,6 @@ VARIANTS = ([["bf16", d, MASKS[i % 4], False] for i, d in enumerate(HEAD_DIMS)]
                # ... the merge folded into the last split's CTA (config.decode_folds)
                ["bf16", 128, "none", "decode,split,fold,gqa=4,splitkeys"],
                ["fp16", 256, "causal", "decode,page=128,split,fold,gqa=2"],
-               # ... its splits drawing chunks of the key range at run time (DYNAMIC_SPLITS)
-               ["bf16", 128, "causal", "decode,page=16,split,fold,dynamic,gqa=4,splitkeys"],
-               ["fp16", 64, "none", "decode,split,fold,dynamic,gqa=2"],
                ["bf16", 128, "none", "decode,page=16,split,fold,gqa=8,fp8=e4m3,splitkeys,ctas=3"],
                ["fp16", 64, "none", "decode,bidx,leftpad,gqa=8,fp8=e5m2,splitkeys,ctas=3"],
                ["bf16", 192, "local", "decode,page=128,gqa=2,fp8=e4m3,splitkeys"],

@@ -59,9 +59,6 @@ LAZY_RESCALE_HEAD_DIMS = (128,)
 # before this bound; with it, batch 1 +0.7-2.9%, batch 8 0.99-1.01x (0: never folds, the A/B's
 # "off")
 FOLD_MAX_STEPS = 16
-# A/B candidate, off until it has run on a GPU: a folded step over a 16-bit cache shares its
-# tiles' key ranges among their splits at run time (Sm80FwdConfig.dynamic_splits)
-DYNAMIC_SPLITS = False
 
 # Opt-in shared memory per block by compute capability, for compile-only callers (a launch asks
 # the device). sm_90 is here for the H100/H200, where the path is tested; sm_100/103 (B200,
@@ -260,8 +257,7 @@ def decode_config(dtype, head_dim: int, head_dim_v: int, causal: bool, local: bo
     if kv_fp8 is not None and stages < 2:
         raise ValueError(f"an fp8 cache at head_dim {head_dim}: its K/V ring does not fit "
                          f"{smem_limit} bytes of shared memory")
-    cfg = dataclasses.replace(cfg, kv_stages=stages, dynamic_splits=bool(
-        DYNAMIC_SPLITS and cfg.fold_combine and kv_fp8 is None and stages >= 2))
+    cfg = dataclasses.replace(cfg, kv_stages=stages)
     # (16 rows must hold whole copy passes of q and o: not at d=96, 32 rows a pass)
     passes_fit = all(16 % mma.rows_per_copy_pass(dtype, 32 * cfg.num_warps, cols) == 0
                      for cols in (head_dim, head_dim_v))

@@ -70,13 +70,6 @@ class Sm80FwdConfig:
     # (combine.merge_row) instead of a combine kernel after it; each tile counts its stored
     # splits in mSplitCounts (int32, zero, left at zero by the last one).
     fold_combine: bool = False
-    # With fold_combine over a 16-bit cache's ring: a tile's splits share its key range at run
-    # time instead of taking equal shares. The range is cut into chunks of a few key blocks
-    # (CHUNK_BLOCKS at most) from the top down; split s visits chunks s and s + num_splits, then those it draws
-    # from the tile's counter (the second half of mSplitCounts, zero at rest), until a chunk
-    # falls past the range. Equal shares finish up to 20% apart (a clock-stamp trace of a
-    # batch-1 step: the SMs do not stream at one speed), and the merge waits for the last.
-    dynamic_splits: bool = False
     # Pack-GQA: the query heads sharing a kv head (this many, a divisor of tile_m) are rows of
     # one tile, so a tile reads its K/V once for all of them (decoding: one query row per head).
     pack_gqa: int = 1
@@ -144,15 +137,10 @@ class Sm80FwdConfig:
             kv_block = self.tile_n * (self.head_dim + self.head_dim_v + 2 * FRAGMENT_ROW_PAD)
         converted = kv_block * elem if self.kv_fp8 is not None and not self.warp_local else 0
         return (self.tile_m * self.head_dim * elem + self.kv_stages * kv_block * self.kv_elem_bytes
-                + converted + (8 if self.dynamic_splits else 0))
+                + converted)
 
 
 KEYS_PER_WARP = 16  # Sm80FwdConfig.split_keys: each warp's share of a key block
-# Sm80FwdConfig.dynamic_splits: a chunk's key blocks, at most (about two chunks a split where the
-# range is short) and at least 3 (a draw's value is stored two visits after it is issued, and
-# read at the next chunk's first visit) and the ring's loads ahead (which cross into the next
-# chunk only, whose index is known from its first visit)
-CHUNK_BLOCKS = 4
 FRAGMENT_ROW_PAD = 16  # bytes after each row of the ring with warp_local (bank spread)
 F16_P_LOG2 = 15  # f16_operands: P in [0, 1] rounded to fp16 as 2^15 P (fp16's top power of two)
 Q_F16_MAX_LOG2 = 14  # f16_operands: Q's largest magnitude scaled into [2^14, 2^15)
@@ -176,9 +164,6 @@ class FlashFwdSm80:
         assert not cfg.warp_local or (cfg.kv_fp8 is not None and cfg.head_dim % 64 == 0
                                       and cfg.head_dim_v % 64 == 0), cfg
         assert cfg.head_dim % 16 == 0 and cfg.tile_n % 16 == 0
-        # (run-time shares: the chunk order needs a ring whose barriers are the CTA's)
-        assert not cfg.dynamic_splits or (cfg.fold_combine and cfg.kv_stages >= 2
-                                          and cfg.kv_fp8 is None), cfg
         if cfg.split_keys:  # (16 rows; a warp per 16 keys of a ring stage)
             assert cfg.tile_m == mma.MMA_ROWS and cfg.tile_n == KEYS_PER_WARP * cfg.num_warps
             assert cfg.kv_stages >= 2 and not cfg.has_sink, cfg
@@ -313,8 +298,6 @@ class FlashFwdSm80:
             if not self.fragments:  # (the warp-local tile converts into registers)
                 sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
                 sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
-            if self.cfg.dynamic_splits:  # the drawn chunks' indices, two chunks ahead
-                chunks: cute.struct.MemRange[Int32, 2]
             if self.fp8:
                 sK8: cute.struct.Align[cute.struct.MemRange[Uint8, staged * (self.d + pad)], 128]
                 sV8: cute.struct.Align[cute.struct.MemRange[Uint8, staged * (self.dv + pad)], 128]
@@ -404,16 +387,12 @@ class FlashFwdSm80:
                 score_scale = score_scale * k_descale
             else:
                 softmax_scale_log2 = softmax_scale_log2 * k_descale
-        chunks = None
-        if const_expr(cfg.dynamic_splits):  # (the split counters, the drawn chunks' slots)
-            chunks = (mSplitCounts, storage.chunks.get_tensor(cute.make_layout(2)))
         if tile_valid & (m_block * self.tile_q < seqlen.seqlen_q):
             self.attend(mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
                         seqlen, m_block, head_idx, head_idx_kv, batch_idx,
                         kv_batch, split, num_splits, score_scale, softmax_scale_log2,
                         window_left, window_right, tidx, staging, v_descale,
-                        mSink[head_idx] * Float32(LOG2E) if const_expr(cfg.has_sink) else None,
-                        chunks)
+                        mSink[head_idx] * Float32(LOG2E) if const_expr(cfg.has_sink) else None)
             if const_expr(cfg.fold_combine):
                 self.merge_if_last(mSplitCounts, (mOPartialRows, mLSEPartialRows, mORows, mLSERows),
                                    sQ, num_splits, seqlen, m_block, head_idx, batch_idx, tidx)
@@ -440,8 +419,6 @@ class FlashFwdSm80:
             if stored == num_splits - 1:
                 last = Int32(1)
                 mSplitCounts[tile] = Int32(0)  # every split has counted: zero for the next call
-                if const_expr(self.cfg.dynamic_splits):  # (every draw came before its count)
-                    mSplitCounts[mSplitCounts.shape[0] // 2 + tile] = Int32(0)
             verdict[0] = last
         cute.arch.barrier()
         if verdict[0] != 0:
@@ -461,32 +438,22 @@ class FlashFwdSm80:
     def attend(self, mQ, mK, mV, mO, mLSE, mPageTable, mOPartial, mLSEPartial, sQ, sK, sV,
                seqlen: SeqlenInfo, m_block, head_idx, head_idx_kv, batch_idx, kv_batch, split,
                num_splits, score_scale, softmax_scale_log2, window_left, window_right, tidx,
-               staging=None, v_descale=None, sink_log2=None, chunks=None):
+               staging=None, v_descale=None, sink_log2=None):
         """One tile (with split_kv, one key range of it): load, the key loop, the epilogue.
         staging, v_descale: an fp8 cache's ring of bytes (K's, V's) and v's descale. sink_log2:
-        the tile's query head's learnable sink, times log2(e) (cfg.has_sink). chunks: with
-        dynamic_splits, (the split counters, the drawn chunks' slots in shared memory)."""
+        the tile's query head's learnable sink, times log2(e) (cfg.has_sink)."""
         cfg = self.cfg
         # the block geometry is over query positions (tile_q of them per tile with pack-GQA);
         # loads, stores and the element mask over the tile's rows
         block_info = BlockInfo(self.tile_q, self.tile_n, cfg.causal, cfg.local,
                                window_left, window_right)
         n_min, n_max = block_info.n_block_range(seqlen.seqlen_q, seqlen.seqlen_k, m_block)
-        first = n_max - 1  # the first key block visited
-        per = Int32(0)
-        if const_expr(cfg.dynamic_splits):
-            # chunks of `per` blocks from the top, about two a split where the range is short;
-            # split `split` starts on chunk `split` (none past the range: an empty partial)
-            per = (n_max - n_min + 2 * num_splits - 1) // (2 * num_splits)
-            per = cutlass.max(cutlass.min(per, CHUNK_BLOCKS), max(3, cfg.kv_stages - 1))
-            first = n_max - 1 - split * per
-        elif const_expr(cfg.split_kv):
+        if const_expr(cfg.split_kv):
             # split `split` takes its share of whole key blocks (the last ones may be empty:
             # their partial output is 0 with LSE -inf, which the merge weighs 0)
             per_split = (n_max - n_min + num_splits - 1) // num_splits
             n_min = n_min + split * per_split
             n_max = cutlass.min(n_max, n_min + per_split)
-            first = n_max - 1
         row_start = m_block * self.tile_m  # the tile's first row (packed with pack-GQA)
         q_start = m_block * self.tile_q    # its first query position
         rows_q = seqlen.seqlen_q * self.group  # the sequence's rows
@@ -602,43 +569,38 @@ class FlashFwdSm80:
             key_block = self.key_block_fp8 if const_expr(self.fp8) else self.key_block_ring
         if const_expr(self.fragments):
             key_block = self.key_block_fragments
-        # (what every visit of a key block takes, whichever loop visits it)
-        state = dict(ops=ops, softmax=softmax, load_k=load_k, load_v=load_v,
-                     block_info=block_info, seqlen=seqlen, row_start=row_start,
-                     q_start=q_start, score_scale=score_scale, window_left=window_left,
-                     window_right=window_right)
-        block = partial(key_block, n_min=n_min, n_max=n_max, **state)
+        block = partial(key_block, ops=ops,
+                        softmax=softmax, load_k=load_k, load_v=load_v,
+                        block_info=block_info, seqlen=seqlen, row_start=row_start,
+                        q_start=q_start, n_min=n_min, n_max=n_max,
+                        score_scale=score_scale, window_left=window_left,
+                        window_right=window_right)
 
-        if first >= n_min:
-            # Q and the first key block, bounded by the sequence ends.
+        if n_max > n_min:
+            # Q and the first (top) key block, bounded by the sequence ends.
             mma.load_rows(copy_q, tQgQ, tQsQ, tQcQ, rows_q - row_start, True,
                           cols=mQ.shape[1] if const_expr(cfg.padded) else None)
             if const_expr(ring):
-                # the first block (K and V) then kv_stages - 2 more, a commit group each (empty
-                # past n_min, so that every iteration can wait for "all but the newest
-                # kv_stages - 2"; with dynamic_splits all in the split's first chunk)
-                page = load_k(first, True, 0)
-                load_v(first, True, 0, page=page)
+                # the top block (K and V) then kv_stages - 2 more, a commit group each (empty past
+                # n_min, so that every iteration can wait for "all but the newest kv_stages - 2")
+                page = load_k(n_max - 1, True, 0)
+                load_v(n_max - 1, True, 0, page=page)
                 cute.arch.cp_async_commit_group()
                 for i in cutlass.range_constexpr(1, cfg.kv_stages - 1):
-                    if first - i >= n_min:
-                        page = load_k(first - i, False, i)
-                        load_v(first - i, False, i, page=page)
+                    if n_max - 1 - i >= n_min:
+                        page = load_k(n_max - 1 - i, False, i)
+                        load_v(n_max - 1 - i, False, i, page=page)
                     cute.arch.cp_async_commit_group()
             else:
-                load_k(first, True)
+                load_k(n_max - 1, True)
                 cute.arch.cp_async_commit_group()
-            if const_expr(cfg.dynamic_splits):
-                self.chunk_visits(partial(self.ring_visit, **state), first, n_min, n_max, per, split, num_splits, chunks,
-                                  tidx)
-            else:
-                block(n_max - 1, mask=None, top=True)
-                runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, q_start,
-                                                 self.tile_q, n_min, n_max)
-                for run in cutlass.range_constexpr(len(runs)):
-                    start, stop, mask = runs[run]
-                    for i in cutlass.range(start, stop, unroll=1):
-                        block(n_max - 1 - i, mask=mask, top=False)
+            block(n_max - 1, mask=None, top=True)
+            runs = block_info.key_block_runs(seqlen.seqlen_q, seqlen.seqlen_k, q_start,
+                                             self.tile_q, n_min, n_max)
+            for run in cutlass.range_constexpr(len(runs)):
+                first, stop, mask = runs[run]
+                for i in cutlass.range(first, stop, unroll=1):
+                    block(n_max - 1 - i, mask=mask, top=False)
 
         # Epilogue: rows that saw no key get O = 0 and LSE = -inf (softmax.finalize).
         if const_expr(ring):
@@ -825,24 +787,12 @@ class FlashFwdSm80:
         after the barrier every warp is past the previous block's reads, so its stage takes the
         block kv_stages - 1 ahead. One barrier per block."""
         stages = self.cfg.kv_stages
+        j = n_max - 1 - n_block
+        stage = j % stages
         cute.arch.cp_async_wait_group(stages - 2)
         self.block_sync(top)
         ahead = n_block - (stages - 1)
-        self.ring_visit(n_block, n_max - 1 - n_block, ahead, ahead >= n_min, ops, softmax,
-                        load_k, load_v, block_info, seqlen, row_start, q_start, score_scale,
-                        window_left, window_right, mask)
-
-    @cute.jit
-    def ring_visit(self, n_block, j, ahead, ahead_ok, ops: SimpleNamespace,
-                   softmax: OnlineSoftmax, load_k, load_v, block_info: BlockInfo,
-                   seqlen: SeqlenInfo, row_start, q_start, score_scale, window_left,
-                   window_right, mask: cutlass.Constexpr):
-        """A ring visit after its wait and barrier: block `ahead` (if ahead_ok) loads into the
-        stage of visit j + kv_stages - 1, then block n_block (visit j, in stage j % kv_stages)
-        is computed."""
-        stages = self.cfg.kv_stages
-        stage = j % stages
-        if ahead_ok:
+        if ahead >= n_min:
             page = load_k(ahead, False, (j + stages - 1) % stages)
             load_v(ahead, False, (j + stages - 1) % stages, page=page)
         cute.arch.cp_async_commit_group()
@@ -859,63 +809,6 @@ class FlashFwdSm80:
         convert_fragment(ops.acc_S, ops.tOrP)
         mma.gemm(ops.tiled_mma, ops.acc_O, ops.tOrP, ops.tOrVt, None, tOsVt, None, ops.ld_v,
                  a_in_registers=True)
-
-    @cute.jit
-    def chunk_visits(self, visit, first, n_min, n_max, per, split, num_splits, chunks, tidx):
-        """dynamic_splits' key loop. Chunk c is the key blocks from n_max - 1 - c * per down
-        (per of them, the last one cut at n_min); this split's visit j is block j % per of its
-        (j // per)-th chunk: chunk `split`, then split + num_splits, then the chunks it draws
-        (2 num_splits + the tile's counter), until a chunk falls past the range. Each split's
-        chunk indices only grow, so it stops at its first block below n_min, and no chunk drawn
-        is left unvisited. Thread 0 draws chunk k + 2 at chunk k's first visit and stores it in
-        a slot two visits later (the atomic's latency off the barriers' path); every thread
-        reads it at chunk k + 1's first visit, with barriers between each write and read."""
-        stages: cutlass.Constexpr = self.cfg.kv_stages
-        counts, slots = chunks
-        cur = split               # the chunk being visited
-        nxt = split + num_splits  # the next one
-        pending = Int32(0)        # (thread 0) the last chunk drawn
-        cute.arch.cp_async_wait_group(stages - 2)
-        self.block_sync(True)
-        if tidx == 0:
-            pending = self.draw_chunk(counts, num_splits)
-        ahead = self.chunk_block(Int32(stages - 1), Int32(0), cur, nxt, per, n_max)
-        visit(first, Int32(0), ahead, ahead >= n_min, mask=None)
-        j = Int32(1)
-        block = self.chunk_block(j, Int32(0), cur, nxt, per, n_max)
-        while block >= n_min:
-            k = j // per
-            v = j - k * per
-            cute.arch.cp_async_wait_group(stages - 2)
-            self.block_sync(False)
-            if v == 0:  # chunk k begins: chunk k + 1's index was stored during chunk k - 1
-                cur = nxt
-                nxt = slots[(k + 1) % 2]
-            if tidx == 0:
-                if v == 0:
-                    pending = self.draw_chunk(counts, num_splits)
-                if v == 2:  # (chunk k + 2's slot)
-                    slots[k % 2] = pending
-            ahead = self.chunk_block(j + stages - 1, k, cur, nxt, per, n_max)
-            visit(block, j, ahead, ahead >= n_min, mask=None)
-            j = j + 1
-            block = self.chunk_block(j, k, cur, nxt, per, n_max)
-
-    @cute.jit
-    def chunk_block(self, j, k, cur, nxt, per, n_max):
-        """The key block of visit j, in chunk k (index cur) or the next (index nxt)."""
-        jk = j // per
-        c = cur + (nxt - cur) * (jk - k)
-        return n_max - 1 - c * per - (j - jk * per)
-
-    @cute.jit
-    def draw_chunk(self, counts, num_splits):
-        """The next chunk of this tile's drawn ones (2 num_splits + its counter, which sits
-        in the second half of the split counters)."""
-        tile = block_idx_x_again() // num_splits
-        drawn = cute.arch.atomic_add(counts.iterator + (counts.shape[0] // 2 + tile), Int32(1),
-                                     sem="relaxed", scope="gpu")
-        return drawn + 2 * num_splits
 
     @cute.jit
     def key_block_fp8(self, n_block, ops: SimpleNamespace, softmax: OnlineSoftmax, load_k, load_v,

@@ -259,9 +259,8 @@ class DecodeLaunch:
             o_part = torch.empty(num_splits, b, sq, h, self.spec.head_dim_v, dtype=torch.float32,
                                  device=q.device)
             lse_part = torch.empty(num_splits, b, h, sq, dtype=torch.float32, device=q.device)
-            if fold:  # (a tile per query row at most: enough counters for any tile shape;
-                # the second half: the tiles' chunk counters, Sm80FwdConfig.dynamic_splits)
-                counts = split_counts(q.device, 2 * b * sq * h)
+            if fold:  # (a tile per query row at most: enough counters for any tile shape)
+                counts = split_counts(q.device, b * sq * h)
         args = self.bind(q, k_cache, v_cache, out_k, lse, None, None, None, seqused_k,
                          kv_batch_idx, leftpad_k, page_table, o_part, lse_part, counts,
                          k_descale, v_descale, None, num_splits)
