@@ -475,6 +475,11 @@ def test_bwd_strided_qkv_and_rows_without_keys(seed):
     tb.test_rows_without_keys_get_zero_gradient(seed)
 
 
+@pytest.mark.parametrize("d,kw,sq,sk", [c for c in tb.ONE_KEY if c[0] in BWD_HEAD_DIMS])
+def test_bwd_rows_with_one_key_get_exactly_zero_score_gradient(seed, d, kw, sq, sk):
+    tb.test_rows_with_one_key_get_exactly_zero_score_gradient(seed, d, kw, sq, sk)
+
+
 @pytest.mark.parametrize("d", BWD_HEAD_DIMS)
 @pytest.mark.parametrize("mask", list(tb.VARLEN_MASKS))
 def test_bwd_varlen(seed, d, mask):

@@ -28,6 +28,7 @@ from ..common import epilogue
 from ..common.convert import convert_fragment
 from ..common.layout import acc_mn_view, transposed_view
 from ..common.mask import apply_mask
+from ..common.one_key import may_hold_one_key_row, zero_one_key_ds
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from . import mma
@@ -146,6 +147,10 @@ class FlashBwdSm80Grid(FlashBwdSm80):
             probabilities_and_ds(acc_S_mn, acc_dP_mn, lambda r: coord_s[r, 0][0],
                                  rows_stage(sLSE2, st), rows_stage(sD, st), softmax_scale_log2,
                                  cfg.has_softcap, 0)
+            if may_hold_one_key_row(key_start, self.tile_n, seqlen.seqlen_k, window_left,
+                                    window_right, cfg.causal, cfg.local):
+                zero_one_key_ds(acc_dP_mn, coord_s, q_start, seqlen.seqlen_q, seqlen.seqlen_k,
+                                window_left, window_right, cfg.causal, cfg.local, 0)
             convert_fragment(acc_S, rP)
             convert_fragment(acc_dP, rdS)
             cute.copy(st_s, st_s.retile(rP), tPsP)

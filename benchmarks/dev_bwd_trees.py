@@ -1,0 +1,88 @@
+"""The backward's TFLOP/s per cell with whichever cuteattn is on PYTHONPATH: for A/B between two
+source trees (a copy of the last commit's package beside the working tree) where no switch
+inside one tree can select the change. Run the trees alternately in separate processes (the
+disk cache makes a tree's second round start warm) and compare with --compare.
+Usage (GPU):
+    PYTHONPATH=TREE python3 benchmarks/dev_bwd_trees.py --label base [--path sm80]
+        [--dtypes fp16,bf16] [--d 128] [--masks none,softcap,causal] [--seqlens 4096,16384]
+        >> runs.jsonl
+    python3 benchmarks/dev_bwd_trees.py --compare runs.jsonl base new
+Cells: 16k tokens, 2048 / d heads (the bench's grid); softcap 30."""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+MASKS = {"none": {}, "causal": dict(causal=True), "softcap": dict(softcap=30.0),
+         "window": dict(window_size=(256, 0))}
+
+
+def measure(args) -> None:
+    import torch
+    import cuteattn
+    from cuteattn import dispatch, flash_attn_func
+    from cuteattn.bench import peers
+    from cuteattn.bench.shapes import Cell
+    from cuteattn.bench.timing import median_ms
+    if args.path:
+        os.environ[dispatch.PATH_ENV] = args.path
+    dev = torch.device("cuda")
+    for dtype in args.dtypes.split(","):
+        for d in map(int, args.d.split(",")):
+            for s in map(int, args.seqlens.split(",")):
+                for mask in args.masks.split(","):
+                    kw = MASKS[mask]
+                    cell = Cell("bwd", d, 16384 // s, 2048 // d, 2048 // d, s, s,
+                                kw.get("causal", False), dtype=dtype)
+                    x = peers.make_inputs(cell, dev)
+                    q, k, v = x["q"], x["k"], x["v"]
+                    attend = lambda: flash_attn_func(q, k, v, strict=True, **kw)
+                    dout = torch.randn_like(attend())
+                    run = lambda: torch.autograd.grad(attend(), (q, k, v), dout)
+                    run()
+                    fwd, both = median_ms(attend, dev), median_ms(run, dev)
+                    # (a window's pairs counted as causal's: a label for the ratio only)
+                    rate = cell.rate(max(both - fwd, 1e-6))
+                    print(json.dumps(dict(label=args.label, tree=os.path.dirname(cuteattn.__file__),
+                                          cell=f"{args.path or 'sm90'} {dtype} d{d} {s} {mask}",
+                                          tflops=rate)), flush=True)
+
+
+def compare(path: str, a: str, b: str) -> None:
+    rates = defaultdict(lambda: defaultdict(list))
+    for line in open(path):
+        if line.startswith("{"):
+            r = json.loads(line)
+            rates[r["cell"]][r["label"]].append(r["tflops"])
+    ratios = []
+    for cell, by in rates.items():
+        if a in by and b in by:
+            x, y = statistics.median(by[a]), statistics.median(by[b])
+            ratios.append(y / x)
+            print(f"{cell:<36} {a} {x:7.1f} {by[a]}  {b} {y:7.1f} {by[b]}  {y / x:.3f}")
+    if ratios:
+        geo = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        print(f"{b} / {a}: {min(ratios):.3f}-{max(ratios):.3f}, geometric mean {geo:.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--label")
+    ap.add_argument("--path", choices=["sm80"])
+    ap.add_argument("--dtypes", default="bf16")
+    ap.add_argument("--d", default="128")
+    ap.add_argument("--masks", default="none,causal")
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--compare", nargs=3, metavar=("JSONL", "A", "B"))
+    args = ap.parse_args()
+    if args.compare:
+        compare(*args.compare)
+    else:
+        measure(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
