@@ -5,7 +5,7 @@ disk cache makes a tree's second round start warm) and compare with --compare.
 Usage (GPU):
     PYTHONPATH=TREE python3 benchmarks/dev_bwd_trees.py --label base [--path sm80]
         [--dtypes fp16,bf16] [--d 128] [--masks none,softcap,causal] [--seqlens 4096,16384]
-        >> runs.jsonl
+        [--varlen] >> runs.jsonl
     python3 benchmarks/dev_bwd_trees.py --compare runs.jsonl base new
 Cells: 16k tokens, 2048 / d heads (the bench's grid); softcap 30."""
 import argparse
@@ -22,14 +22,20 @@ MASKS = {"none": {}, "causal": dict(causal=True), "softcap": dict(softcap=30.0),
 
 def measure(args) -> None:
     import torch
-    import cuteattn
     from cuteattn import dispatch, flash_attn_func
-    from cuteattn.bench import peers
+    from cuteattn.bench import peers, shapes
     from cuteattn.bench.shapes import Cell
-    from cuteattn.bench.timing import median_ms
     if args.path:
         os.environ[dispatch.PATH_ENV] = args.path
     dev = torch.device("cuda")
+    if args.varlen:  # the packed cells of bench --varlen --bwd (d=128, 16 heads, bf16)
+        from cuteattn import flash_attn_varlen_func
+        for cell in shapes.varlen_grid(bwd=True):
+            x = peers.make_inputs(cell, dev)
+            attend = lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=True)
+            time_cell(args, cell, attend, (x["q"], x["k"], x["v"]),
+                      f"{args.path or 'sm90'} varlen {cell.label()}")
+        return
     for dtype in args.dtypes.split(","):
         for d in map(int, args.d.split(",")):
             for s in map(int, args.seqlens.split(",")):
@@ -40,15 +46,23 @@ def measure(args) -> None:
                     x = peers.make_inputs(cell, dev)
                     q, k, v = x["q"], x["k"], x["v"]
                     attend = lambda: flash_attn_func(q, k, v, strict=True, **kw)
-                    dout = torch.randn_like(attend())
-                    run = lambda: torch.autograd.grad(attend(), (q, k, v), dout)
-                    run()
-                    fwd, both = median_ms(attend, dev), median_ms(run, dev)
                     # (a window's pairs counted as causal's: a label for the ratio only)
-                    rate = cell.rate(max(both - fwd, 1e-6))
-                    print(json.dumps(dict(label=args.label, tree=os.path.dirname(cuteattn.__file__),
-                                          cell=f"{args.path or 'sm90'} {dtype} d{d} {s} {mask}",
-                                          tflops=rate)), flush=True)
+                    time_cell(args, cell, attend, (q, k, v),
+                              f"{args.path or 'sm90'} {dtype} d{d} {s} {mask}")
+
+
+def time_cell(args, cell, attend, inputs, name: str) -> None:
+    """One JSON line: the backward's TFLOP/s (forward and backward, less the forward)."""
+    import torch
+    import cuteattn
+    from cuteattn.bench.timing import median_ms
+    dev = torch.device("cuda")
+    dout = torch.randn_like(attend())
+    run = lambda: torch.autograd.grad(attend(), inputs, dout)
+    run()
+    fwd, both = median_ms(attend, dev), median_ms(run, dev)
+    print(json.dumps(dict(label=args.label, tree=os.path.dirname(cuteattn.__file__), cell=name,
+                          tflops=cell.rate(max(both - fwd, 1e-6)))), flush=True)
 
 
 def compare(path: str, a: str, b: str) -> None:
@@ -76,6 +90,7 @@ def main() -> None:
     ap.add_argument("--d", default="128")
     ap.add_argument("--masks", default="none,causal")
     ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--varlen", action="store_true", help="the packed cells instead")
     ap.add_argument("--compare", nargs=3, metavar=("JSONL", "A", "B"))
     args = ap.parse_args()
     if args.compare:

@@ -147,21 +147,32 @@ def test_rows_without_keys_get_zero_gradient(seed):
     check_grads(got, ref, low)
 
 
-# (rows that each see exactly one key: window (0, 0) puts query i on key i + sk - sq alone;
-# one key in all; one key under softcap with the diagonal)
-ONE_KEY = [(64, dict(window_size=(0, 0)), 300, 100), (128, dict(causal=True, softcap=5.0), 129, 1),
+# sequences of one key: every query row sees it (or, under causal and windows, nothing)
+ONE_KEY = [(64, dict(window_size=(0, 0)), 300, 1), (128, dict(causal=True, softcap=5.0), 129, 1),
            (192, {}, 64, 1), (256, dict(window_size=(100, -1)), 64, 1)]
 
 
 @pytest.mark.parametrize("d,kw,sq,sk", ONE_KEY, ids=lambda x: str(x) if isinstance(x, dict) else None)
-def test_rows_with_one_key_get_exactly_zero_score_gradient(seed, d, kw, sq, sk):
-    """A softmax over one score is 1 whatever the score: dS is exactly 0 on such rows, so dq
-    is exactly 0 and so is dk where only such rows attend (every key here). P (dP - D) would
-    leave ~1e-5 (D is the rowsum of dO times the rounded O), over FlashAttention's floor."""
+def test_one_key_sequences_get_exactly_zero_dq_and_dk(seed, d, kw, sq, sk):
+    """A softmax over one score is 1 whatever the score, so dS, dq and dk are exactly 0 when
+    the sequence has one key (common/one_key.gradient_scale). P (dP - D) would leave ~1e-5 in
+    dk (D is the rowsum of dO times the rounded O), over FlashAttention's floor."""
     inputs, dout, got = run_fixed(torch.bfloat16, d, 8, 2, sq, sk, **kw)
     assert torch.equal(got[0], torch.zeros_like(got[0])), got[0].abs().max()
     assert torch.equal(got[1], torch.zeros_like(got[1])), got[1].abs().max()
     ref, low = reference_grads(attention_ref, inputs, dout, **kw)
+    check_grads(got, ref, low)
+
+
+def test_one_key_sequence_among_packed_ones(seed):
+    """The same per sequence of a packed batch: sequence 4 (65 queries over one key) gets dq
+    and dk exactly 0, the others their gradients."""
+    got, ref, low = run_varlen(LENS_Q, LENS_K, 8, 2, 128, torch.bfloat16, causal=False)
+    q_rows, k_rows = slice(sum(LENS_Q[:4]), sum(LENS_Q[:5])), slice(sum(LENS_K[:4]), sum(LENS_K[:5]))
+    assert LENS_K[4] == 1
+    assert torch.equal(got[0][q_rows], torch.zeros_like(got[0][q_rows]))
+    assert torch.equal(got[1][k_rows], torch.zeros_like(got[1][k_rows]))
+    assert got[0].abs().max() > 0 and got[1].abs().max() > 0
     check_grads(got, ref, low)
 
 

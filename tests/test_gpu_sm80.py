@@ -476,8 +476,12 @@ def test_bwd_strided_qkv_and_rows_without_keys(seed):
 
 
 @pytest.mark.parametrize("d,kw,sq,sk", [c for c in tb.ONE_KEY if c[0] in BWD_HEAD_DIMS])
-def test_bwd_rows_with_one_key_get_exactly_zero_score_gradient(seed, d, kw, sq, sk):
-    tb.test_rows_with_one_key_get_exactly_zero_score_gradient(seed, d, kw, sq, sk)
+def test_bwd_one_key_sequences_get_exactly_zero_dq_and_dk(seed, d, kw, sq, sk):
+    tb.test_one_key_sequences_get_exactly_zero_dq_and_dk(seed, d, kw, sq, sk)
+
+
+def test_bwd_one_key_sequence_among_packed_ones(seed):
+    tb.test_one_key_sequence_among_packed_ones(seed)
 
 
 @pytest.mark.parametrize("d", BWD_HEAD_DIMS)

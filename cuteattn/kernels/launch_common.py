@@ -353,6 +353,10 @@ class BackwardLaunch:
                                            "mModTensor3") if n in arguments.names(entries))
         per_call = (*BWD_PER_CALL[:-2], *self.sparse_names, *self.mod_names, *BWD_PER_CALL[-2:])
         self.bind = arguments.Binder(per_call, fixed, entries, None if tvm_ffi else to_runtime)
+        # batched keys that are one key: dQ and dK exactly 0, by their scale (common/one_key.py;
+        # packed keys and seqused_k: the kernel's per-sequence scale)
+        self.bind_one_key = None if spec.has_sink else arguments.Binder(
+            per_call, {**fixed, "softmax_scale": 0.0}, entries, None if tvm_ffi else to_runtime)
 
     def __call__(self, dout, q, k, v, out, lse, cu_seqlens_q=None, cu_seqlens_k=None,
                  seqused_q=None, seqused_k=None, sparse: tuple = (), mod_tensors: tuple = (),
@@ -385,9 +389,12 @@ class BackwardLaunch:
         if n_blocks > 0:
             lists = tuple(sparse) + (None,) * (len(self.sparse_names) - len(sparse))
             lists += tuple(mod_tensors) + (None,) * (len(self.mod_names) - len(mod_tensors))
-            args = self.bind(q, k, v, dout, lse2, dsum, dq_arg, dk, dv, cu_seqlens_q,
-                             cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks,
-                             self.heads_interleaved(q, cu_seqlens_q))
+            one_key = (cu_seqlens_k is None and seqused_k is None and k.shape[1] == 1
+                       and self.bind_one_key is not None)
+            bind = self.bind_one_key if one_key else self.bind
+            args = bind(q, k, v, dout, lse2, dsum, dq_arg, dk, dv, cu_seqlens_q,
+                        cu_seqlens_k, seqused_q, seqused_k, semaphore, *lists, n_blocks,
+                        self.heads_interleaved(q, cu_seqlens_q))
             call_kernel(self.fn, self.tvm_ffi, args, q.device)
         grads = bwd_postprocess(self.dq_from_accumulator(dq_acc, q), dk, dv, q, k, v,
                                 spec.qhead_per_kvhead)

@@ -35,7 +35,7 @@ from ..common.global_atomics import red_add_f32
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
                              transposed_view)
 from ..common.mask import apply_mask_transposed
-from ..common.one_key import may_hold_one_key_row, zero_one_key_ds
+from ..common.one_key import gradient_scale, per_sequence
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import varlen_tile_coord
@@ -318,6 +318,8 @@ class FlashBwdSm80:
                   tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
+        if const_expr(per_sequence(cfg)):  # (dQ's and dK's scale; common/one_key.py)
+            softmax_scale = gradient_scale(softmax_scale, seqlen.seqlen_k)
         block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block = self.start_walk(
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen, n_block, head_idx,
             head_idx_kv, batch_idx, window_left, window_right, tidx)
@@ -595,10 +597,6 @@ class FlashBwdSm80:
                                   cfg.local)
         probabilities_and_ds(acc_S_mn, acc_dP_mn, lambda c: row0 + coord_st[0, c][1], sLSE2, sD,
                              softmax_scale_log2, cfg.has_softcap, 1)
-        if may_hold_one_key_row(key_start, self.tile_n, seqlen.seqlen_k, window_left,
-                                window_right, cfg.causal, cfg.local):
-            zero_one_key_ds(acc_dP_mn, coord_st, q_start, seqlen.seqlen_q, seqlen.seqlen_k,
-                            window_left, window_right, cfg.causal, cfg.local, 1)
         convert_fragment(acc_S, tVrP)
         convert_fragment(acc_dP, tKrdS)
         # dS^T to shared memory for dQ: this sub-block's columns of the tile

@@ -28,7 +28,7 @@ from ..common import epilogue
 from ..common.convert import convert_fragment
 from ..common.layout import acc_mn_view, transposed_view
 from ..common.mask import apply_mask
-from ..common.one_key import may_hold_one_key_row, zero_one_key_ds
+from ..common.one_key import gradient_scale, per_sequence
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from . import mma
@@ -65,6 +65,8 @@ class FlashBwdSm80Grid(FlashBwdSm80):
                   tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
+        if const_expr(per_sequence(cfg)):  # (dQ's and dK's scale; common/one_key.py)
+            softmax_scale = gradient_scale(softmax_scale, seqlen.seqlen_k)
         block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block = self.start_walk(
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen, n_block, head_idx,
             head_idx_kv, batch_idx, window_left, window_right, tidx)
@@ -147,10 +149,6 @@ class FlashBwdSm80Grid(FlashBwdSm80):
             probabilities_and_ds(acc_S_mn, acc_dP_mn, lambda r: coord_s[r, 0][0],
                                  rows_stage(sLSE2, st), rows_stage(sD, st), softmax_scale_log2,
                                  cfg.has_softcap, 0)
-            if may_hold_one_key_row(key_start, self.tile_n, seqlen.seqlen_k, window_left,
-                                    window_right, cfg.causal, cfg.local):
-                zero_one_key_ds(acc_dP_mn, coord_s, q_start, seqlen.seqlen_q, seqlen.seqlen_k,
-                                window_left, window_right, cfg.causal, cfg.local, 0)
             convert_fragment(acc_S, rP)
             convert_fragment(acc_dP, rdS)
             cute.copy(st_s, st_s.retile(rP), tPsP)

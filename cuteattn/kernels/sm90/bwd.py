@@ -60,7 +60,7 @@ from ..common.dq_order import in_turn, key_block_turn, launch_order_block, semap
 from ..common.global_atomics import red_add_f32x2
 from ..common.layout import acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major
 from ..common.mask import apply_mask_transposed
-from ..common.one_key import may_hold_one_key_row, zero_one_key_ds
+from ..common.one_key import gradient_scale, per_sequence
 from ..common.mods import KernelMod, apply_mask_mod, traced, value_and_grad
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
@@ -137,7 +137,7 @@ class Sm90BwdConfig:
     # block.
     dq_writer: bool = False
     # a learnable sink joins every row's softmax denominator (the forward's LSE holds it): a
-    # row that sees one key then has a gradient, which common/one_key.zero_one_key_ds would drop
+    # sequence of one key then has dQ and dK, which common/one_key.gradient_scale would zero
     has_sink: bool = False
 
     @property
@@ -680,6 +680,8 @@ class FlashBwdSm90:
         and dV out. mKeyHalves (sparse_kv_half): whether each 64-key block attends a listed
         query block; a warpgroup whose block does not leaves it out (all its scores masked)."""
         cfg = self.cfg
+        if const_expr(per_sequence(cfg)):  # (dQ's and dK's scale; common/one_key.py)
+            softmax_scale = gradient_scale(softmax_scale, seqlen.seqlen_k)
         sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt, sPt = views
         wg = tidx // WG_THREADS
         if const_expr(cfg.lean_stores):
@@ -851,12 +853,6 @@ class FlashBwdSm90:
                     dsum = dsum_of(c)
                     for r in cutlass.range_constexpr(rows_per_col):
                         acc_dP_mn[r, c] = acc_S_mn[r, c] * (acc_dP_mn[r, c] - dsum)
-            if const_expr(not cfg.has_sink):
-                if may_hold_one_key_row(key_start, cfg.wg_keys, seqlen.seqlen_k, window_left,
-                                        window_right, cfg.causal, cfg.local):
-                    zero_one_key_ds(acc_dP_mn, coord_st, q_start, seqlen.seqlen_q,
-                                    seqlen.seqlen_k, window_left, window_right, cfg.causal,
-                                    cfg.local, 1)
             convert_fragment(acc_dP, tKrdS)
             # dS^T rows into the dQ GEMM's buffer (this stage was last read two blocks ago,
             # before every consumer passed the previous block's DS_READY)
