@@ -475,7 +475,7 @@ def test_bwd_strided_qkv_and_rows_without_keys(seed):
     tb.test_rows_without_keys_get_zero_gradient(seed)
 
 
-@pytest.mark.parametrize("d,kw,sq,sk", [c for c in tb.ONE_KEY if c[0] in BWD_HEAD_DIMS])
+@pytest.mark.parametrize("d,kw,sq,sk", tb.ONE_KEY, ids=tb.ONE_KEY_IDS)
 def test_bwd_one_key_sequences_get_exactly_zero_dq_and_dk(seed, d, kw, sq, sk):
     tb.test_one_key_sequences_get_exactly_zero_dq_and_dk(seed, d, kw, sq, sk)
 
