@@ -16,8 +16,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-MASKS = {"none": {}, "causal": dict(causal=True), "softcap": dict(softcap=30.0),
-         "window": dict(window_size=(256, 0))}
+MASKS = {"none": {}, "causal": dict(causal=True), "softcap": dict(softcap=30.0)}
 
 
 def measure(args) -> None:
@@ -46,7 +45,6 @@ def measure(args) -> None:
                     x = peers.make_inputs(cell, dev)
                     q, k, v = x["q"], x["k"], x["v"]
                     attend = lambda: flash_attn_func(q, k, v, strict=True, **kw)
-                    # (a window's pairs counted as causal's: a label for the ratio only)
                     time_cell(args, cell, attend, (q, k, v),
                               f"{args.path or 'sm90'} {dtype} d{d} {s} {mask}")
 
