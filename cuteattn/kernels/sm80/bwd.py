@@ -27,7 +27,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..common import dq_blocks, epilogue
+from ..common import dq_blocks, epilogue, one_key
 from ..common.block_info import BlockInfo
 from ..common.convert import convert_fragment
 from ..common.dq_order import in_turn, key_block_turn, launch_order_block, semaphore_slot
@@ -35,7 +35,6 @@ from ..common.global_atomics import red_add_f32
 from ..common.layout import (acc_mn_view, acc_to_a_operand_layout, lse_seq_major, seq_major,
                              transposed_view)
 from ..common.mask import apply_mask_transposed
-from ..common.one_key import gradient_scale, per_sequence
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from ..common.tile_scheduler import varlen_tile_coord
@@ -318,8 +317,6 @@ class FlashBwdSm80:
                   tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
-        if const_expr(per_sequence(cfg)):  # (dQ's and dK's scale; common/one_key.py)
-            softmax_scale = gradient_scale(softmax_scale, seqlen.seqlen_k)
         block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block = self.start_walk(
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen, n_block, head_idx,
             head_idx_kv, batch_idx, window_left, window_right, tidx)
@@ -436,15 +433,16 @@ class FlashBwdSm80:
                 if const_expr(kv_pass == 0):  # dQ's share: in the first pass only
                     add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt,
                                                 ld_dq_a, ld_dq_b, coord_dq, dq_out, q_start,
-                                                seqlen.seqlen_q, softmax_scale)
+                                                seqlen, softmax_scale)
                     self.add_dq_share(add, mSemaphore, mQ, seqlen, block_info, m_block, n_block,
                                       head_idx, batch_idx, tidx)
                 self.block_end(sLSE2, sD, st, lse_next, d_next, tidx)
             if const_expr(cfg.kv_passes > 1):
                 # this pass's columns of dK (scaled) and dV, straight from the registers
+                scale = one_key.scale_for(cfg, softmax_scale, seqlen.seqlen_k)
                 for i in cutlass.range_constexpr(len(parts)):
                     for e in cutlass.range_constexpr(cute.size(acc_dK[i])):
-                        acc_dK[i][e] = acc_dK[i][e] * softmax_scale
+                        acc_dK[i][e] = acc_dK[i][e] * scale
                     for acc, m_out in ((acc_dK[i], mdK), (acc_dV[i], mdV)):
                         g_out = cute.local_tile(seqlen.k_view(m_out, head_idx, batch_idx),
                                                 (self.tile_n, self.kv_cols), (n_block, col0 + i))
@@ -501,9 +499,10 @@ class FlashBwdSm80:
         also when no query block saw this key block)."""
         cute.arch.cp_async_wait_group(0)
         cute.arch.barrier()
+        scale = one_key.scale_for(self.cfg, softmax_scale, seqlen.seqlen_k)
         for acc in acc_dK:
             for i in cutlass.range_constexpr(cute.size(acc)):
-                acc[i] = acc[i] * softmax_scale
+                acc[i] = acc[i] * scale
         cols = self.d // len(acc_dK)
         for accs, s_buf, m_out in ((acc_dK, sK, mdK), (acc_dV, sV, mdV)):
             for i in cutlass.range_constexpr(len(accs)):
@@ -611,7 +610,7 @@ class FlashBwdSm80:
 
     @cute.jit
     def dq_share(self, tiled_mma, thr, tQrdS, tQrKt, tQsdS, tQsKt, ld_at, ld_bt, coord_dq, dq_out,
-                 q_start, seqlen_q, softmax_scale):
+                 q_start, seqlen: SeqlenInfo, softmax_scale):
         """dQ's share of this key block for the query block at q_start: dS K (scaled), added to
         the float32 accumulator, rows inside the sequence only; in chunks of dq_cols columns
         (tQsKt: K^T's chunks, one GEMM each). dq_out: dq_view's (head, row_stride, row0); each
@@ -621,21 +620,25 @@ class FlashBwdSm80:
             cute.make_identity_tensor((self.tile_m, self.dq_cols))))
         assert steps[0, 0] == (0, 0), steps[0, 0]
         first_row, first_col = coord_dq[0, 0]
-        for chunk in cutlass.range_constexpr(len(tQsKt)):
-            acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.dq_cols)), Float32)
-            acc_dQ.fill(0.0)
-            mma.gemm(tiled_mma, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt[chunk], ld_at, ld_bt)
-            acc_mn = acc_mn_view(acc_dQ)
-            thread = head + dq_blocks.offset("single", row0 + q_start + first_row,
-                                             chunk * self.dq_cols + first_col, row_stride)
-            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
-                if q_start + first_row + steps[r, 0][0] < seqlen_q:
-                    at_row = thread + dq_blocks.step_offset("single", (steps[r, 0][0], 0),
-                                                            row_stride)
-                    for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
-                        step_col = (0, steps[r, c][1])
-                        red_add_f32(at_row + dq_blocks.step_offset("single", step_col, row_stride),
-                                    acc_mn[r, c] * softmax_scale)
+        seqlen_q = seqlen.seqlen_q
+        # a sequence of one key has dQ = 0 exactly (common/one_key.py): no adds
+        keep = seqlen.seqlen_k != 1 if const_expr(one_key.per_sequence(self.cfg)) else True
+        if keep:
+            for chunk in cutlass.range_constexpr(len(tQsKt)):
+                acc_dQ = cute.make_rmem_tensor(thr.partition_shape_C((self.tile_m, self.dq_cols)), Float32)
+                acc_dQ.fill(0.0)
+                mma.gemm(tiled_mma, acc_dQ, tQrdS, tQrKt, tQsdS, tQsKt[chunk], ld_at, ld_bt)
+                acc_mn = acc_mn_view(acc_dQ)
+                thread = head + dq_blocks.offset("single", row0 + q_start + first_row,
+                                                 chunk * self.dq_cols + first_col, row_stride)
+                for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                    if q_start + first_row + steps[r, 0][0] < seqlen_q:
+                        at_row = thread + dq_blocks.step_offset("single", (steps[r, 0][0], 0),
+                                                                row_stride)
+                        for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                            step_col = (0, steps[r, c][1])
+                            red_add_f32(at_row + dq_blocks.step_offset("single", step_col, row_stride),
+                                        acc_mn[r, c] * softmax_scale)
 
     def stage_views(self, sQs, sdOs, ld_b, ld_bt, rows_of, part, col0):
         """A stage's ldmatrix partitions, per sub-block: Q and dO as S^T's and dP^T's B operands,

@@ -28,7 +28,6 @@ from ..common import epilogue
 from ..common.convert import convert_fragment
 from ..common.layout import acc_mn_view, transposed_view
 from ..common.mask import apply_mask
-from ..common.one_key import gradient_scale, per_sequence
 from ..common.score_mod import softcap_scores
 from ..common.seqlen_info import SeqlenInfo
 from . import mma
@@ -65,8 +64,6 @@ class FlashBwdSm80Grid(FlashBwdSm80):
                   tidx, sP=None):
         """One CTA: K and V in, the walk over the query blocks, dK and dV out."""
         cfg = self.cfg
-        if const_expr(per_sequence(cfg)):  # (dQ's and dK's scale; common/one_key.py)
-            softmax_scale = gradient_scale(softmax_scale, seqlen.seqlen_k)
         block_info, m_min, m_max, key_start, gLSE2, gD, dq_out, load_q_block = self.start_walk(
             mQ, mK, mV, mdO, mLSE2, mD, mdQacc, sQ, sdO, sK, sV, seqlen, n_block, head_idx,
             head_idx_kv, batch_idx, window_left, window_right, tidx)
@@ -161,7 +158,7 @@ class FlashBwdSm80Grid(FlashBwdSm80):
                      ld_kv_b.partition_S(transposed_view(sQs)), ld_kv_a, ld_kv_b)
             # dQ's share
             add = lambda: self.dq_share(dq_mma, thr_dq, tQrdS, tQrKt, tQsdS, tQsKt, ld_dq_a,
-                                        ld_dq_b, coord_dq, dq_out, q_start, seqlen.seqlen_q,
+                                        ld_dq_b, coord_dq, dq_out, q_start, seqlen,
                                         softmax_scale)
             self.add_dq_share(add, mSemaphore, mQ, seqlen, block_info, m_block, n_block,
                               head_idx, batch_idx, tidx)
