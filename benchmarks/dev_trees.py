@@ -1,12 +1,13 @@
-"""The backward's TFLOP/s per cell with whichever cuteattn is on PYTHONPATH: for A/B between two
+"""The backward's (--forward: the forward's) TFLOP/s per cell with whichever cuteattn is on
+PYTHONPATH: for A/B between two
 source trees (a copy of the last commit's package beside the working tree) where no switch
 inside one tree can select the change. Run the trees alternately in separate processes (the
 disk cache makes a tree's second round start warm) and compare with --compare.
 Usage (GPU):
-    PYTHONPATH=TREE python3 benchmarks/dev_bwd_trees.py --label base [--path sm80]
+    PYTHONPATH=TREE python3 benchmarks/dev_trees.py --label base [--path sm80]
         [--dtypes fp16,bf16] [--d 128] [--masks none,softcap,causal] [--seqlens 4096,16384]
-        [--varlen] >> runs.jsonl
-    python3 benchmarks/dev_bwd_trees.py --compare runs.jsonl base new
+        [--varlen] [--forward] >> runs.jsonl
+    python3 benchmarks/dev_trees.py --compare runs.jsonl base new
 Cells: 16k tokens, 2048 / d heads (the bench's grid); softcap 30."""
 import argparse
 import json
@@ -50,17 +51,25 @@ def measure(args) -> None:
 
 
 def time_cell(args, cell, attend, inputs, name: str) -> None:
-    """One JSON line: the backward's TFLOP/s (forward and backward, less the forward)."""
+    """One JSON line: the backward's TFLOP/s (forward and backward, less the forward), or with
+    --forward the forward's (cell.rate counts the forward's FLOPs for a forward cell)."""
+    import dataclasses
     import torch
     import cuteattn
     from cuteattn.bench.timing import median_ms
     dev = torch.device("cuda")
-    dout = torch.randn_like(attend())
-    run = lambda: torch.autograd.grad(attend(), inputs, dout)
-    run()
-    fwd, both = median_ms(attend, dev), median_ms(run, dev)
+    if args.forward:
+        attend()
+        ms = median_ms(attend, dev)
+        cell = dataclasses.replace(cell, kind="varlen" if args.varlen else "fwd")
+    else:
+        dout = torch.randn_like(attend())
+        run = lambda: torch.autograd.grad(attend(), inputs, dout)
+        run()
+        fwd, both = median_ms(attend, dev), median_ms(run, dev)
+        ms = max(both - fwd, 1e-6)
     print(json.dumps(dict(label=args.label, tree=os.path.dirname(cuteattn.__file__), cell=name,
-                          tflops=cell.rate(max(both - fwd, 1e-6)))), flush=True)
+                          tflops=cell.rate(ms))), flush=True)
 
 
 def compare(path: str, a: str, b: str) -> None:
@@ -89,6 +98,7 @@ def main() -> None:
     ap.add_argument("--masks", default="none,causal")
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--varlen", action="store_true", help="the packed cells instead")
+    ap.add_argument("--forward", action="store_true", help="time the forward, not the backward")
     ap.add_argument("--compare", nargs=3, metavar=("JSONL", "A", "B"))
     args = ap.parse_args()
     if args.compare:
