@@ -30,7 +30,7 @@ def measure(args) -> None:
     dev = torch.device("cuda")
     if args.varlen:  # the packed cells of bench --varlen --bwd (d=128, 16 heads, bf16)
         from cuteattn import flash_attn_varlen_func
-        for cell in shapes.varlen_grid(bwd=True):
+        for cell in shapes.varlen_grid(bwd=not args.forward):
             x = peers.make_inputs(cell, dev)
             attend = lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=True)
             time_cell(args, cell, attend, (x["q"], x["k"], x["v"]),
@@ -61,7 +61,7 @@ def time_cell(args, cell, attend, inputs, name: str) -> None:
     if args.forward:
         attend()
         ms = median_ms(attend, dev)
-        cell = dataclasses.replace(cell, kind="varlen" if args.varlen else "fwd")
+        cell = dataclasses.replace(cell, kind="varlen" if args.varlen else "fwd")  # (its FLOPs)
     else:
         dout = torch.randn_like(attend())
         run = lambda: torch.autograd.grad(attend(), inputs, dout)
