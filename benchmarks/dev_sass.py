@@ -8,8 +8,9 @@ of difference), for A/B between source trees where the device is not at hand:
         [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py bwd D MASK [--dtype ...] [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py bwd-sm80 D MASK [--dtype ...] [--form bwd,varlen] [--save F.sass]
+    python benchmarks/dev_sass.py fwd-sm80 D MASK [--dtype ...] [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py --diff A.sass B.sass
-MASK: none, causal, local, softcap. bwd-sm80 takes the launch's choice (the first candidate that
+MASK: none, causal, local, softcap. bwd-sm80 and fwd-sm80 (the portable kernels) take the launch's choice (the first candidate that
 compiles spill-free) on the target's shared memory; its FORM is tests/sm80_compile_probe.py's.
 nvdisasm 13.4 or newer: `pip install nvidia-cuda-nvdisasm` (its wheel's nvidia/cu13/bin), or
 NVDISASM=path. A dev tool: nothing in cuteattn needs it."""
@@ -114,18 +115,22 @@ def compile_cubin(family: str, d: int, mask: str, opts: dict):
     dtype = opts.get("--dtype", "bf16")
     causal, local, softcap = mask == "causal", mask == "local", mask == "softcap"
     varlen = "--varlen" in opts
-    if family == "bwd-sm80":
+    if family in ("bwd-sm80", "fwd-sm80"):
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
         from sm80_compile_probe import DTYPES, bwd_configs_of
         from cuteattn.kernels.compile_common import first_spill_free
         from cuteattn.kernels.sm80 import config as sm80_config
-        from cuteattn.kernels.sm80.compile import compile_bwd
+        from cuteattn.kernels.sm80.compile import compile_bwd, compile_fwd
         major, minor = re.match(r"sm_(\d+?)(\d)[a-z]?$", os.environ["CUTE_DSL_ARCH"]).groups()
         smem = sm80_config.SMEM_BY_CAPABILITY[(int(major), int(minor))]
-        cfgs = bwd_configs_of(DTYPES[dtype], d, causal, local, softcap,
-                              opts.get("--form", "bwd"), smem=smem)
+        if family == "bwd-sm80":
+            cfgs, build = bwd_configs_of(DTYPES[dtype], d, causal, local, softcap,
+                                         opts.get("--form", "bwd"), smem=smem), compile_bwd
+        else:
+            cfgs, build = sm80_config.fwd_configs(DTYPES[dtype], d, d, causal, local, softcap,
+                                                  varlen, varlen, smem_limit=smem), compile_fwd
         cfg, compiled, info = first_spill_free(cfgs, lambda c: ptxas_report(
-            lambda: compile_bwd(c, options="--keep-cubin remarks{ptx}")))
+            lambda: build(c, options="--keep-cubin remarks{ptx}")))
         return compiled.__cubin__, cfg, info.get("registers")
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16,
                    "fp8": torch.float8_e4m3fn}[dtype]
@@ -153,7 +158,7 @@ def main(argv):
     if argv[:1] == ["--diff"]:
         return diff(argv[1], argv[2])
     family, d, mask = argv[0], int(argv[1]), argv[2]
-    assert family in ("fwd", "bwd", "bwd-sm80"), family
+    assert family in ("fwd", "bwd", "bwd-sm80", "fwd-sm80"), family
     opts, rest = {}, argv[3:]
     while rest:
         key = rest.pop(0)
