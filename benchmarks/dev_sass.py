@@ -10,6 +10,7 @@ of difference), for A/B between source trees where the device is not at hand:
     python benchmarks/dev_sass.py bwd-sm80 D MASK [--dtype ...] [--form bwd,varlen] [--save F.sass]
     python benchmarks/dev_sass.py fwd-sm80 D MASK [--dtype ...] [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py --diff A.sass B.sass
+Another source tree: PYTHONPATH=TREE (cuteattn is imported from the path, not beside the script).
 MASK: none, causal, local, softcap. bwd-sm80 and fwd-sm80 (the portable kernels) take the launch's choice (the first candidate that
 compiles spill-free) on the target's shared memory; its FORM is tests/sm80_compile_probe.py's.
 nvdisasm 13.4 or newer: `pip install nvidia-cuda-nvdisasm` (its wheel's nvidia/cu13/bin), or
