@@ -1,20 +1,21 @@
 """SASS of one kernel variant without a GPU: compiles it for CUTE_DSL_ARCH (default sm_90a), runs
 nvdisasm on the cubin and prints what a register or schedule question needs: registers, the
-instruction count, the eight smallest loops' bodies (between a backward branch and its target) with its MMA,
-exponential and address-arithmetic counts, and the opcode histogram. --save keeps the
-disassembly; --diff compares two saved ones (opcode counts, and the opcode sequence's length
-of difference), for A/B between source trees where the device is not at hand:
+instruction count, the eight smallest loops' bodies (between a backward branch and its target)
+with their MMA, exponential and address-arithmetic counts, and the opcode histogram. --save
+keeps the disassembly; --diff compares two saved ones (opcode counts, and how many positions
+of the opcode sequence differ), for A/B between source trees where the device is not at hand:
     python benchmarks/dev_sass.py fwd D MASK [--dtype bf16|fp16|fp8] [--dv DV] [--seqlen N]
         [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py bwd D MASK [--dtype ...] [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py bwd-sm80 D MASK [--dtype ...] [--form bwd,varlen] [--save F.sass]
     python benchmarks/dev_sass.py fwd-sm80 D MASK [--dtype ...] [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py --diff A.sass B.sass
-Another source tree: PYTHONPATH=TREE (cuteattn is imported from the path, not beside the script).
-MASK: none, causal, local, softcap. bwd-sm80 and fwd-sm80 (the portable kernels) take the launch's choice (the first candidate that
-compiles spill-free) on the target's shared memory; its FORM is tests/sm80_compile_probe.py's.
-nvdisasm 13.4 or newer: `pip install nvidia-cuda-nvdisasm` (its wheel's nvidia/cu13/bin), or
-NVDISASM=path. A dev tool: nothing in cuteattn needs it."""
+Another source tree: PYTHONPATH=TREE (cuteattn is imported from the path, not from beside this
+script). MASK: none, causal, local, softcap. bwd-sm80 and fwd-sm80 (the portable kernels) take
+the launch's choice (the first candidate that compiles spill-free) on the target's shared
+memory; FORM is tests/sm80_compile_probe.py's. nvdisasm 13.4 or newer: `pip install
+nvidia-cuda-nvdisasm` (its wheel's nvidia/cu13/bin), or NVDISASM=path. A dev tool: nothing in
+cuteattn needs it."""
 import collections
 import glob
 import os
