@@ -8,12 +8,14 @@ of the opcode sequence differ), for A/B between source trees where the device is
         [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py bwd D MASK [--dtype ...] [--varlen] [--save F.sass]
     python benchmarks/dev_sass.py bwd-sm80 D MASK [--dtype ...] [--form bwd,varlen] [--save F.sass]
-    python benchmarks/dev_sass.py fwd-sm80 D MASK [--dtype ...] [--varlen] [--save F.sass]
+    python benchmarks/dev_sass.py fwd-sm80 D MASK [--dtype ...] [--varlen | --form decode,...]
+        [--save F.sass]
     python benchmarks/dev_sass.py --diff A.sass B.sass
 Another source tree: PYTHONPATH=TREE (cuteattn is imported from the path, not from beside this
 script). MASK: none, causal, local, softcap. bwd-sm80 and fwd-sm80 (the portable kernels) take
 the launch's choice (the first candidate that compiles spill-free) on the target's shared
-memory; FORM is tests/sm80_compile_probe.py's. nvdisasm 13.4 or newer: `pip install
+memory; FORM is tests/sm80_compile_probe.py's (for fwd-sm80: "decode[,page=N][,split]
+[,gqa=G]..." the decode kernel, "sink[,varlen]"). nvdisasm 13.4 or newer: `pip install
 nvidia-cuda-nvdisasm` (its wheel's nvidia/cu13/bin), or NVDISASM=path. A dev tool: nothing in
 cuteattn needs it."""
 import collections
@@ -119,7 +121,7 @@ def compile_cubin(family: str, d: int, mask: str, opts: dict):
     varlen = "--varlen" in opts
     if family in ("bwd-sm80", "fwd-sm80"):
         sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-        from sm80_compile_probe import DTYPES, bwd_configs_of
+        from sm80_compile_probe import DTYPES, bwd_configs_of, fwd_config_of
         from cuteattn.kernels.compile_common import first_spill_free
         from cuteattn.kernels.sm80 import config as sm80_config
         from cuteattn.kernels.sm80.compile import compile_bwd, compile_fwd
@@ -129,8 +131,8 @@ def compile_cubin(family: str, d: int, mask: str, opts: dict):
             cfgs, build = bwd_configs_of(DTYPES[dtype], d, causal, local, softcap,
                                          opts.get("--form", "bwd"), smem=smem), compile_bwd
         else:
-            cfgs, build = sm80_config.fwd_configs(DTYPES[dtype], d, d, causal, local, softcap,
-                                                  varlen, varlen, smem_limit=smem), compile_fwd
+            cfgs, build = fwd_config_of(dtype, d, mask, opts.get("--form", varlen), smem), compile_fwd
+        cfgs = cfgs if isinstance(cfgs, list) else [cfgs]  # (a decode form's one config)
         cfg, compiled, info = first_spill_free(cfgs, lambda c: ptxas_report(
             lambda: build(c, options="--keep-cubin remarks{ptx}")))
         return compiled.__cubin__, cfg, info.get("registers")

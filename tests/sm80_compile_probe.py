@@ -64,6 +64,32 @@ def bwd_configs_of(dtype, d, causal, local, softcap, form, smem=163 * 1024, dv=N
     return cfgs
 
 
+def fwd_config_of(dtype, d, mask, form, smem):
+    """The forward's config (or its candidates, the launch's order) for a variant's form: the
+    forward (form True / False: packed or not), "sink[,varlen]" or "decode[,...]"."""
+    masks = (mask == "causal", mask == "local", mask == "softcap")
+    if isinstance(form, str) and form.startswith("sink"):  # the forward with a learnable sink
+        varlen = "varlen" in form
+        cfg = fwd_configs(DTYPES[dtype], d, d, *masks, varlen, varlen, smem_limit=smem,
+                          has_sink=True)
+    elif isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
+        flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
+        cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
+                            int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
+                            varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
+                            smem_limit=smem, kv_fp8=FP8.get(flags.get("fp8")),
+                            split_keys="splitkeys" in flags, ctas_per_sm=int(flags.get("ctas", 2)),
+                            fold_combine="fold" in flags)
+        if "sink" in flags:  # (the paged prefill's learnable sink: its epilogue's)
+            import dataclasses
+            cfg = dataclasses.replace(cfg, has_sink=True)
+    else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
+        # (d may be "d/dv": head dims the kernel pads, or v narrower than q/k)
+        dq, dv = map(int, d.split("/")) if isinstance(d, str) else (d, d)
+        cfg = fwd_configs(DTYPES[dtype], dq, dv, *masks, form, form, smem_limit=smem)
+    return cfg
+
+
 def main():
     variants, smem = json.loads(sys.argv[1]), int(sys.argv[2])
     out = []
@@ -94,25 +120,7 @@ def main():
                             smem=cfg.smem_bytes(), targets=re.findall(r"\.target (\S+)", ptx),
                             marks={m: m in ptx for m in MARKS}, **info))
             continue
-        if isinstance(form, str) and form.startswith("sink"):  # the forward with a learnable sink
-            varlen = "varlen" in form
-            cfg = fwd_configs(DTYPES[dtype], d, d, *masks, varlen, varlen, smem_limit=smem,
-                              has_sink=True)
-        elif isinstance(form, str):  # the decode kernel: "decode[,page=N][,split][,bidx][,leftpad]"
-            flags = dict(f.split("=") if "=" in f else (f, "1") for f in form.split(","))
-            cfg = decode_config(DTYPES[dtype], d, d, *masks, "bidx" in flags, "leftpad" in flags,
-                                int(flags.get("page", 0)), "split" in flags, int(flags.get("gqa", 1)),
-                                varlen_q="varlen" in flags, has_seqused_q="varlen" in flags,
-                                smem_limit=smem, kv_fp8=FP8.get(flags.get("fp8")),
-                                split_keys="splitkeys" in flags, ctas_per_sm=int(flags.get("ctas", 2)),
-                                fold_combine="fold" in flags)
-            if "sink" in flags:  # (the paged prefill's learnable sink: its epilogue's)
-                import dataclasses
-                cfg = dataclasses.replace(cfg, has_sink=True)
-        else:  # the forward, varlen or not: the launch's choice, the first spill-free tile
-            # (d may be "d/dv": head dims the kernel pads, or v narrower than q/k)
-            dq, dv = map(int, d.split("/")) if isinstance(d, str) else (d, d)
-            cfg = fwd_configs(DTYPES[dtype], dq, dv, *masks, form, form, smem_limit=smem)
+        cfg = fwd_config_of(dtype, d, mask, form, smem)
         if isinstance(cfg, list):
             cfg, compiled, info = first_spill_free(
                 cfg, lambda c: compile_fwd_with_report(c, keep_ptx=True))
