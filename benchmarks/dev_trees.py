@@ -5,7 +5,7 @@ disk cache makes a tree's second round start warm) and compare with --compare.
 Usage (GPU):
     PYTHONPATH=TREE python3 benchmarks/dev_trees.py --label base [--path sm80]
         [--dtypes fp16,bf16] [--d 128] [--masks none,softcap,causal] [--seqlens 4096,16384]
-        [--varlen] [--forward] >> runs.jsonl
+        [--varlen] [--forward] [--deterministic] >> runs.jsonl
     python3 benchmarks/dev_trees.py --compare runs.jsonl base new
 Cells: 16k tokens, 2048 / d heads (the bench's grid); softcap 30."""
 import argparse
@@ -27,13 +27,15 @@ def measure(args) -> None:
     if args.path:
         os.environ[dispatch.PATH_ENV] = args.path
     dev = torch.device("cuda")
+    det = " det" if args.deterministic else ""
     if args.varlen:  # the packed cells of bench --varlen --bwd (d=128, 16 heads, bf16)
         from cuteattn import flash_attn_varlen_func
         for cell in shapes.varlen_grid(bwd=not args.forward):
             x = peers.make_inputs(cell, dev)
-            attend = lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=True)
+            attend = lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=True,
+                                                    deterministic=args.deterministic)
             time_cell(args, cell, attend, (x["q"], x["k"], x["v"]),
-                      f"{args.path or 'sm90'} varlen {cell.label()}")
+                      f"{args.path or 'sm90'} varlen {cell.label()}{det}")
         return
     for dtype in args.dtypes.split(","):
         for d in map(int, args.d.split(",")):
@@ -44,9 +46,10 @@ def measure(args) -> None:
                                 kw.get("causal", False), dtype=dtype)
                     x = peers.make_inputs(cell, dev)
                     q, k, v = x["q"], x["k"], x["v"]
-                    attend = lambda: flash_attn_func(q, k, v, strict=True, **kw)
+                    attend = lambda: flash_attn_func(q, k, v, strict=True,
+                                                     deterministic=args.deterministic, **kw)
                     time_cell(args, cell, attend, (q, k, v),
-                              f"{args.path or 'sm90'} {dtype} d{d} {s} {mask}")
+                              f"{args.path or 'sm90'} {dtype} d{d} {s} {mask}{det}")
 
 
 def time_cell(args, cell, attend, inputs, name: str) -> None:
@@ -98,6 +101,7 @@ def main() -> None:
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--varlen", action="store_true", help="the packed cells instead")
     ap.add_argument("--forward", action="store_true", help="time the forward, not the backward")
+    ap.add_argument("--deterministic", action="store_true", help="deterministic=True calls")
     ap.add_argument("--compare", nargs=3, metavar=("JSONL", "A", "B"))
     args = ap.parse_args()
     if args.compare:
