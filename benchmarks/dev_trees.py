@@ -1,7 +1,8 @@
 """The backward's (--forward: the forward's) TFLOP/s per cell with whichever cuteattn is on
 PYTHONPATH: for A/B between two source trees (a copy of the last commit's package beside the
-working tree) where no switch inside one tree can select the change. Run the trees alternately in separate processes (the
-disk cache makes a tree's second round start warm) and compare with --compare.
+working tree) where no switch inside one tree can select the change. Run the trees alternately
+in separate processes (the disk cache makes a tree's second round start warm) and compare with
+--compare.
 Usage (GPU):
     PYTHONPATH=TREE python3 benchmarks/dev_trees.py --label base [--path sm80]
         [--dtypes fp16,bf16] [--d 128] [--masks none,softcap,causal] [--seqlens 4096,16384]
