@@ -131,7 +131,8 @@ def compile_cubin(family: str, d: int, mask: str, opts: dict):
             cfgs, build = bwd_configs_of(DTYPES[dtype], d, causal, local, softcap,
                                          opts.get("--form", "bwd"), smem=smem), compile_bwd
         else:
-            cfgs, build = fwd_config_of(dtype, d, mask, opts.get("--form", varlen), smem), compile_fwd
+            cfgs = fwd_config_of(dtype, d, mask, opts.get("--form", varlen), smem)
+            build = compile_fwd
         cfgs = cfgs if isinstance(cfgs, list) else [cfgs]  # (a decode form's one config)
         cfg, compiled, info = first_spill_free(cfgs, lambda c: ptxas_report(
             lambda: build(c, options="--keep-cubin remarks{ptx}")))
