@@ -109,7 +109,9 @@ def varlen_tile_coord(tile: Int32, mCuSeqlensQ, mSeqUsedQ, batch: Int32, total_q
             found_batch = cand_b
             found_m = cand_m
         tiles_before = tiles_before + cute.arch.shuffle_sync(incl, offset=31)
-    return found_m, found_batch
+    # every lane holds the same values (warp reductions); saying so lets ptxas keep what is
+    # derived from them (loop bounds, pipeline stages, wgmma descriptors) in uniform registers
+    return cute.arch.make_warp_uniform(found_m), cute.arch.make_warp_uniform(found_batch)
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,9 @@ class TileWalk:
     @cute.jit
     def _take(self, slot_state) -> Int32:
         self.handoff.consumer_wait(slot_state)
-        nxt = self.slot[0]
+        # (one slot read by every thread: the same tile in every lane; told to ptxas as in
+        # varlen_tile_coord, without it a packed forward's descriptors cost ~100 instructions
+        # a key block)
+        nxt = cute.arch.make_warp_uniform(self.slot[0])
         self.handoff.consumer_release(slot_state)
         return nxt
