@@ -166,7 +166,7 @@ class Sm90BwdConfig:
         scalar 16-bit stores: 1.02-1.04x and 1.00-1.08x at 4k (perf-log). Not with packed
         sequences, whose offsets keep the registers full: ptxas spills 4-16 bytes at d=128
         with them."""
-        return not (self.varlen_q or self.varlen_k)
+        return True
 
     @property
     def interleaves_heads(self) -> bool:
@@ -683,9 +683,7 @@ class FlashBwdSm90:
         if const_expr(per_sequence(cfg)):  # (dQ's and dK's scale; common/one_key.py)
             softmax_scale = gradient_scale(softmax_scale, seqlen.seqlen_k)
         sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt, sPt = views
-        wg = tidx // WG_THREADS
-        if const_expr(cfg.lean_stores):
-            wg = cute.arch.make_warp_uniform(wg)
+        wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_slice = wg * WG_THREADS
         wg_sdp, wg_dkv, wg_dq = (sdp.get_slice(wg_slice), dkv.get_slice(wg_slice),
                                    dq.get_slice(0 if const_expr(cfg.dq_single_wg) else wg_slice))
@@ -747,7 +745,7 @@ class FlashBwdSm90:
             gdQ = (tma_atom_dq, tdQs[None, dq_wg], tdQg[None, None, col_box], sdQ[None, None, dq_wg],
                    row_box)  # (what reduce_dq takes in gdQ's place)
         # (dq_tma) the warp of each dQ warpgroup that issues its reduce-add
-        dq_issuer = (tidx % WG_THREADS) // 32 == 0
+        dq_issuer = cute.arch.make_warp_uniform((tidx % WG_THREADS) // 32) == 0
         num_cols = cute.size(acc_S_mn, mode=[1])
         lse_rows = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32) if const_expr(
             cfg.prefetch_lse) else None
@@ -984,7 +982,7 @@ class FlashBwdSm90:
             named_barriers.arrive(BwdBarrier.DQ_STAGED, self.dq_writer_threads)
         else:
             staged = BwdBarrier.DQ_STAGED + tidx // WG_THREADS
-            if (tidx % WG_THREADS) // 32 == 0:  # (consume's dq_issuer)
+            if cute.arch.make_warp_uniform((tidx % WG_THREADS) // 32) == 0:  # (consume's dq_issuer)
                 named_barriers.sync(staged, WG_THREADS)
                 boxes_per_step = self.tile_m // self.cfg.dq_box[0]
                 cute.copy(tma_atom, tdQs, tdQg[None, m_block * boxes_per_step + row_box])
