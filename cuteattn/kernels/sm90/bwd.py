@@ -158,17 +158,6 @@ class Sm90BwdConfig:
                                           or self.score_mod is not None)
 
     @property
-    def lean_stores(self) -> bool:
-        """The consumers' warpgroup index marked warp-uniform (from the thread index it was
-        not, which we read as the cause of ncu's R2URs and IMADs around each wgmma: the
-        descriptors in vector registers; ncu after it: no R2UR left at d=128) and dS^T
-        (split_d: P^T too) stored by transposing matrix stores, 4 a thread instead of 32
-        scalar 16-bit stores: 1.02-1.04x and 1.00-1.08x at 4k (perf-log). Not with packed
-        sequences, whose offsets keep the registers full: ptxas spills 4-16 bytes at d=128
-        with them."""
-        return True
-
-    @property
     def interleaves_heads(self) -> bool:
         """Deterministic turns in key-block order: the launch may interleave the key blocks of
         several heads in the grid (launch_bwd.BwdLaunch.heads_interleaved; 1 for the others)."""
@@ -683,6 +672,9 @@ class FlashBwdSm90:
         if const_expr(per_sequence(cfg)):  # (dQ's and dK's scale; common/one_key.py)
             softmax_scale = gradient_scale(softmax_scale, seqlen.seqlen_k)
         sQ, sdO, sK, sV, sdS, sQt, sdOt, sKt, sdSt, sPt = views
+        # warp-uniform (ptxas cannot see it from the thread index): the wgmma descriptors
+        # derived from it stay in uniform registers (without it, R2URs and 64-bit adds around
+        # every wgmma; packed sequences' steps 917 -> 668 instructions at d=128)
         wg = cute.arch.make_warp_uniform(tidx // WG_THREADS)
         wg_slice = wg * WG_THREADS
         wg_sdp, wg_dkv, wg_dq = (sdp.get_slice(wg_slice), dkv.get_slice(wg_slice),
@@ -716,15 +708,14 @@ class FlashBwdSm90:
         # where this thread's dS^T elements go in the (query, key) buffer, seen transposed
         tSsdSt = thr_sdp.partition_C(sdSt)
         tSsPt = thr_sdp.partition_C(sPt) if const_expr(cfg.split_d) else None
-        store_t = None
-        if const_expr(cfg.lean_stores):
-            # each 8 x 8 piece of the (key, query) fragment stored transposed: a row of the
-            # buffer (a query) gets 8 contiguous keys, 16 bytes a lane
-            store_t = cute.make_tiled_copy_C(cute.make_copy_atom(
-                cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
-                sdp).get_slice(tidx)
-            tSsdSt = store_t.partition_D(sdSt)
-            tSsPt = store_t.partition_D(sPt) if const_expr(cfg.split_d) else None
+        # each 8 x 8 piece of the (key, query) fragment stored transposed: a row of the buffer
+        # (a query) gets 8 contiguous keys, 16 bytes a lane (4 matrix stores a thread against
+        # 32 scalar 16-bit ones: 1.02-1.08x at 4k, perf-log)
+        store_t = cute.make_tiled_copy_C(cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+            sdp).get_slice(tidx)
+        tSsdSt = store_t.partition_D(sdSt)
+        tSsPt = store_t.partition_D(sPt) if const_expr(cfg.split_d) else None
 
         # (red.global pairs into the blocked accumulator: its head, row stride and this
         # sequence's first row, common/dq_blocks.py)
@@ -745,6 +736,7 @@ class FlashBwdSm90:
             gdQ = (tma_atom_dq, tdQs[None, dq_wg], tdQg[None, None, col_box], sdQ[None, None, dq_wg],
                    row_box)  # (what reduce_dq takes in gdQ's place)
         # (dq_tma) the warp of each dQ warpgroup that issues its reduce-add
+        # (warp-uniform for ptxas, as wg: it guards TMA issues inside the query loop)
         dq_issuer = cute.arch.make_warp_uniform((tidx % WG_THREADS) // 32) == 0
         num_cols = cute.size(acc_S_mn, mode=[1])
         lse_rows = cute.make_rmem_tensor(cute.make_layout(num_cols), Float32) if const_expr(
@@ -855,16 +847,10 @@ class FlashBwdSm90:
             # dS^T rows into the dQ GEMM's buffer (this stage was last read two blocks ago,
             # before every consumer passed the previous block's DS_READY)
             rdS = cute.make_tensor(tKrdS.iterator, acc_dP.layout)
-            if const_expr(cfg.lean_stores):
-                cute.copy(store_t, store_t.retile(rdS), tSsdSt[None, None, None, ds_stage])
-            else:
-                cute.autovec_copy(rdS, tSsdSt[None, None, None, ds_stage])
+            cute.copy(store_t, store_t.retile(rdS), tSsdSt[None, None, None, ds_stage])
             if const_expr(cfg.split_d):  # P^T too: the dV GEMMs of both read every query's
                 rP = cute.make_tensor(tVrP.iterator, acc_S.layout)
-                if const_expr(cfg.lean_stores):
-                    cute.copy(store_t, store_t.retile(rP), tSsPt[None, None, None, ds_stage])
-                else:
-                    cute.autovec_copy(rP, tSsPt[None, None, None, ds_stage])
+                cute.copy(store_t, store_t.retile(rP), tSsPt[None, None, None, ds_stage])
             # dK += dS^T Q: before dQ's GEMM, or (dq_before_dk) right after it, dQ's additions
             # under it; dS^T from registers, or (split_d) from shared memory after the barrier
             issue_dk = lambda: gemm_async(
