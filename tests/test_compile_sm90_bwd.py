@@ -57,9 +57,10 @@ CASES = (
        (torch.float16, 16, "causal", True, True, True)]
 )
 
-# Variants ptxas spills a few bytes in (measured, all packed-sequence ones: the sequence offsets
-# stay live across the loop), with their spill-store bytes: a ratchet, so that any new spill or a
-# growing one fails, and a variant that stops spilling must be taken off this list.
+# Variants ptxas spills a few bytes in, with their spill-store bytes: a ratchet, so that any new
+# spill or a growing one fails, and a variant that stops spilling must be taken off this list.
+# Empty since the packed kernels' tile coordinates and warpgroup indices are warp-uniform (the
+# packed variants spilled 4-16 bytes before: their sequence offsets stay live across the loop).
 KNOWN_SPILLS = {}
 
 
@@ -171,9 +172,9 @@ SPARSE_CASES = [(128, 128, "none"), (64, 128, "causal"), (96, 128, "softcap"), (
                 (128, 128, "local", 64, False, True)]
 
 
-# packed variants' spill stores (bytes), a ratchet as KNOWN_SPILLS: the sequence offsets and the
-# lists' rows stay live across the walk (with dQ's 8-row blocks: 20 -> 24 and 104 -> 96; 88
-# with common/one_key.py's scale)
+# spill stores (bytes), a ratchet as KNOWN_SPILLS: empty since the warp-uniform packed indices
+# (packed causal and local spilled 24 and 88 bytes before: sequence offsets and the lists' rows
+# live across the walk)
 SPARSE_KNOWN_SPILLS = {}
 
 

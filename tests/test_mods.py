@@ -409,24 +409,29 @@ def test_compile_score_mod_with_torch_functions(name, fn, d, capfd, tmp_path, mo
     if name == "softcap":
         assert mod_key(softcap_of(20.0), "score_mod") != key
 
+
+def document_window(b, h, q_idx, kv_idx):
+    return (DOCS[q_idx] == DOCS[kv_idx]) & (q_idx - kv_idx <= WINDOW)
+
+
 @pytest.mark.compile
 def test_traced_mods_take_the_widest_spill_free_tile(capfd, monkeypatch, tmp_path):
     """A traced mod's register need is the user's: the launch compiles the config's tile and,
     while it spills, ever narrower key blocks (config.narrower_tiles), keeping the first that
-    does not. Here a document mask_mod on a packed causal d=128 config, whose 128-key tile
-    spills (a variant the API does not route to the kernel yet; the mechanism is the same)."""
+    does not. Here a windowed document mask_mod on a packed causal d=128 config, whose 128-key
+    tile spills (60 bytes; the 112-key one does not)."""
     from cuteattn.kernels.sm90 import config
     from cuteattn.kernels.sm90 import launch as sm90_launch
     from cuteattn.kernels.sm90.compile import compile_fwd_with_report
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("CUTEATTN_DISK_CACHE", "0")
     cfg = config.fwd_config(cutlass.BFloat16, 128, 128, True, False, False, True, True, True, True,
-                            mask_mod=mod_key(document))
+                            mask_mod=mod_key(document_window))
     candidates = config.narrower_tiles(cfg)
     assert [c.tile_n for c in candidates] == list(range(cfg.tile_n, 31, -16))
-    assert compile_fwd_with_report(cfg, mod_fns=(document, None))[1]["spill_store_bytes"] > 0
+    assert compile_fwd_with_report(cfg, mod_fns=(document_window, None))[1]["spill_store_bytes"] > 0
     compile_cache.clear()
-    sm90_launch._compiled(cfg, False, (document, None))
+    sm90_launch._compiled(cfg, False, (document_window, None))
     info = compile_cache.stats()["kernel_info"][("sm90", "fwd", False, cfg)]
     assert info["spill_store_bytes"] == 0
 

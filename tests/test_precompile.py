@@ -1,5 +1,6 @@
 """`python -m cuteattn.precompile` on a machine without a GPU: the variants it picks, and a real
 run that fills a fresh cache directory which a second run then only loads from."""
+import json
 import os
 import subprocess
 import sys
@@ -123,19 +124,20 @@ def test_portable_path_for_another_target(tmp_path):
 
 @pytest.mark.compile
 def test_spilling_candidates_are_kept_on_disk_with_their_reports(tmp_path):
-    """sm_100a's compiler spills at d=64 with packed queries on the three 128-row portable tiles
-    (kernels/sm80/config.py): each is compiled once to learn that and kept on disk with its
-    report, and the 64-row tile is the packed forward; a second process compiles nothing."""
+    """sm_100a's compiler spills 8 bytes at d=192 with causal and softcap on the 128-row portable
+    tile (kernels/sm80/config.py): it is compiled once to learn that and kept on disk with its
+    report, and the next tile (64 rows) is the forward; a second process compiles nothing."""
     pytest.importorskip("tvm_ffi")
-    args = ["--head-dim", "64", "--mask", "none", "--varlen", "--path", "sm80", "--arch", "sm_100a"]
+    args = ["--head-dim", "192", "--mask", "causal_softcap", "--path", "sm80", "--arch", "sm_100a"]
     first = _precompile(tmp_path, *args, timeout=900)
     assert first.returncode == 0, first.stdout + first.stderr
-    # the fixed-length forward (its first tile builds spill-free), then the packed one: three
-    # spilling tiles and the one taken
-    assert "5 compiled, 0 already on disk" in first.stdout, first.stdout
-    assert len(list(tmp_path.rglob("*.o"))) == 5
+    # one config for both tile classes: the spilling tile and the one taken
+    assert "2 compiled, 0 already on disk" in first.stdout, first.stdout
+    reports = [json.loads(p.read_text()) for p in tmp_path.rglob("*.json")]
+    assert sorted(r["spill_store_bytes"] > 0 for r in reports) == [False, True], reports
+    assert len(list(tmp_path.rglob("*.o"))) == 2
     second = _precompile(tmp_path, *args, timeout=900)
-    assert second.returncode == 0 and "0 compiled, 5 already on disk" in second.stdout, second.stdout
+    assert second.returncode == 0 and "0 compiled, 2 already on disk" in second.stdout, second.stdout
 
 
 def test_blackwell_target_takes_the_portable_kernels(tmp_path):

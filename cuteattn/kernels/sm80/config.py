@@ -26,9 +26,9 @@ from .fwd import KEYS_PER_WARP, Sm80FwdConfig
 TILES = {  # head_dim -> [(tile_m, tile_n, num_warps[, kv_stages]), ...], preferred first
     # d = 64: 32 rows per warp (4 warps on 128 rows) ran 1.12x the 8-warp tile on an H200 with
     # 8 bytes of spill; a 2-stage K/V ring makes it spill-free on sm_80 (not yet GPU-run)
-    # (the last tile of each list: where the target's compiler spills on every other one, e.g.
-    # sm_100a's 52-72 bytes at d=64 with packed queries on all three 128-row tiles, and 4-40
-    # at d=192 with a window or softcap on 64 x 64; found by benchmarks/dev_spill_sweep.py)
+    # (the last tile of each list: for a target whose compiler spills on every other one, as
+    # sm_100a's did at d=64 with packed queries on all three 128-row tiles until the packed
+    # tile coordinates were marked warp-uniform; benchmarks/dev_spill_sweep.py finds them)
     64: [(128, 64, 4, 2), (128, 128, 8), (128, 64, 4), (64, 64, 4)],
     # d = 96: the same tile, spill-free on sm_80/86/90a/100a/120a: 1.02-1.29x the 8-warp 64-key
     # tile on an H100 (64-key blocks on 4 warps ran faster still but spill 24-40 bytes)
