@@ -45,7 +45,9 @@ DQ_WARPS_M_8_WARPS = 2
 # (docs/perf-log.md). d = 128 with softcap too: 1.10-1.13x bwd.py on the H200, spill-free since
 # dQ's blocked accumulator. Not at d = 128 with a sliding window, padded head dim or packed
 # sequences: 128 keys spilled 8-32 bytes there (sm_80/90), and 64 keys on the grids ran
-# 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile).
+# 0.73-0.95x of bwd.py's 128 (0.82-0.84x of its 99 KB tile); but packed deterministic ones
+# (dQ in split accumulators) take the grid where it compiles spill-free (sm_90a's causal:
+# 253 registers), the launch falling back to bwd.py's layout where it spills.
 GRID = True
 GRID_TILES = {64: (64, 128), 96: (64, 128), 128: (64, 128), 192: (64, 64), 256: (64, 64)}
 # 128 queries a block at d = 64 (FlashAttention-2's d=64 tile on sm_80) where it fits with the
@@ -135,7 +137,8 @@ def bwd_config(spec: AttentionSpec, major: int = 8, smem: int = 163 * 1024) -> S
         has_seqused_q=spec.has_seqused_q, has_seqused_k=spec.has_seqused_k,
         deterministic=spec.deterministic, padded=padded, narrow_v=narrow_v,
         **deterministic_dq(spec, head_dim))
-    if GRID and not (head_dim == 128 and (spec.local or padded or packed)):
+    if GRID and not (head_dim == 128 and (spec.local or padded
+                                          or (packed and not spec.deterministic))):
         tile_m, tile_n = GRID_TILES[head_dim]
         if head_dim == 64 and not (spec.has_softcap or packed):
             tall = Sm80BwdConfig(tile_m=GRID_D64_TILE_M, tile_n=tile_n, num_warps=8, grid=True,
