@@ -276,6 +276,9 @@ def cases() -> dict:
         "CUTEATTN_SM80_BWD_FALLBACK", "4", lambda: _bwd_varlen(tb, lens_q, lens_k, d=128, causal=True)))
     out["portable_bwd_varlen_d176_deterministic"] = _on_sm80(lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=176, deterministic=True))
+    # d=128 deterministic packed: the warp grid where it fits without spilling (launch_bwd)
+    out["portable_bwd_varlen_d128_causal_deterministic"] = _on_sm80(lambda: _bwd_varlen(
+        tb, lens_q, lens_k, d=128, causal=True, deterministic=True))
     out["portable_bwd_varlen_d64_window_seqused"] = _on_sm80(lambda: _bwd_varlen(
         tb, lens_q, lens_k, d=64, window_size=(64, 0),
         seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),
