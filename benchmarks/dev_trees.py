@@ -32,10 +32,13 @@ def measure(args) -> None:
         os.environ[dispatch.PATH_ENV] = args.path
     dev = torch.device("cuda")
     det = " det" if args.deterministic else ""
-    if args.varlen:  # the packed cells of bench --varlen --bwd (d=128, 16 heads, bf16)
+    if args.varlen:  # the packed cells of bench --varlen --bwd (bf16; --d 128: 16 heads)
         from cuteattn import flash_attn_varlen_func
         form = (" softcap" if args.softcap else "") + (" seqused" if args.seqused else "")
-        for cell in shapes.varlen_grid(bwd=not args.forward):
+        import dataclasses
+        cells = [dataclasses.replace(c, d=d, nheads=2048 // d, nheads_k=2048 // d)
+                 for d in map(int, args.d.split(",")) for c in shapes.varlen_grid(bwd=not args.forward)]
+        for cell in cells:
             x = peers.make_inputs(cell, dev)
             extra = dict(softcap=30.0) if args.softcap else {}
             if args.seqused:  # every sequence's whole length, as seqused tensors

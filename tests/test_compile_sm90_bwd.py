@@ -139,7 +139,8 @@ def test_dq_writer_wherever_dq_goes_by_tma():
     for d in (64, 96, 128, 192):
         assert cfg(d).dq_tma and cfg(d).dq_writer
         assert cfg(d, "none").dq_writer
-        assert cfg(d, varlen=True).dq_writer and cfg(d, varlen=True).dq_before_dk
+        assert cfg(d, varlen=True).dq_writer and cfg(d, "none", varlen=True).dq_before_dk
+        assert cfg(d, varlen=True).dq_before_dk == (d != 64)  # (d=64's causal 128-row steps)
         assert cfg(d, varlen=True, det=True).dq_writer
     for mask, varlen, seqused in (("local", False, False), ("local", True, True),
                                   ("softcap", True, False), ("causal", True, True)):
@@ -149,6 +150,22 @@ def test_dq_writer_wherever_dq_goes_by_tma():
                                 sparse_q_block=128, sparse_kv_block=128)
     assert not launch_bwd.bwd_config(lists).dq_tma
     assert not cfg(256).dq_writer  # (d=256 plain: reductions)
+
+
+def test_d64_takes_128_row_query_steps():
+    """d=64 runs query steps of D64_TILE_M rows wherever dQ goes by TMA: fixed length, packed,
+    seqused and windowed alike (CASES compiles packed softcap, windowed deterministic and
+    windowed seqused ones); not with block-sparse lists, whose blocks are 64 or 128 rows."""
+    import dataclasses
+    cfg = lambda mask, varlen=False, seqused=False: launch_bwd.bwd_config(
+        make_spec(torch.bfloat16, 64, mask, varlen=varlen, seqused=seqused))
+    for mask in MASKS:
+        for varlen, seqused in ((False, False), (True, False), (True, True), (False, True)):
+            assert cfg(mask, varlen, seqused).tile_m == launch_bwd.D64_TILE_M, (mask, varlen, seqused)
+    assert not cfg("causal", True).dq_before_dk and cfg("none", True).dq_before_dk
+    lists = dataclasses.replace(make_spec(torch.bfloat16, 64, "causal"), sparse_q_block=64,
+                                sparse_kv_block=128)
+    assert launch_bwd.bwd_config(lists).tile_m == 64
 
 
 def test_d96_takes_dq_in_one_warpgroup():

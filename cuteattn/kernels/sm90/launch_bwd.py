@@ -68,9 +68,9 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     # (the blocked reductions in place of the box at d = 64-192 ran 0.89-1.01x)
     dq_tma = head_dim <= dq_tma_max and not (head_dim == 128 and packed and spec.mods_or_lists)
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
-    # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
-    tall = (head_dim == 64 and dq_tma and not spec.local
-            and not (spec.varlen_q or spec.varlen_k or spec.sparse_q_block or spec.mods_or_lists))
+    # it compiles without spills: dQ by TMA, no lists or mods (windows and packed sequences
+    # too since the uniform indices)
+    tall = head_dim == 64 and dq_tma and not (spec.sparse_q_block or spec.mods_or_lists)
     # two Q / dO stages (three at d<=128 measured 0.93-1.01x: perf-log), if shared memory
     # holds them
     stages = Sm90BwdConfig.num_stages
