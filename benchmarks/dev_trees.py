@@ -6,9 +6,9 @@ in separate processes (the disk cache makes a tree's second round start warm) an
 Usage (GPU):
     PYTHONPATH=TREE python3 benchmarks/dev_trees.py --label base [--path sm80]
         [--dtypes fp16,bf16] [--d 128] [--masks none,softcap,causal] [--seqlens 4096,16384]
-        [--varlen] [--forward] [--deterministic] >> runs.jsonl
+        [--varlen [--softcap] [--seqused]] [--forward] [--deterministic] >> runs.jsonl
     python3 benchmarks/dev_trees.py --compare runs.jsonl base new
-Cells: 16k tokens, 2048 / d heads (the bench's grid); softcap 30."""
+Cells: 16k tokens, 2048 / d heads (the bench's grid); softcap 30; MASKS' window (256, 0)."""
 import argparse
 import json
 import math
@@ -17,7 +17,10 @@ import statistics
 import sys
 from collections import defaultdict
 
-MASKS = {"none": {}, "causal": dict(causal=True), "softcap": dict(softcap=30.0)}
+# (window: a sliding window of 256 keys behind each query; its TFLOP/s count a full cell's
+# pairs, so only its ratio between trees means anything)
+MASKS = {"none": {}, "causal": dict(causal=True), "softcap": dict(softcap=30.0),
+         "window": dict(window_size=(256, 0))}
 
 
 def measure(args) -> None:
@@ -29,14 +32,22 @@ def measure(args) -> None:
         os.environ[dispatch.PATH_ENV] = args.path
     dev = torch.device("cuda")
     det = " det" if args.deterministic else ""
-    if args.varlen:  # the packed cells of bench --varlen --bwd (d=128, 16 heads, bf16)
+    if args.varlen:  # the packed cells of bench --varlen --bwd (bf16; --d 128: 16 heads)
         from cuteattn import flash_attn_varlen_func
-        for cell in shapes.varlen_grid(bwd=not args.forward):
+        form = (" softcap" if args.softcap else "") + (" seqused" if args.seqused else "")
+        import dataclasses
+        cells = [dataclasses.replace(c, d=d, nheads=2048 // d, nheads_k=2048 // d)
+                 for d in map(int, args.d.split(",")) for c in shapes.varlen_grid(bwd=not args.forward)]
+        for cell in cells:
             x = peers.make_inputs(cell, dev)
+            extra = dict(softcap=30.0) if args.softcap else {}
+            if args.seqused:  # every sequence's whole length, as seqused tensors
+                used = (x["cu_seqlens_q"][1:] - x["cu_seqlens_q"][:-1]).to(torch.int32)
+                extra.update(seqused_q=used, seqused_k=used.clone())
             attend = lambda: flash_attn_varlen_func(**x, causal=cell.causal, strict=True,
-                                                    deterministic=args.deterministic)
+                                                    deterministic=args.deterministic, **extra)
             time_cell(args, cell, attend, (x["q"], x["k"], x["v"]),
-                      f"{args.path or 'sm90'} varlen {cell.label()}{det}")
+                      f"{args.path or 'sm90'} varlen {cell.label()}{form}{det}")
         return
     for dtype in args.dtypes.split(","):
         for d in map(int, args.d.split(",")):
@@ -103,6 +114,9 @@ def main() -> None:
     ap.add_argument("--varlen", action="store_true", help="the packed cells instead")
     ap.add_argument("--forward", action="store_true", help="time the forward, not the backward")
     ap.add_argument("--deterministic", action="store_true", help="deterministic=True calls")
+    ap.add_argument("--softcap", action="store_true", help="with --varlen: softcap 30")
+    ap.add_argument("--seqused", action="store_true",
+                    help="with --varlen: seqused_q / seqused_k tensors (each sequence's length)")
     ap.add_argument("--compare", nargs=3, metavar=("JSONL", "A", "B"))
     args = ap.parse_args()
     if args.compare:

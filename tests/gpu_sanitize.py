@@ -82,6 +82,8 @@ def cases() -> dict:
             out[f"varlen_d{d}_{'causal' if causal else 'none'}"] = (
                 lambda d=d, causal=causal: g.good_varlen(d, 8, 2, lens_q=lens_q, lens_k=lens_k,
                                                          causal=causal))
+    out["varlen_d64_window"] = lambda: g.good_varlen(  # (the packed windowed key block)
+        64, 8, 2, lens_q=lens_q, lens_k=lens_k, window_size=(64, 0))
     out["varlen_d128_window_seqused"] = lambda: g.good_varlen(
         128, 8, 2, lens_q=lens_q, lens_k=lens_k, used_q=[0, 1, 10, 0, 129, 300],
         used_k=[5, 0, 0, 100, 1, 700], window_size=(64, 0))
@@ -139,6 +141,10 @@ def cases() -> dict:
         tb, lens_q, lens_k, d=64, deterministic=True, window_size=(64, 0),
         seqused_q=torch.tensor([0, 1, 10, 0, 129, 300], dtype=torch.int32, device="cuda"),
         seqused_k=torch.tensor([5, 0, 0, 100, 1, 700], dtype=torch.int32, device="cuda"))
+    # packed forms that take dQ by TMA and the writer warp (packed softcap d=128), and d=64's
+    # 128-row query steps over packed sequences
+    out["bwd_varlen_d128_softcap"] = lambda: _bwd_varlen(tb, lens_q, lens_k, softcap=30.0)
+    out["bwd_varlen_d64_causal"] = lambda: _bwd_varlen(tb, lens_q, lens_k, d=64, causal=True)
     for i, cfg in enumerate(g.BAD_CONFIGS):
         for name, case in g.BAD_CASES.items():
             out[f"bad{i}_{name}"] = lambda case=case, cfg=cfg: g.run_bad(case, **cfg)

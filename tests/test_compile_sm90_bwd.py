@@ -40,6 +40,9 @@ CASES = (
        (torch.bfloat16, 128, "causal", True, False, False),
        # packed d=128 with dQ by TMA at the 24 / 240 register split
        (torch.float16, 128, "none", True, True, False),
+       # and with softcap, or causal with seqused (dQ by TMA since the indices are uniform)
+       (torch.bfloat16, 128, "softcap", True, False, False),
+       (torch.bfloat16, 128, "causal", True, True, False),
        (torch.bfloat16, 64, "softcap", True, False, False),
        (torch.bfloat16, 96, "none", True, True, False),
        (torch.bfloat16, 128, "local", True, True, True),
@@ -127,17 +130,42 @@ def test_plain_d256_adds_dq_by_blocked_reductions():
     assert ordered.deterministic and ordered.dq_tma and ordered.dq_writer and ordered.num_stages == 1
 
 
-def test_dq_writer_without_packed_sequences():
-    """The writer warp issues dQ's reduce-adds wherever dQ goes by TMA, but in plain mode over
-    packed sequences (whose consumers issue them)."""
-    cfg = lambda d, mask="causal", varlen=False, det=False: launch_bwd.bwd_config(
-        make_spec(torch.bfloat16, d, mask, varlen=varlen, deterministic=det))
+def test_dq_writer_wherever_dq_goes_by_tma():
+    """The writer warp issues dQ's reduce-adds wherever dQ goes by TMA, packed sequences
+    included; at d=128 dQ goes by TMA under every mask (windows, packed softcap, packed causal
+    with seqused), not with packed sequences and block-sparse lists or mods."""
+    cfg = lambda d, mask="causal", varlen=False, det=False, seqused=False: launch_bwd.bwd_config(
+        make_spec(torch.bfloat16, d, mask, varlen=varlen, seqused=seqused, deterministic=det))
     for d in (64, 96, 128, 192):
         assert cfg(d).dq_tma and cfg(d).dq_writer
         assert cfg(d, "none").dq_writer
-        assert not cfg(d, varlen=True).dq_writer
+        assert cfg(d, varlen=True).dq_writer and cfg(d, "none", varlen=True).dq_before_dk
+        assert cfg(d, varlen=True).dq_before_dk == (d != 64)  # (d=64's causal 128-row steps)
         assert cfg(d, varlen=True, det=True).dq_writer
+    for mask, varlen, seqused in (("local", False, False), ("local", True, True),
+                                  ("softcap", True, False), ("causal", True, True)):
+        assert cfg(128, mask, varlen, seqused=seqused).dq_writer, (mask, varlen, seqused)
+    import dataclasses
+    lists = dataclasses.replace(make_spec(torch.bfloat16, 128, "causal", varlen=True),
+                                sparse_q_block=128, sparse_kv_block=128)
+    assert not launch_bwd.bwd_config(lists).dq_tma
     assert not cfg(256).dq_writer  # (d=256 plain: reductions)
+
+
+def test_d64_takes_128_row_query_steps():
+    """d=64 runs query steps of D64_TILE_M rows wherever dQ goes by TMA: fixed length, packed,
+    seqused and windowed alike (CASES compiles packed softcap, windowed deterministic and
+    windowed seqused ones); not with block-sparse lists, whose blocks are 64 or 128 rows."""
+    import dataclasses
+    cfg = lambda mask, varlen=False, seqused=False: launch_bwd.bwd_config(
+        make_spec(torch.bfloat16, 64, mask, varlen=varlen, seqused=seqused))
+    for mask in MASKS:
+        for varlen, seqused in ((False, False), (True, False), (True, True), (False, True)):
+            assert cfg(mask, varlen, seqused).tile_m == launch_bwd.D64_TILE_M, (mask, varlen, seqused)
+    assert not cfg("causal", True).dq_before_dk and cfg("none", True).dq_before_dk
+    lists = dataclasses.replace(make_spec(torch.bfloat16, 64, "causal"), sparse_q_block=64,
+                                sparse_kv_block=128)
+    assert launch_bwd.bwd_config(lists).tile_m == 64
 
 
 def test_d96_takes_dq_in_one_warpgroup():

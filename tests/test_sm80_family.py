@@ -785,6 +785,29 @@ def test_dq_split_count(monkeypatch, batch, heads, seqlen, splits):
     assert launch.dq_splits(q, q, None, None) == 0
 
 
+@pytest.mark.parametrize("lens, heads, splits", [
+    ([2048] * 8, 16, 1),   # equal lengths: the (batch, head) pairs fill the SMs as at fixed length
+    ([4096, 512, 3072, 1024, 2560, 1536, 2048, 1536], 16, 3),  # the longest: 132 x 4096 / (16 x 16384)
+    ([8192] + [128] * 64, 16, 5),  # one long sequence among short ones: 132 x 8192 / (16 x 16384)
+    ([100, 100], 1, 1)])   # at most the longest sequence's key blocks (not the total's)
+def test_dq_split_count_packed(monkeypatch, lens, heads, splits):
+    """Packed keys of unequal lengths: enough splits that the longest sequence's walk is not
+    the whole backward's length (each split of a (sequence, head) walks its key blocks in
+    turn), bounded by max_seqlen_k's key blocks."""
+    from cuteattn.kernels.sm80 import launch_bwd
+    monkeypatch.setattr(launch_bwd, "sm_count", lambda index: 132)
+    monkeypatch.setattr(launch_bwd, "shared_memory_per_sm", lambda index: 228 * 1024)
+    launch = launch_bwd.BwdLaunch.__new__(launch_bwd.BwdLaunch)  # (no kernel compiled)
+    launch.spec = make_spec(kind="bwd", head_dim=128, head_dim_v=128, nheads=heads,
+                            nheads_k=heads, deterministic=True, varlen_q=True, varlen_k=True,
+                            batch=len(lens), seqlen_q=max(lens), seqlen_k=max(lens))
+    launch.cfg = launch_bwd.bwd_config(launch.spec, 9, 227 * 1024)
+    assert launch.cfg.dq_splits and launch.cfg.tile_n == 128
+    q = torch.empty((sum(lens), heads, 128), device="meta")
+    cu = torch.empty(len(lens) + 1, dtype=torch.int32, device="meta")
+    assert launch.dq_splits(q, q, cu, cu) == splits
+
+
 @pytest.mark.parametrize("order, lines", [("single", 1), ("pairs", 2)])
 def test_blocked_dq_order_gives_each_warp_reduction_whole_lines(order, lines):
     """The values one red.global of a warp adds (lane l of an m16n8 accumulator: row l // 4 of

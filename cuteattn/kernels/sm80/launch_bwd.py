@@ -264,20 +264,32 @@ class BwdLaunch(BackwardLaunch):
         return "single"  # (red.global.add.f32: one float a lane)
 
     def dq_splits(self, q, k, cu_seqlens_q, cu_seqlens_k) -> int:
-        """cfg.dq_splits: as many splits as the SMs hold CTAs over the (batch, head) pairs,
-        at most a sequence's key blocks and DQ_SPLIT_BYTES of accumulators; at least 1."""
+        """cfg.dq_splits: as many splits as the SMs hold CTAs over the (batch, head) pairs; with
+        packed keys of unequal lengths at least enough that the longest sequence's splits
+        carry no more than an SM's share (below); at most the longest sequence's key blocks
+        and DQ_SPLIT_BYTES of accumulators; at least 1."""
         cfg = self.cfg
         if not cfg.dq_splits:
             return 0
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-        keys = k.shape[1] if cu_seqlens_k is None else k.shape[0]  # (packed: a bound)
+        heads = max(self.spec.nheads, 1)
+        # the longest sequence's keys: max_seqlen_k when packed (the spec's, this call's)
+        longest = k.shape[1] if cu_seqlens_k is None else min(self.spec.seqlen_k or k.shape[0],
+                                                              k.shape[0])
         per_sm = max(1, min(65536 // (256 * cfg.num_threads),  # registers (up to 255 a thread)
                             shared_memory_per_sm(q.device.index or 0)
                             // (cfg.smem_bytes() + 1024)))
         slots = sm_count(q.device.index or 0) * per_sm
+        splits = slots // max(batch * heads, 1)
+        if cu_seqlens_k is not None and longest * batch > k.shape[0] > 0:
+            # unequal lengths: a sequence's (head's) work grows as its keys times its queries,
+            # and its splits walk it in parallel; the total is at most longest x total keys,
+            # so the longest one's splits need longest x slots / (heads x total keys) to stay
+            # within an SM's share (8 sequences of 512-4096 keys, 16 heads: 3 where the
+            # (batch, head) count alone gives 1)
+            splits = max(splits, -(-longest * slots // (heads * k.shape[0])))
         dq_bytes = 4 * q.shape[:-2].numel() * q.shape[-2] * cfg.head_dim
-        return max(1, min(slots // max(batch * self.spec.nheads, 1), -(-keys // cfg.tile_n),
-                          DQ_SPLIT_BYTES // max(dq_bytes, 1)))
+        return max(1, min(splits, -(-longest // cfg.tile_n), DQ_SPLIT_BYTES // max(dq_bytes, 1)))
 
 
 class Sm80Backward:

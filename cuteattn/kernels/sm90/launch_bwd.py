@@ -51,9 +51,10 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     split = head_dim > 128
     tile_n = WG_ROWS if split else Sm90BwdConfig.tile_n
     # dQ's shares by one TMA reduce-add a warpgroup box (bwd.Sm90BwdConfig.dq_tma): 1.07-1.22x
-    # at 4k-16k, packed sequences at d=128 1.07-1.23x; not where d=128 spills with it: a window
-    # (4 bytes; packed 44), packed sequences with softcap (12), block-sparse lists or mods
-    # (36-48) or causal with seqused (8). Over 128 (split_d) at d=192: 1.25-1.36x; d=256 fits
+    # at 4k-16k, packed sequences at d=128 1.07-1.23x; not where d=128 spills with it: packed
+    # sequences with block-sparse lists or mods (36-48 bytes). (A window, packed softcap and
+    # packed causal with seqused spilled 4-44 bytes until the warpgroup and packed indices
+    # were warp-uniform; spill-free since.) Over 128 (split_d) at d=192: 1.25-1.36x; d=256 fits
     # its box only beside one Q / dO stage (0.95-1.02x with the consumers issuing, 0.97-1.01x
     # with the writer warp). Deterministic mode takes it at every head dim, its turns the writer
     # warp's (Sm90BwdConfig.dq_writer): 1.27-1.74x the consumers' reductions in turn (d=256
@@ -65,13 +66,11 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     ordered = spec.deterministic
     dq_tma_max = 256 if ordered else 192
     # (the blocked reductions in place of the box at d = 64-192 ran 0.89-1.01x)
-    dq_tma = head_dim <= dq_tma_max and not (head_dim == 128 and (
-        spec.local or (packed and (spec.has_softcap or spec.mods_or_lists or (
-            spec.causal and (spec.has_seqused_q or spec.has_seqused_k))))))
+    dq_tma = head_dim <= dq_tma_max and not (head_dim == 128 and packed and spec.mods_or_lists)
     # d=64 in query steps of D64_TILE_M rows (the S^T and dP^T GEMMs twice as wide), where
-    # it compiles without spills: fixed length, no window, no lists or mods, dQ by TMA
-    tall = (head_dim == 64 and dq_tma and not spec.local
-            and not (spec.varlen_q or spec.varlen_k or spec.sparse_q_block or spec.mods_or_lists))
+    # it compiles without spills: dQ by TMA, no lists or mods (windows and packed sequences
+    # too since the uniform indices)
+    tall = head_dim == 64 and dq_tma and not (spec.sparse_q_block or spec.mods_or_lists)
     # two Q / dO stages (three at d<=128 measured 0.93-1.01x: perf-log), if shared memory
     # holds them
     stages = Sm90BwdConfig.num_stages
@@ -82,11 +81,10 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
     return Sm90BwdConfig(
         dtype=CUTLASS_DTYPES[spec.dtype], head_dim=head_dim, tile_n=tile_n, num_stages=stages,
         split_d=split, causal=spec.causal, tile_m=D64_TILE_M if tall else 64,
-        # dQ's additions under dK's GEMM: 1.00-1.07x at 4k-16k (perf-log); with packed
-        # sequences at d=128 it spills (28-48 bytes), so those keep dK's GEMM first (and
-        # d=64's causal 128-row steps: 20 bytes)
-        dq_before_dk=not (((spec.varlen_q or spec.varlen_k) and head_dim == 128)
-                          or (tall and spec.causal)),
+        # dQ's additions under dK's GEMM: 1.00-1.07x at 4k-16k (perf-log); packed sequences
+        # too since their indices are warp-uniform (they spilled 28-48 bytes at d=128 before);
+        # not d=64's causal 128-row steps (20 bytes)
+        dq_before_dk=not (tall and spec.causal),
         local=spec.local, has_softcap=spec.has_softcap, varlen_q=spec.varlen_q,
         varlen_k=spec.varlen_k, has_seqused_q=spec.has_seqused_q,
         has_seqused_k=spec.has_seqused_k, deterministic=ordered,
@@ -98,9 +96,10 @@ def bwd_config(spec: AttentionSpec) -> Sm90BwdConfig:
         mask_mod=spec.mask_mod, score_mod=spec.score_mod,
         dq_tma=dq_tma,
         # the reduce-adds by the producer warpgroup's writer warp (deterministic mode: and the
-        # turns); without packed sequences in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x
-        # at d=192 (the consumers' warp 0 no longer waits for its warpgroup to stage)
-        dq_writer=dq_tma and (ordered or not packed),
+        # turns); in plain mode too: 1.00-1.10x at d=64/128, 1.03-1.05x at d=192 at fixed
+        # length (the consumers' warp 0 no longer waits for its warpgroup to stage); packed
+        # sequences since their indices are warp-uniform (spill-free now)
+        dq_writer=dq_tma,
         has_sink=spec.has_sink,
     )
 
